@@ -1,0 +1,5 @@
+import sys
+
+from .converters.cli import main
+
+sys.exit(main())

@@ -1,0 +1,202 @@
+"""The `qconvert` command line.
+
+    qconvert 'gptq->gguf' SRC OUT [--type q4_0] [--allow-requant] [--dry-run] [--report r.json] [--force]
+    qconvert gptq:gguf SRC OUT          (the same pair without quotes: an unquoted '>' is a shell redirect)
+    qconvert formats                    (what each format can read and write)
+    qconvert inspect PATH               (format, bits, group size and layout of a checkpoint)
+
+Exit status: 0 on success, 2 on bad input or a refused plan (one line on stderr, no traceback),
+130 on interrupt. No partial output is ever left at OUT.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import click
+
+from .. import __version__
+from .errors import QConvertError
+from .plan import Options
+from .registry import all_formats, get_format
+
+__all__ = ["main", "cli", "detect_format"]
+
+_PAIR = re.compile(r"^(?P<src>[A-Za-z0-9_.\-]+?)(?:->|:|=>)(?P<dst>[A-Za-z0-9_.\-]+)$")
+
+
+def detect_format(path: Path) -> str:
+    """Name the format of a checkpoint from its files and config (data beats file names)."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf"
+    cfg_path = path / "config.json"
+    if path.is_dir() and cfg_path.exists():
+        from ..formats.safetensors_dir import read_json
+
+        cfg = read_json(cfg_path)
+        qc = cfg.get("quantization_config") or {}
+        if not qc and (path / "quantize_config.json").exists():
+            qc = read_json(path / "quantize_config.json")
+        method = str(qc.get("quant_method", qc.get("method", ""))).lower()
+        if not qc:
+            return "hf"
+        if method == "gptq":
+            fmt = str(qc.get("checkpoint_format", qc.get("format", "gptq"))).lower()
+            return "gptq-v2" if fmt == "gptq_v2" else "gptq"
+        return method or "unknown"
+    raise QConvertError("cannot tell the format of this path", path=path)
+
+
+class PairGroup(click.Group):
+    """A click group that also accepts `SRC->DST` as a command name."""
+
+    def get_command(self, ctx, name):
+        cmd = super().get_command(ctx, name)
+        if cmd is not None:
+            return cmd
+        m = _PAIR.match(name)
+        if m:
+            return _make_convert_command(m["src"], m["dst"])
+        if name.endswith("-"):
+            raise click.UsageError(f"{name!r}: quote the pair, e.g. '{name}>gguf' (unquoted, the shell takes '>' as a "
+                                   "redirect), or write it as SRC:DST")
+        return None
+
+    def resolve_command(self, ctx, args):
+        name = args[0] if args else None
+        cmd = self.get_command(ctx, name) if name else None
+        if cmd is None:
+            return super().resolve_command(ctx, args)
+        return name, cmd, args[1:]
+
+
+@click.group(cls=PairGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="qconvert")
+def cli():
+    """Convert quantized LLM checkpoints between GPTQ, GGUF, HF (dense) and more.
+
+    Convert with a pair command: qconvert 'gptq->gguf' SRC OUT (or gptq:gguf).
+    """
+
+
+def _parse_tensor_types(values) -> list[tuple[str, str]]:
+    out = []
+    for v in values:
+        if "=" not in v:
+            raise QConvertError(f"--tensor-type expects REGEX=TYPE, got {v!r}")
+        pattern, type_name = v.rsplit("=", 1)
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise QConvertError(f"--tensor-type pattern {pattern!r} is not a regular expression ({e})") from None
+        out.append((pattern, type_name))
+    return out
+
+
+def _print_plan(report, quiet: bool) -> None:
+    if not quiet:
+        header = f"{'tensor':<48} {'source':<22} {'target':<10} {'verdict':<11} {'max_abs_err':>11} {'rmse':>10}"
+        click.echo(header)
+        for r in report.results:
+            p = r.plan
+            err = "-" if r.max_abs_err is None else f"{r.max_abs_err:.3g}"
+            rmse = "-" if r.rmse is None else f"{r.rmse:.3g}"
+            click.echo(f"{p.name:<48} {p.source:<22} {p.target:<10} {p.verdict:<11} {err:>11} {rmse:>10}")
+    s = report.summary()
+    counts = ", ".join(f"{v} {k}" for k, v in s["verdicts"].items() if v)
+    click.echo(f"{s['tensors']} tensors: {counts}; max abs error {s['max_abs_err']}; {s['seconds']} s"
+               + (" (dry run: nothing written)" if report.dry_run else f" -> {report.output_path}"))
+
+
+def _make_convert_command(src: str, dst: str) -> click.Command:
+    @click.command(name=f"{src}->{dst}", help=f"Convert a {src} checkpoint into {dst}.")
+    @click.argument("src_path", type=click.Path(path_type=Path))
+    @click.argument("out_path", type=click.Path(path_type=Path), required=False)
+    @click.option("--type", "type_", help="target type for quantized tensors (gguf: q4_0, q4_1, q8_0, q4_k, f16...; "
+                                          "gptq: 4g128, 4g32a...; hf: bf16, f16, f32)")
+    @click.option("--tensor-type", multiple=True, metavar="REGEX=TYPE", help="per-tensor type override, first match wins")
+    @click.option("--allow-requant", is_flag=True, help="accept lossy requantization where the grids do not align")
+    @click.option("--dry-run", is_flag=True, help="print the per-tensor plan with verdicts; write nothing")
+    @click.option("--report", "report_path", type=click.Path(path_type=Path), help="write a JSON report of every tensor")
+    @click.option("--force", is_flag=True, help="replace an existing output")
+    @click.option("--quiet", is_flag=True, help="print only the summary line")
+    def command(src_path, out_path, type_, tensor_type, allow_requant, dry_run, report_path, force, quiet):
+        from .run import convert
+
+        if out_path is None and not dry_run:
+            raise click.UsageError("OUT_PATH is required unless --dry-run is given")
+        options = Options(type=type_, tensor_types=_parse_tensor_types(tensor_type), allow_requant=allow_requant)
+        report = convert(src, src_path, dst, out_path, options, force=force, dry_run=dry_run,
+                         progress=sys.stderr.isatty())
+        _print_plan(report, quiet)
+        if report_path:
+            report.write_json(report_path)
+
+    return command
+
+
+@cli.command("formats")
+def formats_command():
+    """List every format with what qconvert can read and write."""
+    for entry in all_formats():
+        rw = ("read" if entry.can_read else "    ") + " " + ("write" if entry.can_write else "     ")
+        aliases = f" (aliases: {', '.join(entry.aliases)})" if entry.aliases else ""
+        click.echo(f"{entry.name:<10} {rw}  {entry.description}{aliases}")
+
+
+@cli.command("inspect")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--format", "fmt", help="read as this format instead of detecting it")
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def inspect_command(path, fmt, as_json):
+    """Name the format, bits, group size and layout of a checkpoint."""
+    from .align import describe_grid
+
+    fmt = fmt or detect_format(path)
+    entry = get_format(fmt)
+    if not entry.can_read:
+        raise QConvertError(f"format {entry.name!r} cannot be read yet", path=path)
+    source = entry.open_reader(Path(path))
+    info = dict(source.describe())
+    schemes: dict[str, int] = {}
+    for rec in source.records():
+        key = describe_grid(rec.params, rec.shape[1]) if rec.is_grid else f"dense {rec.dtype}"
+        schemes[key] = schemes.get(key, 0) + 1
+    info["tensors_by_scheme"] = schemes
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    for k, v in info.items():
+        click.echo(f"{k}: {json.dumps(v) if isinstance(v, (dict, list)) else v}")
+
+
+def main(argv=None) -> int:
+    try:
+        cli.main(args=argv, prog_name="qconvert", standalone_mode=False)
+    except QConvertError as e:
+        click.echo(f"qconvert: error: {e}", err=True)
+        return 2
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.ClickException as e:
+        e.show()
+        return 2
+    except click.exceptions.Abort:
+        click.echo("qconvert: interrupted", err=True)
+        return 130
+    except KeyboardInterrupt:
+        click.echo("qconvert: interrupted", err=True)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+def console_main() -> None:
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""The one intermediate every reader yields and every writer takes.
+
+A model is a stream of `TensorRecord`s, one per logical tensor, named the way Hugging Face names them
+(`model.layers.0.mlp.down_proj.weight`), in `nn.Linear` orientation `[out_features, in_features]`.
+A record is either dense (a float tensor passed through as it is) or a quantization grid.
+
+Grid convention (shared by GPTQ, HQQ axis 1, QQQ, GGUF legacy blocks, AFQ):
+
+    W[n, k] = scales[n, g(k)] * (codes[n, k] - zeros[n, g(k)])
+
+where `g(k) = g_idx[k]` when an act-order index is present, else `k // group_size`. Codes are unpacked
+unsigned integers `0 .. 2**bits - 1`. Integer `zeros` mean integer zero points (GPTQ); float `zeros`
+mean the float zero of HQQ. A record carries its small parameters (`GridParams`: scales, zeros, g_idx)
+eagerly, so that the alignment checker can decide from the data, and loads its codes only on demand,
+so that a model is never held whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Iterator, Protocol
+
+import torch
+
+__all__ = ["GridParams", "Grid", "Dense", "TensorRecord", "ModelSource"]
+
+
+@dataclass(frozen=True)
+class GridParams:
+    """Everything about a quantized tensor except its codes."""
+
+    bits: int
+    group_size: int  # elements per group along the input dimension; in_features for one group per row
+    scales: torch.Tensor  # [out, n_groups], the dtype the source stores (fp16 for GPTQ)
+    zeros: torch.Tensor  # [out, n_groups]; integer dtype = integer zero points, float = HQQ-style
+    g_idx: torch.Tensor | None = None  # [in] int64 group of each input column, None = k // group_size
+    axis: int = 1  # 1: groups run along each output row's input features. (0 is HQQ's other layout.)
+
+    @property
+    def n_groups(self) -> int:
+        return int(self.scales.shape[1])
+
+    @property
+    def integer_zeros(self) -> bool:
+        return not torch.is_floating_point(self.zeros)
+
+    @property
+    def symmetric(self) -> bool:
+        """True when every zero point is the mid code 2**(bits-1): decided from the data, not a flag."""
+        return self.integer_zeros and bool((self.zeros == 2 ** (self.bits - 1)).all())
+
+    def group_of_column(self, in_features: int) -> torch.Tensor:
+        """The group index of every input column, [in] int64."""
+        if self.g_idx is not None:
+            return self.g_idx
+        return torch.arange(in_features, dtype=torch.int64) // self.group_size
+
+    def contiguous_groups(self, in_features: int) -> bool:
+        """True when the act-order index, if any, is the trivial k // group_size."""
+        if self.g_idx is None:
+            return True
+        natural = torch.arange(in_features, dtype=torch.int64) // self.group_size
+        return bool(torch.equal(self.g_idx, natural))
+
+    def blocks_within_groups(self, in_features: int, block: int) -> bool:
+        """True when every run of `block` consecutive input columns lies inside one group.
+
+        This is what a block format (GGUF Q4_0 and kin) needs to hold the grid: one scale per block.
+        An act-order g_idx can still satisfy it, so the question is answered from the index itself.
+        """
+        if in_features % block:
+            return False
+        cols = self.group_of_column(in_features).view(-1, block)
+        return bool((cols == cols[:, :1]).all())
+
+    def permute_rows(self, perm: torch.Tensor) -> "GridParams":
+        return replace(self, scales=self.scales[perm], zeros=self.zeros[perm])
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A quantization grid with its codes: [out, in] uint8 codes plus `GridParams`."""
+
+    params: GridParams
+    codes: torch.Tensor  # [out, in] uint8
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)  # type: ignore[return-value]
+
+    def permute_rows(self, perm: torch.Tensor) -> "Grid":
+        return Grid(self.params.permute_rows(perm), self.codes[perm])
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        from ..kernels import dequantize_grid
+
+        return dequantize_grid(self, dtype)
+
+
+@dataclass(frozen=True)
+class Dense:
+    """A tensor that passes through as it is (embeddings, norms, biases, unquantized linears)."""
+
+    tensor: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.tensor.to(dtype)
+
+
+@dataclass
+class TensorRecord:
+    """One logical tensor of a source model, loaded lazily.
+
+    `params` is set for quantized tensors (so the planner can decide without loading codes);
+    `load()` returns `Dense` or `Grid` and may read from disk each time it is called.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # "grid" for quantized tensors, else the torch dtype name ("float16", ...)
+    load: Callable[[], Dense | Grid]
+    params: GridParams | None = None
+    source_file: str = ""
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def is_grid(self) -> bool:
+        return self.params is not None
+
+
+class ModelSource(Protocol):
+    """What a reader returns: config, tokenizer files and a lazy stream of tensor records."""
+
+    path: Path
+    format_name: str
+    config: dict  # the model's config.json, quantization_config removed
+    quant_config: dict  # the source's quantization config (empty for dense models)
+
+    def records(self) -> Iterator[TensorRecord]:
+        """Yield every tensor, shard by shard, in file order."""
+        ...
+
+    def side_files(self) -> dict[str, Path]:
+        """Files to carry through (tokenizer.json, tokenizer_config.json, generation_config.json...)."""
+        ...
+
+    def describe(self) -> dict:
+        """A summary for `qconvert inspect`."""
+        ...

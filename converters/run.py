@@ -1,0 +1,153 @@
+"""The runner: plan, check, then convert one tensor at a time into a temporary output, measure every
+tensor's error against the source dequantization, and rename the output into place only on success.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .align import EXACT, NEAR_EXACT
+from .errors import QConvertError
+from .plan import Options, TensorPlan, check_plan, verdict_counts
+from .registry import get_format
+
+__all__ = ["convert", "open_source", "plan_conversion", "TensorResult", "Report", "atomic_output"]
+
+
+@dataclass
+class TensorResult:
+    plan: TensorPlan
+    max_abs_err: float | None = None
+    rmse: float | None = None
+
+    def as_dict(self) -> dict:
+        p = self.plan
+        return {"name": p.name, "out_name": p.out_name, "shape": list(p.shape), "source": p.source,
+                "target": p.target, "verdict": p.verdict, "reason": p.reason,
+                "max_abs_err": self.max_abs_err, "rmse": self.rmse}
+
+
+@dataclass
+class Report:
+    source_format: str
+    target_format: str
+    source_path: str
+    output_path: str | None
+    results: list[TensorResult] = field(default_factory=list)
+    seconds: float = 0.0
+    dry_run: bool = False
+
+    def summary(self) -> dict:
+        plans = [r.plan for r in self.results]
+        errs = [r.max_abs_err for r in self.results if r.max_abs_err is not None]
+        return {"tensors": len(plans), "verdicts": verdict_counts(plans),
+                "max_abs_err": max(errs) if errs else None, "seconds": round(self.seconds, 3),
+                "dry_run": self.dry_run}
+
+    def as_dict(self) -> dict:
+        return {"source": {"format": self.source_format, "path": self.source_path},
+                "target": {"format": self.target_format, "path": self.output_path},
+                "tensors": [r.as_dict() for r in self.results], "summary": self.summary()}
+
+    def write_json(self, path: Path) -> None:
+        Path(path).write_text(json.dumps(self.as_dict(), indent=2) + "\n")
+
+
+def open_source(fmt: str, path: Path, options: Options | None = None):
+    entry = get_format(fmt)
+    if not entry.can_read:
+        raise QConvertError(f"format {entry.name!r} cannot be read yet")
+    return entry.open_reader(Path(path), **((options.extra if options else {}) or {}))
+
+
+def plan_conversion(source, writer, options: Options, progress: bool = True) -> list[TensorPlan]:
+    plans = []
+    for rec in tqdm(source.records(), desc="Checking", unit="tensor", disable=not progress, leave=False):
+        plans.append(writer.plan_tensor(rec, options, source))
+    writer.check_model(source, plans, options)
+    return plans
+
+
+@contextmanager
+def atomic_output(out: Path, is_file: bool, force: bool):
+    """Yield a temporary path next to `out`; rename it to `out` only if the block succeeds."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise QConvertError("output exists; pass --force to replace it", path=out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.qconvert-tmp-{os.getpid()}")
+    _remove(tmp)
+    if not is_file:
+        tmp.mkdir()
+    try:
+        yield tmp
+        if out.exists():
+            _remove(out)
+        os.replace(tmp, out)
+    finally:
+        _remove(tmp)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _measure(reference: torch.Tensor, decoded: torch.Tensor) -> tuple[float, float]:
+    diff = (decoded.to(torch.float32) - reference.to(torch.float32)).abs()
+    if diff.numel() == 0:
+        return 0.0, 0.0
+    return float(diff.max()), float(diff.pow(2).mean().sqrt())
+
+
+def convert(src_format: str, src_path: Path, dst_format: str, out_path: Path | None,
+            options: Options, *, force: bool = False, dry_run: bool = False,
+            progress: bool = True) -> Report:
+    start = time.perf_counter()
+    target = get_format(dst_format)
+    if not target.can_write:
+        raise QConvertError(f"format {target.name!r} cannot be written yet")
+    writer = target.writer
+    if out_path is not None and not dry_run and Path(out_path).exists() and not force:
+        raise QConvertError("output exists; pass --force to replace it", path=out_path)
+    source = open_source(src_format, src_path, options)
+    plans = plan_conversion(source, writer, options, progress)
+    report = Report(source.format_name, target.name, str(src_path), None if dry_run else str(out_path),
+                    dry_run=dry_run)
+    if dry_run:
+        report.results = [TensorResult(p) for p in plans]
+        report.seconds = time.perf_counter() - start
+        return report
+    check_plan(plans, options.allow_requant)
+
+    by_name = {p.name: p for p in plans}
+    with atomic_output(Path(out_path), writer.output_is_file, force) as tmp:
+        session = writer.open(tmp, source, plans, options)
+        bar = tqdm(total=len(plans), desc="Converting", unit="tensor", disable=not progress, leave=False)
+        for rec in source.records():
+            plan = by_name[rec.name]
+            item = rec.load()
+            decoded = session.add(plan, item)
+            max_err, rmse = _measure(item.dequantize(torch.float32), decoded)
+            if plan.verdict == EXACT and max_err != 0.0:
+                raise QConvertError(f"internal error: planned exact but measured max error {max_err:g}",
+                                    tensor=rec.name)
+            if plan.verdict == NEAR_EXACT and max_err == 0.0:
+                plan.verdict = EXACT  # measured, not assumed: the rounding happened to be exact
+            report.results.append(TensorResult(plan, max_err, rmse))
+            bar.update()
+        bar.close()
+        session.close()
+    report.seconds = time.perf_counter() - start
+    return report

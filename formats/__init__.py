@@ -1,0 +1,1 @@
+"""One module per checkpoint format; each registers its reader and writer in converters.registry."""

@@ -1,0 +1,226 @@
+"""GGUF writer: a complete llama.cpp model (metadata, tokenizer, tensors), written as a stream.
+
+The plan fixes every tensor's name, shape and type first, so the header and tensor infos are written
+before any data; then each tensor is encoded and appended as it arrives from the source, and dropped.
+
+Per tensor the target type is, in order: a `--tensor-type REGEX=TYPE` match; `--type` (quantized
+tensors, or every 2-D weight of a dense source); the best aligned type for a grid (4-bit symmetric ->
+Q4_0, 4-bit with zero points -> Q4_1, 8-bit symmetric -> Q8_0, 3/2-bit -> Q3_K/Q2_K, which requantize);
+dense tensors keep their float type, and norms and other 1-D tensors are F32 as llama.cpp wants.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from ...converters.align import (EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Verdict, check_dense_to_float,
+                                 check_grid_to_blocks, check_grid_to_float, describe_grid)
+from ...converters.errors import QConvertError
+from ...converters.plan import Options, TensorPlan, unknown_type
+from ...converters.records import Dense, Grid, TensorRecord
+from ...kernels.ggml_layouts import LAYOUTS, BlockLayout, layout
+from ...kernels.ggml_legacy import decode_blocks, pack_blocks, quantize_blocks, repack_grid
+from .metadata import add_model_metadata, rope_freqs_tensor
+from .names import gguf_arch, gguf_tensor_name, inverse_permutation, qk_row_permutation
+
+__all__ = ["GgufWriter", "best_aligned_type", "default_grid_type", "FILE_TYPES"]
+
+# general.file_type for the dominant tensor type (llama.cpp's LlamaFileType)
+FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10,
+              "Q3_K": 12, "Q4_K": 15, "Q5_K": 17, "Q6_K": 18, "BF16": 32}
+# tensors a checkpoint may carry that llama.cpp recomputes itself
+_DROPPED = re.compile(r"rotary_emb\.inv_freq$")
+# aligned candidates, cheapest first: the checker's first exact (else near-exact) one is the suggestion
+_CANDIDATES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "F32")
+_WRITABLE = tuple(LAYOUTS)
+
+
+def _kquants():
+    try:
+        from ...kernels import kquants
+    except ImportError:
+        return None
+    return kquants
+
+
+def default_grid_type(p) -> str:
+    """The type whose bit width matches the source grid; whether it aligns is the checker's job."""
+    if p.bits == 4:
+        return "Q4_0" if p.symmetric else "Q4_1"
+    if p.bits == 8:
+        return "Q8_0"
+    if p.bits == 3:
+        return "Q3_K"
+    if p.bits <= 2:
+        return "Q2_K"
+    return "Q5_K" if p.bits == 5 else "Q6_K"
+
+
+def _check(p, shape, target: str) -> Verdict:
+    lay = LAYOUTS[target]
+    if lay.kind == "float":
+        return check_grid_to_float(p, target)
+    return check_grid_to_blocks(p, shape, lay)
+
+
+def best_aligned_type(p, shape) -> tuple[str, str] | None:
+    """(type, verdict) of the cheapest type that holds the grid exactly, else near-exactly."""
+    verdicts = [(t, _check(p, shape, t).verdict) for t in _CANDIDATES]
+    for wanted in (EXACT, NEAR_EXACT):
+        for t, v in verdicts:
+            if v == wanted:
+                return t, v
+    return None
+
+
+def _parse_type(text: str) -> str:
+    key = text.strip().upper()
+    if key not in _WRITABLE:
+        raise unknown_type(text, [t.lower() for t in _WRITABLE], "GGUF")
+    return key
+
+
+class GgufWriter:
+    name = "gguf"
+    output_is_file = True
+
+    def _arch(self, source) -> tuple[str, int]:
+        cached = getattr(source, "_gguf_arch", None)
+        if cached is None:
+            cached = (gguf_arch(source.config), int(source.config.get("num_hidden_layers", 0)))
+            source._gguf_arch = cached
+        return cached
+
+    def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
+        arch, n_layers = self._arch(source)
+        if _DROPPED.search(rec.name):
+            return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT, "recomputed by llama.cpp",
+                              info={"drop": True})
+        out_name = gguf_tensor_name(rec.name, arch, n_layers)
+        if out_name is None:
+            return TensorPlan(rec.name, rec.shape, rec.dtype, "?", REFUSED,
+                              f"no GGUF tensor for it in arch {arch}; llama.cpp refuses extra tensors")
+        explicit = options.explicit_type(rec.name)
+        is_1d = len(rec.shape) == 1 or rec.name.endswith("norm.weight")
+        if rec.is_grid:
+            p = rec.params
+            target = _parse_type(explicit or options.type or default_grid_type(p))
+            v = _check(p, rec.shape, target)
+            src = describe_grid(p, rec.shape[1])
+        else:
+            src = rec.dtype
+            if explicit:
+                target = _parse_type(explicit)
+            elif is_1d:
+                target = "F32"
+            elif options.type and not source.quant_config and len(rec.shape) == 2:
+                target = _parse_type(options.type)
+            else:
+                target = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(rec.dtype, "F32")
+            lay = LAYOUTS[target]
+            if lay.kind == "float":
+                v = check_dense_to_float(rec.dtype, target)
+            elif rec.shape[-1] % lay.block:
+                v = Verdict(REFUSED, f"rows of {rec.shape[-1]} are not a whole number of {lay.block}-blocks")
+            else:
+                v = Verdict(REQUANTIZE, f"dense {rec.dtype} weights quantized with {target}'s quantizer")
+        plan = TensorPlan(rec.name, rec.shape, src, target, v.verdict, v.reason, out_name=out_name)
+        if v.verdict in (REQUANTIZE, REFUSED) and rec.is_grid:
+            best = best_aligned_type(rec.params, rec.shape)
+            if best:
+                plan.alternative = f"--type {best[0].lower()} ({best[1]})"
+        if LAYOUTS[target].kind == "k" and v.verdict == REQUANTIZE and _kquants() is None:
+            plan.verdict, plan.reason = REFUSED, f"the {target} quantizer is not available in this build"
+        return plan
+
+    def check_model(self, source, plans, options) -> None:
+        # the tokenizer is checked by the session before writing; do it here too so dry runs see it
+        arch, _ = self._arch(source)
+        from .tokenizer import add_tokenizer
+
+        probe = gguf.GGUFWriter(path=None, arch=arch)
+        n_vocab = next((p.shape[0] for p in plans if p.out_name == "token_embd.weight"), None)
+        if n_vocab is None:
+            raise QConvertError("the model has no token embedding (model.embed_tokens.weight)", path=source.path)
+        add_tokenizer(probe, Path(source.path), source.config, n_vocab)
+
+    def open(self, path: Path, source, plans: list[TensorPlan], options: Options) -> "GgufSession":
+        return GgufSession(Path(path), source, plans, *self._arch(source))
+
+
+class GgufSession:
+    def __init__(self, path: Path, source, plans: list[TensorPlan], arch: str, n_layers: int):
+        self.source, self.arch = source, arch
+        self.writer = gguf.GGUFWriter(path=str(path), arch=arch)
+        w = self.writer
+        kept = [p for p in plans if not p.info.get("drop")]
+        counts: dict[str, int] = {}
+        for p in kept:
+            if len(p.shape) == 2:
+                counts[p.target] = counts.get(p.target, 0) + 1
+        dominant = max(counts, key=counts.get) if counts else "F32"
+        add_model_metadata(w, source.config, arch, file_type=FILE_TYPES.get(dominant, 0))
+        n_vocab = next(p.shape[0] for p in kept if p.out_name == "token_embd.weight")
+        from .tokenizer import add_tokenizer
+
+        add_tokenizer(w, Path(source.path), source.config, n_vocab)
+        self.extra = []
+        rope = rope_freqs_tensor(source.config)
+        if rope is not None:
+            self.extra.append(("rope_freqs.weight", rope.astype(np.float32)))
+        for p in kept:
+            lay = LAYOUTS[p.target]
+            rows = int(np.prod(p.shape[:-1])) if len(p.shape) > 1 else 1
+            nbytes = rows * lay.row_bytes(p.shape[-1])
+            w.add_tensor_info(p.out_name, list(p.shape), np.dtype(np.uint8), nbytes, raw_dtype=gguf.GGMLQuantizationType(lay.ggml_type))
+        for name, arr in self.extra:
+            w.add_tensor_info(name, list(arr.shape), arr.dtype, arr.nbytes)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+
+    def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor:
+        if plan.info.get("drop"):
+            return item.dequantize(torch.float32)
+        lay = LAYOUTS[plan.target]
+        perm = qk_row_permutation(plan.name, self.source.config, self.arch)
+        if perm is not None:
+            item = item.permute_rows(perm) if isinstance(item, Grid) else Dense(item.tensor[perm])
+        data, decoded = encode_tensor(lay, plan.verdict, item)
+        self.writer.write_tensor_data(data.reshape(-1))
+        if perm is not None:
+            decoded = decoded[inverse_permutation(perm)]
+        return decoded
+
+    def close(self) -> None:
+        for _, arr in self.extra:
+            self.writer.write_tensor_data(arr)
+        self.writer.close()
+
+
+def encode_tensor(lay: BlockLayout, verdict: str, item: Dense | Grid) -> tuple[np.ndarray, torch.Tensor]:
+    """-> (bytes as uint8 numpy, float32 values the bytes decode to, in the item's shape)."""
+    if lay.kind == "float":
+        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[lay.name]
+        t = item.dequantize(dtype).contiguous()
+        return t.view(torch.uint8).numpy(), t.to(torch.float32)
+    if isinstance(item, Grid) and verdict in (EXACT, NEAR_EXACT) and lay.kind == "legacy":
+        p = item.params
+        out_features, in_features = item.shape
+        block_group = p.group_of_column(in_features)[:: lay.block]
+        data = repack_grid(lay, item.codes, p.scales, p.zeros, block_group)
+        return data.numpy(), decode_blocks(lay, data)
+    x = item.dequantize(torch.float32)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if lay.kind == "legacy":
+        data = pack_blocks(lay, *quantize_blocks(lay, x2))
+        return data.numpy(), decode_blocks(lay, data).view(shape)
+    kq = _kquants()
+    data = kq.quantize_k(x2.numpy(), lay.name)
+    return data, torch.from_numpy(kq.dequantize_k(data, lay.name)).view(shape)

@@ -1,0 +1,116 @@
+"""`hf`: a dense Hugging Face checkpoint (fp32 / fp16 / bf16 safetensors) in and out.
+
+Reading yields every tensor as `Dense`. Writing dequantizes grids (float32 math, one rounding to the
+target dtype) and writes sharded safetensors plus config.json and the tokenizer files, so that
+`transformers.AutoModelForCausalLM.from_pretrained(out)` loads the result.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..converters.align import EXACT, REFUSED, check_dense_to_float, check_grid_to_float, describe_grid
+from ..converters.errors import BadInput
+from ..converters.plan import Options, TensorPlan, unknown_type
+from ..converters.records import Dense, Grid, TensorRecord
+from ..converters.registry import FormatEntry, register_format
+from .gptq import _dtype_name
+from .safetensors_dir import CheckpointDir, ShardWriter, copy_side_files, read_json, write_json
+
+__all__ = ["HfSource", "HfWriter"]
+
+HF_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_TORCH_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+class HfSource:
+    format_name = "hf"
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        cfg = read_json(self.path / "config.json")
+        qc = cfg.get("quantization_config")
+        if qc:
+            method = qc.get("quant_method", "?")
+            raise BadInput(f"this checkpoint is quantized (quant_method {method!r}); read it as {method}, e.g. "
+                           f"`qconvert {method}->...`", path=self.path / "config.json")
+        self.config = cfg
+        self.quant_config: dict = {}
+        self.ckpt = CheckpointDir(self.path)
+
+    def records(self) -> Iterator[TensorRecord]:
+        for shard in self.ckpt.shards:
+            for name in self.ckpt.keys(shard):
+                yield TensorRecord(name, self.ckpt.shape(name), _dtype_name(self.ckpt.dtype(name)),
+                                   lambda n=name: Dense(self.ckpt.get(n)), source_file=shard)
+
+    def side_files(self) -> dict[str, Path]:
+        return self.ckpt.side_files()
+
+    def describe(self) -> dict:
+        dtypes = sorted({self.ckpt.dtype(n) for n in self.ckpt.location})
+        return {"format": "hf", "dtypes": dtypes, "shards": len(self.ckpt.shards),
+                "tensors": len(self.ckpt.location), "architectures": self.config.get("architectures")}
+
+
+def parse_hf_type(text: str | None) -> str:
+    key = (text or "bf16").upper().replace("FLOAT32", "F32").replace("FLOAT16", "F16").replace("BFLOAT16", "BF16")
+    if key not in HF_TYPES:
+        raise unknown_type(text, [t.lower() for t in HF_TYPES], "hf")
+    return key
+
+
+class HfWriter:
+    name = "hf"
+    output_is_file = False
+
+    def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
+        target = parse_hf_type(options.explicit_type(rec.name) or options.type)
+        if rec.is_grid:
+            v = check_grid_to_float(rec.params, target)
+            return TensorPlan(rec.name, rec.shape, describe_grid(rec.params, rec.shape[1]), target, v.verdict,
+                              v.reason, out_name=rec.name)
+        if rec.dtype not in ("float32", "float16", "bfloat16"):
+            if rec.dtype in ("int32", "int64", "int8", "uint8", "bool"):
+                return TensorPlan(rec.name, rec.shape, rec.dtype, rec.dtype, EXACT, "copied", out_name=rec.name)
+            return TensorPlan(rec.name, rec.shape, rec.dtype, target, REFUSED, f"dtype {rec.dtype} is not supported")
+        v = check_dense_to_float(rec.dtype, target)
+        return TensorPlan(rec.name, rec.shape, rec.dtype, target, v.verdict, v.reason, out_name=rec.name)
+
+    def check_model(self, source, plans, options) -> None:
+        return None
+
+    def open(self, path: Path, source, plans: list[TensorPlan], options: Options) -> "HfSession":
+        return HfSession(Path(path), source, parse_hf_type(options.type))
+
+
+class HfSession:
+    def __init__(self, path: Path, source, dtype_name: str):
+        self.path, self.source = path, source
+        self.dtype = HF_TYPES[dtype_name]
+        self.shards = ShardWriter(path)
+
+    def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor:
+        if plan.target in HF_TYPES:
+            tensor = item.dequantize(HF_TYPES[plan.target])
+        else:
+            tensor = item.tensor
+        self.shards.put(plan.out_name, tensor)
+        return tensor.to(torch.float32)
+
+    def close(self) -> None:
+        self.shards.close()
+        config = {k: v for k, v in self.source.config.items() if k != "quantization_config"}
+        config["torch_dtype"] = _TORCH_NAME[self.dtype]
+        if "dtype" in config:
+            config["dtype"] = _TORCH_NAME[self.dtype]
+        write_json(self.path / "config.json", config)
+        copy_side_files(self.source, self.path)
+
+
+register_format(FormatEntry("hf", aliases=("safetensors", "dense", "transformers"),
+                            description="dense Hugging Face safetensors checkpoint (f32/f16/bf16)",
+                            open_reader=lambda path, **_: HfSource(path), writer=HfWriter()))

@@ -1,0 +1,72 @@
+"""The one table of per-type layout facts for ggml (GGUF) tensor types.
+
+Everything that asks "what does a Q4_1 block hold?" reads it from here: the GGUF writer and reader,
+the alignment checker and the codecs. Values follow ggml-common.h (see shared spec gguf.md section 2).
+
+A block of `block` consecutive elements along a row (ggml ne0 = HF in_features) takes `nbytes` bytes.
+Legacy types decode as `d * (q - offset)` (symmetric) or `d * q + m` (`has_min`), with one fp16 `d`
+(and `m`) per block, codes `0 .. 2**bits - 1` (Q8_0: signed int8, offset 0).
+K types hold 256-element super-blocks with 6- or 8-bit sub-block scales.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["BlockLayout", "LAYOUTS", "layout", "FLOAT_TYPES", "LEGACY_TYPES", "K_TYPES"]
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    name: str  # llama.cpp's spelling: "Q4_0", "F16"
+    ggml_type: int  # gguf.GGMLQuantizationType value
+    block: int  # elements per block (1 for float types)
+    nbytes: int  # bytes per block
+    bits: int  # bits per code (float types: bits per element)
+    offset: int = 0  # legacy symmetric types: value = d * (q - offset)
+    has_min: bool = False  # legacy asymmetric types: value = d * q + m
+    kind: str = "legacy"  # "float" | "legacy" | "k"
+    sub_block: int = 0  # K types: elements sharing one sub-block scale
+    signed_codes: bool = False  # Q8_0 stores int8 codes
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.nbytes / self.block
+
+    @property
+    def code_max(self) -> int:
+        return (1 << self.bits) - 1
+
+    def row_bytes(self, n: int) -> int:
+        if n % self.block:
+            raise ValueError(f"row of {n} elements is not a multiple of {self.name}'s block of {self.block}")
+        return n // self.block * self.nbytes
+
+
+_TABLE = (
+    BlockLayout("F32", 0, 1, 4, 32, kind="float"),
+    BlockLayout("F16", 1, 1, 2, 16, kind="float"),
+    BlockLayout("BF16", 30, 1, 2, 16, kind="float"),
+    BlockLayout("Q4_0", 2, 32, 18, 4, offset=8),
+    BlockLayout("Q4_1", 3, 32, 20, 4, has_min=True),
+    BlockLayout("Q5_0", 6, 32, 22, 5, offset=16),
+    BlockLayout("Q5_1", 7, 32, 24, 5, has_min=True),
+    BlockLayout("Q8_0", 8, 32, 34, 8, signed_codes=True),
+    BlockLayout("Q2_K", 10, 256, 84, 2, has_min=True, kind="k", sub_block=16),
+    BlockLayout("Q3_K", 11, 256, 110, 3, offset=4, kind="k", sub_block=16),
+    BlockLayout("Q4_K", 12, 256, 144, 4, has_min=True, kind="k", sub_block=32),
+    BlockLayout("Q5_K", 13, 256, 176, 5, has_min=True, kind="k", sub_block=32),
+    BlockLayout("Q6_K", 14, 256, 210, 6, offset=32, kind="k", sub_block=16),
+)
+
+LAYOUTS: dict[str, BlockLayout] = {t.name: t for t in _TABLE}
+FLOAT_TYPES = tuple(t.name for t in _TABLE if t.kind == "float")
+LEGACY_TYPES = tuple(t.name for t in _TABLE if t.kind == "legacy")
+K_TYPES = tuple(t.name for t in _TABLE if t.kind == "k")
+
+
+def layout(name: str) -> BlockLayout:
+    key = name.upper()
+    if key not in LAYOUTS:
+        raise KeyError(f"unknown ggml type {name!r}; known: {', '.join(LAYOUTS)}")
+    return LAYOUTS[key]

@@ -1,0 +1,145 @@
+"""ggml legacy block codecs (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), vectorized torch over all blocks at once.
+
+Three operations per type, all on [rows, n] tensors with n a multiple of 32:
+- `pack_blocks(layout, codes, d, m)`: codes already on the type's grid + fp16 block params -> bytes.
+  This is the lossless repack path: a GPTQ grid becomes blocks without touching a float.
+- `quantize_blocks(layout, x)`: llama.cpp's reference quantizer (`quantize_row_*_ref`), byte for byte:
+  the same signed-max choice, the same truncation after `+ 8.5` and the same fp32 inverse scale.
+- `decode_blocks(layout, data)`: bytes -> float32, the same arithmetic as gguf-py's dequantize.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ggml_layouts import BlockLayout
+
+__all__ = ["pack_blocks", "quantize_blocks", "decode_blocks", "unpack_blocks"]
+
+_HALF = 16  # elements j and j + 16 share a byte in the 4-bit nibble arrays
+
+
+def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:
+    """[..., ] fp16 -> [..., 2] little-endian bytes."""
+    return x.to(torch.float16).contiguous().view(torch.uint8).view(*x.shape, 2)
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[rows, nb, 32] codes -> [rows, nb, 16] bytes: element j low nibble, element j + 16 high nibble."""
+    return (q[..., :_HALF] & 0x0F) | ((q[..., _HALF:] & 0x0F) << 4)
+
+
+def _high_bits(q: torch.Tensor) -> torch.Tensor:
+    """[rows, nb, 32] 5-bit codes -> [rows, nb, 4] bytes of the little-endian u32 whose bit j is bit 4 of q[j]."""
+    bits = ((q >> 4) & 1).view(*q.shape[:-1], 4, 8)
+    weights = 1 << torch.arange(8, dtype=torch.int32, device=q.device)
+    return (bits.to(torch.int32) * weights).sum(-1).to(torch.uint8)
+
+
+def pack_blocks(lay: BlockLayout, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:
+    """codes [rows, n] (uint8 on 0..2**bits-1, or int8 for Q8_0), d/m [rows, n/32] -> uint8 [rows, n/32*nbytes]."""
+    rows, n = codes.shape
+    nb = n // lay.block
+    q = codes.view(rows, nb, lay.block)
+    parts = [_fp16_bytes(d)]
+    if lay.has_min:
+        if m is None:
+            raise ValueError(f"{lay.name} needs a block min")
+        parts.append(_fp16_bytes(m))
+    if lay.name == "Q8_0":
+        parts.append(q.to(torch.int8).view(torch.uint8))
+    else:
+        qu = q.to(torch.uint8)
+        if lay.bits == 5:
+            parts.append(_high_bits(qu))
+        parts.append(_nibbles(qu))
+    return torch.cat(parts, dim=-1).view(rows, nb * lay.nbytes)
+
+
+def unpack_blocks(lay: BlockLayout, data: torch.Tensor):
+    """uint8 [rows, nb*nbytes] -> (codes [rows, n] int16, d [rows, nb] f32, m [rows, nb] f32 | None)."""
+    rows = data.shape[0]
+    nb = data.shape[1] // lay.nbytes
+    b = data.view(rows, nb, lay.nbytes)
+    d = b[..., 0:2].contiguous().view(torch.float16).view(rows, nb).to(torch.float32)
+    pos = 2
+    m = None
+    if lay.has_min:
+        m = b[..., 2:4].contiguous().view(torch.float16).view(rows, nb).to(torch.float32)
+        pos = 4
+    if lay.name == "Q8_0":
+        q = b[..., pos:].contiguous().view(torch.int8).to(torch.int16)
+    else:
+        qh = None
+        if lay.bits == 5:
+            qh = b[..., pos:pos + 4].to(torch.int32)
+            pos += 4
+        qs = b[..., pos:].to(torch.int16)
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+        if qh is not None:
+            word = qh[..., 0] | (qh[..., 1] << 8) | (qh[..., 2] << 16) | (qh[..., 3] << 24)
+            hi = (word[..., None] >> torch.arange(32, device=data.device)) & 1
+            q = q | (hi.to(torch.int16) << 4)
+    return q.reshape(rows, nb * lay.block), d, m
+
+
+def decode_blocks(lay: BlockLayout, data: torch.Tensor) -> torch.Tensor:
+    q, d, m = unpack_blocks(lay, data)
+    rows, n = q.shape
+    nb = n // lay.block
+    qf = q.view(rows, nb, lay.block).to(torch.float32)
+    if lay.has_min:
+        w = d[..., None] * qf + m[..., None]
+    else:
+        w = d[..., None] * (qf - lay.offset)
+    return w.view(rows, n)
+
+
+def quantize_blocks(lay: BlockLayout, x: torch.Tensor):
+    """float32 [rows, n] -> (codes, d fp16, m fp16 | None), exactly as ggml's quantize_row_*_ref."""
+    rows, n = x.shape
+    nb = n // lay.block
+    xb = x.to(torch.float32).reshape(rows, nb, lay.block)
+    if lay.has_min:
+        lo = xb.min(-1).values
+        hi = xb.max(-1).values
+        d = (hi - lo) / float(lay.code_max)
+        inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+        t = (xb - lo[..., None]) * inv[..., None] + 0.5
+        q = torch.trunc(t).to(torch.int32)
+        if lay.bits == 4:
+            q = q.clamp(max=15)  # Q5_1's reference has no clamp; its values never exceed 31
+        return q.to(torch.uint8).view(rows, n), d.to(torch.float16), lo.to(torch.float16)
+    amax_idx = xb.abs().argmax(-1, keepdim=True)  # first index of the largest |x|, as C's strict '<'
+    signed_max = torch.gather(xb, -1, amax_idx).squeeze(-1)
+    if lay.name == "Q8_0":
+        amax = signed_max.abs()
+        d = amax / 127.0
+        inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+        v = xb * inv[..., None]
+        q = torch.sign(v) * torch.floor(v.abs() + 0.5)  # roundf: half away from zero
+        return q.to(torch.int8).view(rows, n), d.to(torch.float16), None
+    d = signed_max / float(-lay.offset)
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    t = xb * inv[..., None] + (lay.offset + 0.5)
+    q = torch.trunc(t).to(torch.int32).clamp(max=lay.code_max)
+    return q.to(torch.uint8).view(rows, n), d.to(torch.float16), None
+
+
+def repack_grid(lay: BlockLayout, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                block_group: torch.Tensor) -> torch.Tensor:
+    """A grid whose every block lies in one group -> legacy blocks, moving codes, not floats.
+
+    codes [out, in] uint8, scales/zeros [out, G], block_group [in/32]: the group of each block.
+    Symmetric types take q' = q - z + offset (the caller checked the range); types with a min take
+    q' = q, d = s, m = -s*z (m rounds to fp16: the only rounding on this path).
+    """
+    rows, n = codes.shape
+    nb = n // lay.block
+    s = scales[:, block_group].to(torch.float32)
+    z = zeros[:, block_group]
+    if lay.has_min:
+        m = -(s * z.to(torch.float32))
+        return pack_blocks(lay, codes, s.to(torch.float16), m.to(torch.float16))
+    q = codes.view(rows, nb, lay.block).to(torch.int16) - z.to(torch.int16)[..., None] + lay.offset
+    return pack_blocks(lay, q.view(rows, n), s.to(torch.float16))
