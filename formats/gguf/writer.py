@@ -38,6 +38,10 @@ _DROPPED = re.compile(r"rotary_emb\.inv_freq$")
 # aligned candidates, cheapest first: the checker's first exact (else near-exact) one is the suggestion
 _CANDIDATES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "F32")
 _WRITABLE = tuple(LAYOUTS)
+# llama-quantize's fallback when a row is not a whole number of 256-element K blocks; for a grid the
+# variant with a block min is taken when the grid's zero points are not the symmetric mid code
+_K_FALLBACK = {"Q2_K": ("Q4_0", "Q4_1"), "Q3_K": ("Q4_0", "Q4_1"), "Q4_K": ("Q5_0", "Q5_1"),
+               "Q5_K": ("Q5_1", "Q5_1"), "Q6_K": ("Q8_0", "Q8_0")}
 
 
 def _kquants():
@@ -78,6 +82,16 @@ def best_aligned_type(p, shape) -> tuple[str, str] | None:
     return None
 
 
+def _k_fallback(target: str, shape, params) -> tuple[str, str]:
+    """Swap a K type for llama-quantize's legacy fallback when the rows do not fill 256-blocks."""
+    lay = LAYOUTS[target]
+    if lay.kind != "k" or shape[-1] % lay.block == 0:
+        return target, ""
+    symmetric_choice, with_min = _K_FALLBACK[target]
+    chosen = symmetric_choice if params is None or params.symmetric else with_min
+    return chosen, f"{target} needs rows of {lay.block} (these have {shape[-1]}), fallback {chosen}: "
+
+
 def _parse_type(text: str) -> str:
     key = text.strip().upper()
     if key not in _WRITABLE:
@@ -107,9 +121,11 @@ class GgufWriter:
                               f"no GGUF tensor for it in arch {arch}; llama.cpp refuses extra tensors")
         explicit = options.explicit_type(rec.name)
         is_1d = len(rec.shape) == 1 or rec.name.endswith("norm.weight")
+        fallback_note = ""
         if rec.is_grid:
             p = rec.params
             target = _parse_type(explicit or options.type or default_grid_type(p))
+            target, fallback_note = _k_fallback(target, rec.shape, p)
             v = _check(p, rec.shape, target)
             src = describe_grid(p, rec.shape[1])
         else:
@@ -122,6 +138,7 @@ class GgufWriter:
                 target = _parse_type(options.type)
             else:
                 target = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(rec.dtype, "F32")
+            target, fallback_note = _k_fallback(target, rec.shape, None)
             lay = LAYOUTS[target]
             if lay.kind == "float":
                 v = check_dense_to_float(rec.dtype, target)
@@ -129,7 +146,7 @@ class GgufWriter:
                 v = Verdict(REFUSED, f"rows of {rec.shape[-1]} are not a whole number of {lay.block}-blocks")
             else:
                 v = Verdict(REQUANTIZE, f"dense {rec.dtype} weights quantized with {target}'s quantizer")
-        plan = TensorPlan(rec.name, rec.shape, src, target, v.verdict, v.reason, out_name=out_name)
+        plan = TensorPlan(rec.name, rec.shape, src, target, v.verdict, fallback_note + v.reason, out_name=out_name)
         if v.verdict in (REQUANTIZE, REFUSED) and rec.is_grid:
             best = best_aligned_type(rec.params, rec.shape)
             if best:
@@ -177,7 +194,9 @@ class GgufSession:
             lay = LAYOUTS[p.target]
             rows = int(np.prod(p.shape[:-1])) if len(p.shape) > 1 else 1
             nbytes = rows * lay.row_bytes(p.shape[-1])
-            w.add_tensor_info(p.out_name, list(p.shape), np.dtype(np.uint8), nbytes, raw_dtype=gguf.GGMLQuantizationType(lay.ggml_type))
+            byte_shape = [*p.shape[:-1], lay.row_bytes(p.shape[-1])]  # gguf-py converts bytes back to elements
+            w.add_tensor_info(p.out_name, byte_shape, np.dtype(np.uint8), nbytes,
+                              raw_dtype=gguf.GGMLQuantizationType(lay.ggml_type))
         for name, arr in self.extra:
             w.add_tensor_info(name, list(arr.shape), arr.dtype, arr.nbytes)
         w.write_header_to_file()

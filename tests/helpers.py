@@ -1,0 +1,55 @@
+"""Helpers shared by the tests: the CLI runner and the two consumers (llama.cpp and transformers)
+that decide whether an output is right. conftest.py puts this folder on sys.path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def run_cli(*args, check_rc: int | None = 0) -> subprocess.CompletedProcess:
+    """Run `python -m qconvert ARGS` as a user would; return the completed process."""
+    proc = subprocess.run([sys.executable, "-m", "qconvert", *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if check_rc is not None and proc.returncode != check_rc:
+        raise AssertionError(f"exit {proc.returncode} (wanted {check_rc})\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return proc
+
+
+def llama_logits(gguf_path: Path, ids: list[int]) -> np.ndarray:
+    """llama.cpp's logits for every position (F32 KV cache, as the spec prescribes)."""
+    from llama_cpp import Llama
+
+    llm = Llama(str(gguf_path), n_ctx=128, n_batch=128, logits_all=True, n_threads=2, verbose=False,
+                type_k=0, type_v=0)
+    try:
+        llm.eval(ids)
+        return np.array(llm.scores[: len(ids)], dtype=np.float32)
+    finally:
+        llm.close()
+
+
+def transformers_logits(model_dir: Path, ids: list[int]) -> np.ndarray:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def gguf_tensors(path: Path) -> dict:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    return {t.name: t for t in reader.tensors}
+
+
+def gguf_dequant(tensor) -> np.ndarray:
+    import gguf
+
+    return gguf.quants.dequantize(tensor.data, tensor.tensor_type)
