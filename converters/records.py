@@ -77,6 +77,9 @@ class GridParams:
     def permute_rows(self, perm: torch.Tensor) -> "GridParams":
         return replace(self, scales=self.scales[perm], zeros=self.zeros[perm])
 
+    def row_slice(self, start: int, stop: int) -> "GridParams":
+        return replace(self, scales=self.scales[start:stop], zeros=self.zeros[start:stop])
+
 
 @dataclass(frozen=True)
 class Grid:
@@ -91,6 +94,9 @@ class Grid:
 
     def permute_rows(self, perm: torch.Tensor) -> "Grid":
         return Grid(self.params.permute_rows(perm), self.codes[perm])
+
+    def row_slice(self, start: int, stop: int) -> "Grid":
+        return Grid(self.params.row_slice(start, stop), self.codes[start:stop])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         from ..kernels import dequantize_grid
@@ -110,6 +116,9 @@ class Dense:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.tensor.to(dtype)
+
+    def row_slice(self, start: int, stop: int) -> "Dense":
+        return Dense(self.tensor[start:stop])
 
 
 @dataclass

@@ -104,11 +104,26 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def _measure(reference: torch.Tensor, decoded: torch.Tensor) -> tuple[float, float]:
-    diff = (decoded.to(torch.float32) - reference.to(torch.float32)).abs()
-    if diff.numel() == 0:
+_MEASURE_CHUNK = 1 << 22  # elements of source dequantization alive at once while measuring
+
+
+def _measure(item, decoded: torch.Tensor) -> tuple[float, float]:
+    """Max abs error and RMSE of `decoded` against the source's float32 dequantization, computed a
+    band of rows at a time so that measuring never holds a second full-size float copy."""
+    if decoded.numel() == 0:
         return 0.0, 0.0
-    return float(diff.max()), float(diff.pow(2).mean().sqrt())
+    rows = decoded.shape[0] if decoded.dim() > 1 else 1
+    step = max(1, _MEASURE_CHUNK // max(1, decoded.numel() // rows))
+    max_err, sum_sq = 0.0, 0.0
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        part = item.row_slice(start, stop) if decoded.dim() > 1 else item
+        ref = part.dequantize(torch.float32)
+        got = decoded[start:stop] if decoded.dim() > 1 else decoded
+        diff = (got.to(torch.float32) - ref).abs()
+        max_err = max(max_err, float(diff.max()))
+        sum_sq += float(diff.double().pow(2).sum())
+    return max_err, (sum_sq / decoded.numel()) ** 0.5
 
 
 def convert(src_format: str, src_path: Path, dst_format: str, out_path: Path | None,
@@ -139,7 +154,8 @@ def convert(src_format: str, src_path: Path, dst_format: str, out_path: Path | N
             plan = by_name[rec.name]
             item = rec.load()
             decoded = session.add(plan, item)
-            max_err, rmse = _measure(item.dequantize(torch.float32), decoded)
+            max_err, rmse = _measure(item, decoded)
+            del item, decoded
             if plan.verdict == EXACT and max_err != 0.0:
                 raise QConvertError(f"internal error: planned exact but measured max error {max_err:g}",
                                     tensor=rec.name)

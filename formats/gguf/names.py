@@ -1,0 +1,200 @@
+"""Architecture and tensor names between Hugging Face llama-family checkpoints and GGUF.
+
+Pure functions over names, config dicts and index vectors; no model framework.
+
+* :func:`gguf_arch` picks the llama.cpp architecture string from a config.json dict.
+* :func:`gguf_tensor_name` / :func:`hf_tensor_name` map tensor names both ways (gguf's
+  ``TensorNameMap`` for the forward direction, its inverse restricted to the HF llama/qwen naming).
+* :func:`qk_row_permutation` gives the row permutation llama.cpp's converter applies to the
+  ``q_proj`` / ``k_proj`` weights (and biases) of arch ``llama`` (HF "rotate_half" rope -> ggml
+  "NORM" rope), as an index vector so that callers can permute rows of quantized codes and scales
+  exactly: ``permuted = rows[perm]``. :func:`inverse_permutation` undoes it.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Mapping
+
+import gguf
+import torch
+
+from ...converters.errors import BadInput, QConvertError
+
+__all__ = [
+    "SUPPORTED_ARCHS",
+    "gguf_arch",
+    "gguf_tensor_name",
+    "hf_tensor_name",
+    "qk_row_permutation",
+    "inverse_permutation",
+    "head_dim",
+]
+
+# HF ``architectures`` entry -> llama.cpp architecture string.
+_ARCH_BY_CLASS: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+# HF ``model_type`` -> llama.cpp architecture string (used when ``architectures`` is absent).
+_ARCH_BY_MODEL_TYPE: dict[str, str] = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
+SUPPORTED_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+
+_GGUF_ARCH_ENUM: dict[str, gguf.MODEL_ARCH] = {
+    "llama": gguf.MODEL_ARCH.LLAMA,
+    "qwen2": gguf.MODEL_ARCH.QWEN2,
+    "qwen3": gguf.MODEL_ARCH.QWEN3,
+}
+
+
+def _supported_list() -> str:
+    return ", ".join(sorted(_ARCH_BY_CLASS)) + f" (model_type {', '.join(sorted(_ARCH_BY_MODEL_TYPE))})"
+
+
+def gguf_arch(config: Mapping) -> str:
+    """The llama.cpp architecture string ("llama", "qwen2", "qwen3") for an HF config.json dict.
+
+    ``architectures[0]`` decides; ``model_type`` is the fallback. Anything else raises
+    :class:`QConvertError` naming the architecture and the supported ones.
+    """
+    archs = config.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    for a in archs:
+        if a in _ARCH_BY_CLASS:
+            return _ARCH_BY_CLASS[a]
+    if not archs:
+        mt = config.get("model_type")
+        if mt in _ARCH_BY_MODEL_TYPE:
+            return _ARCH_BY_MODEL_TYPE[mt]
+        what = f"model_type {mt!r}" if mt else "no architectures/model_type in config.json"
+    else:
+        what = f"architecture {', '.join(map(str, archs))}"
+    raise QConvertError(f"{what} is not supported for GGUF output; supported: {_supported_list()}")
+
+
+def _arch_enum(arch: str) -> gguf.MODEL_ARCH:
+    try:
+        return _GGUF_ARCH_ENUM[arch]
+    except KeyError:
+        raise QConvertError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}"
+        ) from None
+
+
+# tensor types gguf maps but llama.cpp does not load for these arches (an extra tensor makes the load
+# fail): the rotary inv_freq buffer that old checkpoints saved.
+_NOT_LOADED = {gguf.MODEL_TENSOR.ATTN_ROT_EMBD}
+
+
+@lru_cache(maxsize=32)
+def _name_map(arch: str, n_layers: int) -> gguf.TensorNameMap:
+    return gguf.get_tensor_name_map(_arch_enum(arch), n_layers)
+
+
+def gguf_tensor_name(hf_name: str, arch: str, n_layers: int) -> str | None:
+    """GGUF name of an HF tensor (``model.layers.3.self_attn.q_proj.weight`` ->
+    ``blk.3.attn_q.weight``); ``None`` when the name has no GGUF counterpart for ``arch``
+    (e.g. ``rotary_emb.inv_freq``, GPTQ ``qweight``/``scales``)."""
+    found = _name_map(arch, int(n_layers)).get_type_and_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if found is None or found[0] in _NOT_LOADED:
+        return None
+    return found[1]
+
+
+# HF module names used by llama / mistral / qwen2 / qwen3 checkpoints (transformers naming).
+_HF_GLOBAL = ("model.embed_tokens", "model.norm", "lm_head")
+_HF_BLOCK = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+
+@lru_cache(maxsize=32)
+def _inverse_map(arch: str, n_layers: int) -> dict[str, str]:
+    """GGUF base name -> HF module name, for the HF llama/qwen naming only."""
+    tmap = _name_map(arch, n_layers)
+    inv: dict[str, str] = {}
+    candidates = list(_HF_GLOBAL) + [f"model.layers.{i}.{m}" for i in range(n_layers) for m in _HF_BLOCK]
+    for hf in candidates:
+        g = tmap.get_name(hf)
+        if g is not None:
+            inv.setdefault(g, hf)
+    return inv
+
+
+def hf_tensor_name(gguf_name: str, arch: str, n_layers: int) -> str | None:
+    """HF tensor name of a GGUF tensor (``blk.3.attn_q.weight`` ->
+    ``model.layers.3.self_attn.q_proj.weight``); ``None`` when it has no HF counterpart (e.g.
+    ``rope_freqs.weight``)."""
+    inv = _inverse_map(arch, int(n_layers))
+    for suffix in (".weight", ".bias"):
+        if gguf_name.endswith(suffix):
+            base = inv.get(gguf_name[: -len(suffix)])
+            return None if base is None else base + suffix
+    return inv.get(gguf_name)
+
+
+def head_dim(config: Mapping) -> int:
+    """Attention head dimension: ``head_dim`` if set, else hidden_size // num_attention_heads."""
+    hd = config.get("head_dim")
+    if hd:
+        return int(hd)
+    try:
+        return int(config["hidden_size"]) // int(config["num_attention_heads"])
+    except KeyError as e:
+        raise BadInput(f"config.json lacks {e.args[0]}") from None
+
+
+_QK_RE = re.compile(r"(?:^|\.)self_attn\.([qk])_proj(?:\.|$)")
+
+
+def qk_row_permutation(hf_name: str, config: Mapping, arch: str) -> torch.Tensor | None:
+    """Row permutation of ``q_proj`` / ``k_proj`` (weights, biases, or any per-output-row tensor of
+    those modules, e.g. quantized codes or scales indexed by output feature) for arch ``llama``.
+
+    Returns a LongTensor ``perm`` over the output rows such that ``permuted = rows[perm]`` equals
+    llama.cpp's converter ``w.reshape(n, 2, rows//n//2, *rest).swapaxes(1, 2).reshape(w.shape)``
+    with ``n = num_attention_heads`` for q and ``num_key_value_heads`` for k. ``None`` for any other
+    tensor and for arches that use NEOX rope (qwen2, qwen3).
+    """
+    if arch != "llama":
+        return None
+    m = _QK_RE.search(hf_name)
+    if m is None:
+        return None
+    try:
+        n_head = int(config["num_attention_heads"])
+    except KeyError:
+        raise BadInput("config.json lacks num_attention_heads", tensor=hf_name) from None
+    n = n_head if m.group(1) == "q" else int(config.get("num_key_value_heads") or n_head)
+    hd = head_dim(config)
+    if hd % 2:
+        raise BadInput(f"head_dim {hd} is odd; the rope row permutation needs an even head size",
+                       tensor=hf_name)
+    return torch.arange(n * hd, dtype=torch.long).reshape(n, 2, hd // 2).transpose(1, 2).reshape(-1)
+
+
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """``inv`` such that ``rows[perm][inv] == rows`` (and ``perm[inv] == arange``)."""
+    perm = torch.as_tensor(perm, dtype=torch.long)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), dtype=torch.long)
+    return inv

@@ -1,0 +1,117 @@
+"""Bad input: a one-line error naming the file and tensor, exit 2, no traceback, nothing at OUT."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import fixtures
+from helpers import run_cli
+
+
+@pytest.fixture
+def ckpt(fx, tmp_path):
+    """A private copy of a gptqmodel checkpoint to break."""
+    dst = tmp_path / "ckpt"
+    shutil.copytree(fx["variants"]["v1_b4_g32_sym"]["ckpt"], dst)
+    return dst
+
+
+def _edit_tensors(ckpt, fn):
+    path = ckpt / "model.safetensors"
+    tensors = load_file(str(path))
+    fn(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _edit_config(ckpt, fn):
+    for name in ("config.json", "quantize_config.json"):
+        path = ckpt / name
+        cfg = json.loads(path.read_text())
+        fn(cfg.get("quantization_config", cfg) if name == "config.json" else cfg, cfg)
+        path.write_text(json.dumps(cfg))
+
+
+def _expect_error(ckpt, tmp_path, *needles, pair="gptq->gguf"):
+    out = tmp_path / "out.gguf"
+    proc = run_cli(pair, ckpt, out, check_rc=2)
+    err = proc.stderr.strip()
+    assert err.startswith("qconvert: error: ") and len(err.splitlines()) == 1, err
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in err, (needle, err)
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if "qconvert-tmp" in p.name]
+    return err
+
+
+def test_truncated_safetensors(ckpt, tmp_path):
+    path = ckpt / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    _expect_error(ckpt, tmp_path, "model.safetensors", "cannot read safetensors file")
+
+
+@pytest.mark.parametrize("part", ["qzeros", "scales"])
+def test_missing_partner_tensor(ckpt, tmp_path, part):
+    _edit_tensors(ckpt, lambda t: t.pop(f"model.layers.1.mlp.up_proj.{part}"))
+    _expect_error(ckpt, tmp_path, "model.safetensors", f"model.layers.1.mlp.up_proj.{part}", f"without {part}")
+
+
+def test_shape_that_does_not_match_the_config(ckpt, tmp_path):
+    def grow(qc, cfg):
+        if "intermediate_size" in cfg:
+            cfg["intermediate_size"] = 512
+    _edit_config(ckpt, grow)
+    _expect_error(ckpt, tmp_path, "down_proj.qweight", "config.json says 512")
+
+
+def test_bits_five_is_refused(ckpt, tmp_path):
+    _edit_config(ckpt, lambda qc, cfg: qc.update(bits=5))
+    _expect_error(ckpt, tmp_path, "unsupported bits 5", "qweight")
+
+
+def test_config_says_v2_for_v1_data(ckpt, tmp_path):
+    _edit_config(ckpt, lambda qc, cfg: qc.update(checkpoint_format="gptq_v2", format="gptq_v2"))
+    _expect_error(ckpt, tmp_path, "qzeros", "v1 convention", "checkpoint_format")
+
+
+def test_config_says_v1_for_v2_data(fx, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(fx["variants"]["v2_b4_g32_sym"]["ckpt"], ckpt)
+    _edit_config(ckpt, lambda qc, cfg: qc.update(checkpoint_format="gptq", format="gptq"))
+    _expect_error(ckpt, tmp_path, "qzeros", "v2 convention")
+
+
+def test_output_that_exists_is_not_overwritten(ckpt, tmp_path):
+    out = tmp_path / "out.gguf"
+    out.write_bytes(b"keep me")
+    proc = run_cli("gptq->gguf", ckpt, out, check_rc=2)
+    assert "output exists" in proc.stderr and "--force" in proc.stderr
+    assert out.read_bytes() == b"keep me"
+    run_cli("gptq->gguf", ckpt, out, "--force")
+    assert out.read_bytes()[:4] == b"GGUF"
+
+
+def test_tokenizer_gguf_cannot_hold_is_refused(ckpt, tmp_path):
+    fixtures.build_wordlevel_tokenizer(tmp_path / "wl")
+    shutil.copy(tmp_path / "wl" / "tokenizer.json", ckpt / "tokenizer.json")
+    _expect_error(ckpt, tmp_path, "tokenizer.json", "WordLevel")
+
+
+def test_failure_while_writing_leaves_no_partial_output(ckpt, tmp_path):
+    """A tensor that only fails when its data is read (after the output was opened)."""
+    _edit_tensors(ckpt, lambda t: t.update({"model.layers.1.mlp.up_proj.qweight":
+                                            t["model.layers.1.mlp.up_proj.qweight"].to(torch.float32)}))
+    _expect_error(ckpt, tmp_path, "model.layers.1.mlp.up_proj.qweight", "int32")
+
+
+def test_unknown_type_and_format(ckpt, tmp_path):
+    proc = run_cli("gptq->gguf", ckpt, tmp_path / "o.gguf", "--type", "q9_9", check_rc=2)
+    assert "unknown GGUF type 'q9_9'" in proc.stderr
+    proc = run_cli("gptq->nosuch", ckpt, tmp_path / "o", check_rc=2)
+    assert "unknown format 'nosuch'" in proc.stderr
