@@ -19,7 +19,7 @@ from .align import NEAR_EXACT, REFUSED, REQUANTIZE, EXACT
 from .errors import QConvertError, RefusedPlan
 from .records import Dense, Grid, ModelSource, TensorRecord
 
-__all__ = ["Options", "TensorPlan", "Writer", "WriterSession", "refusal_message", "check_plan"]
+__all__ = ["Options", "TensorPlan", "Writer", "WriterSession", "BitIdentical", "refusal_message", "check_plan"]
 
 
 @dataclass
@@ -49,9 +49,19 @@ class TensorPlan:
     info: dict = field(default_factory=dict)  # writer-private facts decided at plan time
 
 
+@dataclass(frozen=True)
+class BitIdentical:
+    """A writer's proof of an exact repack: it decoded the bytes it wrote back into the source's own
+    packed form and found them identical to the source, words and scales, so every decoded value
+    equals the source's and the error is measured as 0 without a float pass."""
+
+    how: str
+
+
 class WriterSession(Protocol):
-    def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor:
-        """Store one tensor; return the float32 values the target decodes to, in the source's layout."""
+    def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor | BitIdentical:
+        """Store one tensor; return the float32 values the target decodes to, in the source's layout
+        (or `BitIdentical` when the written bytes were shown identical to the source's packed codes)."""
         ...
 
     def close(self) -> None:

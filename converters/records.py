@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
-__all__ = ["GridParams", "Grid", "Dense", "TensorRecord", "ModelSource"]
+__all__ = ["GridParams", "PackedCodes", "Grid", "Dense", "TensorRecord", "ModelSource"]
 
 
 @dataclass(frozen=True)
@@ -82,21 +82,64 @@ class GridParams:
 
 
 @dataclass(frozen=True)
-class Grid:
-    """A quantization grid with its codes: [out, in] uint8 codes plus `GridParams`."""
+class PackedCodes:
+    """Codes as the source stores them, kept so that a writer that knows the packing can move words
+    instead of unpacking codes (GPTQ 4-bit -> Q4_0). `layout` names the packing:
+    "gptq-rows": int32 [in*bits/32, out], codes LSB-first along input channels."""
 
-    params: GridParams
-    codes: torch.Tensor  # [out, in] uint8
+    words: torch.Tensor
+    bits: int
+    layout: str
+
+    def unpack(self) -> torch.Tensor:
+        from ..kernels.bitpack import unpack_rows
+
+        if self.layout != "gptq-rows":
+            raise ValueError(f"unknown packing {self.layout!r}")
+        return unpack_rows(self.words, self.bits).T.contiguous()
+
+    def take_rows(self, index) -> "PackedCodes":
+        """Select output rows (a slice or an index tensor); rows are the words' columns here."""
+        return PackedCodes(self.words[:, index], self.bits, self.layout)
+
+
+class Grid:
+    """A quantization grid with its codes: [out, in] uint8 codes plus `GridParams`.
+
+    Codes may come unpacked, or packed (`PackedCodes`) and unpacked on first use.
+    """
+
+    __slots__ = ("params", "_codes", "packed")
+
+    def __init__(self, params: GridParams, codes: torch.Tensor | None = None, packed: PackedCodes | None = None):
+        if codes is None and packed is None:
+            raise ValueError("a Grid needs codes or packed codes")
+        self.params = params
+        self._codes = codes
+        self.packed = packed
+
+    @property
+    def codes(self) -> torch.Tensor:
+        if self._codes is None:
+            self._codes = self.packed.unpack()
+        return self._codes
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)  # type: ignore[return-value]
+        if self._codes is not None:
+            return tuple(self._codes.shape)  # type: ignore[return-value]
+        return (self.params.scales.shape[0], self.packed.words.shape[0] * 32 // self.packed.bits)
+
+    def _take_rows(self, index, params: GridParams) -> "Grid":
+        codes = None if self._codes is None else self._codes[index]
+        packed = None if self.packed is None else self.packed.take_rows(index)
+        return Grid(params, codes, packed)
 
     def permute_rows(self, perm: torch.Tensor) -> "Grid":
-        return Grid(self.params.permute_rows(perm), self.codes[perm])
+        return self._take_rows(perm, self.params.permute_rows(perm))
 
     def row_slice(self, start: int, stop: int) -> "Grid":
-        return Grid(self.params.row_slice(start, stop), self.codes[start:stop])
+        return self._take_rows(slice(start, stop), self.params.row_slice(start, stop))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         from ..kernels import dequantize_grid

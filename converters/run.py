@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from .align import EXACT, NEAR_EXACT
 from .errors import QConvertError
-from .plan import Options, TensorPlan, check_plan, verdict_counts
+from .plan import BitIdentical, Options, TensorPlan, check_plan, verdict_counts
 from .registry import get_format
 
 __all__ = ["convert", "open_source", "plan_conversion", "TensorResult", "Report", "atomic_output"]
@@ -154,7 +154,7 @@ def convert(src_format: str, src_path: Path, dst_format: str, out_path: Path | N
             plan = by_name[rec.name]
             item = rec.load()
             decoded = session.add(plan, item)
-            max_err, rmse = _measure(item, decoded)
+            max_err, rmse = (0.0, 0.0) if isinstance(decoded, BitIdentical) else _measure(item, decoded)
             del item, decoded
             if plan.verdict == EXACT and max_err != 0.0:
                 raise QConvertError(f"internal error: planned exact but measured max error {max_err:g}",

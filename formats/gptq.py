@@ -26,7 +26,7 @@ from .. import __version__
 from ..converters.align import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Verdict, describe_grid
 from ..converters.errors import BadInput, QConvertError
 from ..converters.plan import Options, TensorPlan
-from ..converters.records import Dense, Grid, GridParams, TensorRecord
+from ..converters.records import Dense, Grid, GridParams, PackedCodes, TensorRecord
 from ..converters.registry import FormatEntry, register_format
 from ..kernels.bitpack import SUPPORTED_PACK_BITS, pack_rows, unpack_rows
 from ..kernels.rtn import quantize_rtn
@@ -222,8 +222,7 @@ class GptqSource:
         if qweight.dtype != torch.int32:
             raise BadInput(f"qweight dtype {qweight.dtype} is not int32", path=self.ckpt.file_of(qweight_name),
                            tensor=qweight_name)
-        codes = unpack_rows(qweight, params.bits).T.contiguous()
-        return Grid(params, codes)
+        return Grid(params, packed=PackedCodes(qweight, params.bits, "gptq-rows"))
 
     # -- the ModelSource interface ----------------------------------------------------------------
     def records(self) -> Iterator[TensorRecord]:
@@ -361,7 +360,11 @@ class GptqSession:
         p = grid.params
         out_features, in_features = grid.shape
         put = self.shards.put
-        put(f"{prefix}.qweight", pack_rows(grid.codes.T.contiguous(), p.bits))
+        packed = grid.packed
+        if packed is not None and packed.layout == "gptq-rows" and packed.bits == p.bits:
+            put(f"{prefix}.qweight", packed.words)  # same packing: the source words as they are
+        else:
+            put(f"{prefix}.qweight", pack_rows(grid.codes.T.contiguous(), p.bits))
         put(f"{prefix}.qzeros", encode_zeros(p.zeros.T.contiguous(), p.bits, self.writer.convention))
         put(f"{prefix}.scales", p.scales.T.contiguous().to(torch.float16))
         put(f"{prefix}.g_idx", p.group_of_column(in_features).to(torch.int32))

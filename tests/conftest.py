@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 
 import fixtures  # noqa: E402

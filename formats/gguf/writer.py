@@ -21,10 +21,11 @@ import torch
 from ...converters.align import (EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Verdict, check_dense_to_float,
                                  check_grid_to_blocks, check_grid_to_float, describe_grid)
 from ...converters.errors import QConvertError
-from ...converters.plan import Options, TensorPlan, unknown_type
+from ...converters.plan import BitIdentical, Options, TensorPlan, unknown_type
 from ...converters.records import Dense, Grid, TensorRecord
 from ...kernels.ggml_layouts import LAYOUTS, BlockLayout, layout
 from ...kernels.ggml_legacy import decode_blocks, pack_blocks, quantize_blocks, repack_grid
+from ...kernels.gptq_q4_0 import gptq4_to_q4_0, q4_0_to_gptq4
 from .metadata import add_model_metadata, rope_freqs_tensor
 from .names import gguf_arch, gguf_tensor_name, inverse_permutation, qk_row_permutation
 
@@ -212,7 +213,7 @@ class GgufSession:
             item = item.permute_rows(perm) if isinstance(item, Grid) else Dense(item.tensor[perm])
         data, decoded = encode_tensor(lay, plan.verdict, item)
         self.writer.write_tensor_data(data.reshape(-1))
-        if perm is not None:
+        if perm is not None and not isinstance(decoded, BitIdentical):
             decoded = decoded[inverse_permutation(perm)]
         return decoded
 
@@ -222,8 +223,30 @@ class GgufSession:
         self.writer.close()
 
 
-def encode_tensor(lay: BlockLayout, verdict: str, item: Dense | Grid) -> tuple[np.ndarray, torch.Tensor]:
-    """-> (bytes as uint8 numpy, float32 values the bytes decode to, in the item's shape)."""
+def _gptq_words_to_q4_0(item: Grid):
+    """The fast exact path: GPTQ 4-bit symmetric words straight into Q4_0 blocks, then back again to
+    prove the bytes hold exactly the source words and scales."""
+    p = item.params
+    out_features, in_features = item.shape
+    block_scales = p.scales[:, p.group_of_column(in_features)[::32]].to(torch.float16)
+    data = gptq4_to_q4_0(item.packed.words, block_scales)
+    words_back, scales_back = q4_0_to_gptq4(data)
+    if not (torch.equal(words_back, item.packed.words) and torch.equal(scales_back, block_scales)):
+        raise AssertionError("Q4_0 bytes do not decode back to the GPTQ words")  # a bug, never user input
+    return data.numpy(), BitIdentical("Q4_0 blocks decode back to the source's GPTQ words and fp16 scales")
+
+
+def _fast_path_applies(lay: BlockLayout, verdict: str, item) -> bool:
+    packed = getattr(item, "packed", None)
+    return (lay.name == "Q4_0" and verdict == EXACT and packed is not None and packed.layout == "gptq-rows"
+            and packed.bits == 4 and item.params.symmetric)
+
+
+def encode_tensor(lay: BlockLayout, verdict: str, item: Dense | Grid) -> tuple[np.ndarray, torch.Tensor | BitIdentical]:
+    """-> (bytes as uint8 numpy, float32 values the bytes decode to in the item's shape, or a proof
+    that the bytes are bit-identical to the source's packed codes)."""
+    if _fast_path_applies(lay, verdict, item):
+        return _gptq_words_to_q4_0(item)
     if lay.kind == "float":
         dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[lay.name]
         t = item.dequantize(dtype).contiguous()
