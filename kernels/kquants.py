@@ -1,0 +1,789 @@
+"""Vectorized GGUF K-quant codecs (Q2_K..Q6_K, Q8_K) that reproduce llama.cpp's reference
+quantizers (`quantize_row_q*_K_ref` in ggml-quants.c) byte for byte.
+
+Every super-block covers 256 consecutive values of a row:
+
+- Q2_K (84 B):  16 sub-blocks of 16; 4-bit scale + 4-bit min per sub-block, fp16 d and dmin,
+  2-bit codes q; value = d*sc*q - dmin*m.
+- Q3_K (110 B): 16 sub-blocks of 16; 6-bit signed scales (stored +32), fp16 d, 3-bit codes split
+  into a high-bit mask and 2 low bits; value = d*(sc-32)*(q-4).
+- Q4_K (144 B): 8 sub-blocks of 32; 6-bit scale + 6-bit min, fp16 d and dmin, 4-bit codes.
+- Q5_K (176 B): as Q4_K with 5-bit codes (5th bit in qh).
+- Q6_K (210 B): 16 sub-blocks of 16; int8 scales, fp16 d, 6-bit codes; value = d*sc*(q-32).
+- Q8_K (292 B): fp32 d, int8 codes, int16 sums of each 16 codes (an activation format).
+
+The byte layouts are in the spec (shared/specs/gguf.md section 2).
+
+Exactness. The C reference in llama-cpp-python's libggml-base.so is compiled for baseline x86-64
+SSE (it contains no vfmadd instruction), so every C expression is a chain of individually rounded
+float32 operations, and the code below evaluates the same expressions in the same association order
+in float32 numpy (tested: 100% identical blocks). A ggml built with FMA contraction (-march=native
+-ffp-contract=fast on an FMA machine) would round some a*b+c differently and could disagree on a
+few near-tie blocks; that is a property of such a build, not of the algorithm.
+
+Where C accumulates a sum over a sub-block sequentially, the data is laid out element-major, shape
+(n, M) with M sub-blocks, and reduced with ``np.add.reduce(axis=0)``: numpy adds the rows one after
+another into the accumulator (pairwise summation only happens along a contiguous reduction axis),
+which is exactly C's order. ``nearest_int`` is C's
+``fval + 1.5*2**23`` bit trick; it equals round-half-to-even (``np.rint``) for |v| < 2**22, and the
+trick itself is used wherever the argument is not provably in that range. One detail the spec's
+summary of make_qkx2_quants leaves out: C's search overwrites its `min` when it accepts a candidate,
+and later candidates use that min in `iscale*(x - min)` and `(max - min)`; this is reproduced.
+
+Speed. All super-blocks of a chunk are processed at once; Python loops run only over the candidate
+scales of the searches (<= 21) and, for Q3_K, over the 16 positions x <= 5 coordinate-descent passes.
+
+Importance weights (``imatrix``): llama.cpp switches to different, weighted algorithms
+(``quantize_row_q*_K_impl``: make_qkx3_quants / make_qp_quants) when an importance matrix is given.
+They are not implemented yet; passing ``imatrix`` raises NotImplementedError rather than silently
+producing the unweighted result.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .ggml_layouts import K_TYPES as _LAYOUT_K_TYPES
+from .ggml_layouts import LAYOUTS
+
+__all__ = [
+    "QK_K",
+    "K_TYPES",
+    "BLOCK_BYTES",
+    "quantize_k",
+    "dequantize_k",
+    "quantize_q2_K",
+    "quantize_q3_K",
+    "quantize_q4_K",
+    "quantize_q5_K",
+    "quantize_q6_K",
+    "quantize_q8_K",
+    "dequantize_q2_K",
+    "dequantize_q3_K",
+    "dequantize_q4_K",
+    "dequantize_q5_K",
+    "dequantize_q6_K",
+    "dequantize_q8_K",
+]
+
+QK_K = 256
+K_TYPES = _LAYOUT_K_TYPES  # "Q2_K" .. "Q6_K", the weight formats
+# Q8_K is llama.cpp's activation format (fp32 d, 256 int8, 16 int16 sums); not a weight layout.
+BLOCK_BYTES = {**{t: LAYOUTS[t].nbytes for t in K_TYPES}, "Q8_K": 292}
+assert BLOCK_BYTES == {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q8_K": 292}
+
+F32 = np.float32
+_MAGIC = F32(12582912.0)  # 1.5 * 2**23, C's nearest_int constant
+_GROUP_MAX_EPS = F32(1e-15)
+
+# Super-blocks per chunk (256K values, 1 MiB per float32 work array). Chosen by measurement: smaller
+# chunks pay numpy's per-call overhead on the per-sub-block bookkeeping, larger ones fall out of L2/L3.
+_CHUNK = 1024
+
+
+# ----------------------------------------------------------------------------------------------
+# small helpers
+
+
+def _nearest_int(v: np.ndarray) -> np.ndarray:
+    """C's nearest_int on a float32 array, including its behaviour outside |v| < 2**22 (inf/NaN and
+    huge quotients give the same garbage as C, which the callers then clamp exactly as C does)."""
+    t = np.add(v, _MAGIC, dtype=F32)
+    i = t.view(np.int32)
+    i &= 0x007FFFFF
+    i -= 0x00400000
+    return i
+
+
+def _fp16_round(v: np.ndarray) -> np.ndarray:
+    """GGML_FP32_TO_FP16: round to nearest even (numpy's float16 cast does the same)."""
+    return v.astype(np.float16)
+
+
+def _as_blocks(x: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
+    x = np.asarray(x)
+    if x.ndim == 0 or x.shape[-1] % QK_K:
+        raise ValueError(f"last dimension must be a multiple of {QK_K}, got shape {x.shape}")
+    xb = np.ascontiguousarray(x, dtype=F32).reshape(-1, QK_K)
+    return xb, x.shape
+
+
+def _out_shape(shape: tuple[int, ...], block_bytes: int) -> tuple[int, ...]:
+    return (*shape[:-1], shape[-1] // QK_K * block_bytes)
+
+
+def _check_imatrix(imatrix) -> None:
+    if imatrix is not None:
+        raise NotImplementedError(
+            "importance-weighted K-quant quantization (llama.cpp quantize_row_q*_K_impl) is not "
+            "implemented; call without imatrix for the reference (llama-quantize default) result"
+        )
+
+
+def _first_absmax(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per column of X: (max |x|, the signed x attaining it), i.e. C's
+    `if (ax > amax) { amax = ax; max = x[i]; }`, which keeps the first one on ties (NaNs never
+    win). Which index wins only matters when +a and -a both attain the maximum; those rare columns
+    are resolved explicitly, the rest follow from the column max and min (argmax along a
+    non-contiguous axis is slow)."""
+    A = np.abs(X)
+    amax = np.fmax.reduce(A, axis=0)
+    hi = np.fmax.reduce(X, axis=0)
+    lo = np.fmin.reduce(X, axis=0)
+    pos = hi == amax
+    mx = np.where(pos, hi, -amax)
+    tie = pos & (lo == -amax) & (amax > 0)
+    if tie.any():
+        cols = np.flatnonzero(tie)
+        idx = np.argmax(A[:, cols] == amax[cols], axis=0)
+        mx[cols] = X[idx, cols]
+    return amax, mx
+
+
+def _mask32(acc: np.ndarray) -> np.ndarray:
+    """bool -> int32 0 / -1, for _blend."""
+    m = acc.view(np.int8).astype(np.int32)
+    np.negative(m, out=m)
+    return m
+
+
+def _blend(dst: np.ndarray, src: np.ndarray, mask: np.ndarray) -> None:
+    """dst[..., j] = src[..., j] where mask[j] == -1, bitwise (exact for every float, NaN included).
+    On scattered masks this is several times faster than np.copyto(where=) or np.where."""
+    d = dst.view(np.int32)
+    t = np.bitwise_xor(d, src.view(np.int32))
+    t &= mask
+    d ^= t
+
+
+def _chunks(nb: int):
+    for s in range(0, nb, _CHUNK):
+        yield s, min(nb, s + _CHUNK)
+
+
+# ----------------------------------------------------------------------------------------------
+# searches, all on element-major arrays X of shape (n, M): column m is one sub-block of n values
+
+
+def _qkx2_round(X, isc, cur_min, raw_min, mx, nmax, out, check=True):
+    """C: l = MAX(0, MIN(nmax, nearest_int(iscale*(x[i] - min)))) for every column.
+
+    np.rint is C's nearest_int only for |v| < 2**22. |x - min|*iscale stays far below that unless
+    max - min is (nearly) 0 (denormal data, or an accepted min close to max); with `check` such
+    columns are detected and the exact bit trick (which also reproduces C on inf/NaN) is used."""
+    np.subtract(X, cur_min, out=out)
+    np.multiply(out, isc, out=out)
+    if not check or np.all(np.maximum(mx - cur_min, cur_min - raw_min) * isc < F32(4.0e6)):
+        np.clip(out, 0, nmax, out=out)  # clamp then round == round then clamp (integer bounds)
+        np.rint(out, out=out)
+    else:
+        li = _nearest_int(out)
+        np.clip(li, 0, nmax, out=li)
+        out[...] = li
+    return out
+
+
+class _Qkx2:
+    """make_qkx2_quants for M sub-blocks at once: `scale`, `the_min` per column, and `L(cols)`.
+
+    C updates its `min` whenever a candidate is accepted, and later candidates compute
+    `iscale = (...)/(max - min)` and `iscale*(x - min)` with that updated min; so does this code.
+    Instead of carrying the best L through the search, the winning (iscale, min used) pair is kept:
+    L is a pure function of them, and the callers need it only for sub-blocks whose requantization
+    scale d*sc is 0 (the rest is requantized), so it is rebuilt for those columns only.
+    """
+
+    def __init__(self, X, W, nmax, rmin, rdelta, nstep, use_mad):
+        n, M = X.shape
+        self.X, self.nmax = X, nmax
+        fmax = F32(nmax)
+        raw_min = np.minimum.reduce(X, axis=0)
+        mx = np.maximum.reduce(X, axis=0)
+        mn = np.minimum(raw_min, F32(0))  # C: if (min > 0) min = 0
+        self.raw_min, self.mx = raw_min, mx
+        self.degenerate = mx == mn  # C: L = 0, scale 0, the_min = -min
+        # The running min stays <= 0, so with max > 0: max - min >= max and
+        # |x - min| <= max(max - min, -raw_min), hence |iscale*(x - min)| <= top*(max - raw_min)/max.
+        # When that is < 2**22 and iscale <= top/max cannot overflow (denormal data) for every
+        # column, plain np.rint is exact for the whole search.
+        top = F32(1.01 * max(nmax, rmin + rdelta * nstep + nmax))
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            safe = ((mx > 0) & np.isfinite(top / mx)
+                    & ((mx - raw_min) * top < mx * F32(4.0e6)))
+        check = not np.all(safe | self.degenerate)
+        sum_w = np.add.reduce(W, axis=0)  # C starts from weights[0]: same as 0 + weights[0]
+        S = np.empty((2, n, M), F32)  # [candidate L, x]
+        S[1] = X
+        R = np.empty((3, n, M), F32)  # [w*l, w*l*l, w*l*x], later scratch
+        T = R[0]
+        np.multiply(W, X, out=T)
+        sum_x = np.add.reduce(T, axis=0)
+
+        def error(scale, vmin, Lc, out=None):
+            # C: diff = scale*L + min - x; err += w * (mad ? |diff| : diff*diff)
+            np.multiply(Lc, scale, out=T)
+            np.add(T, vmin, out=T)
+            np.subtract(T, X, out=T)
+            if use_mad:
+                np.abs(T, out=T)
+            else:
+                np.multiply(T, T, out=T)
+            np.multiply(T, W, out=T)
+            return np.add.reduce(T, axis=0, out=out)
+
+        # ST: the running state [best iscale, min it was used with, best error, scale, min];
+        # NEW: the same fields for the current candidate, blended in where it is accepted.
+        ST = np.empty((5, M), F32)
+        NEW = np.empty((5, M), F32)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            ST[4] = mn
+            np.divide(fmax, mx - mn, out=ST[0])
+            ST[1] = mn
+            ST[3] = F32(1) / ST[0]
+            error(ST[3], mn, _qkx2_round(X, ST[0], mn, raw_min, mx, nmax, S[0], check), out=ST[2])
+            vmin = ST[4]
+            for step in range(nstep + 1) if nstep >= 1 else ():
+                num = F32(F32(F32(rmin) + F32(F32(rdelta) * F32(step))) + fmax)
+                isc = np.divide(num, mx - vmin, out=NEW[0])
+                Lc = _qkx2_round(X, isc, vmin, raw_min, mx, nmax, S[0], check)
+                np.multiply(W, Lc, out=R[0])
+                np.multiply(S, R[0], out=R[1:])  # (w*l)*l and (w*l)*x, C's association
+                sum_l, sum_l2, sum_xl = np.add.reduce(R, axis=1)  # sequential over the n rows
+                D = sum_w * sum_l2 - sum_l * sum_l
+                this_scale = np.subtract(sum_w * sum_xl, sum_x * sum_l, out=NEW[3])
+                this_scale /= D
+                this_min = np.subtract(sum_l2 * sum_x, sum_l * sum_xl, out=NEW[4])
+                this_min /= D
+                pos = this_min > 0
+                if pos.any():
+                    this_min[pos] = 0
+                    this_scale[pos] = sum_xl[pos] / sum_l2[pos]
+                cur = error(this_scale, this_min, Lc, out=NEW[2])
+                acc = (D > 0) & (cur < ST[2])
+                NEW[1] = vmin
+                _blend(ST, NEW, _mask32(acc))
+        best_isc, best_xmin, _, scale, vmin = ST
+        scale[self.degenerate] = 0
+        vmin[self.degenerate] = mn[self.degenerate]
+        self.scale, self.the_min = scale, -vmin
+        self.best_isc, self.best_xmin = best_isc, best_xmin
+
+    def L(self, cols: np.ndarray) -> np.ndarray:
+        """Search result L (uint8, shape (len(cols), n)) for the given sub-block columns."""
+        Xs = self.X[:, cols]
+        with np.errstate(invalid="ignore", over="ignore"):
+            Ls = _qkx2_round(Xs, self.best_isc[cols], self.best_xmin[cols], self.raw_min[cols],
+                             self.mx[cols], self.nmax, np.empty_like(Xs))
+        Ls[:, self.degenerate[cols]] = 0
+        return Ls.T.astype(np.uint8)
+
+
+class _QxRmse1:
+    """make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL) (Q6_K) for M sub-blocks at once.
+    `scale` per column and `L(cols)` (stored values l + nmax) as in _Qkx2. iscale*x is bounded by
+    nmax + 0.9 here, so np.rint is exactly C's nearest_int."""
+
+    def __init__(self, X, nmax):
+        n, M = X.shape
+        self.X, self.nmax = X, nmax
+        amax, mx = _first_absmax(X)
+        self.zero = amax < _GROUP_MAX_EPS
+        fn = F32(nmax)
+        P = np.empty((2, n, M), F32)  # [w*x, w] with w = x*x
+        np.multiply(X, X, out=P[1])
+        np.multiply(P[1], X, out=P[0])
+        Q = np.empty((2, n, M), F32)
+        V = np.empty_like(X)
+
+        def sums(isc):
+            np.multiply(X, isc, out=V)
+            np.clip(V, -nmax, nmax - 1, out=V)
+            np.rint(V, out=V)
+            np.multiply(P, V, out=Q)  # (w*x)*l and w*l
+            np.multiply(Q[1], V, out=Q[1])  # (w*l)*l
+            return np.add.reduce(Q, axis=1)  # sequential over the n rows
+
+        ST = np.empty((3, M), F32)  # [scale, best, best iscale]
+        NEW = np.empty((3, M), F32)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            np.divide(F32(-fn), mx, out=ST[2])
+            sumlx, suml2 = sums(ST[2])
+            ST[0] = np.where(suml2 != 0, sumlx / suml2, F32(0))
+            np.multiply(ST[0], sumlx, out=ST[1])
+            for step in range(-9, 10):
+                if step == 0:
+                    continue
+                isc = np.divide(-F32(fn + F32(F32(0.1) * F32(step))), mx, out=NEW[2])
+                slx, sl2 = sums(isc)
+                acc = (sl2 > 0) & (slx * slx > ST[1] * sl2)
+                np.divide(slx, sl2, out=NEW[0])
+                np.multiply(NEW[0], slx, out=NEW[1])
+                _blend(ST, NEW, _mask32(acc))
+        scale = ST[0]
+        scale[self.zero] = 0
+        self.scale, self.best_isc = scale, ST[2]
+
+    def L(self, cols: np.ndarray) -> np.ndarray:
+        nmax = self.nmax
+        with np.errstate(invalid="ignore"):
+            V = self.X[:, cols] * self.best_isc[cols]
+        np.clip(V, -nmax, nmax - 1, out=V)
+        np.rint(V, out=V)
+        V += F32(nmax)
+        V[:, self.zero[cols]] = 0
+        return V.T.astype(np.uint8)
+
+
+def _make_q3_quants(X, nmax=4):
+    """make_q3_quants(n, nmax, x, L, do_rmse=true) (Q3_K). Returns (scale, L + nmax), L (n, M).
+
+    The coordinate descent is sequential over positions inside a sub-block, so it loops over the
+    n rows; all sub-blocks advance together. A sub-block whose pass changed nothing would change
+    nothing in a further pass either (same state, same decisions), so running the remaining passes
+    for all sub-blocks is equivalent to C's per-block early exit.
+    """
+    n, M = X.shape
+    amax, mx = _first_absmax(X)
+    zero = amax < _GROUP_MAX_EPS
+    fn = F32(nmax)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        iscale = F32(-fn) / mx
+        L = np.multiply(X, iscale)
+        np.clip(L, -nmax, nmax - 1, out=L)
+        np.rint(L, out=L)
+        W = np.multiply(X, X)
+        WX = np.multiply(W, X)
+        sumlx = np.add.reduce(WX * L, axis=0)
+        suml2 = np.add.reduce((W * L) * L, axis=0)
+        for _ in range(5):
+            changed = False
+            for i in range(n):
+                x, w, wx, Li = X[i], W[i], WX[i], L[i]
+                slx = sumlx - wx * Li
+                sl2 = suml2 - (w * Li) * Li
+                q = x * sl2
+                q /= slx
+                # the quotient is unbounded (slx can be tiny), so C's exact nearest_int is needed
+                new = _nearest_int(q)
+                np.clip(new, -nmax, nmax - 1, out=new)
+                newf = new.astype(F32)
+                cand = (slx > 0) & (newf != Li)
+                slx2 = slx + wx * newf
+                sl2b = sl2 + (w * newf) * newf
+                acc = cand & (sl2b > 0) & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl2b)
+                if acc.any():
+                    changed = True
+                    m = _mask32(acc)
+                    _blend(Li, newf, m)
+                    _blend(sumlx, slx2, m)
+                    _blend(suml2, sl2b, m)
+            if not changed:
+                break
+        scale = np.where(suml2 > 0, sumlx / suml2, F32(0))
+    L += fn
+    L[:, zero] = 0
+    scale[zero] = 0
+    return scale, L
+
+
+# ----------------------------------------------------------------------------------------------
+# packing helpers
+
+
+def _rowmajor_to_elem_major(xc: np.ndarray, n: int) -> np.ndarray:
+    """(nb, 256) super-blocks -> (n, nb*256/n): one column per sub-block of n values."""
+    return np.ascontiguousarray(xc.reshape(-1, n).T)
+
+
+def _pack_2bit(L: np.ndarray) -> np.ndarray:
+    """qs for Q2_K / low bits of Q3_K: byte 32h+l holds elements 128h+l+32k at shift 2k."""
+    nb = L.shape[0]
+    Lr = L.reshape(nb, 2, 4, 32)
+    q = Lr[:, :, 0] | (Lr[:, :, 1] << 2) | (Lr[:, :, 2] << 4) | (Lr[:, :, 3] << 6)
+    return q.reshape(nb, 64)
+
+
+def _pack_k4_scales(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K 12-byte scales from 8 scales and 8 mins (each <= 63)."""
+    nb = ls.shape[0]
+    s = np.empty((nb, 12), np.uint8)
+    s[:, 0:4] = ls[:, 0:4] | ((ls[:, 4:8] >> 4) << 6)
+    s[:, 4:8] = lm[:, 0:4] | ((lm[:, 4:8] >> 4) << 6)
+    s[:, 8:12] = (ls[:, 4:8] & 0xF) | ((lm[:, 4:8] & 0xF) << 4)
+    return s
+
+
+def _unpack_k4_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """get_scale_min_k4 for all 8 sub-blocks."""
+    sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)], axis=1)
+    m = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
+    return sc, m
+
+
+def _fp16_bytes(h: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(h.astype(np.float16)).view(np.uint8).reshape(-1, 2)
+
+
+def _requant(q: np.ndarray, d: np.ndarray, lo: int, hi: int, search_L) -> np.ndarray:
+    """Second stage shared by all types: codes = clamp(nearest_int(q), lo, hi) - lo as uint8, where
+    q (k, nsub, n) is x/(d*sc) (or (x + dmin*m)/(d*sc)) computed by the caller with the
+    fp16-rounded super scales. Sub-blocks whose d*sc is 0 keep the search's L (C:
+    `if (!d) continue`); `search_L(cols)` supplies it for just those sub-blocks."""
+    li = _nearest_int(q)
+    np.clip(li, lo, hi, out=li)
+    if lo:
+        li -= lo
+    L = li.astype(np.uint8)
+    k, nsub, n = L.shape
+    cols = np.flatnonzero(d.reshape(-1) == 0)
+    if cols.size:
+        L.reshape(k * nsub, n)[cols] = search_L(cols)
+    return L.reshape(k, nsub * n)
+
+
+# ----------------------------------------------------------------------------------------------
+# quantizers
+
+
+def quantize_q2_K(x: np.ndarray, imatrix=None) -> np.ndarray:
+    """float32 [..., n] -> uint8 [..., n/256*84], byte-identical to quantize_row_q2_K_ref."""
+    _check_imatrix(imatrix)
+    xb, shape = _as_blocks(x)
+    nb = xb.shape[0]
+    out = np.empty((nb, 84), np.uint8)
+    for s, e in _chunks(nb):
+        xc = xb[s:e]
+        k = e - s
+        X = _rowmajor_to_elem_major(xc, 16)
+        srch = _Qkx2(X, np.abs(X), 3, -0.5, 0.1, 15, True)
+        scales = srch.scale.reshape(k, 16)
+        mins = srch.the_min.reshape(k, 16)
+        # C: running max starting from 0 with `>` (a NaN never wins)
+        max_scale = np.fmax(np.fmax.reduce(scales, axis=1), F32(0))
+        max_min = np.fmax(np.fmax.reduce(mins, axis=1), F32(0))
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            pos_s = max_scale > 0
+            ls = _nearest_int((F32(15) / max_scale)[:, None] * scales)
+            ls[~pos_s] = 0
+            pos_m = max_min > 0
+            lm = _nearest_int((F32(15) / max_min)[:, None] * mins)
+            lm[~pos_m] = 0
+            # C stores `l` into a uint8 and then ORs `l << 4` into it: both wrap modulo 256.
+            sc_byte = (((ls & 0xFF) | (lm << 4)) & 0xFF).astype(np.uint8)
+            d16 = _fp16_round(np.where(pos_s, max_scale / F32(15), F32(0)))
+            dmin16 = _fp16_round(np.where(pos_m, max_min / F32(15), F32(0)))
+            d = d16.astype(F32)[:, None] * (sc_byte & 0xF).astype(F32)
+            dm = dmin16.astype(F32)[:, None] * (sc_byte >> 4).astype(F32)
+            q = xc.reshape(k, 16, 16) + dm[..., None]
+            q /= d[..., None]
+        L = _requant(q, d, 0, 3, srch.L)
+        o = out[s:e]
+        o[:, 0:16] = sc_byte
+        o[:, 16:80] = _pack_2bit(L)
+        o[:, 80:82] = _fp16_bytes(d16)
+        o[:, 82:84] = _fp16_bytes(dmin16)
+    return out.reshape(_out_shape(shape, 84))
+
+
+def quantize_q3_K(x: np.ndarray, imatrix=None) -> np.ndarray:
+    """float32 [..., n] -> uint8 [..., n/256*110], byte-identical to quantize_row_q3_K_ref."""
+    _check_imatrix(imatrix)
+    xb, shape = _as_blocks(x)
+    nb = xb.shape[0]
+    out = np.empty((nb, 110), np.uint8)
+    for s, e in _chunks(nb):
+        xc = xb[s:e]
+        k = e - s
+        X = _rowmajor_to_elem_major(xc, 16)
+        scale, Ls = _make_q3_quants(X, 4)
+        scales = scale.reshape(k, 16)
+        _, max_scale = _first_absmax(scales.T)
+        nz = max_scale != 0
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            iscale = F32(-32) / max_scale
+            li = _nearest_int(iscale[:, None] * scales)
+            li = li.astype(np.int8).astype(np.int32)  # C: int8_t l = nearest_int(...)
+            np.clip(li, -32, 31, out=li)
+            li += 32
+            li[~nz] = 0
+            d16 = _fp16_round(np.where(nz, F32(1) / iscale, F32(0)))
+        lu = li.astype(np.uint8)
+        sb = np.empty((k, 12), np.uint8)
+        sb[:, 0:8] = (lu[:, 0:8] & 0xF) | ((lu[:, 8:16] & 0xF) << 4)
+        hi = (lu >> 4).reshape(k, 4, 4)  # [k, j//4, j%4]
+        sb[:, 8:12] = hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)
+        # decode what was stored: all-zero scales decode to -32 with d = 0, as in C
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            d = d16.astype(F32)[:, None] * (li - 32).astype(F32)
+            q = xc.reshape(k, 16, 16) / d[..., None]
+        L = _requant(q, d, -4, 3, lambda cols: Ls[:, cols].T.astype(np.uint8))
+        hbit = (L > 3).astype(np.uint8).reshape(k, 8, 32)
+        hm = hbit[:, 0].copy()
+        for b in range(1, 8):
+            hm |= hbit[:, b] << b
+        o = out[s:e]
+        o[:, 0:32] = hm
+        o[:, 32:96] = _pack_2bit(L & 3)
+        o[:, 96:108] = sb
+        o[:, 108:110] = _fp16_bytes(d16)
+    return out.reshape(_out_shape(shape, 110))
+
+
+def _quantize_q45_K(x, nmax, rmin, nstep, block_bytes):
+    xb, shape = _as_blocks(x)
+    nb = xb.shape[0]
+    out = np.empty((nb, block_bytes), np.uint8)
+    for s, e in _chunks(nb):
+        xc = xb[s:e]
+        k = e - s
+        X = _rowmajor_to_elem_major(xc, 32)
+        W = np.multiply(X, X)
+        av_x = np.sqrt(np.add.reduce(W, axis=0) / F32(32))  # C: sqrtf(sum_x2/32), sequential sum
+        np.abs(X, out=W)
+        W += av_x  # C: av_x + fabsf(x)
+        srch = _Qkx2(X, W, nmax, rmin, 0.1, nstep, False)
+        del W
+        scales = srch.scale.reshape(k, 8)
+        mins = srch.the_min.reshape(k, 8)
+        max_scale = np.fmax(np.fmax.reduce(scales, axis=1), F32(0))  # C: running `>` from 0
+        max_min = np.fmax(np.fmax.reduce(mins, axis=1), F32(0))
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            inv_scale = np.where(max_scale > 0, F32(63) / max_scale, F32(0))
+            inv_min = np.where(max_min > 0, F32(63) / max_min, F32(0))
+            # C: uint8_t ls = nearest_int(...); ls = MIN(63, ls)  (wraps mod 256 first)
+            ls = np.minimum(_nearest_int(inv_scale[:, None] * scales) & 0xFF, 63).astype(np.uint8)
+            lm = np.minimum(_nearest_int(inv_min[:, None] * mins) & 0xFF, 63).astype(np.uint8)
+            d16 = _fp16_round(max_scale / F32(63))
+            dmin16 = _fp16_round(max_min / F32(63))
+            d = d16.astype(F32)[:, None] * ls.astype(F32)
+            dm = dmin16.astype(F32)[:, None] * lm.astype(F32)
+            q = xc.reshape(k, 8, 32) + dm[..., None]
+            q /= d[..., None]
+        L = _requant(q, d, 0, nmax, srch.L)
+        o = out[s:e]
+        o[:, 0:2] = _fp16_bytes(d16)
+        o[:, 2:4] = _fp16_bytes(dmin16)
+        o[:, 4:16] = _pack_k4_scales(ls, lm)
+        Lr = L.reshape(k, 4, 2, 32)
+        if nmax == 15:
+            o[:, 16:144] = (Lr[:, :, 0] | (Lr[:, :, 1] << 4)).reshape(k, 128)
+        else:
+            o[:, 48:176] = ((Lr[:, :, 0] & 0xF) | (Lr[:, :, 1] << 4)).reshape(k, 128)
+            hi = (L >> 4).reshape(k, 8, 32)
+            qh = hi[:, 0].copy()
+            for b in range(1, 8):
+                qh |= hi[:, b] << b
+            o[:, 16:48] = qh
+    return out.reshape(_out_shape(shape, block_bytes))
+
+
+def quantize_q4_K(x: np.ndarray, imatrix=None) -> np.ndarray:
+    """float32 [..., n] -> uint8 [..., n/256*144], byte-identical to quantize_row_q4_K_ref."""
+    _check_imatrix(imatrix)
+    return _quantize_q45_K(x, 15, -1.0, 20, 144)
+
+
+def quantize_q5_K(x: np.ndarray, imatrix=None) -> np.ndarray:
+    """float32 [..., n] -> uint8 [..., n/256*176], byte-identical to quantize_row_q5_K_ref."""
+    _check_imatrix(imatrix)
+    return _quantize_q45_K(x, 31, -0.5, 15, 176)
+
+
+def quantize_q6_K(x: np.ndarray, imatrix=None) -> np.ndarray:
+    """float32 [..., n] -> uint8 [..., n/256*210], byte-identical to quantize_row_q6_K_ref."""
+    _check_imatrix(imatrix)
+    xb, shape = _as_blocks(x)
+    nb = xb.shape[0]
+    out = np.empty((nb, 210), np.uint8)
+    for s, e in _chunks(nb):
+        xc = xb[s:e]
+        k = e - s
+        X = _rowmajor_to_elem_major(xc, 16)
+        srch = _QxRmse1(X, 32)
+        scales = srch.scale.reshape(k, 16)
+        amax, max_scale = _first_absmax(scales.T)
+        zero = amax < _GROUP_MAX_EPS
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            iscale = F32(-128) / max_scale
+            d16 = _fp16_round(np.where(zero, F32(0), F32(1) / iscale))
+            sc = np.minimum(_nearest_int(iscale[:, None] * scales), 127).astype(np.int8)
+            sc[zero] = 0
+            d = d16.astype(F32)[:, None] * sc.astype(F32)
+            q = xc.reshape(k, 16, 16) / d[..., None]
+        L = _requant(q, d, -32, 31, srch.L)
+        L[zero] = 0  # C memsets an all-zero super-block
+        Lr = L.reshape(k, 2, 4, 32)
+        lo = Lr & 0xF
+        hi = Lr >> 4
+        o = out[s:e]
+        o[:, 0:128] = (lo[:, :, 0:2] | (lo[:, :, 2:4] << 4)).reshape(k, 128)
+        o[:, 128:192] = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4)
+                         | (hi[:, :, 3] << 6)).reshape(k, 64)
+        o[:, 192:208] = sc.view(np.uint8)
+        o[:, 208:210] = _fp16_bytes(d16)
+    return out.reshape(_out_shape(shape, 210))
+
+
+def quantize_q8_K(x: np.ndarray) -> np.ndarray:
+    """float32 [..., n] -> uint8 [..., n/256*292] (fp32 d, int8 qs[256], int16 bsums[16]) as
+    quantize_row_q8_K_ref. C leaves bsums of an all-zero block uninitialised; here they are 0."""
+    xb, shape = _as_blocks(x)
+    nb = xb.shape[0]
+    out = np.zeros((nb, 292), np.uint8)
+    A = np.abs(xb)
+    idx = np.argmax(A, axis=1)  # first occurrence, as C's strict `>`
+    rows = np.arange(nb)
+    amax, mx = A[rows, idx], xb[rows, idx]
+    nz = amax != 0
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        iscale = np.where(nz, F32(-127) / mx, F32(0))
+        q = np.minimum(_nearest_int(xb * iscale[:, None]), 127)
+        q[~nz] = 0
+        d = np.where(nz, F32(1) / iscale, F32(0)).astype(F32)
+    bsums = np.add.reduce(q.reshape(nb, 16, 16), axis=2).astype(np.int16)
+    out[:, 0:4] = d.view(np.uint8).reshape(nb, 4)
+    out[:, 4:260] = q.astype(np.int8).view(np.uint8)
+    out[:, 260:292] = bsums.view(np.uint8).reshape(nb, 32)
+    return out.reshape(_out_shape(shape, 292))
+
+
+# ----------------------------------------------------------------------------------------------
+# dequantizers (same float32 expression order as C's dequantize_row_q*_K and gguf-py)
+
+
+def _as_byte_blocks(data: np.ndarray, block_bytes: int) -> tuple[np.ndarray, tuple[int, ...]]:
+    data = np.asarray(data)
+    if data.dtype != np.uint8:
+        raise TypeError(f"expected uint8 block bytes, got {data.dtype}")
+    if data.ndim == 0 or data.shape[-1] % block_bytes:
+        raise ValueError(f"last dimension must be a multiple of {block_bytes} bytes, got {data.shape}")
+    blocks = np.ascontiguousarray(data).reshape(-1, block_bytes)
+    return blocks, (*data.shape[:-1], data.shape[-1] // block_bytes * QK_K)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(F32)  # (nb, 1)
+
+
+def _unpack_2bit(qs: np.ndarray) -> np.ndarray:
+    nb = qs.shape[0]
+    q = qs.reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    return (q & 3).reshape(nb, 256)
+
+
+def dequantize_q2_K(data: np.ndarray) -> np.ndarray:
+    b, shape = _as_byte_blocks(data, 84)
+    nb = b.shape[0]
+    sc = b[:, 0:16]
+    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    dl = d * (sc & 0xF).astype(F32)
+    ml = dmin * (sc >> 4).astype(F32)
+    q = _unpack_2bit(b[:, 16:80]).reshape(nb, 16, 16).astype(F32)
+    y = dl[..., None] * q - ml[..., None]
+    return y.reshape(shape)
+
+
+def dequantize_q3_K(data: np.ndarray) -> np.ndarray:
+    b, shape = _as_byte_blocks(data, 110)
+    nb = b.shape[0]
+    hm, qs, s = b[:, 0:32], b[:, 32:96], b[:, 96:108]
+    d = _f16(b[:, 108:110])
+    low = np.concatenate([s[:, 0:8] & 0xF, s[:, 0:8] >> 4], axis=1)  # j<8 / j>=8
+    j = np.arange(16)
+    high = (s[:, 8 + j % 4] >> (2 * (j // 4)).astype(np.uint8)) & 3
+    sc = (low | (high << 4)).astype(np.int32) - 32
+    dl = d * sc.astype(F32)
+    q2 = _unpack_2bit(qs).astype(np.int32)
+    hbit = (hm.reshape(nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    q = q2 - 4 * (1 - hbit.reshape(nb, 256).astype(np.int32))
+    y = dl[..., None] * q.reshape(nb, 16, 16).astype(F32)
+    return y.reshape(shape)
+
+
+def _dequantize_q45(b, nmax):
+    nb = b.shape[0]
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, m = _unpack_k4_scales(b[:, 4:16])
+    d1 = d * sc.astype(F32)
+    m1 = dmin * m.astype(F32)
+    qs = b[:, 16:144] if nmax == 15 else b[:, 48:176]
+    q = qs.reshape(nb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    q = (q & 0xF).reshape(nb, 8, 32)
+    if nmax == 31:
+        hb = (b[:, 16:48].reshape(nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+        q = q | (hb << 4)
+    return d1[..., None] * q.astype(F32) - m1[..., None]
+
+
+def dequantize_q4_K(data: np.ndarray) -> np.ndarray:
+    b, shape = _as_byte_blocks(data, 144)
+    return _dequantize_q45(b, 15).reshape(shape)
+
+
+def dequantize_q5_K(data: np.ndarray) -> np.ndarray:
+    b, shape = _as_byte_blocks(data, 176)
+    return _dequantize_q45(b, 31).reshape(shape)
+
+
+def dequantize_q6_K(data: np.ndarray) -> np.ndarray:
+    b, shape = _as_byte_blocks(data, 210)
+    nb = b.shape[0]
+    ql, qh = b[:, 0:128], b[:, 128:192]
+    sc = b[:, 192:208].view(np.int8).astype(F32)
+    d = _f16(b[:, 208:210])
+    lo = (ql.reshape(nb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0xF
+    lo = lo.reshape(nb, 2, 4, 32)  # [half, (q1,q2,q3,q4), l]
+    hi = (qh.reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    q = (lo | (hi << 4)).astype(np.int32) - 32
+    dl = d * sc  # C: d * sc[is] * q == (d*sc)*q
+    y = dl.reshape(nb, 16, 1) * q.reshape(nb, 16, 16).astype(F32)
+    return y.reshape(shape)
+
+
+def dequantize_q8_K(data: np.ndarray) -> np.ndarray:
+    b, shape = _as_byte_blocks(data, 292)
+    d = np.ascontiguousarray(b[:, 0:4]).view(F32)
+    q = b[:, 4:260].view(np.int8).astype(F32)
+    return (d * q).reshape(shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# dispatch
+
+_QUANTIZERS = {
+    "Q2_K": quantize_q2_K,
+    "Q3_K": quantize_q3_K,
+    "Q4_K": quantize_q4_K,
+    "Q5_K": quantize_q5_K,
+    "Q6_K": quantize_q6_K,
+}
+_DEQUANTIZERS = {
+    "Q2_K": dequantize_q2_K,
+    "Q3_K": dequantize_q3_K,
+    "Q4_K": dequantize_q4_K,
+    "Q5_K": dequantize_q5_K,
+    "Q6_K": dequantize_q6_K,
+    "Q8_K": dequantize_q8_K,
+}
+
+
+def _type_name(type_name) -> str:
+    name = getattr(type_name, "name", type_name)  # accepts gguf.GGMLQuantizationType too
+    if not isinstance(name, str) or name.upper() not in BLOCK_BYTES:
+        raise ValueError(f"unknown K-quant type {type_name!r}; expected one of {tuple(BLOCK_BYTES)}")
+    return name.upper()
+
+
+def quantize_k(x: np.ndarray, type_name, imatrix=None) -> np.ndarray:
+    """Quantize float32 [..., n] (n % 256 == 0) to the uint8 block bytes of `type_name`
+    ("Q2_K".."Q6_K", "Q8_K"), as llama.cpp's reference quantizer (llama-quantize without imatrix)."""
+    name = _type_name(type_name)
+    if name == "Q8_K":
+        _check_imatrix(imatrix)
+        return quantize_q8_K(x)
+    return _QUANTIZERS[name](x, imatrix=imatrix)
+
+
+def dequantize_k(data: np.ndarray, type_name) -> np.ndarray:
+    """uint8 block bytes [..., nbytes] of `type_name` -> float32 [..., nbytes/block_bytes*256]."""
+    return _DEQUANTIZERS[_type_name(type_name)](data)

@@ -1,0 +1,266 @@
+"""K-quant codecs (kernels/kquants.py) against gguf-py's dequantizers and llama.cpp's C reference.
+
+The C oracle is the reference quantizer compiled into llama-cpp-python's `libggml-base.so`
+(`ggml_quantize_chunk` with no importance matrix, i.e. `quantize_row_q*_K_ref`, what llama-quantize
+does without --imatrix), called through ctypes. Those tests skip only when llama_cpp is not
+importable. Identical-block percentages are printed (run with -s) and recorded as properties.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from qconvert.kernels import kquants as kq
+
+TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# byte offsets of the fp16 super-block scales (d, dmin) inside each block
+FP16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+MIN_IDENTICAL = 0.999
+MAX_RMSE_RATIO = 1.001
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even to bfloat16 and back, like a checkpoint stored in bf16."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.astype(np.uint32).view(np.float32)
+
+
+def _datasets() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(20240611)
+    d = {}
+    d["normal"] = (rng.standard_normal((64, 4096)) * 0.05).astype(np.float32)
+    # LLM-weight-like: heavy tails, per-row and per-column scales, a few outlier input channels,
+    # bf16 storage, a row length that is not a power of two (11008 = 43 * 256)
+    rows, cols = 48, 11008
+    col_scale = np.exp(rng.normal(0, 0.3, cols))
+    col_scale[rng.choice(cols, 12, replace=False)] *= 25
+    w = rng.standard_t(4, (rows, cols)) * np.exp(rng.normal(-4, 0.5, (rows, 1))) * col_scale
+    d["real_shaped"] = _bf16(w.astype(np.float32))
+    z = (rng.standard_normal((8, 1024)) * 0.02).astype(np.float32)
+    z[0] = 0  # all-zero row
+    z[3, :384] = 0  # zero super-block and half of the next
+    z[5, ::2] = 0
+    d["zero_rows"] = z
+    d["tiny"] = (rng.standard_normal((16, 1024)) * 1e-8).astype(np.float32)
+    d["huge"] = (rng.standard_normal((16, 1024)) * 1e4).astype(np.float32)
+    m = (rng.standard_normal((12, 2048)) * 10.0 ** rng.integers(-6, 4, (12, 1))).astype(np.float32)
+    m[1] = 0
+    m[2] = 0.37  # constant positive
+    m[3] = -np.abs(m[3])  # all negative
+    m[4, rng.random(2048) < 0.9] = 0  # sparse
+    m[5] = np.round(m[5] / m[5].std() * 2) / 4  # coarse grid: many exact ties, +-a pairs
+    m[6] = rng.standard_normal(2048).astype(np.float32) * 1e-39  # denormals
+    m[7, :256] = np.sign(rng.standard_normal(256))  # +-1 only
+    d["mixed"] = m
+    return d
+
+
+DATA = _datasets()
+
+
+def _gguf_dequant(q: np.ndarray, t: str) -> np.ndarray:
+    return gguf.quants.dequantize(q, gguf.GGMLQuantizationType[t])
+
+
+def _rmse(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.sqrt(np.mean((a.astype(np.float64) - b) ** 2)))
+
+
+# ------------------------------------------------------------------------------------------------
+# C oracle
+
+
+class _Oracle:
+    def __init__(self, lib_path: Path):
+        self.lib = ctypes.CDLL(str(lib_path))
+        f = self.lib.ggml_quantize_chunk
+        f.restype = ctypes.c_size_t
+        f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                      ctypes.c_int64, ctypes.c_void_p]
+        for name in ("quantize_row_q8_K_ref",
+                     *(f"quantize_row_{t[:2].lower()}_K_ref" for t in TYPES),
+                     *(f"dequantize_row_{t[:2].lower()}_K" for t in (*TYPES, "Q8_K"))):
+            g = getattr(self.lib, name)
+            g.restype = None
+            g.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+
+    def quantize(self, x: np.ndarray, t: str) -> np.ndarray:
+        x = np.ascontiguousarray(x, np.float32)
+        rows, n = x.shape
+        out = np.zeros((rows, n // 256 * kq.BLOCK_BYTES[t]), np.uint8)
+        if t == "Q8_K":  # not a storage type: ggml_quantize_chunk does not take it
+            self.lib.quantize_row_q8_K_ref(x.ctypes.data, out.ctypes.data, x.size)
+            return out
+        size = self.lib.ggml_quantize_chunk(int(gguf.GGMLQuantizationType[t]), x.ctypes.data,
+                                            out.ctypes.data, 0, rows, n, None)
+        assert size == out.nbytes
+        return out
+
+    def quantize_row_ref(self, x: np.ndarray, t: str) -> np.ndarray:
+        x = np.ascontiguousarray(x, np.float32)
+        out = np.zeros((x.shape[0], x.shape[1] // 256 * kq.BLOCK_BYTES[t]), np.uint8)
+        getattr(self.lib, f"quantize_row_{t[:2].lower()}_K_ref")(x.ctypes.data, out.ctypes.data, x.size)
+        return out
+
+    def dequantize(self, q: np.ndarray, t: str) -> np.ndarray:
+        q = np.ascontiguousarray(q)
+        y = np.empty((q.shape[0], q.shape[1] // kq.BLOCK_BYTES[t] * 256), np.float32)
+        getattr(self.lib, f"dequantize_row_{t[:2].lower()}_K")(q.ctypes.data, y.ctypes.data, y.size)
+        return y
+
+
+@pytest.fixture(scope="module")
+def oracle() -> _Oracle:
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not installed: no C reference quantizer to compare with")
+    lib = Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"
+    assert lib.exists(), f"llama_cpp is importable but {lib} is missing"
+    return _Oracle(lib)
+
+
+# ------------------------------------------------------------------------------------------------
+# dequantization == gguf-py
+
+
+@pytest.mark.parametrize("t", TYPES)
+@pytest.mark.parametrize("name", list(DATA))
+def test_dequantize_matches_gguf_py_on_our_bytes(t, name):
+    x = DATA[name]
+    q = kq.quantize_k(x, t)
+    assert q.dtype == np.uint8 and q.shape == (x.shape[0], x.shape[1] // 256 * kq.BLOCK_BYTES[t])
+    ours = kq.dequantize_k(q, t)
+    ref = _gguf_dequant(q, t)
+    assert ours.dtype == np.float32 and ours.shape == x.shape
+    np.testing.assert_array_equal(ours, ref)
+    assert np.isfinite(ours).all()
+    # what a zero input row quantizes to must decode to exact zeros
+    zero_rows = ~x.any(axis=1)
+    assert (ours[zero_rows] == 0).all()
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_dequantize_matches_gguf_py_on_random_blocks(t):
+    rng = np.random.default_rng(7)
+    nblocks = 4096
+    q = rng.integers(0, 256, (nblocks, kq.BLOCK_BYTES[t]), dtype=np.uint8)
+    for off in FP16_FIELDS[t]:  # sane finite fp16 scales, including some zeros and subnormals
+        v = (rng.standard_normal(nblocks) * 10.0 ** rng.integers(-7, 2, nblocks)).astype(np.float16)
+        v[::97] = 0
+        q[:, off:off + 2] = v.view(np.uint8).reshape(nblocks, 2)
+    q = q.reshape(64, -1)
+    ours = kq.dequantize_k(q, t)
+    np.testing.assert_array_equal(ours, _gguf_dequant(q, t))
+    assert ours.shape == (64, nblocks // 64 * 256)
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_dequantize_matches_c_on_random_blocks(t, oracle):
+    rng = np.random.default_rng(8)
+    q = rng.integers(0, 256, (1024, kq.BLOCK_BYTES[t]), dtype=np.uint8)
+    for off in FP16_FIELDS[t]:
+        v = (rng.standard_normal(1024) * 0.01).astype(np.float16)
+        q[:, off:off + 2] = v.view(np.uint8).reshape(-1, 2)
+    q = q.reshape(16, -1)
+    np.testing.assert_array_equal(kq.dequantize_k(q, t), oracle.dequantize(q, t))
+
+
+# ------------------------------------------------------------------------------------------------
+# quantization == llama.cpp reference
+
+
+@pytest.mark.parametrize("t", TYPES)
+@pytest.mark.parametrize("name", list(DATA))
+def test_quantize_matches_c_reference(t, name, oracle, record_property):
+    x = DATA[name]
+    with np.errstate(all="ignore"):  # the denormal row makes C and us divide by ~0 alike
+        ours = kq.quantize_k(x, t)
+    ref = oracle.quantize(x, t)
+    bb = kq.BLOCK_BYTES[t]
+    same = (ours.reshape(-1, bb) == ref.reshape(-1, bb)).all(axis=1)
+    pct = 100.0 * same.mean()
+    r_ours = _rmse(kq.dequantize_k(ours, t), x)
+    r_ref = _rmse(kq.dequantize_k(ref, t), x)
+    ratio = r_ours / r_ref if r_ref else (1.0 if r_ours == 0 else float("inf"))
+    record_property("identical_blocks_pct", pct)
+    record_property("rmse_ratio", ratio)
+    print(f"\n{t} {name}: {same.size} blocks, {pct:.4f}% byte-identical to C, "
+          f"RMSE ours {r_ours:.4g} / C {r_ref:.4g} = {ratio:.6f}")
+    assert same.mean() >= MIN_IDENTICAL, f"{t} {name}: only {pct:.4f}% of blocks identical to C"
+    assert r_ours <= r_ref * MAX_RMSE_RATIO + 1e-30, f"{t} {name}: RMSE {r_ours} vs C {r_ref}"
+
+
+def test_c_oracle_entry_points_agree(oracle):
+    """ggml_quantize_chunk (imatrix NULL) is the same algorithm as quantize_row_*_ref, so the oracle
+    used above is the reference quantizer and not a weighted variant."""
+    x = DATA["normal"][:8]
+    for t in TYPES:
+        np.testing.assert_array_equal(oracle.quantize(x, t), oracle.quantize_row_ref(x, t))
+
+
+def test_q8_k_matches_c_reference(oracle):
+    x = np.concatenate([DATA["normal"][:16, :2048], DATA["mixed"][:, :2048]], axis=0)
+    with np.errstate(all="ignore"):
+        ours = kq.quantize_k(x, "Q8_K").reshape(-1, 292)
+    ref = oracle.quantize(x, "Q8_K").reshape(-1, 292)
+    np.testing.assert_array_equal(ours[:, :260], ref[:, :260])  # d and qs
+    nonzero = ours[:, :4].view(np.float32)[:, 0] != 0  # C leaves bsums of all-zero blocks unset
+    np.testing.assert_array_equal(ours[nonzero, 260:], ref[nonzero, 260:])
+    q = ours.reshape(x.shape[0], -1)
+    np.testing.assert_array_equal(kq.dequantize_k(q, "Q8_K"), oracle.dequantize(q, "Q8_K"))
+
+
+# ------------------------------------------------------------------------------------------------
+# properties that hold without the oracle
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_error_within_type_bound(t):
+    """Every element decodes within one code step of its input: |x - y| <= d_eff (the sub-block's
+    d*sc, plus the min's fp16/6-bit rounding for the affine types)."""
+    x = DATA["normal"]
+    y = kq.dequantize_k(kq.quantize_k(x, t), t)
+    err = np.abs(y - x).reshape(-1, 16)
+    span = np.ptp(x.reshape(-1, 16), axis=1, keepdims=True)
+    # loose, type-specific: steps per sub-block span, with room for the 2nd-stage scale rounding
+    steps = {"Q2_K": 3, "Q3_K": 7, "Q4_K": 15, "Q5_K": 31, "Q6_K": 63}[t]
+    assert (err <= span / steps * 2.0 + 1e-7).all()
+    rel = _rmse(y, x) / x.std()
+    assert rel < {"Q2_K": 0.4, "Q3_K": 0.2, "Q4_K": 0.1, "Q5_K": 0.05, "Q6_K": 0.025}[t]
+
+
+def test_shapes_and_dispatch():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 3, 512)).astype(np.float32)
+    for t in TYPES:
+        q = kq.quantize_k(x, t)
+        assert q.shape == (2, 3, 2 * kq.BLOCK_BYTES[t])
+        np.testing.assert_array_equal(q.reshape(6, -1), kq.quantize_k(x.reshape(6, 512), t))
+        np.testing.assert_array_equal(kq.quantize_k(x[0, 0], t), q[0, 0])  # 1-D row
+        assert kq.dequantize_k(q, t).shape == x.shape
+    # enum and lower-case names, float64 input
+    np.testing.assert_array_equal(kq.quantize_k(x.astype(np.float64), gguf.GGMLQuantizationType.Q4_K),
+                                  kq.quantize_k(x, "q4_k"))
+    np.testing.assert_array_equal(kq.quantize_q6_K(x), kq.quantize_k(x, "Q6_K"))
+    with pytest.raises(ValueError):
+        kq.quantize_k(x[..., :300], "Q4_K")
+    with pytest.raises(ValueError):
+        kq.quantize_k(x, "Q4_0")
+    with pytest.raises(ValueError):
+        kq.dequantize_k(np.zeros((2, 100), np.uint8), "Q4_K")
+    with pytest.raises(NotImplementedError):
+        kq.quantize_k(x, "Q4_K", imatrix=np.ones(512, np.float32))
+
+
+def test_chunking_does_not_change_bytes(monkeypatch):
+    """Blocks are independent: a different chunk size must give the same bytes."""
+    x = DATA["real_shaped"][:6]
+    ref = {t: kq.quantize_k(x, t) for t in TYPES}
+    monkeypatch.setattr(kq, "_CHUNK", 7)
+    for t in TYPES:
+        np.testing.assert_array_equal(kq.quantize_k(x, t), ref[t])
