@@ -21,34 +21,11 @@ import click
 from .. import __version__
 from .errors import QConvertError
 from .plan import Options
-from .registry import all_formats, get_format
+from .registry import all_formats, detect_format, get_format
 
 __all__ = ["main", "cli", "detect_format"]
 
 _PAIR = re.compile(r"^(?P<src>[A-Za-z0-9_.\-]+?)(?:->|:|=>)(?P<dst>[A-Za-z0-9_.\-]+)$")
-
-
-def detect_format(path: Path) -> str:
-    """Name the format of a checkpoint from its files and config (data beats file names)."""
-    path = Path(path)
-    if path.is_file() and path.suffix == ".gguf":
-        return "gguf"
-    cfg_path = path / "config.json"
-    if path.is_dir() and cfg_path.exists():
-        from ..formats.safetensors_dir import read_json
-
-        cfg = read_json(cfg_path)
-        qc = cfg.get("quantization_config") or {}
-        if not qc and (path / "quantize_config.json").exists():
-            qc = read_json(path / "quantize_config.json")
-        method = str(qc.get("quant_method", qc.get("method", ""))).lower()
-        if not qc:
-            return "hf"
-        if method == "gptq":
-            fmt = str(qc.get("checkpoint_format", qc.get("format", "gptq"))).lower()
-            return "gptq-v2" if fmt == "gptq_v2" else "gptq"
-        return method or "unknown"
-    raise QConvertError("cannot tell the format of this path", path=path)
 
 
 class PairGroup(click.Group):

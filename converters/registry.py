@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from .errors import QConvertError
 
-__all__ = ["FormatEntry", "register_format", "get_format", "all_formats", "normalize_name"]
+__all__ = ["FormatEntry", "register_format", "get_format", "all_formats", "normalize_name", "detect_format"]
 
-# Every module in this list registers its formats on import. A new format is one module and one line.
-_FORMAT_MODULES = (
-    "qconvert.formats.hf",
-    "qconvert.formats.gptq",
-    "qconvert.formats.gguf",
-)
+# Every module (or subpackage) of qconvert.formats that calls register_format() is a format: a new
+# format is one new module there, with no list to edit.
+_FORMATS_PACKAGE = "qconvert.formats"
 
 
 @dataclass
@@ -25,7 +24,7 @@ class FormatEntry:
     description: str = ""
     open_reader: Callable | None = None  # (path, **options) -> ModelSource
     writer: object | None = None  # an object with the Writer interface (converters.plan)
-    sniff: Callable | None = None  # (path) -> bool: does this path look like this format?
+    sniff: Callable | None = None  # (path) -> bool: is this path this format? (files and config, not names)
     extras: dict = field(default_factory=dict)
 
     @property
@@ -63,8 +62,21 @@ def _load_builtin() -> None:
     global _loaded
     if not _loaded:
         _loaded = True
-        for module in _FORMAT_MODULES:
-            importlib.import_module(module)
+        package = importlib.import_module(_FORMATS_PACKAGE)
+        for info in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{_FORMATS_PACKAGE}.{info.name}")
+
+
+def detect_format(path: Path) -> str:
+    """The registered format whose sniff() claims `path` (first by name order), or QConvertError."""
+    _load_builtin()
+    path = Path(path)
+    if not path.exists():
+        raise QConvertError("no such file or directory", path=path)
+    for entry in all_formats():
+        if entry.sniff is not None and entry.sniff(path):
+            return entry.name
+    raise QConvertError("cannot tell the format of this path; name it with --format", path=path)
 
 
 def get_format(name: str) -> FormatEntry:

@@ -30,7 +30,7 @@ from ..converters.records import Dense, Grid, GridParams, PackedCodes, TensorRec
 from ..converters.registry import FormatEntry, register_format
 from ..kernels.bitpack import SUPPORTED_PACK_BITS, pack_rows, unpack_rows
 from ..kernels.rtn import quantize_rtn
-from .safetensors_dir import CheckpointDir, ShardWriter, copy_side_files, read_json, write_json
+from .safetensors_dir import CheckpointDir, ShardWriter, copy_side_files, quantization_config_of, read_json, write_json
 
 __all__ = ["GptqSource", "GptqWriter", "open_gptq", "V1_WORD_OFFSET"]
 
@@ -402,9 +402,21 @@ class GptqSession:
         return qc
 
 
+def _sniff(convention: str):
+    def sniff(path: Path) -> bool:
+        qc = quantization_config_of(path)
+        if not qc or str(qc.get("quant_method", qc.get("method", ""))).lower() != "gptq":
+            return False
+        try:
+            return _zero_convention(qc) == convention
+        except BadInput:
+            return False
+    return sniff
+
+
 register_format(FormatEntry("gptq", aliases=("gptq-v1", "autogptq"),
                             description="GPTQ checkpoint, v1 zero-point convention (stored zero = z - 1)",
-                            open_reader=open_gptq, writer=GptqWriter("v1")))
+                            open_reader=open_gptq, writer=GptqWriter("v1"), sniff=_sniff("v1")))
 register_format(FormatEntry("gptq-v2", aliases=("gptqv2",),
                             description="GPTQ checkpoint, v2 convention (true zero points)",
-                            open_reader=open_gptq, writer=GptqWriter("v2")))
+                            open_reader=open_gptq, writer=GptqWriter("v2"), sniff=_sniff("v2")))

@@ -18,7 +18,7 @@ from ..converters.plan import Options, TensorPlan, unknown_type
 from ..converters.records import Dense, Grid, TensorRecord
 from ..converters.registry import FormatEntry, register_format
 from .gptq import _dtype_name
-from .safetensors_dir import CheckpointDir, ShardWriter, copy_side_files, read_json, write_json
+from .safetensors_dir import CheckpointDir, ShardWriter, copy_side_files, quantization_config_of, read_json, write_json
 
 __all__ = ["HfSource", "HfWriter"]
 
@@ -113,4 +113,5 @@ class HfSession:
 
 register_format(FormatEntry("hf", aliases=("safetensors", "dense", "transformers"),
                             description="dense Hugging Face safetensors checkpoint (f32/f16/bf16)",
-                            open_reader=lambda path, **_: HfSource(path), writer=HfWriter()))
+                            open_reader=lambda path, **_: HfSource(path), writer=HfWriter(),
+                            sniff=lambda path: quantization_config_of(path) == {} and any(Path(path).glob("*.safetensors"))))

@@ -165,3 +165,21 @@ def copy_side_files(source, out_dir: Path) -> None:
 
 def write_json(path: Path, data: dict) -> None:
     Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def quantization_config_of(path: Path) -> dict | None:
+    """The quantization config of a checkpoint folder ({} for a dense one), None if it is not one."""
+    path = Path(path)
+    if not (path.is_dir() and (path / "config.json").exists()):
+        return None
+    try:
+        cfg = read_json(path / "config.json")
+    except BadInput:
+        return None
+    qc = cfg.get("quantization_config") or {}
+    if not qc and (path / "quantize_config.json").exists():
+        try:
+            qc = read_json(path / "quantize_config.json")
+        except BadInput:
+            return None
+    return qc

@@ -18,4 +18,11 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}"
 "${PIP[@]}" install -c constraints.txt -e ".[test,gptq,llama]"
 export GPTQMODEL_CPU_WORKERS=2 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# Extra environments a format's tests need (a producer with conflicting pins, a runtime wheel) are set
+# up by one fragment per format, each sourced here with VENV and PIP already set.
+for fragment in scripts/test_env.d/*.sh; do
+    [ -e "$fragment" ] || continue
+    # shellcheck source=/dev/null
+    source "$fragment"
+done
 exec "$VENV/bin/python" -m pytest "$@"
