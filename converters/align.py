@@ -71,9 +71,12 @@ def check_grid_to_blocks(p: GridParams, shape: tuple[int, ...], lay: BlockLayout
         return Verdict(REQUANTIZE, f"groups (act-order or size {p.group_size}) do not cover whole {lay.block}-blocks")
     if not fp16_exact(p.scales):
         return Verdict(REQUANTIZE, "scales are not representable in fp16")
+    if p.compute_dtype != torch.float32:
+        return Verdict(NEAR_EXACT if lay.has_min else REQUANTIZE,
+                       f"the source dequantizes in {str(p.compute_dtype)[6:]}; {lay.name} decodes in float32")
     if lay.has_min:
-        # d = s, m = -s*z: the codes stay, only m rounds to fp16
-        mins = -(p.scales.to(torch.float32) * p.zeros.to(torch.float32))
+        # d = s, m = -s*z (or the source's own min): the codes stay, only m rounds to fp16
+        mins = p.mins.to(torch.float32) if p.mins is not None else -(p.scales.to(torch.float32) * p.zeros.to(torch.float32))
         if fp16_exact(mins):
             return Verdict(EXACT, "codes kept; block min -s*z is exact in fp16")
         return Verdict(NEAR_EXACT, "codes kept; block min -s*z rounds to fp16")

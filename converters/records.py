@@ -4,13 +4,15 @@ A model is a stream of `TensorRecord`s, one per logical tensor, named the way Hu
 (`model.layers.0.mlp.down_proj.weight`), in `nn.Linear` orientation `[out_features, in_features]`.
 A record is either dense (a float tensor passed through as it is) or a quantization grid.
 
-Grid convention (shared by GPTQ, HQQ axis 1, QQQ, GGUF legacy blocks, AFQ):
+Grid convention (shared by GPTQ, HQQ axis 1, QQQ, GGUF blocks, AFQ):
 
-    W[n, k] = scales[n, g(k)] * (codes[n, k] - zeros[n, g(k)])
+    W[n, k] = scales[n, g(k)] * (codes[n, k] - zeros[n, g(k)])      (zero-point form)
+    W[n, k] = scales[n, g(k)] * codes[n, k] + mins[n, g(k)]         (min form: Q4_1, K types, AFQ)
 
 where `g(k) = g_idx[k]` when an act-order index is present, else `k // group_size`. Codes are unpacked
 unsigned integers `0 .. 2**bits - 1`. Integer `zeros` mean integer zero points (GPTQ); float `zeros`
-mean the float zero of HQQ. A record carries its small parameters (`GridParams`: scales, zeros, g_idx)
+mean the float zero of HQQ. The arithmetic runs in `compute_dtype` (float32 unless the source's own
+runtime rounds in fp16/bf16, as hqq does), so that the grid's dequantization is the source's, bit for bit. A record carries its small parameters (`GridParams`: scales, zeros, g_idx)
 eagerly, so that the alignment checker can decide from the data, and loads its codes only on demand,
 so that a model is never held whole.
 """
@@ -36,6 +38,8 @@ class GridParams:
     zeros: torch.Tensor  # [out, n_groups]; integer dtype = integer zero points, float = HQQ-style
     g_idx: torch.Tensor | None = None  # [in] int64 group of each input column, None = k // group_size
     axis: int = 1  # 1: groups run along each output row's input features. (0 is HQQ's other layout.)
+    mins: torch.Tensor | None = None  # [out, n_groups]: min form W = s*q + m (zeros then unused)
+    compute_dtype: torch.dtype = torch.float32  # the dtype the source's runtime dequantizes in
 
     @property
     def n_groups(self) -> int:
@@ -43,7 +47,7 @@ class GridParams:
 
     @property
     def integer_zeros(self) -> bool:
-        return not torch.is_floating_point(self.zeros)
+        return self.mins is None and not torch.is_floating_point(self.zeros)
 
     @property
     def symmetric(self) -> bool:
@@ -74,11 +78,15 @@ class GridParams:
         cols = self.group_of_column(in_features).view(-1, block)
         return bool((cols == cols[:, :1]).all())
 
+    def _take_rows(self, index) -> "GridParams":
+        mins = None if self.mins is None else self.mins[index]
+        return replace(self, scales=self.scales[index], zeros=self.zeros[index], mins=mins)
+
     def permute_rows(self, perm: torch.Tensor) -> "GridParams":
-        return replace(self, scales=self.scales[perm], zeros=self.zeros[perm])
+        return self._take_rows(perm)
 
     def row_slice(self, start: int, stop: int) -> "GridParams":
-        return replace(self, scales=self.scales[start:stop], zeros=self.zeros[start:stop])
+        return self._take_rows(slice(start, stop))
 
 
 @dataclass(frozen=True)

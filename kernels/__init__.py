@@ -19,4 +19,5 @@ def dequantize_grid(grid, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     p = grid.params
     if p.axis != 1:
         raise NotImplementedError(f"grid axis {p.axis} is not supported yet")
-    return dequantize_grid_torch(grid.codes, p.scales, p.zeros, p.group_size, p.g_idx, dtype)
+    return dequantize_grid_torch(grid.codes, p.scales, p.zeros, p.group_size, p.g_idx, dtype,
+                                 mins=p.mins, compute_dtype=p.compute_dtype)

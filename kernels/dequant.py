@@ -16,17 +16,24 @@ __all__ = ["dequantize_grid_torch"]
 
 def dequantize_grid_torch(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                           group_size: int, g_idx: torch.Tensor | None,
-                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                          dtype: torch.dtype = torch.float32, mins: torch.Tensor | None = None,
+                          compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Zero-point form (q - z) * s, or min form s * q + m when `mins` is given, in `compute_dtype`."""
     out_features, in_features = codes.shape
-    s = scales.to(torch.float32)
-    z = zeros.to(torch.float32)
-    q = codes.to(torch.float32)
+    cd = compute_dtype
+    s = scales.to(cd)
+    offset = (mins if mins is not None else zeros).to(cd)
+    q = codes.to(cd)
     if g_idx is None and in_features % group_size == 0:
         # contiguous groups: broadcast one scale over each run, no gather
         n_groups = in_features // group_size
-        w = (q.view(out_features, n_groups, group_size) - z[:, :, None]) * s[:, :, None]
+        qg = q.view(out_features, n_groups, group_size)
+        if mins is not None:
+            w = s[:, :, None] * qg + offset[:, :, None]
+        else:
+            w = (qg - offset[:, :, None]) * s[:, :, None]
         w = w.view(out_features, in_features)
     else:
         g = g_idx if g_idx is not None else torch.arange(in_features, device=codes.device) // group_size
-        w = (q - z[:, g]) * s[:, g]
-    return w if dtype == torch.float32 else w.to(dtype)
+        w = s[:, g] * q + offset[:, g] if mins is not None else (q - offset[:, g]) * s[:, g]
+    return w if dtype == w.dtype else w.to(dtype)

@@ -127,19 +127,20 @@ def quantize_blocks(lay: BlockLayout, x: torch.Tensor):
 
 
 def repack_grid(lay: BlockLayout, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                block_group: torch.Tensor) -> torch.Tensor:
+                block_group: torch.Tensor, mins: torch.Tensor | None = None) -> torch.Tensor:
     """A grid whose every block lies in one group -> legacy blocks, moving codes, not floats.
 
     codes [out, in] uint8, scales/zeros [out, G], block_group [in/32]: the group of each block.
     Symmetric types take q' = q - z + offset (the caller checked the range); types with a min take
-    q' = q, d = s, m = -s*z (m rounds to fp16: the only rounding on this path).
+    q' = q, d = s, m = -s*z, or the grid's own min in the min form (m rounds to fp16: the only
+    rounding on this path).
     """
     rows, n = codes.shape
     nb = n // lay.block
     s = scales[:, block_group].to(torch.float32)
     z = zeros[:, block_group]
     if lay.has_min:
-        m = -(s * z.to(torch.float32))
+        m = mins[:, block_group].to(torch.float32) if mins is not None else -(s * z.to(torch.float32))
         return pack_blocks(lay, codes, s.to(torch.float16), m.to(torch.float16))
     q = codes.view(rows, nb, lay.block).to(torch.int16) - z.to(torch.int16)[..., None] + lay.offset
     return pack_blocks(lay, q.view(rows, n), s.to(torch.float16))

@@ -255,7 +255,7 @@ def encode_tensor(lay: BlockLayout, verdict: str, item: Dense | Grid) -> tuple[n
         p = item.params
         out_features, in_features = item.shape
         block_group = p.group_of_column(in_features)[:: lay.block]
-        data = repack_grid(lay, item.codes, p.scales, p.zeros, block_group)
+        data = repack_grid(lay, item.codes, p.scales, p.zeros, block_group, mins=p.mins)
         return data.numpy(), decode_blocks(lay, data)
     x = item.dequantize(torch.float32)
     shape = x.shape
