@@ -185,3 +185,21 @@ def test_aligned_type_chosen_explicitly_for_three_bit_is_exact(fx, tmp_path):
     _, out, report = _convert(fx, "v1_b3_g32_sym", tmp_path, "--type", "q4_0")
     quantized = [t for t in report["tensors"] if t["source"].startswith("3-bit")]
     assert len(quantized) == 14 and all(t["verdict"] == "exact" and t["max_abs_err"] == 0.0 for t in quantized)
+
+
+@pytest.mark.parametrize("type_", ["f32", "f16", "q8_0"])
+def test_dense_model_to_gguf(fx, prompt, type_, tmp_path):
+    """hf -> gguf: float types are exact or round once; q8_0 requantizes with ggml's own rule."""
+    base = fx["bases"]["base"]
+    out = tmp_path / "x.gguf"
+    extra = ("--allow-requant",) if type_ == "q8_0" else ()
+    run_cli("hf->gguf", base, out, "--type", type_, "--report", tmp_path / "r.json", *extra)
+    report = json.loads((tmp_path / "r.json").read_text())
+    two_d = [t for t in report["tensors"] if len(t["shape"]) == 2]
+    assert all(t["target"] == type_.upper() for t in two_d)
+    want = {"f32": {"exact"}, "f16": {"exact"}, "q8_0": {"requantize"}}[type_]  # the base is fp16
+    assert all(t["verdict"] in want for t in two_d)
+    ref = transformers_logits(base, prompt)
+    got = llama_logits(out, prompt)
+    tolerance = {"f32": 1e-3, "f16": 0.01, "q8_0": LOGIT_TOLERANCE}[type_] * float(ref.max() - ref.min())
+    assert np.abs(got - ref).max() <= tolerance

@@ -57,3 +57,25 @@ def test_asymmetric_into_v1_is_refused_naming_v2(fx, tmp_path):
     src = fx["variants"]["v2_b4_g32_asym_zp0"]["ckpt"]
     proc = run_cli("gptq-v2->gptq", src, tmp_path / "out", check_rc=2)
     assert "gptq-v2 output (exact)" in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_dense_to_gptq_requantizes_and_gptqmodel_runs_it(fx, prompt, tmp_path):
+    """hf -> gptq: round-to-nearest onto GPTQ's grid, refused without --allow-requant, and what gptqmodel
+    computes from our file equals our own dequantization of it."""
+    base = fx["bases"]["base"]
+    proc = run_cli("hf->gptq", base, tmp_path / "x", "--type", "4g32", check_rc=2)
+    assert "--allow-requant" in proc.stderr and not (tmp_path / "x").exists()
+    out = tmp_path / "out"
+    run_cli("hf->gptq", base, out, "--type", "4g32", "--allow-requant", "--report", tmp_path / "r.json")
+    report = json.loads((tmp_path / "r.json").read_text())
+    requant = [t for t in report["tensors"] if t["verdict"] == "requantize"]
+    assert len(requant) == 14 and all(0 < t["max_abs_err"] < 0.1 for t in requant)
+
+    from qconvert.formats.gptq import GptqSource
+    import torch
+
+    weights, _ = fixtures.load_reference(fixtures.gptq_reference(out, tmp_path / "ref.safetensors", prompt))
+    for rec in GptqSource(out).records():
+        if rec.is_grid:
+            ours = rec.load().dequantize(torch.float32).to(torch.float16).numpy()
+            assert np.array_equal(ours, weights[rec.name[: -len(".weight")]]), rec.name
