@@ -1,23 +1,57 @@
 """Kernels: bit packing, dequantization and quantization as pure functions over tensors.
 
-Each operation is a vectorized torch function that runs on any device torch supports. `dequantize_grid`
-is the dispatch point where a Triton twin for CUDA tensors joins (not written yet: the torch path
-serves CUDA tensors too). This package imports neither `converters` nor `formats`.
+Each operation is a vectorized torch function that runs on any device torch supports; the grid
+dequantization also has Triton twins (kernels/triton_dequant.py) with the same float32 results, used
+for CUDA tensors when Triton is installed. `QCONVERT_KERNELS=torch|triton|auto` overrides the choice
+(`triton` on CPU tensors needs TRITON_INTERPRET=1: that is how the tests compare the two paths).
+This package imports neither `converters` nor `formats`.
 """
 
 from __future__ import annotations
+
+import os
+from functools import lru_cache
 
 import torch
 
 from .dequant import dequantize_grid_torch
 
-__all__ = ["dequantize_grid"]
+__all__ = ["dequantize_grid", "kernel_backend"]
+
+
+@lru_cache(maxsize=1)
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def kernel_backend(tensor: torch.Tensor) -> str:
+    """"triton" or "torch" for a tensor on its device, honouring QCONVERT_KERNELS."""
+    mode = os.environ.get("QCONVERT_KERNELS", "auto").lower()
+    if mode == "torch" or not _triton_importable():
+        return "torch"
+    if mode == "triton" or tensor.is_cuda:
+        return "triton"
+    return "torch"
 
 
 def dequantize_grid(grid, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Dequantize a `converters.records.Grid` (duck-typed: .codes and .params)."""
+    """Dequantize a `converters.records.Grid` (duck-typed: .params, .codes, .packed)."""
     p = grid.params
     if p.axis != 1:
         raise NotImplementedError(f"grid axis {p.axis} is not supported yet")
+    packed = grid.packed
+    probe = packed.words if packed is not None else grid.codes
+    if kernel_backend(probe) == "triton" and p.compute_dtype == torch.float32:
+        from .triton_dequant import dequantize_grid_triton, dequantize_gptq_words_triton
+
+        if (packed is not None and packed.layout == "gptq-rows" and packed.bits in (2, 4, 8)
+                and p.mins is None):
+            return dequantize_gptq_words_triton(packed.words, packed.bits, p.scales, p.zeros, p.group_size,
+                                                p.g_idx, dtype)
+        return dequantize_grid_triton(grid.codes, p.scales, p.zeros, p.group_size, p.g_idx, dtype, mins=p.mins)
     return dequantize_grid_torch(grid.codes, p.scales, p.zeros, p.group_size, p.g_idx, dtype,
                                  mins=p.mins, compute_dtype=p.compute_dtype)
