@@ -151,9 +151,31 @@ def inspect_command(path, fmt, as_json):
         click.echo(f"{k}: {json.dumps(v) if isinstance(v, (dict, list)) else v}")
 
 
+@cli.command("verify")
+@click.argument("src_path", type=click.Path(path_type=Path))
+@click.argument("out_path", type=click.Path(path_type=Path))
+@click.option("--src-format", help="read the source as this format instead of detecting it")
+@click.option("--out-format", help="read the output as this format instead of detecting it")
+@click.option("--report", "report_path", type=click.Path(path_type=Path), help="write the JSON report")
+@click.option("--strict", is_flag=True, help="exit 3 unless every tensor is present and exact")
+@click.option("--quiet", is_flag=True, help="print only the summary line")
+def verify_command(src_path, out_path, src_format, out_format, report_path, strict, quiet):
+    """Re-read OUT and measure every tensor against SRC's dequantization (both read from disk)."""
+    from .run import verify
+
+    report = verify(src_path, out_path, src_format, out_format, progress=sys.stderr.isatty())
+    _print_plan(report, quiet)
+    if report_path:
+        report.write_json(report_path)
+    if strict and any(r.plan.verdict != "exact" for r in report.results):
+        raise click.exceptions.Exit(3)
+
+
 def main(argv=None) -> int:
     try:
-        cli.main(args=argv, prog_name="qconvert", standalone_mode=False)
+        rv = cli.main(args=argv, prog_name="qconvert", standalone_mode=False)
+        if isinstance(rv, int):  # click returns an Exit's code instead of raising it here
+            return rv
     except QConvertError as e:
         click.echo(f"qconvert: error: {e}", err=True)
         return 2

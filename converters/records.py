@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
-__all__ = ["GridParams", "PackedCodes", "Grid", "Dense", "TensorRecord", "ModelSource"]
+__all__ = ["GridParams", "PackedCodes", "Grid", "Dense", "TensorRecord", "ModelSource", "describe_record"]
 
 
 @dataclass(frozen=True)
@@ -191,6 +191,15 @@ class TensorRecord:
     @property
     def is_grid(self) -> bool:
         return self.params is not None
+
+
+def describe_record(rec: "TensorRecord") -> str:
+    """"4-bit g128 sym", "float16": what a record holds, for plans and reports."""
+    if rec.params is None:
+        return rec.dtype
+    from .align import describe_grid
+
+    return describe_grid(rec.params, rec.shape[-1])
 
 
 class ModelSource(Protocol):

@@ -76,3 +76,15 @@ def test_gptq_to_hf_loads_in_transformers_like_the_source(fx, prompt, tmp_path):
     got = transformers_logits(tmp_path / "hf", prompt)
     # bf16 weights against gptqmodel's fp16 kernel: bounded by bf16 rounding of the weights
     assert abs(got - ref_logits[0]).max() < 0.05 * (ref_logits.max() - ref_logits.min())
+
+
+def test_verify_rereads_output_and_measures_every_tensor(fx, tmp_path):
+    src = fx["variants"]["v1_b4_g32_sym"]["ckpt"]
+    run_cli("gptq->gptq-v2", src, tmp_path / "same")
+    run_cli("verify", src, tmp_path / "same", "--strict", "--report", tmp_path / "r.json")
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["summary"]["verdicts"]["exact"] == 21
+    # a different model: verify sees it, and --strict turns that into exit 3
+    other = fx["variants"]["v1_b4_g32_sym_act"]["ckpt"]
+    proc = run_cli("verify", other, tmp_path / "same", "--strict", check_rc=3)
+    assert "differs" in proc.stdout
