@@ -49,7 +49,8 @@ def describe_grid(p: GridParams, in_features: int) -> str:
     sym = "sym" if p.symmetric else ("asym" if p.integer_zeros else "float-zero")
     group = "per-channel" if p.n_groups == 1 else f"g{p.group_size}"
     act = "" if p.contiguous_groups(in_features) else " act-order"
-    return f"{p.bits}-bit {group} {sym}{act}"
+    axis = "" if p.axis == 1 else f" axis {p.axis}"
+    return f"{p.bits}-bit {group} {sym}{act}{axis}"
 
 
 def fp16_exact(x: torch.Tensor) -> bool:
@@ -67,15 +68,24 @@ def check_grid_to_blocks(p: GridParams, shape: tuple[int, ...], lay: BlockLayout
         return Verdict(REQUANTIZE, f"{lay.name} sub-block scales are quantized; the grid's scales are not kept")
     if p.bits > lay.bits:
         return Verdict(REQUANTIZE, f"{p.bits}-bit codes do not fit {lay.name}'s {lay.bits} bits")
+    if p.axis != 1:
+        return Verdict(REQUANTIZE, f"axis-{p.axis} groups run down strided output rows; {lay.name} blocks run "
+                                   "along the input features")
     if not p.blocks_within_groups(in_features, lay.block):
         return Verdict(REQUANTIZE, f"groups (act-order or size {p.group_size}) do not cover whole {lay.block}-blocks")
-    if not fp16_exact(p.scales):
+    scales_fp16 = fp16_exact(p.scales)
+    if not scales_fp16 and not lay.has_min:
         return Verdict(REQUANTIZE, "scales are not representable in fp16")
     if p.compute_dtype != torch.float32:
         return Verdict(NEAR_EXACT if lay.has_min else REQUANTIZE,
                        f"the source dequantizes in {str(p.compute_dtype)[6:]}; {lay.name} decodes in float32")
     if lay.has_min:
-        # d = s, m = -s*z (or the source's own min): the codes stay, only m rounds to fp16
+        # d = s, m = -s*z (or the source's own min): the codes stay; d and m round to fp16
+        if not scales_fp16:
+            return Verdict(NEAR_EXACT, "codes kept; scales and block min -s*z round to fp16")
+        if p.mins is None and torch.is_floating_point(p.zeros) and not torch.equal(p.zeros, p.zeros.round()):
+            # a fractional zero: (q - z) * s and d*q + m round at different steps, even with m exact
+            return Verdict(NEAR_EXACT, "codes kept; float zero point becomes block min -s*z (fp16, rounds)")
         mins = p.mins.to(torch.float32) if p.mins is not None else -(p.scales.to(torch.float32) * p.zeros.to(torch.float32))
         if fp16_exact(mins):
             return Verdict(EXACT, "codes kept; block min -s*z is exact in fp16")

@@ -74,6 +74,15 @@ def _parse_tensor_types(values) -> list[tuple[str, str]]:
     return out
 
 
+def parse_size(text: str) -> int:
+    """`2G` -> 2_000_000_000 bytes: decimal units K/M/G/T as llama.cpp's gguf-split and converter read
+    them (an optional trailing B is ignored); a plain number is bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*", str(text), re.IGNORECASE)
+    if not m or float(m[1]) <= 0:
+        raise QConvertError(f"--split-max-size expects a size such as 500M or 2G, got {text!r}")
+    return int(float(m[1]) * 1000 ** "_KMGT".index(m[2].upper() or "_"))
+
+
 def _print_plan(report, quiet: bool) -> None:
     if not quiet:
         header = f"{'tensor':<48} {'source':<22} {'target':<10} {'verdict':<11} {'max_abs_err':>11} {'rmse':>10}"
@@ -93,7 +102,8 @@ def _make_convert_command(src: str, dst: str) -> click.Command:
     @click.command(name=f"{src}->{dst}", help=f"Convert a {src} checkpoint into {dst}.")
     @click.argument("src_path", type=click.Path(path_type=Path))
     @click.argument("out_path", type=click.Path(path_type=Path), required=False)
-    @click.option("--type", "type_", help="target type for quantized tensors (gguf: q4_0, q4_1, q8_0, q4_k, f16...; "
+    @click.option("--type", "type_", help="target type for quantized tensors (gguf: q4_0, q4_1, q8_0, q4_k, f16..., "
+                                          "or a llama-quantize mix: q4_k_m, q4_k_s, q5_k_m, q5_k_s, q6_k, q3_k_m, q2_k; "
                                           "gptq: 4g128, 4g32a...; hf: bf16, f16, f32)")
     @click.option("--tensor-type", multiple=True, metavar="REGEX=TYPE", help="per-tensor type override, first match wins")
     @click.option("--allow-requant", is_flag=True, help="accept lossy requantization where the grids do not align")
@@ -101,12 +111,27 @@ def _make_convert_command(src: str, dst: str) -> click.Command:
     @click.option("--report", "report_path", type=click.Path(path_type=Path), help="write a JSON report of every tensor")
     @click.option("--force", is_flag=True, help="replace an existing output")
     @click.option("--quiet", is_flag=True, help="print only the summary line")
-    def command(src_path, out_path, type_, tensor_type, allow_requant, dry_run, report_path, force, quiet):
+    @click.option("--split-max-size", metavar="SIZE", help="gguf: split the output into parts of at most SIZE "
+                                                          "(e.g. 500M, 2G) named OUT-0000i-of-0000N.gguf")
+    @click.option("--imatrix", "imatrix", type=click.Path(path_type=Path), help="gguf: llama.cpp importance matrix "
+                  "(llama-imatrix .dat or GGUF) weighting the K quantizers as llama-quantize --imatrix does")
+    @click.option("--quantizer", type=click.Choice(["qconvert", "llama.cpp"]), default=None,
+                  help="gguf: whose quantizer requantizes (default qconvert's own; llama.cpp needs llama-cpp-python)")
+    def command(src_path, out_path, type_, tensor_type, allow_requant, dry_run, report_path, force, quiet,
+                split_max_size, imatrix, quantizer):
         from .run import convert
 
         if out_path is None and not dry_run:
             raise click.UsageError("OUT_PATH is required unless --dry-run is given")
         options = Options(type=type_, tensor_types=_parse_tensor_types(tensor_type), allow_requant=allow_requant)
+        if split_max_size is not None:
+            if get_format(dst).name != "gguf":
+                raise QConvertError("--split-max-size applies to gguf output only")
+            options.extra["split_max_size"] = parse_size(split_max_size)
+        if imatrix is not None:
+            options.extra["imatrix"] = str(imatrix)
+        if quantizer is not None:
+            options.extra["quantizer"] = quantizer
         report = convert(src, src_path, dst, out_path, options, force=force, dry_run=dry_run,
                          progress=sys.stderr.isatty())
         _print_plan(report, quiet)

@@ -9,8 +9,18 @@ Grid convention (shared by GPTQ, HQQ axis 1, QQQ, GGUF blocks, AFQ):
     W[n, k] = scales[n, g(k)] * (codes[n, k] - zeros[n, g(k)])      (zero-point form)
     W[n, k] = scales[n, g(k)] * codes[n, k] + mins[n, g(k)]         (min form: Q4_1, K types, AFQ)
 
-where `g(k) = g_idx[k]` when an act-order index is present, else `k // group_size`. Codes are unpacked
-unsigned integers `0 .. 2**bits - 1`. Integer `zeros` mean integer zero points (GPTQ); float `zeros`
+where `g(k) = g_idx[k]` when an act-order index is present, else `k // group_size` (axis 1: groups run
+along each output row's input features).
+
+Axis 0 (HQQ's other layout: a group is a column of `W.reshape(group_size, -1)`, i.e. `group_size` elements
+of one input column taken every R-th output row, R = out / group_size):
+
+    W[n, k] = scales[h(n), k] * (codes[n, k] - zeros[h(n), k])      scales, zeros: [R, in]
+
+where `h(n) = row_idx[n]` when a row index is present (rows were sliced or permuted), else `n % R`.
+HQQ's own `[1, numel/gs]` scale is this `[R, in]` matrix flattened row-major (group j = h*in + k).
+
+Codes are unpacked unsigned integers `0 .. 2**bits - 1`. Integer `zeros` mean integer zero points (GPTQ); float `zeros`
 mean the float zero of HQQ. The arithmetic runs in `compute_dtype` (float32 unless the source's own
 runtime rounds in fp16/bf16, as hqq does), so that the grid's dequantization is the source's, bit for bit. A record carries its small parameters (`GridParams`: scales, zeros, g_idx)
 eagerly, so that the alignment checker can decide from the data, and loads its codes only on demand,
@@ -37,9 +47,10 @@ class GridParams:
     scales: torch.Tensor  # [out, n_groups], the dtype the source stores (fp16 for GPTQ)
     zeros: torch.Tensor  # [out, n_groups]; integer dtype = integer zero points, float = HQQ-style
     g_idx: torch.Tensor | None = None  # [in] int64 group of each input column, None = k // group_size
-    axis: int = 1  # 1: groups run along each output row's input features. (0 is HQQ's other layout.)
+    axis: int = 1  # 1: groups run along each output row's input features; 0: HQQ's strided output rows
     mins: torch.Tensor | None = None  # [out, n_groups]: min form W = s*q + m (zeros then unused)
     compute_dtype: torch.dtype = torch.float32  # the dtype the source's runtime dequantizes in
+    row_idx: torch.Tensor | None = None  # axis 0 only: [out] int64 scale row of each output row, None = n % R
 
     @property
     def n_groups(self) -> int:
@@ -73,12 +84,22 @@ class GridParams:
         This is what a block format (GGUF Q4_0 and kin) needs to hold the grid: one scale per block.
         An act-order g_idx can still satisfy it, so the question is answered from the index itself.
         """
-        if in_features % block:
+        if in_features % block or self.axis != 1:
             return False
         cols = self.group_of_column(in_features).view(-1, block)
         return bool((cols == cols[:, :1]).all())
 
+    def row_groups(self, out_features: int) -> torch.Tensor:
+        """Axis 0: the scale row h(n) of every output row, [out] int64."""
+        if self.row_idx is not None:
+            return self.row_idx
+        return torch.arange(out_features, dtype=torch.int64) % self.scales.shape[0]
+
     def _take_rows(self, index) -> "GridParams":
+        if self.axis == 0:
+            # axis-0 scales are shared by strided rows: keep them whole and index the rows instead
+            natural = self.row_groups(self.scales.shape[0] * self.group_size)
+            return replace(self, row_idx=natural[index])
         mins = None if self.mins is None else self.mins[index]
         return replace(self, scales=self.scales[index], zeros=self.zeros[index], mins=mins)
 
@@ -93,7 +114,9 @@ class GridParams:
 class PackedCodes:
     """Codes as the source stores them, kept so that a writer that knows the packing can move words
     instead of unpacking codes (GPTQ 4-bit -> Q4_0). `layout` names the packing:
-    "gptq-rows": int32 [in*bits/32, out], codes LSB-first along input channels."""
+    "gptq-rows": int32 [in*bits/32, out], codes LSB-first along input channels;
+    "ggml:<TYPE>" (e.g. "ggml:Q4_K"): uint8 [out, row_bytes], the GGUF blocks of each row as stored
+    (the grid's codes come unpacked alongside; a GGUF writer of the same type copies these bytes)."""
 
     words: torch.Tensor
     bits: int
@@ -107,7 +130,10 @@ class PackedCodes:
         return unpack_rows(self.words, self.bits).T.contiguous()
 
     def take_rows(self, index) -> "PackedCodes":
-        """Select output rows (a slice or an index tensor); rows are the words' columns here."""
+        """Select output rows (a slice or an index tensor): the words' columns for "gptq-rows", their
+        rows for the row-major "ggml:" block layouts."""
+        if self.layout.startswith("ggml:"):
+            return PackedCodes(self.words[index], self.bits, self.layout)
         return PackedCodes(self.words[:, index], self.bits, self.layout)
 
 

@@ -68,14 +68,18 @@ def _load_builtin() -> None:
 
 
 def detect_format(path: Path) -> str:
-    """The registered format whose sniff() claims `path` (first by name order), or QConvertError."""
+    """The registered format whose sniff() claims `path`, or QConvertError.
+
+    A specific format beats a generic one (`extras["generic"]`, e.g. `hf`, which any safetensors folder
+    with a config.json resembles): an hqq or UQFF folder is also "a folder of safetensors"."""
     _load_builtin()
     path = Path(path)
     if not path.exists():
         raise QConvertError("no such file or directory", path=path)
-    for entry in all_formats():
-        if entry.sniff is not None and entry.sniff(path):
-            return entry.name
+    claims = [e for e in all_formats() if e.sniff is not None and e.sniff(path)]
+    specific = [e for e in claims if not e.extras.get("generic")]
+    if specific or claims:
+        return (specific or claims)[0].name
     raise QConvertError("cannot tell the format of this path; name it with --format", path=path)
 
 

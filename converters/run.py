@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .align import EXACT, NEAR_EXACT
+from .align import EXACT, NEAR_EXACT, REQUANTIZE
 from .errors import QConvertError
 from .plan import BitIdentical, Options, TensorPlan, check_plan, verdict_counts
 from .registry import get_format
@@ -72,27 +72,53 @@ def open_source(fmt: str, path: Path, options: Options | None = None):
 def plan_conversion(source, writer, options: Options, progress: bool = True) -> list[TensorPlan]:
     plans = []
     for rec in tqdm(source.records(), desc="Checking", unit="tensor", disable=not progress, leave=False):
-        plans.append(writer.plan_tensor(rec, options, source))
+        plans.append(_mark_standin(rec, writer.plan_tensor(rec, options, source)))
     writer.check_model(source, plans, options)
     return plans
 
 
+def _mark_standin(rec, plan: TensorPlan) -> TensorPlan:
+    """A source may yield a float stand-in for a quantized tensor whose own form the target cannot hold
+    (a rotated GPTQ down_proj with its online transform folded in): `notes["lossy_standin"]` says why.
+    Storing the stand-in loses the source's grid, so the plan is `requantize` whatever the target type,
+    unless the writer kept the source's own form (`info["keeps_source_form"]`)."""
+    why = rec.notes.get("lossy_standin")
+    if why and plan.verdict in (EXACT, NEAR_EXACT) and not plan.info.get("keeps_source_form"):
+        plan.verdict, plan.reason = REQUANTIZE, f"{why} (stored as: {plan.reason})" if plan.reason else why
+    return plan
+
+
 @contextmanager
-def atomic_output(out: Path, is_file: bool, force: bool):
-    """Yield a temporary path next to `out`; rename it to `out` only if the block succeeds."""
+def atomic_output(out: Path, is_file: bool, force: bool, several_files: bool = False):
+    """Yield a temporary path next to `out`; rename it to `out` only if the block succeeds.
+
+    `several_files`: the writer may write more files next to `out` than `out` itself (split GGUF
+    parts named after it). It gets `<temporary folder>/<out's name>` and writes every file in that
+    folder; only when all are written are they renamed next to `out`, after checking that none would
+    replace an existing file without `force`."""
     out = Path(out)
     if out.exists() and not force:
         raise QConvertError("output exists; pass --force to replace it", path=out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.qconvert-tmp-{os.getpid()}")
     _remove(tmp)
-    if not is_file:
+    if not is_file or several_files:
         tmp.mkdir()
     try:
-        yield tmp
-        if out.exists():
-            _remove(out)
-        os.replace(tmp, out)
+        if not several_files:
+            yield tmp
+            if out.exists():
+                _remove(out)
+            os.replace(tmp, out)
+            return
+        yield tmp / out.name
+        written = sorted(tmp.iterdir())
+        clashes = [out.with_name(p.name) for p in written if out.with_name(p.name).exists()]
+        if clashes and not force:
+            raise QConvertError("output exists; pass --force to replace it", path=clashes[0])
+        for p in written:
+            _remove(out.with_name(p.name))
+            os.replace(p, out.with_name(p.name))
     finally:
         _remove(tmp)
 
@@ -147,7 +173,8 @@ def convert(src_format: str, src_path: Path, dst_format: str, out_path: Path | N
     check_plan(plans, options.allow_requant)
 
     by_name = {p.name: p for p in plans}
-    with atomic_output(Path(out_path), writer.output_is_file, force) as tmp:
+    several = bool(getattr(writer, "writes_several_files", lambda _: False)(options))
+    with atomic_output(Path(out_path), writer.output_is_file, force, several) as tmp:
         session = writer.open(tmp, source, plans, options)
         bar = tqdm(total=len(plans), desc="Converting", unit="tensor", disable=not progress, leave=False)
         for rec in source.records():

@@ -111,7 +111,9 @@ class HfSession:
         copy_side_files(self.source, self.path)
 
 
-register_format(FormatEntry("hf", aliases=("safetensors", "dense", "transformers"),
+register_format(FormatEntry("hf", aliases=("safetensors", "dense", "transformers"), extras={"generic": True},
                             description="dense Hugging Face safetensors checkpoint (f32/f16/bf16)",
                             open_reader=lambda path, **_: HfSource(path), writer=HfWriter(),
-                            sniff=lambda path: quantization_config_of(path) == {} and any(Path(path).glob("*.safetensors"))))
+                            # a mistral.rs UQFF directory also has config.json and residual.safetensors
+                            sniff=lambda path: quantization_config_of(path) == {} and any(Path(path).glob("*.safetensors"))
+                            and not any(Path(path).glob("*.uqff"))))

@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import torch
 
-from .dequant import dequantize_grid_torch
+from .dequant import dequantize_axis0_torch, dequantize_grid_torch
 
 __all__ = ["dequantize_grid", "kernel_backend"]
 
@@ -41,8 +41,12 @@ def kernel_backend(tensor: torch.Tensor) -> str:
 def dequantize_grid(grid, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Dequantize a `converters.records.Grid` (duck-typed: .params, .codes, .packed)."""
     p = grid.params
+    if p.axis == 0:  # HQQ's strided-row groups (see converters/records.py); the torch path serves every device
+        codes = grid.codes
+        return dequantize_axis0_torch(codes, p.scales, p.zeros, p.row_groups(codes.shape[0]), dtype,
+                                      compute_dtype=p.compute_dtype)
     if p.axis != 1:
-        raise NotImplementedError(f"grid axis {p.axis} is not supported yet")
+        raise NotImplementedError(f"grid axis {p.axis} is not supported")
     packed = grid.packed
     probe = packed.words if packed is not None else grid.codes
     if kernel_backend(probe) == "triton" and p.compute_dtype == torch.float32:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["dequantize_grid_torch"]
+__all__ = ["dequantize_grid_torch", "dequantize_axis0_torch"]
 
 
 def dequantize_grid_torch(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -36,4 +36,24 @@ def dequantize_grid_torch(codes: torch.Tensor, scales: torch.Tensor, zeros: torc
     else:
         g = g_idx if g_idx is not None else torch.arange(in_features, device=codes.device) // group_size
         w = s[:, g] * q + offset[:, g] if mins is not None else (q - offset[:, g]) * s[:, g]
+    return w if dtype == w.dtype else w.to(dtype)
+
+
+def dequantize_axis0_torch(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, row_groups: torch.Tensor,
+                           dtype: torch.dtype = torch.float32,
+                           compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Axis-0 grids (HQQ): W[n, k] = (q[n, k] - zeros[h(n), k]) * scales[h(n), k], scales/zeros [R, in],
+    h = `row_groups` [out]. The same two elementwise operations in the same dtype as hqq's
+    `(W_q - zero) * scale` on its [group_size, numel/group_size] view, so the result is hqq's bit for bit."""
+    cd = compute_dtype
+    q = codes.to(cd)
+    out_features, in_features = codes.shape
+    r = scales.shape[0]
+    natural = out_features % r == 0 and torch.equal(
+        row_groups, torch.arange(out_features, dtype=row_groups.dtype, device=row_groups.device) % r)
+    if natural:  # [gs, R, in] view: broadcast the [R, in] scales without a gather
+        w = (q.view(-1, r, in_features) - zeros.to(cd)[None]) * scales.to(cd)[None]
+        w = w.view(out_features, in_features)
+    else:
+        w = (q - zeros.to(cd)[row_groups]) * scales.to(cd)[row_groups]
     return w if dtype == w.dtype else w.to(dtype)

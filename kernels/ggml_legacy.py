@@ -6,6 +6,8 @@ Three operations per type, all on [rows, n] tensors with n a multiple of 32:
 - `quantize_blocks(layout, x)`: llama.cpp's reference quantizer (`quantize_row_*_ref`), byte for byte:
   the same signed-max choice, the same truncation after `+ 8.5` and the same fp32 inverse scale.
 - `decode_blocks(layout, data)`: bytes -> float32, the same arithmetic as gguf-py's dequantize.
+- `quantize_pack(layout, x)`: quantize_blocks + pack_blocks in one; for Q4_0 and Q8_0 on large
+  tensors the element-wise passes run as one fused torch.compile kernel (see _fused below).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from .ggml_layouts import BlockLayout
 
-__all__ = ["pack_blocks", "quantize_blocks", "decode_blocks", "unpack_blocks"]
+__all__ = ["pack_blocks", "quantize_blocks", "quantize_pack", "decode_blocks", "unpack_blocks"]
 
 _HALF = 16  # elements j and j + 16 share a byte in the 4-bit nibble arrays
 
@@ -119,6 +121,9 @@ def quantize_blocks(lay: BlockLayout, x: torch.Tensor):
         v = xb * inv[..., None]
         q = torch.sign(v) * torch.floor(v.abs() + 0.5)  # roundf: half away from zero
         return q.to(torch.int8).view(rows, n), d.to(torch.float16), None
+    # C starts from max = +0.0 and only replaces it for |x| > 0: a block of (negative) zeros keeps +0,
+    # so d = +0/-8 = -0.0 (fp16 0x8000)
+    signed_max = torch.where(signed_max == 0, torch.zeros_like(signed_max), signed_max)
     d = signed_max / float(-lay.offset)
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     t = xb * inv[..., None] + (lay.offset + 0.5)
@@ -144,3 +149,93 @@ def repack_grid(lay: BlockLayout, codes: torch.Tensor, scales: torch.Tensor, zer
         return pack_blocks(lay, codes, s.to(torch.float16), m.to(torch.float16))
     q = codes.view(rows, nb, lay.block).to(torch.int16) - z.to(torch.int16)[..., None] + lay.offset
     return pack_blocks(lay, q.view(rows, n), s.to(torch.float16))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fused Q4_0 / Q8_0 quantization
+#
+# The eager path above makes ~8 passes over the data (abs, argmax, gather, multiply, add, trunc,
+# clamp, cast, pack). For large tensors the whole per-block computation is compiled by torch.compile
+# (inductor's C++ backend) into one loop over the blocks: each block's 32 values are read once. The
+# result stays byte-identical to C because every compiled operation is an exactly defined IEEE
+# float32 operation (max/min, x*inv + c, 1/d, trunc, clamp, casts; inductor compiles without
+# unsafe-math and without FMA contraction), the only constant divisor (Q8_0's 127) comes in as a
+# runtime tensor so that it cannot be turned into a multiplication by its rounded reciprocal, and the
+# two things a compiler may legitimately change are redone in eager torch on the small per-block
+# arrays: the sign of a zero scale (C stores -0.0 for a Q4_0 block of zeros) and which of +a / -a is
+# "the" maximum of a block holding both (C keeps the first; those rare blocks are requantized eagerly).
+# Without a working compiler (or with QCONVERT_COMPILE=0) the eager path runs; both give the same bytes.
+
+_FUSED_MIN_ELEMENTS = 1 << 22  # below this the one-time compilation costs more than it saves
+_fused_cache: dict = {}
+
+
+def _fused_enabled() -> bool:
+    import os
+
+    return os.environ.get("QCONVERT_COMPILE", "1") != "0"
+
+
+def _q4_0_kernel(xb, offset):
+    hi, lo = xb.amax(-1), xb.amin(-1)
+    smax = torch.where(hi >= -lo, hi, lo)  # ties (hi == -lo) are redone eagerly
+    d = smax / -offset
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    t = xb * inv[..., None] + (offset + 0.5)  # C: x*id + 8.5, truncated by the (int8_t) cast
+    q = torch.trunc(t).clamp(max=15).to(torch.uint8)
+    return hi, lo, d, q[..., :_HALF] | (q[..., _HALF:] << 4)
+
+
+def _q8_0_kernel(xb, divisor):
+    hi, lo = xb.amax(-1), xb.amin(-1)
+    d = torch.maximum(hi.abs(), lo.abs()) / divisor
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    v = xb * inv[..., None]
+    t = torch.trunc(v)  # C's roundf: half away from zero (rint, except exact halves)
+    r = torch.where((v - t).abs() == 0.5, t + torch.sign(v), torch.round(v))
+    return hi, lo, d, r.to(torch.int8)
+
+
+_KERNELS = {"Q4_0": _q4_0_kernel, "Q8_0": _q8_0_kernel}
+
+
+def _call_fused(name: str, *args):
+    fn = _fused_cache.get(name)
+    if fn is None:
+        try:
+            fn = torch.compile(_KERNELS[name], dynamic=True)
+        except Exception:  # noqa: BLE001 - no compiler / unsupported platform
+            fn = _KERNELS[name]
+        _fused_cache[name] = fn
+    try:
+        return fn(*args)
+    except Exception:  # noqa: BLE001 - a compile failure surfaces on the first call: eager for good
+        _fused_cache[name] = _KERNELS[name]
+        return _KERNELS[name](*args)
+
+
+def quantize_pack(lay: BlockLayout, x: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
+    """float32 [rows, n] -> uint8 [rows, n/32*nbytes]: pack_blocks(quantize_blocks(x)), byte for byte,
+    with the fused kernel for Q4_0 / Q8_0 when `fused` (default: large tensors, QCONVERT_COMPILE != 0)."""
+    if fused is None:
+        fused = lay.name in _KERNELS and x.numel() >= _FUSED_MIN_ELEMENTS and _fused_enabled()
+    if not fused or lay.name not in _KERNELS:
+        return pack_blocks(lay, *quantize_blocks(lay, x))
+    rows, n = x.shape
+    nb = n // lay.block
+    xb = x.to(torch.float32).contiguous().view(rows, nb, lay.block)
+    const = torch.tensor(8.0 if lay.name == "Q4_0" else 127.0, dtype=torch.float32)
+    hi, lo, d, q = _call_fused(lay.name, xb, const)
+    out = torch.empty(rows, nb, lay.nbytes, dtype=torch.uint8)
+    # C's zero scale: Q4_0 computes +0/-8 = -0.0, Q8_0 0/127 = +0.0
+    zero = torch.full_like(d, -0.0 if lay.name == "Q4_0" else 0.0)
+    d = torch.where(d == 0, zero, d)
+    out[..., 0:2] = _fp16_bytes(d)
+    out[..., 2:] = q.view(torch.uint8) if q.dtype == torch.int8 else q
+    if lay.name == "Q4_0":
+        tie = (hi == -lo) & (hi > 0)
+        if bool(tie.any()):  # +a and -a in one block: C's first-occurrence maximum, eagerly
+            r, b = tie.nonzero(as_tuple=True)
+            sub = xb[r, b].reshape(-1, lay.block)
+            out[r, b] = pack_blocks(lay, *quantize_blocks(lay, sub)).view(-1, lay.nbytes)
+    return out.view(rows, nb * lay.nbytes)

@@ -33,13 +33,20 @@ and later candidates use that min in `iscale*(x - min)` and `(max - min)`; this 
 Speed. All super-blocks of a chunk are processed at once; Python loops run only over the candidate
 scales of the searches (<= 21) and, for Q3_K, over the 16 positions x <= 5 coordinate-descent passes.
 
-Importance weights (``imatrix``): llama.cpp switches to different, weighted algorithms
-(``quantize_row_q*_K_impl``: make_qkx3_quants / make_qp_quants) when an importance matrix is given.
-They are not implemented yet; passing ``imatrix`` raises NotImplementedError rather than silently
-producing the unweighted result.
+Importance weights (``imatrix``, one float per column of a row, as llama-quantize --imatrix passes
+them): llama.cpp then switches to different, weighted algorithms (``quantize_row_q*_K_impl``) and so
+does this module, byte for byte with ``ggml_quantize_chunk(type, ..., imatrix)``:
+- Q2_K/Q4_K/Q5_K: weights ``qw * sqrt(sigma2 + x*x)``, make_qkx3_quants (the qkx2 search with
+  rmin -0.9, rdelta 0.05, 36 steps), then the sub-block scales and mins themselves are quantized by
+  make_qp_quants (a weighted search plus coordinate descent) instead of a plain max/63 rounding.
+- Q3_K: make_qx_quants with the weights for the codes and again (nmax 32) for the 16 scales.
+- Q6_K: make_qx_quants with the imatrix values themselves as weights.
 """
 
 from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -51,7 +58,9 @@ __all__ = [
     "K_TYPES",
     "BLOCK_BYTES",
     "quantize_k",
+    "default_threads",
     "dequantize_k",
+    "pack_q45_K",
     "quantize_q2_K",
     "quantize_q3_K",
     "quantize_q4_K",
@@ -114,10 +123,42 @@ def _out_shape(shape: tuple[int, ...], block_bytes: int) -> tuple[int, ...]:
 
 def _check_imatrix(imatrix) -> None:
     if imatrix is not None:
-        raise NotImplementedError(
-            "importance-weighted K-quant quantization (llama.cpp quantize_row_q*_K_impl) is not "
-            "implemented; call without imatrix for the reference (llama-quantize default) result"
-        )
+        raise NotImplementedError("Q8_K is an activation format; it has no importance-weighted quantizer")
+
+
+def _imatrix_blocks(imatrix, shape) -> np.ndarray | None:
+    """The per-column importance of a row (n floats) -> (n/256, 256) float32: block i of every row
+    uses imatrix[256*i : 256*(i+1)] (C passes the same pointer for each row)."""
+    if imatrix is None:
+        return None
+    qw = np.ascontiguousarray(imatrix, dtype=F32).reshape(-1)
+    if qw.size != shape[-1]:
+        raise ValueError(f"imatrix has {qw.size} values, the rows have {shape[-1]} columns")
+    return qw.reshape(-1, QK_K)
+
+
+def _chunk_weights(qwb: np.ndarray, s: int, e: int) -> np.ndarray:
+    """Importance rows (k, 256) for the global super-blocks s..e (rows of the tensor run one after another)."""
+    return qwb[np.arange(s, e) % qwb.shape[0]]
+
+
+def _block_sigma2(xc: np.ndarray, factor: float) -> np.ndarray:
+    """C: sum_x2 over the 256 values (sequential), then factor*sum_x2/QK_K, per super-block."""
+    XT = np.ascontiguousarray(xc.T)
+    np.multiply(XT, XT, out=XT)
+    s2 = np.add.reduce(XT, axis=0)
+    if factor != 1:
+        s2 = F32(factor) * s2
+    return s2 / F32(QK_K)
+
+
+def _importance_weights(X: np.ndarray, QW: np.ndarray, sigma2: np.ndarray, per_block: int) -> np.ndarray:
+    """C: weights[l] = qw[l] * sqrtf(sigma2 + x*x), element-major like X."""
+    W = np.multiply(X, X)
+    W += np.repeat(sigma2, per_block)
+    np.sqrt(W, out=W)
+    W *= QW
+    return W
 
 
 def _first_absmax(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -279,18 +320,21 @@ class _Qkx2:
 
 
 class _QxRmse1:
-    """make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL) (Q6_K) for M sub-blocks at once.
+    """make_qx_quants(n, nmax, x, L, rmse_type=1, qw) (Q6_K; Q3_K with weights) for M sub-blocks at once.
     `scale` per column and `L(cols)` (stored values l + nmax) as in _Qkx2. iscale*x is bounded by
     nmax + 0.9 here, so np.rint is exactly C's nearest_int."""
 
-    def __init__(self, X, nmax):
+    def __init__(self, X, nmax, W=None):
         n, M = X.shape
         self.X, self.nmax = X, nmax
         amax, mx = _first_absmax(X)
         self.zero = amax < _GROUP_MAX_EPS
         fn = F32(nmax)
-        P = np.empty((2, n, M), F32)  # [w*x, w] with w = x*x
-        np.multiply(X, X, out=P[1])
+        P = np.empty((2, n, M), F32)  # [w*x, w] with w = x*x, or the given weights (C's qw)
+        if W is None:
+            np.multiply(X, X, out=P[1])
+        else:
+            P[1] = W
         np.multiply(P[1], X, out=P[0])
         Q = np.empty((2, n, M), F32)
         V = np.empty_like(X)
@@ -332,6 +376,70 @@ class _QxRmse1:
         V += F32(nmax)
         V[:, self.zero[cols]] = 0
         return V.T.astype(np.uint8)
+
+
+def _make_qp_quants(X, nmax, W):
+    """make_qp_quants(n, nmax, x, L, quant_weights) for M columns at once (X, W of shape (n, M)):
+    the weighted quantization of a super-block's sub-block scales (or mins) to 0..nmax.
+    Returns (scale [M], L (n, M) uint8). Like _make_q3_quants, the coordinate descent is sequential
+    over the n positions, all columns together; C's int codes are stored into uint8 (wrapping) where
+    C stores them and used as ints where C uses ints."""
+    n, M = X.shape
+    fn = F32(nmax)
+    mx = np.maximum(np.maximum.reduce(X, axis=0), F32(0))  # C: max = MAX(max, x[i]) from 0
+    zero = mx < _GROUP_MAX_EPS
+    WX = np.multiply(W, X)
+
+    def mse(scale, Lf):
+        diff = np.subtract(X, scale * Lf)  # C: x - scale*L
+        t = np.multiply(W, diff)
+        t *= diff  # (w*diff)*diff
+        return np.add.reduce(t, axis=0)
+
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        iscale = fn / mx
+        L0 = (_nearest_int(X * iscale) & 0xFF).astype(F32)  # stored into uint8 L without a clamp
+        best = mse(F32(1) / iscale, L0)
+        for step in range(-4, 5):
+            if step == 0:
+                continue
+            isc = F32(F32(F32(0.1) * F32(step)) + fn) / mx
+            li = np.minimum(_nearest_int(X * isc), nmax).astype(F32)
+            cur = mse(F32(1) / isc, li)
+            acc = cur < best
+            best = np.where(acc, cur, best)
+            iscale = np.where(acc, isc, iscale)
+        li = np.minimum(_nearest_int(X * iscale), nmax)
+        lf = li.astype(F32)
+        sumlx = np.add.reduce(WX * lf, axis=0)  # (w*x)*l
+        suml2 = np.add.reduce((W * lf) * lf, axis=0)
+        L = (li & 0xFF).astype(F32)  # C's uint8 L
+        for _ in range(5):
+            changed = False
+            for i in range(n):
+                x, w, wx, Li = X[i], W[i], WX[i], L[i]
+                slx = sumlx - wx * Li
+                sl2 = suml2 - (w * Li) * Li
+                q = x * sl2
+                q /= slx
+                new = np.minimum(_nearest_int(q), nmax)
+                newf = new.astype(F32)
+                cand = (slx > 0) & (sl2 > 0) & (newf != Li)
+                slx2 = slx + wx * newf
+                sl2b = sl2 + (w * newf) * newf
+                acc = cand & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl2b)
+                if acc.any():
+                    changed = True
+                    m = _mask32(acc)
+                    _blend(Li, (new & 0xFF).astype(F32), m)
+                    _blend(sumlx, slx2, m)
+                    _blend(suml2, sl2b, m)
+            if not changed:
+                break
+        scale = np.where(suml2 > 0, sumlx / suml2, F32(0))
+    scale[zero] = 0
+    L[:, zero] = 0
+    return scale, L.astype(np.uint8)
 
 
 def _make_q3_quants(X, nmax=4):
@@ -446,15 +554,19 @@ def _requant(q: np.ndarray, d: np.ndarray, lo: int, hi: int, search_L) -> np.nda
 
 
 def quantize_q2_K(x: np.ndarray, imatrix=None) -> np.ndarray:
-    """float32 [..., n] -> uint8 [..., n/256*84], byte-identical to quantize_row_q2_K_ref."""
-    _check_imatrix(imatrix)
+    """float32 [..., n] -> uint8 [..., n/256*84], byte-identical to quantize_row_q2_K_ref
+    (with `imatrix`: quantize_row_q2_K_impl)."""
     xb, shape = _as_blocks(x)
+    qwb = _imatrix_blocks(imatrix, shape)
     nb = xb.shape[0]
     out = np.empty((nb, 84), np.uint8)
     for s, e in _chunks(nb):
         xc = xb[s:e]
         k = e - s
         X = _rowmajor_to_elem_major(xc, 16)
+        if qwb is not None:
+            _quantize_q2_K_weighted(xc, X, _rowmajor_to_elem_major(_chunk_weights(qwb, s, e), 16), out[s:e])
+            continue
         srch = _Qkx2(X, np.abs(X), 3, -0.5, 0.1, 15, True)
         scales = srch.scale.reshape(k, 16)
         mins = srch.the_min.reshape(k, 16)
@@ -485,28 +597,67 @@ def quantize_q2_K(x: np.ndarray, imatrix=None) -> np.ndarray:
     return out.reshape(_out_shape(shape, 84))
 
 
+def _quantize_q2_K_weighted(xc, X, QW, o) -> None:
+    """quantize_row_q2_K_impl for one chunk: make_qkx3_quants per 16, make_qp_quants (nmax 15) for
+    the 16 scales and the 16 mins, then the reference's requantization."""
+    k = xc.shape[0]
+    W = _importance_weights(X, QW, _block_sigma2(xc, 1), 16)
+    sw = np.add.reduce(W, axis=0)  # C: sw[j] = 0 + weight[0] + ... sequentially
+    srch = _Qkx2(X, W, 3, -0.9, 0.05, 36, False)
+    del W
+    swT = np.ascontiguousarray(sw.reshape(k, 16).T)
+    dm, Ls = _make_qp_quants(np.ascontiguousarray(srch.scale.reshape(k, 16).T), 15, swT)
+    mm, Lm = _make_qp_quants(np.ascontiguousarray(srch.the_min.reshape(k, 16).T), 15, swT)
+    sc_byte = (Ls.T | (Lm.T << 4)).astype(np.uint8)  # C: uint8 Ls | (Lm << 4), wrapping
+    d16 = _fp16_round(dm)
+    dmin16 = _fp16_round(mm)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        d = d16.astype(F32)[:, None] * (sc_byte & 0xF).astype(F32)
+        dmv = dmin16.astype(F32)[:, None] * (sc_byte >> 4).astype(F32)
+        q = xc.reshape(k, 16, 16) + dmv[..., None]
+        q /= d[..., None]
+    L = _requant(q, d, 0, 3, srch.L)
+    o[:, 0:16] = sc_byte
+    o[:, 16:80] = _pack_2bit(L)
+    o[:, 80:82] = _fp16_bytes(d16)
+    o[:, 82:84] = _fp16_bytes(dmin16)
+
+
 def quantize_q3_K(x: np.ndarray, imatrix=None) -> np.ndarray:
-    """float32 [..., n] -> uint8 [..., n/256*110], byte-identical to quantize_row_q3_K_ref."""
-    _check_imatrix(imatrix)
+    """float32 [..., n] -> uint8 [..., n/256*110], byte-identical to quantize_row_q3_K_ref
+    (with `imatrix`: quantize_row_q3_K_impl)."""
     xb, shape = _as_blocks(x)
+    qwb = _imatrix_blocks(imatrix, shape)
     nb = xb.shape[0]
     out = np.empty((nb, 110), np.uint8)
     for s, e in _chunks(nb):
         xc = xb[s:e]
         k = e - s
         X = _rowmajor_to_elem_major(xc, 16)
-        scale, Ls = _make_q3_quants(X, 4)
-        scales = scale.reshape(k, 16)
-        _, max_scale = _first_absmax(scales.T)
-        nz = max_scale != 0
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            iscale = F32(-32) / max_scale
-            li = _nearest_int(iscale[:, None] * scales)
-            li = li.astype(np.int8).astype(np.int32)  # C: int8_t l = nearest_int(...)
-            np.clip(li, -32, 31, out=li)
-            li += 32
-            li[~nz] = 0
-            d16 = _fp16_round(np.where(nz, F32(1) / iscale, F32(0)))
+        if qwb is None:
+            scale, Ls = _make_q3_quants(X, 4)
+            scales = scale.reshape(k, 16)
+            _, max_scale = _first_absmax(scales.T)
+            nz = max_scale != 0
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                iscale = F32(-32) / max_scale
+                li = _nearest_int(iscale[:, None] * scales)
+                li = li.astype(np.int8).astype(np.int32)  # C: int8_t l = nearest_int(...)
+                np.clip(li, -32, 31, out=li)
+                li += 32
+                li[~nz] = 0
+                d16 = _fp16_round(np.where(nz, F32(1) / iscale, F32(0)))
+        else:  # quantize_row_q3_K_impl: weighted make_qx_quants for the codes and for the scales
+            W = _importance_weights(X, _rowmajor_to_elem_major(_chunk_weights(qwb, s, e), 16),
+                                    _block_sigma2(xc, 2), 16)
+            sw = np.add.reduce(W, axis=0)
+            srch = _QxRmse1(X, 4, W)
+            del W
+            Ls = srch.L(np.arange(X.shape[1])).T  # (16, M): l + 4, as make_q3_quants returns
+            scales = srch.scale.reshape(k, 16)
+            ssrch = _QxRmse1(np.ascontiguousarray(scales.T), 32, np.ascontiguousarray(sw.reshape(k, 16).T))
+            li = ssrch.L(np.arange(k)).astype(np.int32)  # (k, 16): l + 32 in 0..63
+            d16 = _fp16_round(ssrch.scale)
         lu = li.astype(np.uint8)
         sb = np.empty((k, 12), np.uint8)
         sb[:, 0:8] = (lu[:, 0:8] & 0xF) | ((lu[:, 8:16] & 0xF) << 4)
@@ -529,77 +680,112 @@ def quantize_q3_K(x: np.ndarray, imatrix=None) -> np.ndarray:
     return out.reshape(_out_shape(shape, 110))
 
 
-def _quantize_q45_K(x, nmax, rmin, nstep, block_bytes):
+def _quantize_q45_K(x, nmax, rmin, nstep, block_bytes, imatrix=None):
     xb, shape = _as_blocks(x)
+    qwb = _imatrix_blocks(imatrix, shape)
     nb = xb.shape[0]
     out = np.empty((nb, block_bytes), np.uint8)
     for s, e in _chunks(nb):
         xc = xb[s:e]
         k = e - s
         X = _rowmajor_to_elem_major(xc, 32)
-        W = np.multiply(X, X)
-        av_x = np.sqrt(np.add.reduce(W, axis=0) / F32(32))  # C: sqrtf(sum_x2/32), sequential sum
-        np.abs(X, out=W)
-        W += av_x  # C: av_x + fabsf(x)
-        srch = _Qkx2(X, W, nmax, rmin, 0.1, nstep, False)
+        if qwb is None:
+            W = np.multiply(X, X)
+            av_x = np.sqrt(np.add.reduce(W, axis=0) / F32(32))  # C: sqrtf(sum_x2/32), sequential sum
+            np.abs(X, out=W)
+            W += av_x  # C: av_x + fabsf(x)
+            srch = _Qkx2(X, W, nmax, rmin, 0.1, nstep, False)
+        else:  # quantize_row_q{4,5}_K_impl
+            QW = _rowmajor_to_elem_major(_chunk_weights(qwb, s, e), 32)
+            W = _importance_weights(X, QW, _block_sigma2(xc, 2), 8)
+            sw = np.add.reduce(W, axis=0)  # sequential over the 32 weights
+            srch = _Qkx2(X, W, nmax, -0.9, 0.05, 36, False)  # make_qkx3_quants
         del W
         scales = srch.scale.reshape(k, 8)
         mins = srch.the_min.reshape(k, 8)
-        max_scale = np.fmax(np.fmax.reduce(scales, axis=1), F32(0))  # C: running `>` from 0
-        max_min = np.fmax(np.fmax.reduce(mins, axis=1), F32(0))
+        if qwb is not None:
+            swT = np.ascontiguousarray(sw.reshape(k, 8).T)
+            d_block, Ls = _make_qp_quants(np.ascontiguousarray(scales.T), 63, swT)
+            m_block, Lm = _make_qp_quants(np.ascontiguousarray(mins.T), 63, swT)
+            ls = np.minimum(Ls.T, 63)
+            lm = np.minimum(Lm.T, 63)
+            d16 = _fp16_round(d_block)
+            dmin16 = _fp16_round(m_block)
+        else:
+            max_scale = np.fmax(np.fmax.reduce(scales, axis=1), F32(0))  # C: running `>` from 0
+            max_min = np.fmax(np.fmax.reduce(mins, axis=1), F32(0))
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                inv_scale = np.where(max_scale > 0, F32(63) / max_scale, F32(0))
+                inv_min = np.where(max_min > 0, F32(63) / max_min, F32(0))
+                # C: uint8_t ls = nearest_int(...); ls = MIN(63, ls)  (wraps mod 256 first)
+                ls = np.minimum(_nearest_int(inv_scale[:, None] * scales) & 0xFF, 63).astype(np.uint8)
+                lm = np.minimum(_nearest_int(inv_min[:, None] * mins) & 0xFF, 63).astype(np.uint8)
+                d16 = _fp16_round(max_scale / F32(63))
+                dmin16 = _fp16_round(max_min / F32(63))
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            inv_scale = np.where(max_scale > 0, F32(63) / max_scale, F32(0))
-            inv_min = np.where(max_min > 0, F32(63) / max_min, F32(0))
-            # C: uint8_t ls = nearest_int(...); ls = MIN(63, ls)  (wraps mod 256 first)
-            ls = np.minimum(_nearest_int(inv_scale[:, None] * scales) & 0xFF, 63).astype(np.uint8)
-            lm = np.minimum(_nearest_int(inv_min[:, None] * mins) & 0xFF, 63).astype(np.uint8)
-            d16 = _fp16_round(max_scale / F32(63))
-            dmin16 = _fp16_round(max_min / F32(63))
             d = d16.astype(F32)[:, None] * ls.astype(F32)
             dm = dmin16.astype(F32)[:, None] * lm.astype(F32)
             q = xc.reshape(k, 8, 32) + dm[..., None]
             q /= d[..., None]
         L = _requant(q, d, 0, nmax, srch.L)
-        o = out[s:e]
-        o[:, 0:2] = _fp16_bytes(d16)
-        o[:, 2:4] = _fp16_bytes(dmin16)
-        o[:, 4:16] = _pack_k4_scales(ls, lm)
-        Lr = L.reshape(k, 4, 2, 32)
-        if nmax == 15:
-            o[:, 16:144] = (Lr[:, :, 0] | (Lr[:, :, 1] << 4)).reshape(k, 128)
-        else:
-            o[:, 48:176] = ((Lr[:, :, 0] & 0xF) | (Lr[:, :, 1] << 4)).reshape(k, 128)
-            hi = (L >> 4).reshape(k, 8, 32)
-            qh = hi[:, 0].copy()
-            for b in range(1, 8):
-                qh |= hi[:, b] << b
-            o[:, 16:48] = qh
+        _pack_q45(out[s:e], L, ls, lm, d16, dmin16, nmax)
     return out.reshape(_out_shape(shape, block_bytes))
 
 
+def _pack_q45(o, L, ls, lm, d16, dmin16, nmax) -> None:
+    k = L.shape[0]
+    o[:, 0:2] = _fp16_bytes(d16)
+    o[:, 2:4] = _fp16_bytes(dmin16)
+    o[:, 4:16] = _pack_k4_scales(ls, lm)
+    Lr = L.reshape(k, 4, 2, 32)
+    if nmax == 15:
+        o[:, 16:144] = (Lr[:, :, 0] | (Lr[:, :, 1] << 4)).reshape(k, 128)
+    else:
+        o[:, 48:176] = ((Lr[:, :, 0] & 0xF) | (Lr[:, :, 1] << 4)).reshape(k, 128)
+        hi = (L >> 4).reshape(k, 8, 32)
+        qh = hi[:, 0].copy()
+        for b in range(1, 8):
+            qh |= hi[:, b] << b
+        o[:, 16:48] = qh
+
+
+def pack_q45_K(L: np.ndarray, sc: np.ndarray, m: np.ndarray, d16: np.ndarray, dmin16: np.ndarray,
+               nmax: int) -> np.ndarray:
+    """Given codes L (nb, 256) uint8 on 0..nmax (15: Q4_K, 31: Q5_K), 6-bit sub-block scales and mins
+    (nb, 8) and the fp16 super-block d, dmin (nb,) -> the block bytes (nb, 144 | 176). No search:
+    the grid-aware writer uses it to store a grid's own codes."""
+    L = np.ascontiguousarray(L, dtype=np.uint8)
+    out = np.empty((L.shape[0], 144 if nmax == 15 else 176), np.uint8)
+    _pack_q45(out, L, np.asarray(sc, np.uint8), np.asarray(m, np.uint8), np.asarray(d16, np.float16),
+              np.asarray(dmin16, np.float16), nmax)
+    return out
+
+
 def quantize_q4_K(x: np.ndarray, imatrix=None) -> np.ndarray:
-    """float32 [..., n] -> uint8 [..., n/256*144], byte-identical to quantize_row_q4_K_ref."""
-    _check_imatrix(imatrix)
-    return _quantize_q45_K(x, 15, -1.0, 20, 144)
+    """float32 [..., n] -> uint8 [..., n/256*144], byte-identical to quantize_row_q4_K_ref
+    (with `imatrix` [n]: to quantize_row_q4_K_impl, i.e. ggml_quantize_chunk with that imatrix)."""
+    return _quantize_q45_K(x, 15, -1.0, 20, 144, imatrix)
 
 
 def quantize_q5_K(x: np.ndarray, imatrix=None) -> np.ndarray:
-    """float32 [..., n] -> uint8 [..., n/256*176], byte-identical to quantize_row_q5_K_ref."""
-    _check_imatrix(imatrix)
-    return _quantize_q45_K(x, 31, -0.5, 15, 176)
+    """float32 [..., n] -> uint8 [..., n/256*176], byte-identical to quantize_row_q5_K_ref
+    (with `imatrix`: quantize_row_q5_K_impl)."""
+    return _quantize_q45_K(x, 31, -0.5, 15, 176, imatrix)
 
 
 def quantize_q6_K(x: np.ndarray, imatrix=None) -> np.ndarray:
-    """float32 [..., n] -> uint8 [..., n/256*210], byte-identical to quantize_row_q6_K_ref."""
-    _check_imatrix(imatrix)
+    """float32 [..., n] -> uint8 [..., n/256*210], byte-identical to quantize_row_q6_K_ref
+    (with `imatrix`: quantize_row_q6_K_impl, whose weights are the imatrix values themselves)."""
     xb, shape = _as_blocks(x)
+    qwb = _imatrix_blocks(imatrix, shape)
     nb = xb.shape[0]
     out = np.empty((nb, 210), np.uint8)
     for s, e in _chunks(nb):
         xc = xb[s:e]
         k = e - s
         X = _rowmajor_to_elem_major(xc, 16)
-        srch = _QxRmse1(X, 32)
+        QW = None if qwb is None else _rowmajor_to_elem_major(_chunk_weights(qwb, s, e), 16)
+        srch = _QxRmse1(X, 32, QW)
         scales = srch.scale.reshape(k, 16)
         amax, max_scale = _first_absmax(scales.T)
         zero = amax < _GROUP_MAX_EPS
@@ -774,14 +960,47 @@ def _type_name(type_name) -> str:
     return name.upper()
 
 
-def quantize_k(x: np.ndarray, type_name, imatrix=None) -> np.ndarray:
+def default_threads() -> int:
+    """Threads for quantize_k: QCONVERT_THREADS, else the CPUs this process may use (at most 8)."""
+    env = os.environ.get("QCONVERT_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        n = os.cpu_count() or 1
+    return max(1, min(8, n))
+
+
+def quantize_k(x: np.ndarray, type_name, imatrix=None, threads: int | None = None) -> np.ndarray:
     """Quantize float32 [..., n] (n % 256 == 0) to the uint8 block bytes of `type_name`
-    ("Q2_K".."Q6_K", "Q8_K"), as llama.cpp's reference quantizer (llama-quantize without imatrix)."""
+    ("Q2_K".."Q6_K", "Q8_K"), as llama.cpp's reference quantizer (llama-quantize without imatrix;
+    with `imatrix` [n], as llama-quantize --imatrix).
+
+    `threads` (default: default_threads()): rows are split into bands quantized from a thread pool.
+    numpy releases the GIL inside its array operations, and every super-block is independent, so the
+    bytes do not depend on the split."""
     name = _type_name(type_name)
     if name == "Q8_K":
         _check_imatrix(imatrix)
         return quantize_q8_K(x)
-    return _QUANTIZERS[name](x, imatrix=imatrix)
+    quantize = _QUANTIZERS[name]
+    threads = default_threads() if threads is None else max(1, int(threads))
+    x = np.asarray(x)
+    rows = int(np.prod(x.shape[:-1])) if x.ndim > 1 else 1
+    if threads == 1 or rows < 2 or x.size < 4 * _CHUNK * QK_K:
+        return quantize(x, imatrix=imatrix)
+    x2 = x.reshape(rows, x.shape[-1])
+    out = np.empty((rows, x.shape[-1] // QK_K * BLOCK_BYTES[name]), np.uint8)
+    # bands of whole rows (block i of a row keeps imatrix[256*i:]), a few per thread to even out the load
+    bounds = np.linspace(0, rows, min(rows, 4 * threads) + 1).astype(int)
+
+    def band(i: int) -> None:
+        out[bounds[i]:bounds[i + 1]] = quantize(x2[bounds[i]:bounds[i + 1]], imatrix=imatrix)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(band, range(len(bounds) - 1)))
+    return out.reshape(_out_shape(x.shape, BLOCK_BYTES[name]))
 
 
 def dequantize_k(data: np.ndarray, type_name) -> np.ndarray:

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 from ...converters.registry import FormatEntry, register_format
+from .reader import open_gguf
 from .writer import GgufWriter
 
 def _is_gguf(path: Path) -> bool:
@@ -16,4 +17,4 @@ def _is_gguf(path: Path) -> bool:
 
 register_format(FormatEntry("gguf", aliases=("llama.cpp", "ggml"),
                             description="llama.cpp GGUF file: complete model with metadata and tokenizer",
-                            writer=GgufWriter(), sniff=_is_gguf))
+                            open_reader=open_gguf, writer=GgufWriter(), sniff=_is_gguf))

@@ -7,6 +7,16 @@ Per tensor the target type is, in order: a `--tensor-type REGEX=TYPE` match; `--
 tensors, or every 2-D weight of a dense source); the best aligned type for a grid (4-bit symmetric ->
 Q4_0, 4-bit with zero points -> Q4_1, 8-bit symmetric -> Q8_0, 3/2-bit -> Q3_K/Q2_K, which requantize);
 dense tensors keep their float type, and norms and other 1-D tensors are F32 as llama.cpp wants.
+A grid read from a GGUF keeps its own ggml type by default, and when the target type is the source's
+its blocks are copied byte for byte (`PackedCodes` layout "ggml:<TYPE>"; verdict exact, BitIdentical).
+With `--split-max-size` the output is a set of `-0000i-of-0000N.gguf` parts (gguf-py's split writer).
+`--type` may name one of llama-quantize's mixes (q4_k_m, q4_k_s, q5_k_m, q5_k_s, q6_k, q8_0, q3_k_m,
+q2_k: presets.py), which picks the type per tensor as llama.cpp does and sets general.file_type.
+
+A grid planned for Q4_K/Q5_K keeps its codes in every super-block whose 6-bit sub-block scales can
+hold the grid's scales exactly (kernels/kquant_grid.py; the reason says how many blocks did); the
+rest is requantized. `--imatrix FILE` weighs the K quantizers as llama-quantize --imatrix does, and
+`--quantizer llama.cpp` requantizes with llama.cpp's own ggml_quantize_chunk (kencode.py).
 """
 
 from __future__ import annotations
@@ -20,14 +30,16 @@ import torch
 
 from ...converters.align import (EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Verdict, check_dense_to_float,
                                  check_grid_to_blocks, check_grid_to_float, describe_grid)
-from ...converters.errors import QConvertError
+from ...converters.errors import BadInput, QConvertError
 from ...converters.plan import BitIdentical, Options, TensorPlan, unknown_type
 from ...converters.records import Dense, Grid, TensorRecord
 from ...kernels.ggml_layouts import LAYOUTS, BlockLayout, layout
-from ...kernels.ggml_legacy import decode_blocks, pack_blocks, quantize_blocks, repack_grid
+from ...kernels.ggml_legacy import decode_blocks, quantize_pack, repack_grid
 from ...kernels.gptq_q4_0 import gptq4_to_q4_0, q4_0_to_gptq4
+from .kencode import QUANTIZERS, QuantHow, encode_quantized
 from .metadata import add_model_metadata, rope_freqs_tensor
 from .names import gguf_arch, gguf_tensor_name, inverse_permutation, qk_row_permutation
+from .presets import PRESETS, ModelFacts, preset_of, preset_type, quantized_by_llama_cpp
 
 __all__ = ["GgufWriter", "best_aligned_type", "default_grid_type", "FILE_TYPES"]
 
@@ -70,7 +82,27 @@ def _check(p, shape, target: str) -> Verdict:
     lay = LAYOUTS[target]
     if lay.kind == "float":
         return check_grid_to_float(p, target)
+    if lay.kind == "k":
+        kept = _check_kept_codes(p, shape, target)
+        if kept is not None:
+            return kept
     return check_grid_to_blocks(p, shape, lay)
+
+
+def _check_kept_codes(p, shape, target: str) -> Verdict | None:
+    """Grid -> Q4_K/Q5_K: how many 256-super-blocks can hold the grid's codes and scales exactly
+    (kernels/kquant_grid.py); None when no block can (then the generic K verdict applies)."""
+    from ...kernels.kquant_grid import plan_kept_blocks
+
+    fit = plan_kept_blocks(p, shape, target)
+    if fit is None:
+        return None
+    kept, total = int(fit[0].sum()), int(fit[0].size)
+    if kept == total:
+        return Verdict(EXACT, f"{kept} of {total} blocks kept their codes ({target}'s 6-bit sub-block scales "
+                              "hold the grid's scales exactly)")
+    return Verdict(REQUANTIZE, f"{kept} of {total} blocks kept their codes; the other {total - kept} are "
+                               f"requantized with {target}'s quantizer")
 
 
 def best_aligned_type(p, shape) -> tuple[str, str] | None:
@@ -96,8 +128,92 @@ def _k_fallback(target: str, shape, params) -> tuple[str, str]:
 def _parse_type(text: str) -> str:
     key = text.strip().upper()
     if key not in _WRITABLE:
-        raise unknown_type(text, [t.lower() for t in _WRITABLE], "GGUF")
+        known = [t.lower() for t in _WRITABLE] + [p for p in PRESETS if p.upper() not in _WRITABLE]
+        raise unknown_type(text, known, "GGUF")
     return key
+
+
+def _model_facts(source, tied: bool | None = None) -> ModelFacts:
+    cfg = source.config
+    heads = int(cfg.get("num_attention_heads") or 1)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    if tied is None:  # until check_model sees whether an output.weight is planned
+        tied = bool(cfg.get("tie_word_embeddings", False))
+    return ModelFacts(int(cfg.get("num_hidden_layers", 0)), max(1, heads // max(1, kv_heads)), tied)
+
+
+def _choose_type(explicit, options: Options, source, out_name: str, shape, default: str | None,
+                 quantize_dense: bool) -> tuple[str | None, str]:
+    """The ggml type a tensor asks for, in order: --tensor-type, a preset's rule, --type, `default`.
+    `quantize_dense`: whether --type applies to this (dense) tensor. -> (type or None, rule note)."""
+    if explicit:
+        return _parse_type(explicit), ""
+    preset = preset_of(options.type)
+    if preset is not None and quantize_dense and quantized_by_llama_cpp(out_name, shape):
+        chosen, rule = preset_type(preset, out_name, shape, _model_facts(source))
+        return chosen, f"[{rule}] "
+    if options.type and preset is None and quantize_dense:
+        return _parse_type(options.type), ""
+    return default, ""
+
+
+def _dense_verdict(dtype: str, shape, target: str) -> Verdict:
+    lay = LAYOUTS[target]
+    if lay.kind == "float":
+        return check_dense_to_float(dtype, target)
+    if shape[-1] % lay.block:
+        return Verdict(REFUSED, f"rows of {shape[-1]} are not a whole number of {lay.block}-blocks")
+    return Verdict(REQUANTIZE, f"dense {dtype} weights quantized with {target}'s quantizer")
+
+
+_IMATRIX_CACHE: dict = {}
+
+
+def _imatrix_for(options: Options, out_name: str, shape, target: str) -> tuple[np.ndarray | None, str]:
+    """The --imatrix vector of a tensor planned for a K type (llama-quantize weighs the K quantizers
+    with it), or None and a note."""
+    path = options.extra.get("imatrix")
+    if not path:
+        return None, ""
+    if LAYOUTS[target].kind != "k":
+        return None, "; imatrix not applied (qconvert uses it for K types only)" if LAYOUTS[target].kind == "legacy" else ""
+    from .imatrix import read_imatrix
+
+    key = str(Path(path).resolve())
+    if key not in _IMATRIX_CACHE:
+        _IMATRIX_CACHE.clear()
+        _IMATRIX_CACHE[key] = read_imatrix(path)
+    vec = _IMATRIX_CACHE[key].get(out_name)
+    if vec is None:
+        return None, "; no imatrix entry"
+    if vec.size != shape[-1]:
+        if out_name == "token_embd.weight":  # llama-quantize ignores a mismatched embedding entry too
+            return None, "; imatrix entry of the wrong size ignored"
+        raise BadInput(f"imatrix entry has {vec.size} values, the tensor has {shape[-1]} columns", path=path,
+                       tensor=out_name)
+    return vec, "; weighted by the imatrix"
+
+
+def _attach_quant(plan: TensorPlan, options: Options, keep_codes: bool) -> None:
+    """Record how a quantized target is encoded when it is not simply the reference quantizer."""
+    lay = LAYOUTS[plan.target]
+    if lay.kind == "float" or plan.verdict == REFUSED:
+        return
+    backend = options.extra.get("quantizer") or "qconvert"
+    if backend not in QUANTIZERS:
+        raise QConvertError(f"unknown --quantizer {backend!r}; choose one of: {', '.join(QUANTIZERS)}")
+    imatrix, note = _imatrix_for(options, plan.out_name, plan.shape, plan.target) if plan.verdict == REQUANTIZE else (None, "")
+    plan.reason += note
+    if backend == "llama.cpp" and plan.verdict == REQUANTIZE:
+        from ...kernels.ggml_ctypes import available
+
+        if not available():
+            raise QConvertError("--quantizer llama.cpp needs llama-cpp-python installed")
+        plan.reason += "; llama.cpp's quantizer"
+    how = QuantHow(keep_codes=keep_codes, imatrix=imatrix,
+                   backend=backend if plan.verdict == REQUANTIZE else "qconvert")
+    if how.needed:
+        plan.info["quant"] = how
 
 
 class GgufWriter:
@@ -123,31 +239,35 @@ class GgufWriter:
         explicit = options.explicit_type(rec.name)
         is_1d = len(rec.shape) == 1 or rec.name.endswith("norm.weight")
         fallback_note = ""
+        rule_note = ""
         if rec.is_grid:
             p = rec.params
-            target = _parse_type(explicit or options.type or default_grid_type(p))
+            # a GGUF source's grid keeps its own ggml type unless a type is asked for
+            target, rule_note = _choose_type(explicit, options, source, out_name, rec.shape,
+                                             rec.notes.get("ggml_type") or default_grid_type(p), True)
+            target = _parse_type(target)
             target, fallback_note = _k_fallback(target, rec.shape, p)
             v = _check(p, rec.shape, target)
+            if rec.notes.get("ggml_type") == target:
+                v = Verdict(EXACT, f"{target} blocks copied byte for byte")
             src = describe_grid(p, rec.shape[1])
         else:
             src = rec.dtype
-            if explicit:
-                target = _parse_type(explicit)
-            elif is_1d:
+            keep_float = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(rec.dtype, "F32")
+            if is_1d and not explicit:
                 target = "F32"
-            elif options.type and not source.quant_config and len(rec.shape) == 2:
-                target = _parse_type(options.type)
             else:
-                target = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(rec.dtype, "F32")
+                target, rule_note = _choose_type(explicit, options, source, out_name, rec.shape, keep_float,
+                                                 not source.quant_config and len(rec.shape) == 2)
             target, fallback_note = _k_fallback(target, rec.shape, None)
-            lay = LAYOUTS[target]
-            if lay.kind == "float":
-                v = check_dense_to_float(rec.dtype, target)
-            elif rec.shape[-1] % lay.block:
-                v = Verdict(REFUSED, f"rows of {rec.shape[-1]} are not a whole number of {lay.block}-blocks")
-            else:
-                v = Verdict(REQUANTIZE, f"dense {rec.dtype} weights quantized with {target}'s quantizer")
-        plan = TensorPlan(rec.name, rec.shape, src, target, v.verdict, fallback_note + v.reason, out_name=out_name)
+            v = _dense_verdict(rec.dtype, rec.shape, target)
+        plan = TensorPlan(rec.name, rec.shape, src, target, v.verdict, rule_note + fallback_note + v.reason,
+                          out_name=out_name)
+        preset = preset_of(options.type)
+        if preset is not None:
+            plan.info["file_type"] = preset.file_type  # general.file_type names the preset, not a tensor type
+        _attach_quant(plan, options, keep_codes=rec.is_grid and "blocks kept their codes" in v.reason
+                      and not v.reason.startswith("0 of"))
         if v.verdict in (REQUANTIZE, REFUSED) and rec.is_grid:
             best = best_aligned_type(rec.params, rec.shape)
             if best:
@@ -157,6 +277,7 @@ class GgufWriter:
         return plan
 
     def check_model(self, source, plans, options) -> None:
+        _settle_tied_embedding(source, plans, options)
         # the tokenizer is checked by the session before writing; do it here too so dry runs see it
         arch, _ = self._arch(source)
         from .tokenizer import add_tokenizer
@@ -165,16 +286,59 @@ class GgufWriter:
         n_vocab = next((p.shape[0] for p in plans if p.out_name == "token_embd.weight"), None)
         if n_vocab is None:
             raise QConvertError("the model has no token embedding (model.embed_tokens.weight)", path=source.path)
-        add_tokenizer(probe, Path(source.path), source.config, n_vocab)
+        _add_tokenizer(probe, source, n_vocab)
+
+    def writes_several_files(self, options: Options) -> bool:
+        """With --split-max-size the output is a set of `-0000i-of-0000N.gguf` parts (see run.atomic_output)."""
+        return bool(options.extra.get("split_max_size"))
 
     def open(self, path: Path, source, plans: list[TensorPlan], options: Options) -> "GgufSession":
-        return GgufSession(Path(path), source, plans, *self._arch(source))
+        return GgufSession(Path(path), source, plans, *self._arch(source),
+                           split_max_size=int(options.extra.get("split_max_size") or 0))
+
+
+def _settle_tied_embedding(source, plans: list[TensorPlan], options: Options) -> None:
+    """A preset gives token_embd the output rule when it doubles as the output (no output.weight in
+    the file, as llama-quantize decides); plan_tensor assumed config.json's tie_word_embeddings."""
+    preset = preset_of(options.type)
+    if preset is None:
+        return
+    tied = not any(p.out_name == "output.weight" for p in plans)
+    if tied == _model_facts(source).tied:
+        return
+    for i, p in enumerate(plans):
+        if p.out_name != "token_embd.weight" or p.source not in ("float32", "float16", "bfloat16"):
+            continue
+        if options.explicit_type(p.name) or source.quant_config:
+            continue
+        target, rule = preset_type(preset, p.out_name, p.shape, _model_facts(source, tied))
+        target, fallback_note = _k_fallback(target, p.shape, None)
+        v = _dense_verdict(p.source, p.shape, target)
+        plans[i] = TensorPlan(p.name, p.shape, p.source, target, v.verdict, f"[{rule}] " + fallback_note + v.reason,
+                              out_name=p.out_name, info={"file_type": preset.file_type})
+        _attach_quant(plans[i], options, keep_codes=False)
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, source, n_vocab: int) -> None:
+    """The tokenizer keys: copied verbatim from a GGUF source, else built from its tokenizer files."""
+    copy = getattr(source, "write_gguf_tokenizer", None)
+    if copy is not None:
+        copy(writer)
+        return
+    from .tokenizer import add_tokenizer
+
+    add_tokenizer(writer, Path(source.path), source.config, n_vocab)
 
 
 class GgufSession:
-    def __init__(self, path: Path, source, plans: list[TensorPlan], arch: str, n_layers: int):
+    """Writes the planned tensors in order. With `split_max_size` (bytes) gguf-py starts a new part
+    whenever the next tensor would overflow the current one; the parts are named
+    `<stem>-0000i-of-0000N.gguf` next to `path` (llama.cpp loads the set from its first part)."""
+
+    def __init__(self, path: Path, source, plans: list[TensorPlan], arch: str, n_layers: int,
+                 split_max_size: int = 0):
         self.source, self.arch = source, arch
-        self.writer = gguf.GGUFWriter(path=str(path), arch=arch)
+        self.writer = gguf.GGUFWriter(path=str(path), arch=arch, split_max_size=split_max_size)
         w = self.writer
         kept = [p for p in plans if not p.info.get("drop")]
         counts: dict[str, int] = {}
@@ -182,11 +346,11 @@ class GgufSession:
             if len(p.shape) == 2:
                 counts[p.target] = counts.get(p.target, 0) + 1
         dominant = max(counts, key=counts.get) if counts else "F32"
-        add_model_metadata(w, source.config, arch, file_type=FILE_TYPES.get(dominant, 0))
+        preset_file_type = next((p.info["file_type"] for p in kept if "file_type" in p.info), None)
+        add_model_metadata(w, source.config, arch,
+                           file_type=FILE_TYPES.get(dominant, 0) if preset_file_type is None else preset_file_type)
         n_vocab = next(p.shape[0] for p in kept if p.out_name == "token_embd.weight")
-        from .tokenizer import add_tokenizer
-
-        add_tokenizer(w, Path(source.path), source.config, n_vocab)
+        _add_tokenizer(w, source, n_vocab)
         self.extra = []
         rope = rope_freqs_tensor(source.config)
         if rope is not None:
@@ -211,7 +375,7 @@ class GgufSession:
         perm = qk_row_permutation(plan.name, self.source.config, self.arch)
         if perm is not None:
             item = item.permute_rows(perm) if isinstance(item, Grid) else Dense(item.tensor[perm])
-        data, decoded = encode_tensor(lay, plan.verdict, item)
+        data, decoded = encode_tensor(lay, plan.verdict, item, plan.info.get("quant"))
         self.writer.write_tensor_data(data.reshape(-1))
         if perm is not None and not isinstance(decoded, BitIdentical):
             decoded = decoded[inverse_permutation(perm)]
@@ -242,9 +406,14 @@ def _fast_path_applies(lay: BlockLayout, verdict: str, item) -> bool:
             and packed.bits == 4 and item.params.symmetric)
 
 
-def encode_tensor(lay: BlockLayout, verdict: str, item: Dense | Grid) -> tuple[np.ndarray, torch.Tensor | BitIdentical]:
+def encode_tensor(lay: BlockLayout, verdict: str, item: Dense | Grid,
+                  quant: QuantHow | None = None) -> tuple[np.ndarray, torch.Tensor | BitIdentical]:
     """-> (bytes as uint8 numpy, float32 values the bytes decode to in the item's shape, or a proof
     that the bytes are bit-identical to the source's packed codes)."""
+    packed = getattr(item, "packed", None)
+    if packed is not None and packed.layout == f"ggml:{lay.name}":
+        # the source holds this very ggml type: its blocks are the answer, byte for byte
+        return packed.words.numpy(), BitIdentical(f"{lay.name} blocks copied from the source unchanged")
     if _fast_path_applies(lay, verdict, item):
         return _gptq_words_to_q4_0(item)
     if lay.kind == "float":
@@ -257,11 +426,13 @@ def encode_tensor(lay: BlockLayout, verdict: str, item: Dense | Grid) -> tuple[n
         block_group = p.group_of_column(in_features)[:: lay.block]
         data = repack_grid(lay, item.codes, p.scales, p.zeros, block_group, mins=p.mins)
         return data.numpy(), decode_blocks(lay, data)
+    if quant is not None and quant.needed:  # kept grid codes, an imatrix or llama.cpp's quantizer (kencode.py)
+        return encode_quantized(lay, item, quant)
     x = item.dequantize(torch.float32)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if lay.kind == "legacy":
-        data = pack_blocks(lay, *quantize_blocks(lay, x2))
+        data = quantize_pack(lay, x2)
         return data.numpy(), decode_blocks(lay, data).view(shape)
     kq = _kquants()
     data = kq.quantize_k(x2.numpy(), lay.name)

@@ -1,0 +1,141 @@
+"""Quantizer speed and error: qconvert's quantizers against llama.cpp's own (`ggml_quantize_chunk` from
+llama-cpp-python's libggml-base.so, through ctypes) and gguf-py's numpy quantizer, on the same
+bf16-rounded float32 tensors of real LLM shapes.
+
+    python scripts/bench_quantize.py                 # >= 256 MB of bf16 input, 1 and 2 threads
+    python scripts/bench_quantize.py --mb 64 --types Q4_K,Q6_K --threads 1
+
+Throughput is MB/s of bf16 input (2 bytes per weight), the best of --repeat runs; a warm-up call first
+(torch.compile of the fused Q4_0/Q8_0 kernels happens once per process). Threads: our K quantizers
+split rows over a thread pool (numpy releases the GIL inside array operations), our Q4_0/Q8_0 run on
+torch's intra-op threads (set to the same count); llama.cpp's rows are split over a ThreadPoolExecutor
+calling ggml_quantize_chunk on row ranges (ctypes releases the GIL). RMSE of the decoded weights
+against the input is printed for both, and whether the bytes are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+try:
+    from qconvert.kernels import kquants as kq
+    from qconvert.kernels.ggml_ctypes import available as llama_cpp_available
+    from qconvert.kernels.ggml_ctypes import ggml_quantize
+    from qconvert.kernels.ggml_layouts import LAYOUTS
+    from qconvert.kernels.ggml_legacy import decode_blocks, quantize_pack
+except ImportError as e:  # pragma: no cover
+    raise SystemExit(f"install the package first (pip install -e .): {e}")
+
+TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K")
+# llama-7B shapes ([out, in]): mlp up/gate, mlp down, attention projections
+SHAPES = ((11008, 4096), (4096, 11008), (4096, 4096))
+
+
+def make_inputs(mb: float, seed: int = 0, shapes=SHAPES) -> list[np.ndarray]:
+    """bf16-rounded float32 tensors cycling through `shapes` until `mb` MB of bf16 are reached."""
+    gen = torch.Generator().manual_seed(seed)
+    out, total, i = [], 0, 0
+    while total < mb * 1e6:
+        shape = shapes[i % len(shapes)]
+        t = torch.randn(shape, generator=gen) * (shape[1] ** -0.5)
+        out.append(t.to(torch.bfloat16).to(torch.float32).numpy())
+        total += t.numel() * 2
+        i += 1
+    return out
+
+
+def ours_quantize(x: np.ndarray, t: str, threads: int) -> np.ndarray:
+    lay = LAYOUTS[t]
+    if lay.kind == "k":
+        return kq.quantize_k(x, t, threads=threads)
+    # Q4_0 / Q8_0: the fused torch.compile kernels, which run on torch's intra-op threads
+    return quantize_pack(lay, torch.from_numpy(x)).numpy()
+
+
+def decode(data: np.ndarray, t: str) -> np.ndarray:
+    lay = LAYOUTS[t]
+    if lay.kind == "k":
+        return kq.dequantize_k(data, t)
+    return decode_blocks(lay, torch.from_numpy(data)).numpy()
+
+
+def gguf_py_quantize(x: np.ndarray, t: str) -> np.ndarray:
+    import gguf
+
+    return gguf.quants.quantize(x, gguf.GGMLQuantizationType[t])
+
+
+def timed(fn, inputs, repeat: int):
+    best, outs = float("inf"), None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        outs = [fn(x) for x in inputs]
+        best = min(best, time.perf_counter() - t0)
+    return best, outs
+
+
+def rmse(inputs, outs, t: str) -> float:
+    se, n = 0.0, 0
+    for x, q in zip(inputs, outs):
+        d = decode(q, t).reshape(x.shape) - x
+        se += float(np.square(d, dtype=np.float64).sum())
+        n += x.size
+    return (se / n) ** 0.5
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mb", type=float, default=256, help="MB of bf16 input (default 256)")
+    ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--shapes", default=None, help="e.g. 256x1024,512x512 instead of llama-7B's shapes")
+    args = ap.parse_args(argv)
+    shapes = SHAPES if not args.shapes else tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
+    types = [t.strip().upper() for t in args.types.split(",")]
+    thread_counts = [int(n) for n in args.threads.split(",")]
+    inputs = make_inputs(args.mb, shapes=shapes)
+    mb = sum(x.size for x in inputs) * 2 / 1e6
+    shapes = sorted({x.shape for x in inputs})
+    print(f"input: {len(inputs)} tensors {shapes}, {mb:.0f} MB of bf16; llama.cpp: "
+          f"{'libggml-base.so via ctypes' if llama_cpp_available() else 'not installed'}")
+    print(f"{'type':<5} {'thr':>3} {'ours MB/s':>10} {'llama.cpp':>10} {'ours/llama':>10} {'gguf-py':>8} "
+          f"{'ours/gguf-py':>12} {'rmse ours':>10} {'rmse llama':>10} {'same bytes':>10}")
+    for t in types:
+        ours_quantize(inputs[0][:512], t, 1)  # warm-up: imports, torch.compile
+        if LAYOUTS[t].kind == "legacy":
+            ours_quantize(inputs[0], t, 1)
+        gp_speed = None
+        if t in ("Q4_0", "Q8_0"):
+            gp_time, _ = timed(lambda x: gguf_py_quantize(x, t), inputs, args.repeat)
+            gp_speed = mb / gp_time
+        for n in thread_counts:
+            torch.set_num_threads(n)
+            our_time, ours = timed(lambda x: ours_quantize(x, t, n), inputs, args.repeat)
+            ours_speed = mb / our_time
+            line = f"{t:<5} {n:>3} {ours_speed:>10.1f} "
+            if llama_cpp_available():
+                ll_time, theirs = timed(lambda x: ggml_quantize(x, t, threads=n), inputs, args.repeat)
+                ll_speed = mb / ll_time
+                same = all(np.array_equal(a, b) for a, b in zip(ours, theirs))
+                line += f"{ll_speed:>10.1f} {ours_speed / ll_speed:>10.2f} "
+            else:
+                theirs, same = None, None
+                line += f"{'-':>10} {'-':>10} "
+            line += (f"{gp_speed:>8.1f} {ours_speed / gp_speed:>12.2f} " if gp_speed else f"{'-':>8} {'-':>12} ")
+            line += f"{rmse(inputs, ours, t):>10.3e} "
+            line += f"{rmse(inputs, theirs, t):>10.3e} {str(same):>10}" if theirs is not None else f"{'-':>10} {'-':>10}"
+            print(line, flush=True)
+            del ours, theirs
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
