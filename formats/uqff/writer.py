@@ -1,0 +1,431 @@
+"""UQFF writer: a model directory that mistral.rs loads with `from_uqff="<stem>-0.uqff"`.
+
+Written: `<stem>-0.uqff`, `<stem>-1.uqff`, ... (safetensors shards of at most 10 GiB, the version tensors
+in the first), `residual.safetensors` (every tensor that is not a UQFF layer: norms, dense leftovers),
+`config.json` without any `quantization_config` (mistral.rs would build GPTQ layers from it) and with a
+top-level `rope_theta` (mistral.rs' Llama config needs it), and the tokenizer files. `<stem>` is the
+`--type` name, or the most common layer type. The version is the lowest 1.x that covers the file: 1.0,
+1.1 with inline Unquant layers, 1.2 with a quantized token embedding.
+
+Per layer the target is `--tensor-type REGEX=TYPE`, else `--type`, else the cheapest aligned type for
+the source grid: GGUF blocks keep their ggml type (bytes copied), GPTQ/HQQ-axis-1 grids go to Q4_0 /
+Q8_0 blocks (GGUF rules) or AFQ (scale and bias per group: codes kept, float32 scales and biases), HQQ
+axis-0 grids to UQFF HQQ (codes, scales, zeros kept). Types are mistral.rs' ISQ names (layout.UQFF_TYPES).
+
+mistral.rs dequantizes AFQ in the dtype of the stored scales, so AFQ scales and biases are written in float32:
+a GPTQ grid's fp16 scale times an integer code, and its bias -scale*zero, are exact there. Inline Unquant
+layers (`--type f32/f16/bf16`) are multiplied in their stored dtype without a cast: pick mistral.rs' run dtype
+(float32 on a CPU, its default there); layer biases are likewise used as stored and are written in float32.
+Requantizing (only with --allow-requant) uses each family's rule: ggml's reference quantizers (kernels),
+HQQ's (kernels.hqq, axis 0, 10 steps, as mistral.rs' ISQ), MLX's affine min/max, and mistral.rs' FP8 / F8Q8 /
+MXFP4 scale rules (layout.py); the bytes need not equal mistral.rs' own quantizer's, the decode does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ... import __version__
+from ...converters.align import (EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Verdict, check_dense_to_float,
+                                 check_grid_to_blocks, check_grid_to_float, describe_grid)
+from ...converters.errors import QConvertError
+from ...converters.plan import BitIdentical, Options, TensorPlan, unknown_type
+from ...converters.records import Dense, Grid, GridParams, TensorRecord
+from ...kernels.ggml_layouts import LAYOUTS
+from ..safetensors_dir import copy_side_files, write_json
+from .reader import _without_quantization_config
+from .layout import (AFQ_GROUPS, FP8_DTYPE_CODE, GGML_TYPE_IDS, K_FALLBACK, MAJOR, TAG, UQFF_TYPES,
+                     UqffType, decode_f8q8, decode_mxfp4, encode_f8q8, encode_fp8, encode_mxfp4, hqq_halves_pack,
+                     pack_afq)
+
+__all__ = ["UqffWriter", "MAX_SHARD_BYTES", "parse_uqff_type"]
+
+MAX_SHARD_BYTES = 10 * 1024**3  # mistral.rs' MAX_UQFF_SIZE_BYTES (a soft cap between tensors)
+# modules mistral.rs asks the UQFF for (linears and the token embedding); everything else is residual
+_LAYER = re.compile(r"(?:_proj|^lm_head|embed_tokens)\.weight$")
+_LAYER_BIAS = re.compile(r"_proj\.bias$")
+_EMBEDDING = re.compile(r"embed_tokens\.weight$")
+# aligned candidates per source bit width, cheapest first; the first exact (else near-exact) one is chosen
+_CANDIDATES = {2: ("afq2",), 3: ("afq3",), 4: ("q4_0", "afq4", "hqq4", "q4_1"), 5: ("q5_0", "afq6", "q5_1"),
+               6: ("afq6",), 8: ("q8_0", "afq8", "hqq8")}
+_REQUANT_DEFAULT = {2: "afq2", 3: "afq3", 4: "afq4", 5: "afq6", 6: "afq6", 8: "afq8"}
+_TYPE_OF_GGML = {t.ggml: t.name for t in UQFF_TYPES.values() if t.ggml}
+_ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.uint8: "U8",
+             torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.uint32: "U32",
+             torch.float64: "F64", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3"}
+
+
+def parse_uqff_type(text: str) -> UqffType:
+    key = text.strip().lower().replace("-", "_")
+    key = re.sub(r"^q(\d)_k$", r"q\1k", key)
+    key = {"f8e4m3": "fp8", "float32": "f32", "float16": "f16", "bfloat16": "bf16"}.get(key, key)
+    if key not in UQFF_TYPES:
+        raise unknown_type(text, list(UQFF_TYPES), "UQFF")
+    return UQFF_TYPES[key]
+
+
+def _afq_group(source_group: int, in_features: int) -> int | None:
+    """The largest AFQ group (128/64/32) that tiles the source's groups and the row."""
+    for g in AFQ_GROUPS:
+        if source_group % g == 0 and in_features % g == 0:
+            return g
+    return None
+
+
+# -- the checker: can a UQFF type hold this tensor, and how ----------------------------------------------
+def check_target(t: UqffType, rec: TensorRecord) -> tuple[Verdict, dict]:
+    """(verdict, facts the session needs) for storing `rec` as UQFF type `t`."""
+    shape = rec.shape
+    in_features = shape[-1]
+    p = rec.params
+    if t.family == "unquant":
+        target = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}[t.unquant_dtype]
+        v = check_grid_to_float(p, target) if p is not None else check_dense_to_float(rec.dtype, target)
+        # mistral.rs multiplies an Unquant layer in its stored dtype (no cast): it must be the run's dtype
+        return Verdict(v.verdict, v.reason + f"; load with dtype {target.lower()} in mistral.rs"), {}
+    if t.family == "gguf":
+        name = t.ggml
+        note = ""
+        if LAYOUTS[name].kind == "k" and in_features % 256:
+            name, note = K_FALLBACK[name], f"{t.ggml} needs rows of 256, mistral.rs' fallback {K_FALLBACK[name]}: "
+        lay = LAYOUTS[name]
+        if in_features % lay.block:
+            return Verdict(REFUSED, f"rows of {in_features} are not whole {name} blocks of {lay.block}"), {}
+        info = {"ggml": name}
+        if rec.notes.get("ggml_type") == name:
+            return Verdict(EXACT, note + f"{name} blocks copied byte for byte"), info
+        if p is None:
+            return Verdict(REQUANTIZE, note + f"dense {rec.dtype} weights quantized with {name}'s quantizer"), info
+        v = check_grid_to_blocks(p, shape, lay)
+        return Verdict(v.verdict, note + v.reason), info
+    if t.family == "hqq":
+        gs = t.group_size
+        if p is not None and p.axis == 0 and p.row_idx is None and p.bits <= t.bits:
+            store = p.compute_dtype if p.compute_dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+            info = {"aligned": True, "group_size": p.group_size, "meta_dtype": store}
+            if store == p.scales.dtype or (torch.equal(p.scales.to(store).to(p.scales.dtype), p.scales)
+                                           and torch.equal(p.zeros.to(store).to(p.zeros.dtype), p.zeros)):
+                return Verdict(EXACT, f"codes, scales and zeros kept (axis 0, group {p.group_size}, "
+                                      f"{str(store)[6:]})"), info
+            return Verdict(NEAR_EXACT, f"codes kept; scales and zeros round to {str(store)[6:]}"), info
+        if shape[0] * in_features % gs or shape[0] % gs:
+            return Verdict(REFUSED, f"{shape[0]} rows are not whole HQQ axis-0 groups of {gs}"), {}
+        why = ("HQQ axis-1 groups run along the input features; mistral.rs' HQQ holds axis 0 only"
+               if p is not None and p.axis == 1 and p.zeros.is_floating_point() and p.mins is None
+               else "mistral.rs' HQQ groups run down strided output rows (axis 0)" if p is not None
+               else f"dense {rec.dtype} weights quantized with HQQ (axis 0, group {gs})")
+        return Verdict(REQUANTIZE, why), {"group_size": gs}
+    if t.family == "afq":
+        if p is not None and p.axis == 1 and p.contiguous_groups(in_features) and p.bits <= t.bits:
+            g = _afq_group(p.group_size, in_features)
+            if g is not None:
+                info = {"aligned": True, "group_size": g}
+                if p.compute_dtype != torch.float32:
+                    return Verdict(NEAR_EXACT, f"codes kept; the source dequantizes in {str(p.compute_dtype)[6:]}, "
+                                               "AFQ in float32"), info
+                if p.mins is not None:
+                    return Verdict(EXACT, f"codes, scales and mins kept in float32 (group {g})"), info
+                if p.integer_zeros:
+                    return Verdict(NEAR_EXACT, f"codes and scales kept; bias = -scale*zero in float32 (group {g})"), info
+                return Verdict(NEAR_EXACT, f"codes kept; the float zero point becomes bias = -scale*zero (group {g})"), info
+        g = 64 if in_features % 64 == 0 else 32 if in_features % 32 == 0 else None
+        if g is None:
+            return Verdict(REFUSED, f"rows of {in_features} are not whole AFQ groups of 32"), {}
+        why = "dense weights quantized with AFQ's affine rule" if p is None else \
+            "the grid's groups (act-order, axis 0 or size) or bits do not map onto AFQ groups"
+        return Verdict(REQUANTIZE, why + f" (group {g})"), {"group_size": g}
+    # fp8, f8q8, mxfp4: float codebooks, never a grid's
+    if t.family == "mxfp4" and in_features % 32:
+        return Verdict(REFUSED, f"rows of {in_features} are not whole MXFP4 blocks of 32"), {}
+    return Verdict(REQUANTIZE, f"{t.name} has no integer grid; weights are quantized with mistral.rs' {t.name} rule"), {}
+
+
+def _best_aligned(rec: TensorRecord) -> tuple[str, str] | None:
+    """(type, verdict) of the cheapest type that holds the grid exactly, else near-exactly."""
+    p = rec.params
+    names = [n for b in sorted(_CANDIDATES) if b >= p.bits for n in _CANDIDATES[b]]
+    verdicts = [(n, check_target(UQFF_TYPES[n], rec)[0].verdict) for n in dict.fromkeys(names)]
+    for wanted in (EXACT, NEAR_EXACT):
+        for n, v in verdicts:
+            if v == wanted:
+                return n, v
+    return None
+
+
+class UqffWriter:
+    name = "uqff"
+    output_is_file = False
+
+    def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
+        explicit = options.explicit_type(rec.name)
+        if rec.is_grid:
+            return self._plan_layer(rec, explicit or options.type)
+        is_layer = len(rec.shape) == 2 and _LAYER.search(rec.name)
+        wanted = explicit or (options.type if not source.quant_config else None)
+        if is_layer and wanted:
+            return self._plan_layer(rec, wanted)
+        if rec.dtype not in ("float32", "float16", "bfloat16") and rec.dtype not in ("int32", "int64", "uint8"):
+            return TensorPlan(rec.name, rec.shape, rec.dtype, "residual", REFUSED, f"dtype {rec.dtype} not supported")
+        bias = bool(_LAYER_BIAS.search(rec.name))
+        return TensorPlan(rec.name, rec.shape, rec.dtype, rec.dtype, EXACT, "copied", out_name=rec.name,
+                          info={"where": "residual", "bias_of": rec.name[: -len(".bias")] if bias else None})
+
+    def _plan_layer(self, rec: TensorRecord, wanted: str | None) -> TensorPlan:
+        p = rec.params
+        src = describe_grid(p, rec.shape[1]) if p is not None else rec.dtype
+        if len(rec.shape) != 2:
+            return TensorPlan(rec.name, rec.shape, src, "?", REFUSED, "UQFF layers are 2-D here (no stacked experts)")
+        if wanted:
+            t = parse_uqff_type(wanted)
+        elif rec.notes.get("ggml_type") in _TYPE_OF_GGML:
+            t = UQFF_TYPES[_TYPE_OF_GGML[rec.notes["ggml_type"]]]
+        else:
+            best = _best_aligned(rec)
+            t = UQFF_TYPES[best[0] if best else _REQUANT_DEFAULT.get(p.bits, "afq4")]
+        v, info = check_target(t, rec)
+        target = f"{t.name}" + (f" ({info['ggml']})" if info.get("ggml") and info["ggml"] != t.ggml else "")
+        plan = TensorPlan(rec.name, rec.shape, src, target, v.verdict, v.reason, out_name=rec.name,
+                          info={"where": "uqff", "type": t.name, **info})
+        if v.verdict in (REQUANTIZE, REFUSED) and p is not None:
+            best = _best_aligned(rec)
+            if best:
+                plan.alternative = f"--type {best[0]} ({best[1]})"
+        return plan
+
+    def check_model(self, source, plans: list[TensorPlan], options: Options) -> None:
+        layers = {p.name[: -len(".weight")] for p in plans if p.info.get("where") == "uqff"}
+        for p in plans:  # a layer's bias travels with it in the .uqff (its presence is the "has bias" flag)
+            if p.info.get("bias_of") in layers:
+                p.info["where"] = "uqff-bias"
+        if not layers and plans:
+            raise QConvertError("nothing to store as UQFF layers: the source has no quantized tensors; pass "
+                                "--type (e.g. --type q4k)", path=source.path)
+        if "tokenizer.json" not in source.side_files():
+            raise QConvertError("mistral.rs needs tokenizer.json next to the model; the source has none",
+                                path=source.path)
+
+    def open(self, path: Path, source, plans: list[TensorPlan], options: Options) -> "UqffSession":
+        max_bytes = int(options.extra.get("uqff_max_shard_bytes") or MAX_SHARD_BYTES)
+        return UqffSession(Path(path), source, plans, max_bytes)
+
+
+def uqff_minor(plans: list[TensorPlan]) -> int:
+    """The lowest 1.x minor that covers the layers: 1.2 stores token embeddings as layers, 1.1 Unquant."""
+    layers = [p for p in plans if p.info.get("where") == "uqff"]
+    if any(_EMBEDDING.search(p.name) for p in layers):
+        return 2
+    if any(UQFF_TYPES[p.info["type"]].family == "unquant" for p in layers):
+        return 1
+    return 0
+
+
+class _SafetensorsStream:
+    """A safetensors file written as tensors arrive: data goes to a side file, the header (which must come
+    first) is written at close, then the data is copied behind it. Nothing is held in memory."""
+
+    def __init__(self, path: Path, metadata: dict):
+        self.path, self.metadata = Path(path), metadata
+        self.data_path = self.path.with_name(self.path.name + ".data")
+        self.data = open(self.data_path, "wb")
+        self.header: dict = {}
+        self.offset = 0
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.header:
+            raise ValueError(f"duplicate tensor {name}")
+        t = tensor.detach().contiguous().cpu()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        self.data.write(raw)
+        self.header[name] = {"dtype": _ST_DTYPE[t.dtype], "shape": list(t.shape),
+                             "data_offsets": [self.offset, self.offset + len(raw)]}
+        self.offset += len(raw)
+
+    def close(self) -> None:
+        self.data.close()
+        header = {"__metadata__": self.metadata, **self.header}
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * ((-len(blob)) % 8)
+        with open(self.path, "wb") as f, open(self.data_path, "rb") as d:
+            f.write(len(blob).to_bytes(8, "little"))
+            f.write(blob)
+            shutil.copyfileobj(d, f, 1 << 24)
+        os.unlink(self.data_path)
+
+
+class _ShardSet:
+    """`<stem>-N.uqff` shards, a new one whenever the next tensor would pass the cap (version tensors first)."""
+
+    def __init__(self, directory: Path, stem: str, max_bytes: int, minor: int):
+        self.directory, self.stem, self.max_bytes = directory, stem, max_bytes
+        self.version = f"{MAJOR}.{minor}.0"
+        self.metadata = {"uqff.producer": "qconvert", "uqff.version": self.version,
+                         "uqff.producer.qconvert.version": __version__}
+        self.shards: list[_SafetensorsStream] = []
+        self._new_shard()
+        for part, value in zip(("major", "minor", "patch"), (MAJOR, minor, 0)):
+            self.current.put(f"uqff.version.{part}", torch.tensor(value, dtype=torch.uint32))
+
+    def _new_shard(self) -> None:
+        if self.shards:
+            self.shards[-1].close()
+        self.current = _SafetensorsStream(self.directory / f"{self.stem}-{len(self.shards)}.uqff", self.metadata)
+        self.shards.append(self.current)
+
+    def put_layer(self, tensors: dict[str, torch.Tensor]) -> None:
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        if self.current.offset and self.current.offset + size > self.max_bytes:
+            self._new_shard()
+        for name, t in tensors.items():
+            self.current.put(name, t)
+
+    def close(self) -> list[str]:
+        self.shards[-1].close()
+        return [s.path.name for s in self.shards]
+
+
+def _u8(v: int) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.uint8)
+
+
+def _u32(v) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.uint32)
+
+
+class UqffSession:
+    def __init__(self, path: Path, source, plans: list[TensorPlan], max_bytes: int):
+        self.path, self.source = path, source
+        counts: dict[str, int] = {}
+        for p in plans:
+            if p.info.get("where") == "uqff":
+                counts[p.info["type"]] = counts.get(p.info["type"], 0) + 1
+        self.stem = max(counts, key=counts.get) if counts else "model"
+        minor = uqff_minor(plans)
+        self.shards = _ShardSet(path, self.stem, max_bytes, minor)
+        self.residual = _SafetensorsStream(path / "residual.safetensors", dict(self.shards.metadata))
+
+    # -- one tensor ---------------------------------------------------------------------------------------
+    def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor | BitIdentical:
+        where = plan.info.get("where")
+        if where == "residual":
+            self.residual.put(plan.out_name, item.tensor)
+            return item.tensor.to(torch.float32)
+        if where == "uqff-bias":
+            # mistral.rs adds a layer's bias as stored, without a cast (an fp16 bias in its default CPU
+            # float32 run fails "dtype mismatch in add"); float32 is what its ISQ writes for GGUF layers
+            bias = item.tensor.to(torch.float32) if item.tensor.is_floating_point() else item.tensor
+            self.shards.put_layer({plan.out_name: bias})
+            return bias
+        t = UQFF_TYPES[plan.info["type"]]
+        key = plan.name[: -len(".weight")]
+        tensors, decoded = getattr(self, f"_encode_{t.family}")(t, plan, item)
+        self.shards.put_layer({(f"{key}.{k}" if k else f"{key}.weight"): v for k, v in tensors.items()})
+        return decoded
+
+    def _encode_gguf(self, t: UqffType, plan: TensorPlan, item):
+        from ..gguf.writer import encode_tensor
+
+        name = plan.info["ggml"]
+        data, decoded = encode_tensor(LAYOUTS[name], plan.verdict, item)
+        tensors = {"": torch.from_numpy(np.ascontiguousarray(data).reshape(-1)).to(torch.uint8),
+                   "weight.format": _u8(TAG["gguf"]), "weight.dtype": _u32(GGML_TYPE_IDS[name]),
+                   "weight.shape": _u32(list(plan.shape))}
+        if not isinstance(decoded, BitIdentical):
+            decoded = decoded.reshape(plan.shape)
+        return tensors, decoded
+
+    def _encode_unquant(self, t: UqffType, plan: TensorPlan, item):
+        w = item.dequantize(t.unquant_dtype).contiguous()
+        return {"": w, "weight.format": _u8(TAG["unquant"])}, w.to(torch.float32)
+
+    def _encode_hqq(self, t: UqffType, plan: TensorPlan, item):
+        out, n = plan.shape
+        if plan.info.get("aligned"):
+            p = item.params
+            gs, store = p.group_size, plan.info["meta_dtype"]
+            codes, scales, zeros, steps = item.codes, p.scales.to(store), p.zeros.to(store), 0
+        else:
+            from ...kernels.hqq import quantize_hqq
+
+            gs, store, steps = plan.info["group_size"], torch.float32, 10  # mistral.rs ISQ: 10 steps, no round
+            codes, scales, zeros = quantize_hqq(item.dequantize(torch.float32), t.bits, gs, axis=0, optimize=True,
+                                                round_zero=False, iters=steps)
+        r = out // gs
+        params = GridParams(bits=t.bits, group_size=gs, scales=scales.reshape(r, n), zeros=zeros.reshape(r, n),
+                            axis=0, compute_dtype=store)
+        grouped = codes.reshape(gs, out * n // gs)
+        tensors = {"": hqq_halves_pack(grouped, t.bits), "weight.format": _u8(TAG["hqq"]),
+                   "weight.scales": scales.reshape(1, -1).contiguous(), "weight.zeros": zeros.reshape(1, -1).contiguous(),
+                   "weight.shape": _u32([out, n]), "weight.bits": _u8(t.bits), "weight.group_size": _u32(gs),
+                   "weight.axis": _u8(0), "weight.optimization_steps": _u32(steps), "weight.round_zeros": _u8(0),
+                   "weight.channel_wise": _u8(1)}
+        return tensors, Grid(params, codes).dequantize(torch.float32)
+
+    def _encode_afq(self, t: UqffType, plan: TensorPlan, item):
+        out, n = plan.shape
+        g = plan.info["group_size"]
+        if plan.info.get("aligned"):
+            p = item.params
+            rep = p.group_size // g  # a source group of 128 is two AFQ groups of 64 with the same scale
+            s = p.scales.to(torch.float32)
+            bias = p.mins.to(torch.float32) if p.mins is not None else -(s * p.zeros.to(torch.float32))
+            scales, biases = s.repeat_interleave(rep, dim=1), bias.repeat_interleave(rep, dim=1)
+            packed = item.packed
+            if packed is not None and packed.layout == "gptq-rows" and packed.bits == t.bits:
+                weight = packed.words.T.contiguous().view(torch.uint32)  # GPTQ's stream is AFQ's, transposed
+            else:
+                weight = pack_afq(item.codes, t.bits)
+            codes = item.codes
+        else:
+            codes, scales, biases = _quantize_affine(item.dequantize(torch.float32), t.bits, g)
+            weight = pack_afq(codes, t.bits)
+        params = GridParams(bits=t.bits, group_size=g, scales=scales, zeros=torch.zeros_like(scales), mins=biases)
+        tensors = {"": weight, "weight.format": _u8(TAG["afq"]), "weight.bits": _u8(t.bits),
+                   "weight.group_size": _u8(g), "weight.scales": scales.contiguous(), "weight.biases": biases.contiguous()}
+        return tensors, Grid(params, codes).dequantize(torch.float32)
+
+    def _encode_fp8(self, t: UqffType, plan: TensorPlan, item):
+        q, scale = encode_fp8(item.dequantize(torch.float32))
+        tensors = {"": q, "weight.format": _u8(TAG["fp8"]), "weight.dequant_w_scale": scale,
+                   "weight.dequant_x_scale": scale.clone(), "weight.quant_scale": (1.0 / scale).to(torch.float32),
+                   "weight.dtype": _u32(FP8_DTYPE_CODE)}
+        return tensors, q.to(torch.float32) * scale
+
+    def _encode_f8q8(self, t: UqffType, plan: TensorPlan, item):
+        data = encode_f8q8(item.dequantize(torch.float32))
+        numel = plan.shape[0] * plan.shape[1]
+        tensors = {"": data, "weight.format": _u8(TAG["f8q8"]), "weight.num_blocks": _u32(data.numel() // 33),
+                   "weight.shape": _u32(list(plan.shape))}
+        return tensors, decode_f8q8(data, numel).view(plan.shape)
+
+    def _encode_mxfp4(self, t: UqffType, plan: TensorPlan, item):
+        weight, scales = encode_mxfp4(item.dequantize(torch.float32))
+        return {"": weight, "weight.format": _u8(TAG["mxfp4"]), "weight.scales": scales}, decode_mxfp4(weight, scales)
+
+    def close(self) -> None:
+        self.shards.close()
+        self.residual.close()
+        config = _without_quantization_config(dict(self.source.config))
+        if "rope_theta" not in config and isinstance(config.get("rope_parameters"), dict) \
+                and "rope_theta" in config["rope_parameters"]:
+            config["rope_theta"] = config["rope_parameters"]["rope_theta"]
+        write_json(self.path / "config.json", config)
+        copy_side_files(self.source, self.path)
+
+
+def _quantize_affine(w: torch.Tensor, bits: int, group: int):
+    """MLX-style affine round-to-nearest: per group scale = (max - min) / (2^b - 1), bias = min."""
+    out, n = w.shape
+    x = w.to(torch.float32).view(out, n // group, group)
+    lo, hi = x.min(-1).values, x.max(-1).values
+    maxq = (1 << bits) - 1
+    scale = (hi - lo) / maxq
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((x - lo[..., None]) / scale[..., None]).clamp(0, maxq).to(torch.uint8).view(out, n)
+    return q, scale, lo

@@ -1,0 +1,199 @@
+"""UQFF fixtures made by mistral.rs itself (PyPI wheel mistralrs==0.9.5, CPU), and mistral.rs's own
+log-probabilities for them.
+
+mistral.rs is the only producer and loader of UQFF, so every UQFF the reader tests decode was written
+by it: a tiny Llama is loaded with in-situ quantization (`Runner(in_situ_quant=TYPE)` with
+`Which.Plain(write_uqff=...)`), which quantizes, writes the model directory (shards, residual, config,
+tokenizer) and then serves the quantized model; the same runner then answers a greedy chat request
+with top-3 log-probabilities, which is mistral.rs's own view of the quantized weights (the wheel
+exposes no API to read a weight back).
+
+Layout under ``root`` (default ``tests/_fixtures/uqff``)::
+
+    wide/               f32 Llama, hidden 256, ffn 512 (K types need rows of 256), rope_theta and a
+                        chat template added (mistral.rs needs both)
+    narrow/             the 128-wide fixtures.py model (fp16), same additions
+    <model>-<type>/     what mistral.rs wrote: <type>-0.uqff, residual.safetensors, config.json, ...
+                        plus mistralrs_logprobs.json {"ids", "steps": [[[token, logprob] x3] ...]}
+
+Every mistral.rs call runs in a subprocess: the wheel prints its log on stdout, keeps worker threads,
+and a failure inside it must not take the test process down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_ROOT = HERE / "_fixtures" / "uqff"
+PROMPT_TEXT = "the quantized model weights convert to a checkpoint"
+STEPS = 4
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+# (model, ISQ type) pairs written by mistral.rs. K types need rows of 256 (the wide model); the narrow
+# model shows mistral.rs's fallback (q4k -> Q4_1, embeddings Q6K -> Q5_1).
+WIDE_TYPES = ("q4_0", "q4k", "q6k", "hqq4", "hqq8", "afq4", "afq8", "fp8", "f8q8", "mxfp4")
+NARROW_TYPES = ("q4k",)
+
+
+def _fixtures_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("qconvert_test_fixtures_base", HERE / "fixtures.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def mistralrs_ready(model_dir: Path) -> None:
+    """Add what mistral.rs needs and transformers ignores: a top-level rope_theta, a chat template."""
+    cfg_path = model_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    if "rope_theta" not in cfg:
+        cfg["rope_theta"] = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+    tc_path = model_dir / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text())
+    if tc.get("chat_template") != CHAT_TEMPLATE:
+        tc["chat_template"] = CHAT_TEMPLATE
+        tc_path.write_text(json.dumps(tc, indent=2) + "\n")
+
+
+def build_wide_llama(out_dir: Path, seed: int = 77) -> Path:
+    """A float32 Llama with rows of 256 (hidden 256, ffn 512, 2 layers, 4 heads of 64, 2 kv heads)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fx = _fixtures_module()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(vocab_size=fx.VOCAB_SIZE, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+                         rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=0,
+                         pad_token_id=None, attention_bias=False, mlp_bias=False, dtype=torch.float32)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            shape = tuple(p.shape)
+            if name.endswith("norm.weight"):
+                v = 1.0 + 0.2 * (torch.rand(shape, generator=gen) - 0.5)
+            elif "embed_tokens" in name:
+                v = torch.randn(shape, generator=gen)
+            else:
+                v = torch.randn(shape, generator=gen) / shape[1] ** 0.5
+            p.copy_(v)
+    model.save_pretrained(str(out), safe_serialization=True)
+    fx.build_tokenizer(out)
+    mistralrs_ready(out)
+    return out
+
+
+def build_narrow_llama(out_dir: Path) -> Path:
+    fx = _fixtures_module()
+    out = fx.build_tiny_llama(out_dir, seed=1234)
+    mistralrs_ready(Path(out))
+    return Path(out)
+
+
+# -- mistral.rs, in a subprocess --------------------------------------------------------------------------
+_RUNNER = r'''
+import json, os, sys
+os.environ["MISTRALRS_CPU_KV_F32"] = "1"   # else the CPU KV cache is f16
+os.environ["HF_HUB_OFFLINE"] = "1"
+from mistralrs import Runner, Which, ChatCompletionRequest, Architecture, ModelDType
+a = json.loads(sys.argv[1])
+which = dict(model_id=a["model"], arch=getattr(Architecture, a.get("arch") or "Llama"), dtype=ModelDType.F32)
+runner_kw = dict(token_source="none", no_paged_attn=True)
+if a.get("write_uqff"):
+    which["write_uqff"] = a["write_uqff"]
+    runner_kw["in_situ_quant"] = a["isq"]
+if a.get("from_uqff"):
+    which["from_uqff"] = a["from_uqff"]
+if a.get("jinja"):
+    runner_kw["jinja_explicit"] = a["jinja"]
+r = Runner(which=Which.Plain(**which), **runner_kw)
+ids = r.tokenize_text(a["text"], False, None)
+res = r.send_chat_completion_request(ChatCompletionRequest(
+    messages=[{"role": "user", "content": a["text"]}], model="default", max_tokens=a["steps"],
+    temperature=0.0, logprobs=True, top_logprobs=3, ignore_eos=True))
+steps = [[[t.token, t.logprob] for t in c.top_logprobs] for c in res.choices[0].logprobs.content]
+with open(a["out"], "w") as f:
+    json.dump({"ids": list(ids), "prompt_tokens": res.usage.prompt_tokens, "steps": steps}, f)
+'''
+
+
+def mistralrs_logprobs(model_dir: Path, out_json: Path, *, from_uqff=None, write_uqff=None, isq=None,
+                       text: str = PROMPT_TEXT, steps: int = STEPS, jinja: Path | None = None,
+                       arch: str = "Llama", timeout: int = 600) -> dict:
+    """Run mistral.rs on `model_dir` (optionally quantizing in situ and writing a UQFF, or loading one);
+    return {"ids": prompt ids, "steps": greedy steps of [[token, logprob] x3]}. Raises with mistral.rs's
+    own message on failure."""
+    args = {"model": str(model_dir), "out": str(out_json), "text": text, "steps": steps,
+            "from_uqff": from_uqff, "write_uqff": write_uqff, "isq": isq,
+            "jinja": str(jinja) if jinja else None, "arch": arch}
+    proc = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(args)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "RUST_LOG": "error"})
+    if proc.returncode != 0 or not Path(out_json).exists():
+        lines = (proc.stderr + proc.stdout).strip().splitlines()
+        errors = [ln.strip() for ln in lines if "Error" in ln and "::bt" not in ln and "candle_core" not in ln]
+        raise RuntimeError(f"mistral.rs failed (exit {proc.returncode}): " + " | ".join(errors[:3] or lines[-5:]))
+    return json.loads(Path(out_json).read_text())
+
+
+def chat_template_file(dest: Path) -> Path:
+    """A jinja template file for mistral.rs (`jinja_explicit`) for model dirs without a chat template."""
+    dest.write_text(CHAT_TEMPLATE)
+    return dest
+
+
+# -- the cached set --------------------------------------------------------------------------------------
+def _write_one(root: Path, model: str, isq: str) -> Path:
+    d = root / f"{model}-{isq}"
+    if (d / ".done").exists():
+        return d
+    if d.exists():
+        import shutil
+
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    mistralrs_logprobs(root / model, d / "mistralrs_logprobs.json", write_uqff=str(d / f"{isq}.uqff"), isq=isq)
+    (d / ".done").write_text(json.dumps({"model": model, "isq": isq}))
+    return d
+
+
+def ensure_uqff_fixtures(root: Path = DEFAULT_ROOT) -> dict:
+    """Build (once) the base models and every mistral.rs-written UQFF; return
+    {"wide": dir, "narrow": dir, "uqff": {"wide-q4k": dir, ...}, "failed": {name: message}}."""
+    import fcntl
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / "wide" / ".done").exists():
+            build_wide_llama(root / "wide")
+            (root / "wide" / ".done").write_text("ok")
+        if not (root / "narrow" / ".done").exists():
+            build_narrow_llama(root / "narrow")
+            (root / "narrow" / ".done").write_text("ok")
+        made, failed = {}, {}
+        for model, types in (("wide", WIDE_TYPES), ("narrow", NARROW_TYPES)):
+            for isq in types:
+                try:
+                    made[f"{model}-{isq}"] = _write_one(root, model, isq)
+                except Exception as e:  # reported by the tests, never silently skipped
+                    failed[f"{model}-{isq}"] = str(e)
+    return {"root": root, "wide": root / "wide", "narrow": root / "narrow", "uqff": made, "failed": failed}
+
+
+if __name__ == "__main__":
+    info = ensure_uqff_fixtures(Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_ROOT)
+    for name, d in info["uqff"].items():
+        print(name, sorted(p.name for p in d.iterdir()))
+    print("failed:", info["failed"])
