@@ -9,6 +9,12 @@ int32 words (wrapping), because gptqmodel's writer subtracted it as whole words 
 borrowed from its neighbour field; adding per field would decode the neighbour one too low. 3-bit zeros
 are converted field by field (gptqmodel does the same). See shared spec gptq_qqq.md section 1.3.
 
+Rotation (`"rotation": "hadamard" | "random"`, shared spec section 4): gptqmodel folds an exact Hadamard
+into every `mlp.down_proj` and re-applies it to the activation at run time (everything else a rotation
+does is already plain weights). Reading folds it into the weight, W_plain = W_q M^T (kernels/hadamard.py),
+and yields that float tensor; runners mark it `requantize` (the target does not hold the rotated grid),
+except for GPTQ output, which stores the rotated grid itself and keeps the `rotation` key (exact).
+
 The v1/v2 label of the config is checked against the data: a symmetric tensor whose zero fields all
 read 2**(b-1) - 1 is v1 data, all 2**(b-1) is v2 data. A label contradicted by the data is refused.
 """
@@ -23,12 +29,13 @@ from typing import Iterator
 import torch
 
 from .. import __version__
-from ..converters.align import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Verdict, describe_grid
+from ..converters.align import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Verdict, check_grid_to_float, describe_grid
 from ..converters.errors import BadInput, QConvertError
 from ..converters.plan import Options, TensorPlan
 from ..converters.records import Dense, Grid, GridParams, PackedCodes, TensorRecord
 from ..converters.registry import FormatEntry, register_format
 from ..kernels.bitpack import SUPPORTED_PACK_BITS, pack_rows, unpack_rows
+from ..kernels.hadamard import UnsupportedHadamard, fold_online_hadamard, require_foldable
 from ..kernels.rtn import quantize_rtn
 from .safetensors_dir import CheckpointDir, ShardWriter, copy_side_files, quantization_config_of, read_json, write_json
 
@@ -38,6 +45,7 @@ _PARTS = ("qweight", "qzeros", "scales", "g_idx")
 # whole-word constant that turns v2 zero fields into v1 fields (one per field, 2/4/8-bit packing)
 V1_WORD_OFFSET = {2: 0x55555555, 4: 0x11111111, 8: 0x01010101}
 _DENSE_LINEAR = re.compile(r"^model\.layers\.\d+\..*_proj\.weight$")
+_EMBEDDING = re.compile(r"(^|\.)embed_tokens\.weight$")
 _IN_FROM_HIDDEN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)$")
 _IN_FROM_INTERMEDIATE = re.compile(r"\.down_proj$")
 
@@ -125,10 +133,7 @@ class GptqSource:
         self.config = {k: v for k, v in cfg.items() if k != "quantization_config"}
         self.convention = _zero_convention(self.quant_config)
         self.format_name = "gptq-v2" if self.convention == "v2" else "gptq"
-        self.rotation = self.quant_config.get("rotation")
-        if self.rotation:
-            raise BadInput(f"rotation {self.rotation!r} checkpoints need the online Hadamard folded; not supported yet",
-                           path=self.path / "config.json")
+        self.rotation = _rotation_mode(self.quant_config, self.config, self.path / "config.json")
         # group tensor names by quantized module prefix
         self.modules: dict[str, dict[str, str]] = {}
         for name in self.ckpt.location:
@@ -224,6 +229,27 @@ class GptqSource:
                            tensor=qweight_name)
         return Grid(params, packed=PackedCodes(qweight, params.bits, "gptq-rows"))
 
+    # -- rotation (shared spec gptq_qqq.md section 4) -----------------------------------------------
+    def _folded_record(self, prefix: str, shard: str) -> TensorRecord:
+        """A down_proj of a rotated checkpoint: gptqmodel re-applies a Hadamard M to its input at run time
+        (y = W_q (x M)), so the weight that means the same thing without that step is W_q M^T, a float
+        tensor off the grid. It is yielded as that Dense tensor (what every target sees), with the stored
+        grid kept in `notes` for a target that carries the rotation itself (GPTQ / GPTQ-v2 output)."""
+        params, shape, qweight_name = self._params(prefix)
+        try:
+            require_foldable(shape[1])
+        except UnsupportedHadamard as e:
+            raise BadInput(f"rotation {self.rotation!r}: {e}", path=self.ckpt.file_of(qweight_name),
+                           tensor=qweight_name) from None
+        standin = (f"rotation {self.rotation!r}: gptqmodel re-applies a Hadamard transform to down_proj's input at "
+                   f"run time and the target has no equivalent, so it is folded into the weights (W M^T), which "
+                   f"leaves the {params.bits}-bit grid")
+        return TensorRecord(f"{prefix}.weight", shape, "float32",
+                            lambda p=prefix: Dense(fold_online_hadamard(self._load_grid(p).dequantize(torch.float32))),
+                            source_file=shard,
+                            notes={"lossy_standin": standin, "rotation": self.rotation, "rotated_params": params,
+                                   "rotated_grid": lambda p=prefix: self._load_grid(p)})
+
     # -- the ModelSource interface ----------------------------------------------------------------
     def records(self) -> Iterator[TensorRecord]:
         consumed = {n for parts in self.modules.values() for p, n in parts.items() if p != "qweight"}
@@ -232,7 +258,9 @@ class GptqSource:
                 if name in consumed:
                     continue
                 prefix, _, part = name.rpartition(".")
-                if part == "qweight":
+                if part == "qweight" and self.rotation and _ONLINE_HADAMARD.search(prefix):
+                    yield self._folded_record(prefix, shard)
+                elif part == "qweight":
                     params, shape, _ = self._params(prefix)
                     yield TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p),
                                        params=params, source_file=shard)
@@ -250,7 +278,25 @@ class GptqSource:
                 "desc_act": qc.get("desc_act"), "dynamic": qc.get("dynamic") or {},
                 "shards": len(self.ckpt.shards), "quantized_modules": len(self.modules),
                 "layout": "qweight int32 [in*b/32, out] packed along inputs; qzeros [G, out*b/32]; scales fp16 [G, out]"}
+        if self.rotation:
+            desc["rotation"] = (f"{self.rotation}: online Hadamard before mlp.down_proj, folded into it on reading "
+                                "(kept as is for GPTQ output)")
         return desc
+
+
+ROTATIONS = ("hadamard", "random")  # gptqmodel's modes; both leave the same online Hadamard on down_proj
+_ONLINE_HADAMARD = re.compile(r"(^|\.)mlp\.down_proj$")
+
+
+def _rotation_mode(qc: dict, config: dict, where: Path) -> str | None:
+    """The checkpoint's `rotation` (None when absent); unknown modes and unsupported sizes are refused."""
+    mode = qc.get("rotation")
+    if mode in (None, "", False):
+        return None
+    if mode not in ROTATIONS:
+        raise BadInput(f"unknown rotation {mode!r}: gptqmodel defines {' and '.join(map(repr, ROTATIONS))}; "
+                       "without knowing the run-time transform the weights cannot be read", path=where)
+    return str(mode)
 
 
 def _dtype_name(safetensors_dtype: str) -> str:
@@ -286,17 +332,31 @@ class GptqWriter:
         self.name = "gptq-v2" if convention == "v2" else "gptq"
 
     def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
+        if rec.notes.get("rotated_grid") is not None:
+            return self._plan_rotated(rec, options, source)
         explicit = options.explicit_type(rec.name) or options.type
         if rec.is_grid:
             p = rec.params
             src = describe_grid(p, rec.shape[1])
+            # GPTQ quantizes linears only: a quantized embedding (GGUF token_embd), or an output head it
+            # cannot hold as it is (GGUF Q6_K), is stored dequantized in fp16, as GPTQ models keep them
+            if _EMBEDDING.search(rec.name) or (rec.name == "lm_head.weight" and self._check_grid(p).verdict != EXACT):
+                v = check_grid_to_float(p, "F16")
+                return TensorPlan(rec.name, rec.shape, src, "float16", v.verdict,
+                                  f"kept unquantized as in GPTQ models: {v.reason}", out_name=rec.name,
+                                  info={"dense": torch.float16})
             if explicit:
                 want = parse_gptq_type(explicit)
                 same = (want.bits == p.bits and (want.group_size if want.group_size > 0 else rec.shape[1]) == p.group_size
                         and (want.sym == p.symmetric or not want.sym))
                 if not same:
-                    return TensorPlan(rec.name, rec.shape, src, explicit, REQUANTIZE, "type differs from the source grid",
-                                      alternative=f"--type {p.bits}g{p.group_size}", out_name=rec.name, info={"scheme": want})
+                    info = {"scheme": want}
+                    view = rec.notes.get("four_bit_view")  # a source's own 4-bit form of the tensor (QQQ grouped)
+                    if view is not None and want.bits == 4 and want.sym and want.group_size == view[0]:
+                        info["grid_view"] = view[1]
+                    return TensorPlan(rec.name, rec.shape, src, explicit, REQUANTIZE, "type differs from the source grid"
+                                      + ("; the source's own 4-bit codes are kept" if "grid_view" in info else ""),
+                                      alternative=f"--type {p.bits}g{p.group_size}", out_name=rec.name, info=info)
             v = self._check_grid(p)
             target = f"gptq {p.bits}-bit g{p.group_size}" if p.n_groups > 1 else f"gptq {p.bits}-bit per-channel"
             if v.verdict == REFUSED and self.convention == "v1" and not p.symmetric and p.integer_zeros:
@@ -313,6 +373,17 @@ class GptqWriter:
                               "dense weights quantized with round-to-nearest (no calibration)",
                               out_name=rec.name, info={"scheme": want})
         return TensorPlan(rec.name, rec.shape, rec.dtype, rec.dtype, EXACT, "copied", out_name=rec.name)
+
+    def _plan_rotated(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
+        """A rotated down_proj: GPTQ carries the rotation itself, so the stored (rotated) grid is planned as
+        any grid and the `rotation` key goes into the output config; gptqmodel re-applies the transform."""
+        p = rec.notes["rotated_params"]
+        grid_rec = TensorRecord(rec.name, rec.shape, "grid", rec.notes["rotated_grid"], params=p)
+        plan = self.plan_tensor(grid_rec, options, source)
+        plan.source = f"{plan.source} rotated ({rec.notes['rotation']})"
+        plan.target = f"{plan.target} + online Hadamard (rotation kept)"
+        plan.info.update(keeps_source_form=True, rotated_grid=rec.notes["rotated_grid"], rotation=rec.notes["rotation"])
+        return plan
 
     def _check_grid(self, p: GridParams) -> Verdict:
         if p.axis != 1 or not p.integer_zeros or p.bits not in SUPPORTED_PACK_BITS:
@@ -341,16 +412,27 @@ class GptqSession:
         self.shards = ShardWriter(path)
         self.schemes: dict[str, ModuleScheme] = {}
         self.dense_linears: list[str] = []
+        self.rotation: str | None = None
 
     def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor:
-        if plan.verdict == REQUANTIZE:
+        rotated = plan.info.get("rotated_grid")
+        if rotated is not None:
+            # `item` is the folded stand-in; store the rotated grid and keep the rotation in the config.
+            # What gptqmodel computes from it is the grid with the transform folded: return that to measure.
+            item, self.rotation = rotated(), plan.info["rotation"]
+        if "dense" in plan.info:
+            item = Dense(item.dequantize(plan.info["dense"]))
+        elif "grid_view" in plan.info:
+            item = plan.info["grid_view"]()
+        elif plan.verdict == REQUANTIZE:
             scheme = plan.info["scheme"]
             w = item.dequantize(torch.float32)
             item = Grid(*quantize_rtn(w, scheme.bits, scheme.group_size, scheme.sym))
         if isinstance(item, Grid):
             prefix = plan.name[: -len(".weight")] if plan.name.endswith(".weight") else plan.name
             self._add_grid(prefix, item)
-            return item.dequantize(torch.float32)
+            decoded = item.dequantize(torch.float32)
+            return fold_online_hadamard(decoded) if rotated is not None else decoded
         if len(plan.shape) == 2 and _DENSE_LINEAR.match(plan.name):
             self.dense_linears.append(plan.name[: -len(".weight")])
         self.shards.put(plan.name, item.tensor)
@@ -399,6 +481,8 @@ class GptqSession:
               "meta": {"quantizer": [f"qconvert:{__version__}"]}}
         if dynamic:
             qc["dynamic"] = dynamic
+        if self.rotation:
+            qc["rotation"] = self.rotation
         return qc
 
 

@@ -1,0 +1,516 @@
+"""QQQ checkpoints (gptqmodel `method/format: "qqq"`, and the QQQ repo's own `wbits` configs): W4A8.
+
+Per quantized linear `<prefix>` (shared spec gptq_qqq.md section 3):
+`B` int32 [in/16, out*2] (4-bit codes in Marlin-style permuted 16x16 tiles, kernels/qqq_perm.py),
+`s_channel` float32 [1, out] (permuted), `s_group` float16 [in/group, out] (permuted; grouped mode only),
+optional `bias`. No zero points, no g_idx: groups are contiguous. A layer is in *grouped* mode iff the
+config's group size is not -1 and differs from its in_features (a 128-wide layer of a g128 model is
+packed per-channel style and has no s_group).
+
+What the runtime computes (gptqmodel's CPU kernel QQQTorchLinear; the CUDA kernel the same up to the
+clamp), with c the nibble and activations quantized to int8 per token at run time:
+
+* per-channel: W[n, k] = s_channel[n] * 16 * signed(c)          (signed(c) = c - 16 for c >= 8)
+* grouped:     W[n, k] = s_channel[n] * w8[n, k],
+               w8 = clamp(round_half_even((c - 8) * s_group[k // group, n]), -128, 127)
+
+and gptqmodel's loader casts s_channel to the model dtype (fp16) and back before the kernel sees it,
+so the runtime scale is fp16(s_channel) [verified: the tests compare with gptqmodel's own runtime].
+
+**The source dequantization of a QQQ tensor is this runtime weight, bit for bit** (kernel-exact),
+represented as an ordinary grid:
+
+* per-channel: 4-bit, zero point 8, one group per row, scale = 16 * fp16(s_channel) (an fp16 value),
+  codes signed(c) + 8. A clean symmetric 4-bit grid: GPTQ 4-bit per-channel and GGUF Q4_0 hold it exactly.
+* grouped: the int8 clamp makes the runtime weights an int8 grid with a per-channel scale:
+  8-bit, zero point 128, one group per row, scale fp16(s_channel), codes w8 + 128. GPTQ 8-bit
+  per-channel and GGUF Q8_0 hold it exactly. The 4-bit view (codes c, scale s_channel * s_group,
+  zero 8: the "ideal" GPTQ weights, which differ from the runtime by up to 0.5 * s_channel plus the
+  clamp) stays available through `QqqSource.four_bit_grid()` for a target that wants it.
+
+Writing QQQ: a 4-bit symmetric grid with one group per row converts exactly (s_channel = scale/16);
+a 4-bit symmetric g128 grid converts exactly only if every group scale of a row is an integer multiple
+(<= 16) of one fp16 channel scale, otherwise its codes are kept and only the second-level scale is
+rounded to int8 steps (`requantize`, measured); anything else is re-quantized (round to nearest) first.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .. import __version__
+from ..converters.align import EXACT, REFUSED, REQUANTIZE, check_grid_to_float, describe_grid
+from ..converters.errors import BadInput, QConvertError
+from ..converters.plan import Options, TensorPlan
+from ..converters.records import Dense, Grid, GridParams, TensorRecord
+from ..converters.registry import FormatEntry, register_format
+from ..kernels.qqq_perm import (CHANNEL_SCALE_PERM, GROUP_SCALE_PERM, check_qqq_dims, pack_qqq_codes,
+                                permute_chunks, unpack_qqq_codes, unpermute_chunks)
+from ..kernels.rtn import quantize_rtn
+from .gptq import _dtype_name
+from .safetensors_dir import CheckpointDir, ShardWriter, copy_side_files, quantization_config_of, read_json, write_json
+
+__all__ = ["QqqSource", "QqqWriter", "qqq_runtime_grid", "qqq_group_size"]
+
+_PARTS = ("B", "s_channel", "s_group")
+_LAYER_LINEAR = re.compile(r"^model\.layers\.\d+\..*_proj\.weight$")
+_IN_FROM_HIDDEN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)$")
+_IN_FROM_INTERMEDIATE = re.compile(r"\.down_proj$")
+SUPPORTED_GROUPS = (-1, 128)
+INT8_STEPS = 16  # the largest second-level scale that keeps (c - 8) * s_group inside int8
+
+
+def _method(qc: dict) -> str:
+    return str(qc.get("quant_method", qc.get("method", ""))).lower()
+
+
+def qqq_group_size(qc: dict) -> int:
+    g = qc.get("group_size", qc.get("q_group_size", -1))
+    return -1 if g is None else int(g)
+
+
+def _mode(group_size: int, in_features: int) -> str:
+    return "grouped" if group_size not in (-1, in_features) else "channel"
+
+
+def runtime_channel_scale(s_channel_true: torch.Tensor) -> torch.Tensor:
+    """The per-channel scale gptqmodel's fp16 runtime multiplies with: fp16(s_channel), [out] fp16."""
+    return s_channel_true.to(torch.float32).to(torch.float16)
+
+
+def int8_weights(codes4: torch.Tensor, s_group: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Grouped mode: clamp(round_half_even((c - 8) * s_group), -128, 127) as QQQTorchLinear computes it
+    (float32 arithmetic on fp16 s_group). codes4 [out, in], s_group [out, G] -> int16 [out, in]."""
+    out_features, in_features = codes4.shape
+    sg = s_group.to(torch.float16).to(torch.float32)
+    x = (codes4.to(torch.float32) - 8.0).view(out_features, in_features // group_size, group_size) * sg[:, :, None]
+    return torch.round(x).clamp(-128, 127).view(out_features, in_features).to(torch.int16)
+
+
+def qqq_runtime_grid(codes4: torch.Tensor, s_channel_true: torch.Tensor, s_group_true: torch.Tensor | None,
+                     group_size: int) -> Grid:
+    """The kernel-exact grid of one QQQ linear from unpermuted parts (codes [out, in], s_channel [out],
+    s_group [out, G] or None for per-channel mode)."""
+    out_features, in_features = codes4.shape
+    s_rt = runtime_channel_scale(s_channel_true)
+    if s_group_true is None:
+        scale = (s_rt.to(torch.float32) * 16).to(torch.float16)  # a power-of-two multiple: exact in fp16
+        params = GridParams(bits=4, group_size=in_features, scales=scale[:, None],
+                            zeros=torch.full((out_features, 1), 8, dtype=torch.int16))
+        return Grid(params, codes=codes4 ^ 8)  # signed(c) + 8 == c xor 8 for 4-bit two's complement
+    w8 = int8_weights(codes4, s_group_true, group_size)
+    params = GridParams(bits=8, group_size=in_features, scales=s_rt[:, None],
+                        zeros=torch.full((out_features, 1), 128, dtype=torch.int16))
+    return Grid(params, codes=(w8 + 128).to(torch.uint8))
+
+
+class QqqSource:
+    """A QQQ checkpoint directory, read lazily tensor by tensor."""
+
+    format_name = "qqq"
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.ckpt = CheckpointDir(self.path)
+        cfg = read_json(self.path / "config.json")
+        qc = cfg.get("quantization_config") or {}
+        if not qc and (self.path / "quantize_config.json").exists():
+            qc = read_json(self.path / "quantize_config.json")
+        where = self.path / "config.json"
+        if _method(qc) != "qqq":
+            raise BadInput(f"quant_method is {_method(qc) or 'missing'!r}, not qqq", path=where)
+        self.quant_config = qc
+        self.config = {k: v for k, v in cfg.items() if k != "quantization_config"}
+        bits = int(qc.get("bits", qc.get("wbits", 4)))
+        if bits != 4:
+            raise BadInput(f"QQQ holds 4-bit weights only; config says bits {bits}", path=where)
+        if qc.get("sym") is False:
+            raise BadInput("QQQ is symmetric only; config says sym false", path=where)
+        self.group_size = qqq_group_size(qc)
+        if self.group_size not in SUPPORTED_GROUPS:
+            raise BadInput(f"QQQ group_size {self.group_size} is not -1 or 128", path=where)
+        if qc.get("rotation"):
+            raise BadInput(f"a QQQ checkpoint with rotation {qc['rotation']!r}: gptqmodel loads rotation only for "
+                           "GPTQ formats, so what it means here is undefined", path=where)
+        if qc.get("dynamic"):
+            raise BadInput("per-module `dynamic` overrides in a QQQ checkpoint are not supported", path=where)
+        self.modules: dict[str, dict[str, str]] = {}
+        for name in self.ckpt.location:
+            prefix, _, part = name.rpartition(".")
+            if part in _PARTS:
+                self.modules.setdefault(prefix, {})[part] = name
+        for prefix, parts in self.modules.items():
+            if "B" not in parts:
+                raise BadInput(f"{', '.join(sorted(parts))} without B", path=self.path, tensor=prefix)
+
+    # -- one module -----------------------------------------------------------------------------
+    def _geometry(self, prefix: str) -> tuple[int, int, str]:
+        parts = self.modules[prefix]
+        b_name = parts["B"]
+        where = self.ckpt.file_of(b_name)
+        shape = self.ckpt.shape(b_name)
+        if len(shape) != 2 or shape[1] % 2:
+            raise BadInput(f"B shape {tuple(shape)} is not [in/16, out*2]", path=where, tensor=b_name)
+        if self.ckpt.dtype(b_name) != "I32":
+            raise BadInput(f"B dtype {self.ckpt.dtype(b_name)} is not int32", path=where, tensor=b_name)
+        in_features, out_features = shape[0] * 16, shape[1] // 2
+        expect = None
+        if _IN_FROM_HIDDEN.search(prefix):
+            expect = self.config.get("hidden_size")
+        elif _IN_FROM_INTERMEDIATE.search(prefix):
+            expect = self.config.get("intermediate_size")
+        if expect and in_features != expect:
+            raise BadInput(f"B shape {tuple(shape)} implies in_features {in_features}, but config.json says {expect}",
+                           path=where, tensor=b_name)
+        why = check_qqq_dims(in_features, out_features)
+        if why:
+            raise BadInput(why, path=where, tensor=b_name)
+        return in_features, out_features, _mode(self.group_size, in_features)
+
+    def _scales(self, prefix: str) -> tuple[torch.Tensor, torch.Tensor | None, int, int, str]:
+        """-> (s_channel [out] fp32, s_group [out, G] fp16 or None, in, out, mode), unpermuted."""
+        in_features, out_features, mode = self._geometry(prefix)
+        parts = self.modules[prefix]
+        if "s_channel" not in parts:
+            raise BadInput("B without s_channel", path=self.ckpt.file_of(parts["B"]), tensor=f"{prefix}.s_channel")
+        sc_name = parts["s_channel"]
+        sc = self.ckpt.get(sc_name)
+        if not torch.is_floating_point(sc) or sc.numel() != out_features or (sc.dim() == 2 and sc.shape[0] != 1):
+            raise BadInput(f"s_channel {sc.dtype} {tuple(sc.shape)} is not a float [1, {out_features}]",
+                           path=self.ckpt.file_of(sc_name), tensor=sc_name)
+        s_channel = unpermute_chunks(sc.reshape(-1).to(torch.float32), CHANNEL_SCALE_PERM)
+        if not bool(torch.isfinite(runtime_channel_scale(s_channel)).all()):
+            raise BadInput("s_channel has values that are not finite in fp16", path=self.ckpt.file_of(sc_name),
+                           tensor=sc_name)
+        sg_name = parts.get("s_group")
+        sg = self.ckpt.get(sg_name) if sg_name else None
+        if mode == "channel":
+            if sg is not None and sg.numel():
+                raise BadInput(f"s_group {tuple(sg.shape)} in a per-channel layer (group_size {self.group_size}, "
+                               f"in_features {in_features})", path=self.ckpt.file_of(sg_name), tensor=sg_name)
+            return s_channel, None, in_features, out_features, mode
+        n_groups = in_features // self.group_size
+        if sg is None:
+            raise BadInput(f"grouped layer (group_size {self.group_size}) without s_group",
+                           path=self.ckpt.file_of(parts["B"]), tensor=f"{prefix}.s_group")
+        if tuple(sg.shape) != (n_groups, out_features) or not torch.is_floating_point(sg):
+            raise BadInput(f"s_group {sg.dtype} {tuple(sg.shape)} is not a float [{n_groups}, {out_features}]",
+                           path=self.ckpt.file_of(sg_name), tensor=sg_name)
+        s_group = unpermute_chunks(sg.to(torch.float16).reshape(-1), GROUP_SCALE_PERM).reshape(n_groups, out_features)
+        return s_channel, s_group.T.contiguous(), in_features, out_features, mode
+
+    def _params(self, prefix: str) -> tuple[GridParams, tuple[int, int]]:
+        s_channel, s_group, in_features, out_features, mode = self._scales(prefix)
+        s_rt = runtime_channel_scale(s_channel)
+        if mode == "channel":
+            params = GridParams(bits=4, group_size=in_features, scales=(s_rt.float() * 16).half()[:, None],
+                                zeros=torch.full((out_features, 1), 8, dtype=torch.int16))
+        else:
+            params = GridParams(bits=8, group_size=in_features, scales=s_rt[:, None],
+                                zeros=torch.full((out_features, 1), 128, dtype=torch.int16))
+        return params, (out_features, in_features)
+
+    def _codes(self, prefix: str, mode: str) -> torch.Tensor:
+        return unpack_qqq_codes(self.ckpt.get(self.modules[prefix]["B"]), mode)
+
+    def _load_grid(self, prefix: str) -> Grid:
+        s_channel, s_group, _, _, mode = self._scales(prefix)
+        return qqq_runtime_grid(self._codes(prefix, mode), s_channel, s_group, self.group_size)
+
+    def four_bit_grid(self, prefix: str) -> Grid:
+        """The 4-bit view of a linear: codes c with zero 8 and scale s_channel * s_group (grouped; the
+        "ideal" weights, not the int8-rounded runtime ones) or 16 * s_channel (per-channel, = runtime)."""
+        s_channel, s_group, in_features, _, mode = self._scales(prefix)
+        codes = self._codes(prefix, mode)
+        if s_group is None:
+            return qqq_runtime_grid(codes, s_channel, None, self.group_size)
+        scale = (s_channel[:, None] * s_group.to(torch.float32)).to(torch.float16)
+        zeros = torch.full(scale.shape, 8, dtype=torch.int16)
+        return Grid(GridParams(bits=4, group_size=self.group_size, scales=scale, zeros=zeros), codes=codes)
+
+    def _notes(self, prefix: str, mode: str) -> dict:
+        notes = {"qqq_prefix": prefix, "qqq_mode": mode, "qqq_group_size": self.group_size}
+        if mode == "grouped":  # (group size, loader) of the 4-bit view, for a target asked for 4-bit groups
+            notes["four_bit_view"] = (self.group_size, lambda p=prefix: self.four_bit_grid(p))
+        return notes
+
+    def raw_module(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The stored tensors of one linear as they are (for a QQQ -> QQQ copy)."""
+        parts = self.modules[prefix]
+        raw = {p: self.ckpt.get(n) for p, n in parts.items()}
+        if "s_group" in raw and raw["s_group"].numel() == 0:
+            del raw["s_group"]
+        return raw
+
+    # -- the ModelSource interface ----------------------------------------------------------------
+    def records(self) -> Iterator[TensorRecord]:
+        consumed = {n for parts in self.modules.values() for p, n in parts.items() if p != "B"}
+        for shard in self.ckpt.shards:
+            for name in self.ckpt.keys(shard):
+                if name in consumed:
+                    continue
+                prefix, _, part = name.rpartition(".")
+                if part == "B" and prefix in self.modules:
+                    params, shape = self._params(prefix)
+                    mode = _mode(self.group_size, shape[1])
+                    yield TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p),
+                                       params=params, source_file=shard,
+                                       notes=self._notes(prefix, mode))
+                else:
+                    yield TensorRecord(name, self.ckpt.shape(name), _dtype_name(self.ckpt.dtype(name)),
+                                       lambda n=name: Dense(self.ckpt.get(n)), source_file=shard)
+
+    def side_files(self) -> dict[str, Path]:
+        return self.ckpt.side_files()
+
+    def describe(self) -> dict:
+        modes: dict[str, int] = {}
+        for prefix in self.modules:
+            mode = self._geometry(prefix)[2]
+            modes[mode] = modes.get(mode, 0) + 1
+        return {"format": "qqq", "bits": 4, "group_size": self.group_size, "sym": True,
+                "quantized_modules": len(self.modules), "layer_modes": modes, "shards": len(self.ckpt.shards),
+                "dequantization": "kernel-exact: per-channel 4-bit grid, scale 16*fp16(s_channel); grouped int8 grid "
+                                  "clamp(round((c-8)*s_group)), scale fp16(s_channel)",
+                "layout": "B int32 [in/16, out*2] Marlin tiles; s_channel fp32 [1, out]; s_group fp16 [in/g, out]"}
+
+
+def open_qqq(path: Path, **_: object) -> QqqSource:
+    return QqqSource(path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Writer
+
+def _parse_qqq_type(text: str) -> int:
+    """`g128` / `4g128` / `128` -> 128, `g-1` / `4g-1` / `-1` / `channel` -> -1."""
+    key = text.strip().lower().replace("qqq:", "")
+    if key in ("channel", "per-channel"):
+        return -1
+    m = re.match(r"^(?:4(?:bit)?[-_:]?)?g?(-1|128)$", key)
+    if not m:
+        raise QConvertError(f"unknown QQQ type {text!r}; QQQ holds 4-bit symmetric weights with group 128 or -1: "
+                            "write g128 or g-1")
+    return int(m.group(1))
+
+
+def exact_channel_scale(s_g: torch.Tensor) -> torch.Tensor | None:
+    """For group scales s_g [out, G] (float32 values of fp16 scales): a per-row fp16 channel scale s with
+    every s_g = s * k, k an integer in 1..16, so that QQQ's int8 step reproduces the grid exactly; None if
+    some row has none."""
+    top = s_g.max(dim=1).values
+    found = torch.zeros_like(top)
+    ok = torch.zeros(top.shape, dtype=torch.bool)
+    for k in range(INT8_STEPS, 0, -1):  # the largest k gives the finest channel scale
+        s = (top / k).to(torch.float16).to(torch.float32)
+        ratio = s_g / s[:, None]
+        k_int = torch.round(ratio)
+        good = ((k_int * s[:, None] == s_g).all(1) & (k_int >= 1).all(1) & (k_int <= INT8_STEPS).all(1) & (s > 0))
+        take = good & ~ok
+        found = torch.where(take, s, found)
+        ok |= good
+    return found if bool(ok.all()) else None
+
+
+def covering_channel_scale(s_g: torch.Tensor) -> torch.Tensor:
+    """The smallest fp16 channel scale s >= max_g s_g / 16 (so |(c - 8) * s_g / s| <= 128: no clamp)."""
+    need = s_g.max(dim=1).values / INT8_STEPS
+    s = need.to(torch.float16)
+    low = s.to(torch.float32) < need
+    s = torch.where(low, torch.nextafter(s, torch.full_like(s, float("inf"))), s)
+    tiny = torch.finfo(torch.float16).tiny
+    return torch.where(s > 0, s, torch.full_like(s, tiny)).to(torch.float32)
+
+
+class QqqWriter:
+    """Writes a QQQ checkpoint directory loadable by gptqmodel (backend qqq / qqq_torch)."""
+
+    name = "qqq"
+    output_is_file = False
+
+    def _group(self, source, options: Options) -> int:
+        cached = getattr(source, "_qqq_target_group", None)
+        if cached is None:
+            if options.type:
+                cached = _parse_qqq_type(options.type)
+            elif source.format_name == "qqq":
+                cached = source.group_size
+            else:
+                cached = -1 if int((source.quant_config or {}).get("group_size", 128) or 128) == -1 else 128
+            source._qqq_target_group = cached
+        return cached
+
+    def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
+        group = self._group(source, options)
+        is_linear = len(rec.shape) == 2 and _LAYER_LINEAR.match(rec.name) is not None
+        if not is_linear and rec.is_grid:
+            # QQQ quantizes decoder-layer linears only: a quantized embedding or head is stored in fp16
+            v = check_grid_to_float(rec.params, "F16")
+            return TensorPlan(rec.name, rec.shape, describe_grid(rec.params, rec.shape[-1]), "float16", v.verdict,
+                              f"kept unquantized as in QQQ models: {v.reason}", out_name=rec.name,
+                              info={"dense": torch.float16})
+        if not is_linear:
+            return TensorPlan(rec.name, rec.shape, rec.dtype, rec.dtype, EXACT, "copied", out_name=rec.name)
+        out_features, in_features = rec.shape
+        mode = _mode(group, in_features)
+        target = "qqq 4-bit " + ("per-channel" if mode == "channel" else f"g{group}")
+        src = describe_grid(rec.params, in_features) if rec.is_grid else rec.dtype
+        why = check_qqq_dims(in_features, out_features)
+        if why is None and mode == "grouped" and in_features % group:
+            why = f"in_features {in_features} is not a multiple of the group size {group}"
+        if why:
+            return TensorPlan(rec.name, rec.shape, src, target, REFUSED, why, out_name=rec.name)
+        plan = TensorPlan(rec.name, rec.shape, src, target, REQUANTIZE, "", out_name=rec.name,
+                          info={"mode": mode, "group": group})
+        if not rec.is_grid:
+            plan.reason = f"dense {rec.dtype} weights quantized to QQQ with round-to-nearest (no calibration)"
+            plan.info["how"] = "rtn"
+            return plan
+        p = rec.params
+        if (rec.notes.get("qqq_prefix") and getattr(source, "format_name", "") == "qqq"
+                and rec.notes.get("qqq_mode") == mode and rec.notes.get("qqq_group_size") in (group, None)):
+            plan.verdict, plan.reason, plan.info["how"] = EXACT, "B words and scales copied", "copy"
+            return plan
+        sym4 = p.bits == 4 and p.symmetric and p.axis == 1 and p.mins is None
+        target_group = in_features if mode == "channel" else group
+        regrouped = regroup(p, in_features, target_group) if sym4 else None
+        if regrouped is not None:
+            plan.info["params"] = regrouped
+        if mode == "channel" and regrouped is not None:
+            s = regrouped.scales.to(torch.float32)
+            if torch.equal((s / 16).to(torch.float16).to(torch.float32) * 16, s):
+                plan.verdict, plan.reason, plan.info["how"] = EXACT, "codes kept; s_channel = scale/16 exact in fp16", "channel"
+                return plan
+            plan.reason, plan.info["how"] = "scale/16 is not an fp16 value (gptqmodel runs s_channel in fp16)", "channel"
+            return plan
+        if mode == "grouped" and regrouped is not None:
+            plan.info["how"] = "grouped"
+            if exact_channel_scale(regrouped.scales.to(torch.float32)) is not None:
+                plan.verdict, plan.reason = EXACT, "codes kept; every group scale is an integer multiple of the channel scale"
+            else:
+                plan.reason = ("codes kept; QQQ rounds (c-8)*s_group to int8 steps of a per-channel scale, "
+                               "up to half a step per weight")
+            return plan
+        plan.info["how"] = "rtn"
+        plan.reason = (f"{describe_grid(p, in_features)} is not QQQ's 4-bit symmetric "
+                       f"{'per-channel' if mode == 'channel' else f'g{group} contiguous'} grid; re-quantized (RTN)")
+        return plan
+
+    def check_model(self, source, plans, options) -> None:
+        if not any(p.info.get("mode") for p in plans):
+            raise QConvertError("nothing to write as QQQ: the source has no linear layers to quantize", path=source.path)
+
+    def open(self, path: Path, source, plans: list[TensorPlan], options: Options) -> "QqqSession":
+        return QqqSession(Path(path), source, self._group(source, options))
+
+
+class QqqSession:
+    def __init__(self, path: Path, source, group: int):
+        self.path, self.source, self.group = path, source, group
+        self.shards = ShardWriter(path)
+        self.quantized: list[str] = []
+        self.dense_linears: list[str] = []
+
+    def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor:
+        how = plan.info.get("how")
+        if "dense" in plan.info:
+            item = Dense(item.dequantize(plan.info["dense"]))
+        if how is None:
+            self.shards.put(plan.name, item.tensor)
+            if len(plan.shape) == 2 and _LAYER_LINEAR.match(plan.name):
+                self.dense_linears.append(plan.name[: -len(".weight")])
+            return item.tensor.to(torch.float32)
+        prefix = plan.name[: -len(".weight")]
+        mode = plan.info["mode"]
+        if how == "copy":
+            raw = self.source.raw_module(prefix)
+            tensors = {k: v for k, v in raw.items() if k in _PARTS}
+        else:
+            grid = item
+            if "params" in plan.info:  # the same grid with its groups stated at QQQ's group size
+                grid = Grid(plan.info["params"], codes=item.codes)
+            if how == "rtn":
+                w = item.dequantize(torch.float32)
+                grid = Grid(*quantize_rtn(w, 4, -1 if mode == "channel" else self.group, True))
+            tensors = encode_module(grid, mode)
+        for part, t in tensors.items():
+            self.shards.put(f"{prefix}.{part}", t)
+        self.quantized.append(prefix)
+        return decode_module(tensors, mode, self.group).dequantize(torch.float32)
+
+    def close(self) -> None:
+        self.shards.close()
+        qc = {"bits": 4, "group_size": self.group, "desc_act": False, "sym": True,
+              "lm_head": any(p == "lm_head" for p in self.quantized), "method": "qqq", "quant_method": "qqq",
+              "format": "qqq", "checkpoint_format": "qqq", "pack_dtype": "int32",
+              "meta": {"quantizer": [f"qconvert:{__version__}"]}}
+        if self.dense_linears:
+            qc["dynamic"] = {f"-:^{re.escape(p)}$": {} for p in self.dense_linears}
+        write_json(self.path / "config.json", {**self.source.config, "quantization_config": qc})
+        write_json(self.path / "quantize_config.json", qc)
+        copy_side_files(self.source, self.path)
+
+
+def regroup(p: GridParams, in_features: int, group: int) -> GridParams | None:
+    """The same grid with contiguous groups of `group` columns (`in_features` = one per row), or None when
+    some target group would hold two different scales or zero points. Act-order or finer groups whose
+    scales agree within every target group are thereby proven equivalent (e.g. Q4_0 blocks of a
+    per-channel grid)."""
+    if in_features % group:
+        return None
+    cols = p.group_of_column(in_features)
+    per_col_s, per_col_z = p.scales[:, cols], p.zeros[:, cols]
+    s = per_col_s.reshape(p.scales.shape[0], in_features // group, group)
+    z = per_col_z.reshape(p.zeros.shape[0], in_features // group, group)
+    if not (bool((s == s[..., :1]).all()) and bool((z == z[..., :1]).all())):
+        return None
+    return GridParams(bits=p.bits, group_size=group, scales=s[..., 0].contiguous(), zeros=z[..., 0].contiguous(),
+                      compute_dtype=p.compute_dtype)
+
+
+def encode_module(grid: Grid, mode: str) -> dict[str, torch.Tensor]:
+    """A 4-bit symmetric grid (zero 8; one group per row for "channel", contiguous groups for "grouped")
+    -> the QQQ tensors B, s_channel (fp32 [1, out]) and, grouped, s_group (fp16 [G, out]), all permuted."""
+    p = grid.params
+    codes = grid.codes
+    out_features, _ = codes.shape
+    s = p.scales.to(torch.float32)
+    if mode == "channel":
+        nibbles = (codes.to(torch.int16) - 8) & 0xF  # two's complement nibble of q - 8
+        s_channel = s[:, 0] / 16
+        return {"B": pack_qqq_codes(nibbles.to(torch.uint8), "channel"),
+                "s_channel": permute_chunks(s_channel, CHANNEL_SCALE_PERM).reshape(1, out_features).contiguous()}
+    exact = exact_channel_scale(s)
+    s_channel = exact if exact is not None else covering_channel_scale(s)
+    s_group = (s / s_channel[:, None]).to(torch.float16)  # gptqmodel's own rule: fp16(scale / s_channel)
+    n_groups = s_group.shape[1]
+    return {"B": pack_qqq_codes(codes, "grouped"),
+            "s_channel": permute_chunks(s_channel, CHANNEL_SCALE_PERM).reshape(1, out_features).contiguous(),
+            "s_group": permute_chunks(s_group.T.contiguous(), GROUP_SCALE_PERM).reshape(n_groups, out_features).contiguous()}
+
+
+def decode_module(tensors: dict[str, torch.Tensor], mode: str, group: int) -> Grid:
+    """The runtime grid of stored QQQ tensors (the same decode the reader uses)."""
+    B = tensors["B"]
+    out_features = B.shape[1] // 2
+    s_channel = unpermute_chunks(tensors["s_channel"].reshape(-1).to(torch.float32), CHANNEL_SCALE_PERM)
+    s_group = None
+    if mode == "grouped":
+        sg = tensors["s_group"]
+        s_group = unpermute_chunks(sg.to(torch.float16).reshape(-1), GROUP_SCALE_PERM).reshape(-1, out_features).T
+    return qqq_runtime_grid(unpack_qqq_codes(B, mode), s_channel, s_group, group)
+
+
+def _sniff(path: Path) -> bool:
+    qc = quantization_config_of(path)
+    return bool(qc) and _method(qc) == "qqq"
+
+
+register_format(FormatEntry("qqq", aliases=("qqq-w4a8",),
+                            description="QQQ W4A8 checkpoint (gptqmodel / QQQ repo): Marlin-tiled int4, per-channel "
+                                        "and per-group scales",
+                            open_reader=open_qqq, writer=QqqWriter(), sniff=_sniff))
