@@ -29,7 +29,7 @@ from typing import Iterator
 import torch
 
 from .. import __version__
-from ..converters.align import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Verdict, check_grid_to_float, describe_grid
+from ..converters.align import EXACT, REFUSED, REQUANTIZE, Verdict, check_grid_to_float, describe_grid
 from ..converters.errors import BadInput, QConvertError
 from ..converters.plan import Options, TensorPlan
 from ..converters.records import Dense, Grid, GridParams, PackedCodes, TensorRecord
@@ -135,14 +135,7 @@ class GptqSource:
         self.format_name = "gptq-v2" if self.convention == "v2" else "gptq"
         self.rotation = _rotation_mode(self.quant_config, self.config, self.path / "config.json")
         # group tensor names by quantized module prefix
-        self.modules: dict[str, dict[str, str]] = {}
-        for name in self.ckpt.location:
-            prefix, _, part = name.rpartition(".")
-            if part in _PARTS:
-                self.modules.setdefault(prefix, {})[part] = name
-        for prefix, parts in self.modules.items():
-            if "qweight" not in parts:
-                raise BadInput(f"{', '.join(sorted(parts))} without qweight", path=self.path, tensor=prefix)
+        self.modules = self.ckpt.group_modules(_PARTS, primary="qweight")
 
     # -- reading one module ---------------------------------------------------------------------
     def _params(self, prefix: str) -> tuple[GridParams, tuple[int, int], str]:
@@ -265,8 +258,7 @@ class GptqSource:
                     yield TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p),
                                        params=params, source_file=shard)
                 else:
-                    yield TensorRecord(name, self.ckpt.shape(name), _dtype_name(self.ckpt.dtype(name)),
-                                       lambda n=name: Dense(self.ckpt.get(n)), source_file=shard)
+                    yield self.ckpt.dense_record(name, shard)
 
     def side_files(self) -> dict[str, Path]:
         return self.ckpt.side_files()
@@ -297,11 +289,6 @@ def _rotation_mode(qc: dict, config: dict, where: Path) -> str | None:
         raise BadInput(f"unknown rotation {mode!r}: gptqmodel defines {' and '.join(map(repr, ROTATIONS))}; "
                        "without knowing the run-time transform the weights cannot be read", path=where)
     return str(mode)
-
-
-def _dtype_name(safetensors_dtype: str) -> str:
-    return {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "I32": "int32",
-            "I64": "int64", "I8": "int8", "U8": "uint8", "BOOL": "bool"}.get(safetensors_dtype, safetensors_dtype.lower())
 
 
 def open_gptq(path: Path, **_: object) -> GptqSource:

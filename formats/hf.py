@@ -17,7 +17,6 @@ from ..converters.errors import BadInput
 from ..converters.plan import Options, TensorPlan, unknown_type
 from ..converters.records import Dense, Grid, TensorRecord
 from ..converters.registry import FormatEntry, register_format
-from .gptq import _dtype_name
 from .safetensors_dir import CheckpointDir, ShardWriter, copy_side_files, quantization_config_of, read_json, write_json
 
 __all__ = ["HfSource", "HfWriter"]
@@ -44,8 +43,7 @@ class HfSource:
     def records(self) -> Iterator[TensorRecord]:
         for shard in self.ckpt.shards:
             for name in self.ckpt.keys(shard):
-                yield TensorRecord(name, self.ckpt.shape(name), _dtype_name(self.ckpt.dtype(name)),
-                                   lambda n=name: Dense(self.ckpt.get(n)), source_file=shard)
+                yield self.ckpt.dense_record(name, shard)
 
     def side_files(self) -> dict[str, Path]:
         return self.ckpt.side_files()

@@ -41,7 +41,6 @@ from ..converters.plan import Options, TensorPlan
 from ..converters.records import Dense, Grid, GridParams, TensorRecord
 from ..converters.registry import FormatEntry, register_format
 from ..kernels.hqq import PACKINGS, codes_to_grouped, grouped_shape, pack_hqq, packing_for_bits, quantize_hqq, unpack_hqq
-from .gptq import _dtype_name
 from .safetensors_dir import SIDE_FILES, CheckpointDir, ShardWriter, copy_side_files, read_json, write_json
 
 __all__ = ["HqqLayer", "HqqSafetensorsSource", "HqqPickleSource", "HqqWriter", "open_hqq", "DTYPE_NAMES"]
@@ -344,8 +343,7 @@ class HqqSafetensorsSource:
                 if key == "W_q":
                     yield _grid_record(prefix, self.layer(prefix), lambda p=prefix: self._load_grid(p), shard)
                 else:
-                    yield TensorRecord(name, self.ckpt.shape(name), _dtype_name(self.ckpt.dtype(name)),
-                                       lambda n=name: Dense(self.ckpt.get(n)), source_file=shard)
+                    yield self.ckpt.dense_record(name, shard)
 
     def side_files(self) -> dict[str, Path]:
         return self.ckpt.side_files()

@@ -51,7 +51,6 @@ from ..converters.registry import FormatEntry, register_format
 from ..kernels.qqq_perm import (CHANNEL_SCALE_PERM, GROUP_SCALE_PERM, check_qqq_dims, pack_qqq_codes,
                                 permute_chunks, unpack_qqq_codes, unpermute_chunks)
 from ..kernels.rtn import quantize_rtn
-from .gptq import _dtype_name
 from .safetensors_dir import CheckpointDir, ShardWriter, copy_side_files, quantization_config_of, read_json, write_json
 
 __all__ = ["QqqSource", "QqqWriter", "qqq_runtime_grid", "qqq_group_size"]
@@ -138,14 +137,7 @@ class QqqSource:
                            "GPTQ formats, so what it means here is undefined", path=where)
         if qc.get("dynamic"):
             raise BadInput("per-module `dynamic` overrides in a QQQ checkpoint are not supported", path=where)
-        self.modules: dict[str, dict[str, str]] = {}
-        for name in self.ckpt.location:
-            prefix, _, part = name.rpartition(".")
-            if part in _PARTS:
-                self.modules.setdefault(prefix, {})[part] = name
-        for prefix, parts in self.modules.items():
-            if "B" not in parts:
-                raise BadInput(f"{', '.join(sorted(parts))} without B", path=self.path, tensor=prefix)
+        self.modules = self.ckpt.group_modules(_PARTS, primary="B")
 
     # -- one module -----------------------------------------------------------------------------
     def _geometry(self, prefix: str) -> tuple[int, int, str]:
@@ -261,8 +253,7 @@ class QqqSource:
                                        params=params, source_file=shard,
                                        notes=self._notes(prefix, mode))
                 else:
-                    yield TensorRecord(name, self.ckpt.shape(name), _dtype_name(self.ckpt.dtype(name)),
-                                       lambda n=name: Dense(self.ckpt.get(n)), source_file=shard)
+                    yield self.ckpt.dense_record(name, shard)
 
     def side_files(self) -> dict[str, Path]:
         return self.ckpt.side_files()

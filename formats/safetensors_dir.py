@@ -14,8 +14,9 @@ import torch
 from safetensors import safe_open
 
 from ..converters.errors import BadInput
+from ..converters.records import Dense, TensorRecord
 
-__all__ = ["CheckpointDir", "read_json", "SIDE_FILES"]
+__all__ = ["CheckpointDir", "read_json", "SIDE_FILES", "dtype_name"]
 
 # Files a converted model carries along when the target format keeps them next to its weights.
 SIDE_FILES = (
@@ -104,8 +105,32 @@ class CheckpointDir:
     def file_of(self, name: str) -> Path:
         return self.path / self.location[name]
 
+    def dense_record(self, name: str, shard: str) -> TensorRecord:
+        """A tensor that passes through as it is, read when the record is loaded."""
+        return TensorRecord(name, self.shape(name), dtype_name(self.dtype(name)),
+                            lambda: Dense(self.get(name)), source_file=shard)
+
+    def group_modules(self, parts: tuple[str, ...], primary: str) -> dict[str, dict[str, str]]:
+        """{module prefix: {part: tensor name}} for tensors named `<prefix>.<part>`; a module with
+        partner tensors but no `primary` one (a qzeros without its qweight) is a BadInput."""
+        modules: dict[str, dict[str, str]] = {}
+        for name in self.location:
+            prefix, _, part = name.rpartition(".")
+            if part in parts:
+                modules.setdefault(prefix, {})[part] = name
+        for prefix, found in modules.items():
+            if primary not in found:
+                raise BadInput(f"{', '.join(sorted(found))} without {primary}", path=self.path, tensor=prefix)
+        return modules
+
     def side_files(self) -> dict[str, Path]:
         return {n: self.path / n for n in SIDE_FILES if (self.path / n).exists()}
+
+
+def dtype_name(safetensors_dtype: str) -> str:
+    """safetensors' dtype tag ("F16") -> torch's name ("float16"), as records carry it."""
+    return {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "I32": "int32",
+            "I64": "int64", "I8": "int8", "U8": "uint8", "BOOL": "bool"}.get(safetensors_dtype, safetensors_dtype.lower())
 
 
 def _one_line(e: Exception) -> str:

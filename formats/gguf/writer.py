@@ -33,7 +33,7 @@ from ...converters.align import (EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Verdict
 from ...converters.errors import BadInput, QConvertError
 from ...converters.plan import BitIdentical, Options, TensorPlan, unknown_type
 from ...converters.records import Dense, Grid, TensorRecord
-from ...kernels.ggml_layouts import LAYOUTS, BlockLayout, layout
+from ...kernels.ggml_layouts import LAYOUTS, BlockLayout
 from ...kernels.ggml_legacy import decode_blocks, quantize_pack, repack_grid
 from ...kernels.gptq_q4_0 import gptq4_to_q4_0, q4_0_to_gptq4
 from .kencode import QUANTIZERS, QuantHow, encode_quantized
@@ -280,8 +280,6 @@ class GgufWriter:
         _settle_tied_embedding(source, plans, options)
         # the tokenizer is checked by the session before writing; do it here too so dry runs see it
         arch, _ = self._arch(source)
-        from .tokenizer import add_tokenizer
-
         probe = gguf.GGUFWriter(path=None, arch=arch)
         n_vocab = next((p.shape[0] for p in plans if p.out_name == "token_embd.weight"), None)
         if n_vocab is None:

@@ -436,7 +436,7 @@ class UqffSource:
             where = store.location[name].name
         else:
             dtype, shape, where = store.dtype(name), store.shape(name), store.location[name]
-        from ..gptq import _dtype_name
+        from ..safetensors_dir import dtype_name as _dtype_name
 
         return TensorRecord(name, tuple(shape), _dtype_name(dtype), lambda: Dense(store.get(name)), source_file=where)
 
