@@ -7,9 +7,12 @@ butterfly computes). A plain checkpoint that computes the same function has W_pl
 
 gptqmodel re-creates the transform from the size alone (`get_hadK`): n = K * 2^m with a tabulated
 K x K Hadamard matrix for K in {172, 156, 140, 108, 60, 52, 36, 28, 40, 20, 12}, or K = 1 when n is a
-power of two. Those K tables are specific matrices from N. J. A. Sloane's library (particular sign and
-row orders); this module does not carry copies of them, so only power-of-two sizes are supported and
-the others are refused with `UnsupportedHadamard` (a ValueError) naming the size.
+power of two. Power-of-two sizes are folded here with the Sylvester butterfly alone. The K tables are
+specific matrices from N. J. A. Sloane's library (particular sign and row orders) that this module does
+not carry: for those sizes (llama-2's 11008 = 172 * 64, llama-3's 14336 = 28 * 512) the transform is
+taken, at run time, from an installed gptqmodel (the runtime that applies it: the `gptq` extra), by
+applying gptqmodel's own online transform to the identity; without gptqmodel they are refused with
+`UnsupportedHadamard` (a ValueError) naming the size and the install that would fold it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import math
 import torch
 
 __all__ = ["UnsupportedHadamard", "hadamard_factor", "require_foldable", "walsh_hadamard_rows", "fold_online_hadamard",
-           "sylvester_matrix"]
+           "sylvester_matrix", "runtime_transform_matrix"]
 
 # the non-power-of-two factors gptqmodel knows, in the order it tries them
 GPTQMODEL_K_FACTORS = (172, 156, 140, 108, 60, 52, 36, 28, 40, 20, 12)
@@ -66,12 +69,32 @@ def sylvester_matrix(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor
     return walsh_hadamard_rows(torch.eye(n, dtype=dtype))
 
 
+def _gptqmodel_transform():
+    try:
+        from gptqmodel.quantization.rotation.hadamard_utils import apply_online_hadamard, get_hadK
+    except Exception:
+        return None
+    return apply_online_hadamard, get_hadK
+
+
 def require_foldable(n: int) -> None:
-    """Raise `UnsupportedHadamard` unless the transform of size n can be folded here (powers of two)."""
+    """Raise `UnsupportedHadamard` unless the transform of size n can be folded here: powers of two
+    always, K * 2^m when gptqmodel (which holds the K tables) is installed."""
     k = hadamard_factor(n)
-    if k != 1:
+    if k != 1 and _gptqmodel_transform() is None:
         raise UnsupportedHadamard(f"size {n} = {k} * {n // k} needs gptqmodel's tabulated {k}x{k} Hadamard "
-                                  "matrix, which qconvert does not carry; only power-of-two sizes are supported")
+                                  "matrix, which qconvert does not carry: install gptqmodel (pip install "
+                                  "'qconvert[gptq]') to fold it; without it only power-of-two sizes are supported")
+
+
+def runtime_transform_matrix(n: int) -> torch.Tensor:
+    """M (float64, [n, n]) with online(x) = x @ M for gptqmodel's transform of size n = K * 2^m, K > 1:
+    gptqmodel's own online transform applied to the rows of the identity."""
+    require_foldable(n)
+    apply_online_hadamard, get_hadK = _gptqmodel_transform()
+    had_k, k = get_hadK(n)
+    eye = torch.eye(n, dtype=torch.float64)
+    return apply_online_hadamard(eye, True, False, had_k.to(torch.float64), k)
 
 
 def fold_online_hadamard(weight: torch.Tensor) -> torch.Tensor:
@@ -82,6 +105,8 @@ def fold_online_hadamard(weight: torch.Tensor) -> torch.Tensor:
     """
     n = weight.shape[-1]
     require_foldable(n)
+    if hadamard_factor(n) != 1:
+        return (weight.to(torch.float64) @ runtime_transform_matrix(n).T).to(torch.float32)
     # M = H_n / sqrt(n) is symmetric, so W M^T = W H_n / sqrt(n): the row-wise transform
     folded = walsh_hadamard_rows(weight.to(torch.float64)) / math.sqrt(n)
     return folded.to(torch.float32)

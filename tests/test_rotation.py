@@ -61,9 +61,21 @@ def test_hadamard_factor_agrees_with_gptqmodel(n):
     from gptqmodel.quantization.rotation.hadamard_utils import get_hadK
 
     assert hadamard_factor(n) == get_hadK(n)[1]
-    if hadamard_factor(n) != 1:
-        with pytest.raises(UnsupportedHadamard, match="only power-of-two sizes are supported"):
-            require_foldable(n)
+    require_foldable(n)  # gptqmodel is installed here: its K tables make every such size foldable
+
+
+def test_fold_of_a_tabulated_size_matches_gptqmodels_online_transform():
+    """n = 384 = 12 * 32: the fold uses gptqmodel's own 12x12 table and transform."""
+    from gptqmodel.quantization.rotation.hadamard_utils import get_hadK, matmul_hadU_cuda
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(64, 384, generator=g)
+    x = torch.randn(5, 384, generator=g)
+    had_k, k = get_hadK(384)
+    assert k == 12
+    online = matmul_hadU_cuda(x.double(), had_k.double(), k) @ w.double().T
+    folded = x.double() @ fold_online_hadamard(w).double().T
+    assert torch.allclose(folded, online, atol=1e-5)
 
 
 # -- conversions --------------------------------------------------------------------------------------
@@ -140,8 +152,12 @@ def test_unknown_rotation_refused(rot, tmp_path):
     assert not (tmp_path / "o.gguf").exists()
 
 
-def test_unsupported_hadamard_size_refused(tmp_path):
-    """A rotated checkpoint whose intermediate size needs one of gptqmodel's tabulated K matrices."""
+def test_tabulated_hadamard_size_refused_without_gptqmodel(tmp_path):
+    """A rotated checkpoint whose intermediate size needs one of gptqmodel's tabulated K matrices, read
+    where gptqmodel cannot be imported (a stub package that raises ImportError shadows it)."""
+    import os
+    import subprocess
+    import sys
     from qconvert.kernels.bitpack import pack_rows
 
     ckpt = tmp_path / "ck"
@@ -158,6 +174,38 @@ def test_unsupported_hadamard_size_refused(tmp_path):
                f"{prefix}.scales": torch.ones(3, 64, dtype=torch.float16),
                f"{prefix}.g_idx": (torch.arange(inter) // 128).to(torch.int32)}
     save_file(tensors, str(ckpt / "model.safetensors"))
-    proc = helpers.run_cli("gptq->hf", ckpt, tmp_path / "o", "--allow-requant", check_rc=2)
+    blocker = tmp_path / "no_gptqmodel" / "gptqmodel"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('hidden for this test')\n")
+    env = {**os.environ, "PYTHONPATH": str(blocker.parent)}
+    proc = subprocess.run([sys.executable, "-m", "qconvert", "gptq->hf", str(ckpt), str(tmp_path / "o"),
+                           "--allow-requant"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 2, proc.stderr
     err = proc.stderr.strip()
+    assert "install gptqmodel" in err
     assert len(err.splitlines()) == 1 and "384 = 12 * 32" in err and prefix in err, err
+
+
+def test_rotated_checkpoint_with_tabulated_size_folds_like_gptqmodel_runs_it(tmp_path, prompt):
+    """A real gptqmodel-rotated checkpoint whose intermediate size is 384 = 12 * 32 (like llama-2's
+    11008 = 172 * 64, a tabulated K): the folded hf model reproduces gptqmodel's own run."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    base = tmp_path / "base384"
+    cfg = LlamaConfig(**{k: v for k, v in json.loads((fixtures.ensure_base(fixtures.DEFAULT_ROOT, "base") /
+                                                       "config.json").read_text()).items()
+                         if k not in ("architectures", "transformers_version", "dtype", "torch_dtype")})
+    cfg.intermediate_size = 384
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(cfg).to(torch.float16)
+    model.save_pretrained(str(base), safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        src = fixtures.ensure_base(fixtures.DEFAULT_ROOT, "base") / f
+        if src.exists():
+            shutil.copy(src, base / f)
+    ckpt = fixtures_qqq.quantize_rotated(base, tmp_path / "rot384", bits=4, group_size=128, rotation="hadamard")
+    reference = fixtures_qqq.gptq_logits(ckpt, prompt)
+    helpers.run_cli("gptq->hf", ckpt, tmp_path / "hf", "--type", "f32", "--allow-requant")
+    got = helpers.transformers_logits(tmp_path / "hf", prompt)
+    spread = float(np.ptp(reference))
+    assert np.abs(got - reference).max() <= HF_TOLERANCE * spread, (np.abs(got - reference).max(), spread)
