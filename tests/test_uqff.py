@@ -364,6 +364,16 @@ def test_hqq_axis0_to_uqff_hqq_is_exact(hqq_tf, tmp_path, jinja):
     # and back to hqq axis 0: the same codes, scales and zeros
     back = _convert("uqff", out, "hqq", tmp_path / "hqq")
     assert back.summary()["max_abs_err"] == 0.0 and back.summary()["verdicts"]["exact"] == len(back.results)
+    # which hqq itself loads (transformers 4.57.6 + hqq 0.2.8 in their environment) with the same
+    # dequantized weights and logits as the original hqq checkpoint
+    import test_hqq
+    from safetensors.torch import load_file
+
+    loaded = test_hqq._verify(tmp_path / "hqq", tmp_path / "hqq_loaded.safetensors", "transformers")
+    original = load_file(str(HQQ_ROOT / "b4_g64_ax0" / "reference.safetensors"))
+    assert loaded.keys() == original.keys()
+    for key in original:
+        assert torch.equal(loaded[key], original[key]), key
 
 
 def test_hqq_axis1_to_q4_1_blocks(hqq_tf, tmp_path, jinja):
