@@ -53,3 +53,27 @@ def gguf_dequant(tensor) -> np.ndarray:
     import gguf
 
     return gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+
+
+def expect_user_error(pair: str, src: Path, tmp_path: Path, *needles: str, out_name: str = "out") -> str:
+    """Convert SRC with the CLI and check the user-error contract: exit 2, one line on stderr naming
+    every needle, no traceback, nothing at OUT and no temporary left beside it. Returns the line."""
+    out = Path(tmp_path) / out_name
+    proc = run_cli(pair, src, out, check_rc=2)
+    err = proc.stderr.strip()
+    assert err.startswith("qconvert: error: ") and len(err.splitlines()) == 1, err
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in err, (needle, err)
+    assert not out.exists()
+    assert not [p for p in Path(tmp_path).iterdir() if "qconvert-tmp" in p.name]
+    return err
+
+
+def edit_safetensors(path: Path, fn) -> None:
+    """Rewrite a safetensors file after `fn` edits its {name: tensor} dict in place."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    fn(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})

@@ -7,10 +7,9 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 import fixtures
-from helpers import run_cli
+from helpers import edit_safetensors, expect_user_error, run_cli
 
 
 @pytest.fixture
@@ -22,10 +21,7 @@ def ckpt(fx, tmp_path):
 
 
 def _edit_tensors(ckpt, fn):
-    path = ckpt / "model.safetensors"
-    tensors = load_file(str(path))
-    fn(tensors)
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    edit_safetensors(ckpt / "model.safetensors", fn)
 
 
 def _edit_config(ckpt, fn):
@@ -37,16 +33,7 @@ def _edit_config(ckpt, fn):
 
 
 def _expect_error(ckpt, tmp_path, *needles, pair="gptq->gguf"):
-    out = tmp_path / "out.gguf"
-    proc = run_cli(pair, ckpt, out, check_rc=2)
-    err = proc.stderr.strip()
-    assert err.startswith("qconvert: error: ") and len(err.splitlines()) == 1, err
-    assert "Traceback" not in proc.stderr
-    for needle in needles:
-        assert needle in err, (needle, err)
-    assert not out.exists()
-    assert not [p for p in tmp_path.iterdir() if "qconvert-tmp" in p.name]
-    return err
+    return expect_user_error(pair, ckpt, tmp_path, *needles, out_name="out.gguf")
 
 
 def test_truncated_safetensors(ckpt, tmp_path):

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import fixtures
-from helpers import llama_logits, run_cli, transformers_logits
+from helpers import edit_safetensors, expect_user_error, llama_logits, run_cli, transformers_logits
 
 REPO = Path(__file__).resolve().parent.parent
 HQQ_PY = REPO / ".venvs" / "hqq" / "bin" / "python"
@@ -295,15 +295,7 @@ def test_fp16_compute_to_q4_1_is_near_exact(hqqfx, tmp_path):
 
 
 def _expect_error(src, tmp_path, *needles, pair="hqq->gguf"):
-    out = tmp_path / "out.gguf"
-    proc = run_cli(pair, src, out, check_rc=2)
-    err = proc.stderr.strip()
-    assert err.startswith("qconvert: error: ") and len(err.splitlines()) == 1, err
-    assert "Traceback" not in proc.stderr
-    for needle in needles:
-        assert needle in err, (needle, err)
-    assert not out.exists()
-    return err
+    return expect_user_error(pair, src, tmp_path, *needles, out_name="out.gguf")
 
 
 class _Payload:
@@ -327,12 +319,6 @@ def test_qmodel_with_object_is_refused_not_unpickled(hqqfx, tmp_path):
     assert not marker.exists()
 
 
-def _edit_safetensors(path: Path, fn) -> None:
-    tensors = load_file(str(path))
-    fn(tensors)
-    save_file(tensors, str(path), metadata={"format": "pt"})
-
-
 @pytest.fixture
 def tf_copy(hqqfx, tmp_path):
     dst = tmp_path / "ckpt"
@@ -350,7 +336,7 @@ def test_truncated_safetensors(tf_copy, tmp_path):
 @pytest.mark.parametrize("key", ["scale", "zero"])
 def test_missing_scale_or_zero(tf_copy, tmp_path, key):
     name = f"model.layers.1.mlp.up_proj.{key}"
-    _edit_safetensors(tf_copy / "model.safetensors", lambda t: t.pop(name))
+    edit_safetensors(tf_copy / "model.safetensors", lambda t: t.pop(name))
     _expect_error(tf_copy, tmp_path, "model.safetensors", name, f"no {key}")
 
 
@@ -366,7 +352,7 @@ def test_missing_zero_in_qmodel(hqqfx, tmp_path):
 @pytest.mark.parametrize("nbits", [7, 9, 0])
 def test_unknown_nbits(tf_copy, tmp_path, nbits):
     name = "model.layers.0.self_attn.q_proj.nbits"
-    _edit_safetensors(tf_copy / "model.safetensors", lambda t: t.__setitem__(name, torch.tensor(nbits, dtype=torch.int32)))
+    edit_safetensors(tf_copy / "model.safetensors", lambda t: t.__setitem__(name, torch.tensor(nbits, dtype=torch.int32)))
     _expect_error(tf_copy, tmp_path, name, f"unsupported nbits {nbits}")
 
 
@@ -374,12 +360,12 @@ def test_dtype_string_is_whitelisted(tf_copy, tmp_path):
     """hqq evals this string; we only look it up."""
     name = "model.layers.0.self_attn.q_proj.compute_dtype"
     code = "__import__('os').system('true')"
-    _edit_safetensors(tf_copy / "model.safetensors",
+    edit_safetensors(tf_copy / "model.safetensors",
                       lambda t: t.__setitem__(name, torch.tensor(list(code.encode()), dtype=torch.uint8)))
     _expect_error(tf_copy, tmp_path, name, "unknown dtype")
 
 
 def test_wrong_packed_shape(tf_copy, tmp_path):
     name = "model.layers.0.mlp.down_proj.W_q"
-    _edit_safetensors(tf_copy / "model.safetensors", lambda t: t.__setitem__(name, t[name][:-2].clone()))
+    edit_safetensors(tf_copy / "model.safetensors", lambda t: t.__setitem__(name, t[name][:-2].clone()))
     _expect_error(tf_copy, tmp_path, name, "W_q holds")

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import fixtures_uqff as FU
-from helpers import llama_logits, run_cli
+from helpers import expect_user_error, llama_logits, run_cli
 
 mistralrs = pytest.importorskip("mistralrs", reason="mistralrs==0.9.5 is installed by scripts/test_env.d/30-mistralrs.sh")
 
@@ -428,14 +428,7 @@ def _rewrite(src_dir: Path, dst: Path, edit) -> Path:
 
 
 def _expect_bad(src: Path, tmp_path: Path, *needles) -> str:
-    out = tmp_path / "out"
-    proc = run_cli("uqff->hf", src, out, check_rc=2)
-    err = proc.stderr.strip()
-    assert err.startswith("qconvert: error: ") and len(err.splitlines()) == 1 and "Traceback" not in proc.stderr, err
-    for needle in needles:
-        assert needle in err, (needle, err)
-    assert not out.exists() and not [p for p in tmp_path.iterdir() if "qconvert-tmp" in p.name]
-    return err
+    return expect_user_error("uqff->hf", src, tmp_path, *needles)
 
 
 def test_no_version_tensors(ufx, tmp_path):
