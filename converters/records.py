@@ -20,9 +20,10 @@ of one input column taken every R-th output row, R = out / group_size):
 where `h(n) = row_idx[n]` when a row index is present (rows were sliced or permuted), else `n % R`.
 HQQ's own `[1, numel/gs]` scale is this `[R, in]` matrix flattened row-major (group j = h*in + k).
 
-Codes are unpacked unsigned integers `0 .. 2**bits - 1`. Integer `zeros` mean integer zero points (GPTQ); float `zeros`
-mean the float zero of HQQ. The arithmetic runs in `compute_dtype` (float32 unless the source's own
-runtime rounds in fp16/bf16, as hqq does), so that the grid's dequantization is the source's, bit for bit. A record carries its small parameters (`GridParams`: scales, zeros, g_idx)
+Codes are unpacked unsigned integers `0 .. 2**bits - 1`. Integer `zeros` mean integer zero points
+(GPTQ); float `zeros` mean the float zero of HQQ. The arithmetic runs in `compute_dtype` (float32 unless
+the source's own runtime rounds in fp16/bf16, as hqq does), so that the grid's dequantization is the
+source's, bit for bit. A record carries its small parameters (`GridParams`: scales, zeros, g_idx)
 eagerly, so that the alignment checker can decide from the data, and loads its codes only on demand,
 so that a model is never held whole.
 """
