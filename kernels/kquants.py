@@ -32,6 +32,10 @@ and later candidates use that min in `iscale*(x - min)` and `(max - min)`; this 
 
 Speed. All super-blocks of a chunk are processed at once; Python loops run only over the candidate
 scales of the searches (<= 21) and, for Q3_K, over the 16 positions x <= 5 coordinate-descent passes.
+For tensors of >= 4M values the scale searches (make_qx_quants, make_qkx2/qkx3_quants; 80% of the
+time in numpy) run as compiled loops instead (kernels/kquant_fused.py: torch.compile, the same float32
+expressions in the same order, so the same bytes), on torch's intra-op threads. Q3_K's coordinate
+descent and the make_qp_quants scale quantization stay in numpy.
 
 Importance weights (``imatrix``, one float per column of a row, as llama-quantize --imatrix passes
 them): llama.cpp then switches to different, weighted algorithms (``quantize_row_q*_K_impl``) and so
@@ -50,6 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from . import kquant_fused
 from .ggml_layouts import K_TYPES as _LAYOUT_K_TYPES
 from .ggml_layouts import LAYOUTS
 
@@ -88,6 +93,7 @@ _GROUP_MAX_EPS = F32(1e-15)
 # Super-blocks per chunk (256K values, 1 MiB per float32 work array). Chosen by measurement: smaller
 # chunks pay numpy's per-call overhead on the per-sub-block bookkeeping, larger ones fall out of L2/L3.
 _CHUNK = 1024
+_FUSED_CHUNK = 8192  # 2M values per chunk on the compiled path (32 MiB of float32 work arrays)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -197,9 +203,16 @@ def _blend(dst: np.ndarray, src: np.ndarray, mask: np.ndarray) -> None:
     d ^= t
 
 
-def _chunks(nb: int):
-    for s in range(0, nb, _CHUNK):
-        yield s, min(nb, s + _CHUNK)
+def _fused_for(xb: np.ndarray) -> bool:
+    """Whether a tensor's searches run compiled (kernels/kquant_fused.py): large tensors, when enabled."""
+    return xb.size >= kquant_fused.MIN_VALUES and kquant_fused.available()
+
+
+def _chunks(nb: int, fused: bool = False):
+    # the compiled searches read each value once per candidate, so they take larger chunks
+    step = _FUSED_CHUNK if fused else _CHUNK
+    for s in range(0, nb, step):
+        yield s, min(nb, s + step)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,7 +247,7 @@ class _Qkx2:
     scale d*sc is 0 (the rest is requantized), so it is rebuilt for those columns only.
     """
 
-    def __init__(self, X, W, nmax, rmin, rdelta, nstep, use_mad):
+    def __init__(self, X, W, nmax, rmin, rdelta, nstep, use_mad, fused=False):
         n, M = X.shape
         self.X, self.nmax = X, nmax
         fmax = F32(nmax)
@@ -272,6 +285,18 @@ class _Qkx2:
             np.multiply(T, W, out=T)
             return np.add.reduce(T, axis=0, out=out)
 
+        found = None
+        if fused:  # the compiled search: same bytes
+            found = kquant_fused.qkx2_search(X, W, mx, mn, sum_w, sum_x, nmax, rmin, rdelta, nstep, use_mad)
+        if found is not None:
+            unsafe = np.flatnonzero(~(safe | self.degenerate))
+            if unsafe.size:  # the few columns where rounding may not be C's nearest_int: numpy, exactly
+                sub = _Qkx2(np.ascontiguousarray(X[:, unsafe]), np.ascontiguousarray(W[:, unsafe]), nmax,
+                            rmin, rdelta, nstep, use_mad)
+                for arr, val in zip(found, (sub.best_isc, sub.best_xmin, sub.scale, -sub.the_min)):
+                    arr[unsafe] = val
+            self._finish(*found, mn)
+            return
         # ST: the running state [best iscale, min it was used with, best error, scale, min];
         # NEW: the same fields for the current candidate, blended in where it is accepted.
         ST = np.empty((5, M), F32)
@@ -304,6 +329,9 @@ class _Qkx2:
                 NEW[1] = vmin
                 _blend(ST, NEW, _mask32(acc))
         best_isc, best_xmin, _, scale, vmin = ST
+        self._finish(best_isc, best_xmin, scale, vmin, mn)
+
+    def _finish(self, best_isc, best_xmin, scale, vmin, mn):
         scale[self.degenerate] = 0
         vmin[self.degenerate] = mn[self.degenerate]
         self.scale, self.the_min = scale, -vmin
@@ -324,12 +352,18 @@ class _QxRmse1:
     `scale` per column and `L(cols)` (stored values l + nmax) as in _Qkx2. iscale*x is bounded by
     nmax + 0.9 here, so np.rint is exactly C's nearest_int."""
 
-    def __init__(self, X, nmax, W=None):
+    def __init__(self, X, nmax, W=None, fused=False):
         n, M = X.shape
         self.X, self.nmax = X, nmax
         amax, mx = _first_absmax(X)
         self.zero = amax < _GROUP_MAX_EPS
         fn = F32(nmax)
+        found = kquant_fused.qx_search(X, np.multiply(X, X) if W is None else W, mx, nmax) if fused else None
+        if found is not None:  # the compiled search, same bytes
+            scale, self.best_isc = found
+            scale[self.zero] = 0
+            self.scale = scale
+            return
         P = np.empty((2, n, M), F32)  # [w*x, w] with w = x*x, or the given weights (C's qw)
         if W is None:
             np.multiply(X, X, out=P[1])
@@ -560,14 +594,15 @@ def quantize_q2_K(x: np.ndarray, imatrix=None) -> np.ndarray:
     qwb = _imatrix_blocks(imatrix, shape)
     nb = xb.shape[0]
     out = np.empty((nb, 84), np.uint8)
-    for s, e in _chunks(nb):
+    fused = _fused_for(xb)
+    for s, e in _chunks(nb, fused):
         xc = xb[s:e]
         k = e - s
         X = _rowmajor_to_elem_major(xc, 16)
         if qwb is not None:
-            _quantize_q2_K_weighted(xc, X, _rowmajor_to_elem_major(_chunk_weights(qwb, s, e), 16), out[s:e])
+            _quantize_q2_K_weighted(xc, X, _rowmajor_to_elem_major(_chunk_weights(qwb, s, e), 16), out[s:e], fused)
             continue
-        srch = _Qkx2(X, np.abs(X), 3, -0.5, 0.1, 15, True)
+        srch = _Qkx2(X, np.abs(X), 3, -0.5, 0.1, 15, True, fused)
         scales = srch.scale.reshape(k, 16)
         mins = srch.the_min.reshape(k, 16)
         # C: running max starting from 0 with `>` (a NaN never wins)
@@ -597,13 +632,13 @@ def quantize_q2_K(x: np.ndarray, imatrix=None) -> np.ndarray:
     return out.reshape(_out_shape(shape, 84))
 
 
-def _quantize_q2_K_weighted(xc, X, QW, o) -> None:
+def _quantize_q2_K_weighted(xc, X, QW, o, fused=False) -> None:
     """quantize_row_q2_K_impl for one chunk: make_qkx3_quants per 16, make_qp_quants (nmax 15) for
     the 16 scales and the 16 mins, then the reference's requantization."""
     k = xc.shape[0]
     W = _importance_weights(X, QW, _block_sigma2(xc, 1), 16)
     sw = np.add.reduce(W, axis=0)  # C: sw[j] = 0 + weight[0] + ... sequentially
-    srch = _Qkx2(X, W, 3, -0.9, 0.05, 36, False)
+    srch = _Qkx2(X, W, 3, -0.9, 0.05, 36, False, fused)
     del W
     swT = np.ascontiguousarray(sw.reshape(k, 16).T)
     dm, Ls = _make_qp_quants(np.ascontiguousarray(srch.scale.reshape(k, 16).T), 15, swT)
@@ -630,7 +665,8 @@ def quantize_q3_K(x: np.ndarray, imatrix=None) -> np.ndarray:
     qwb = _imatrix_blocks(imatrix, shape)
     nb = xb.shape[0]
     out = np.empty((nb, 110), np.uint8)
-    for s, e in _chunks(nb):
+    fused = _fused_for(xb)
+    for s, e in _chunks(nb, fused):
         xc = xb[s:e]
         k = e - s
         X = _rowmajor_to_elem_major(xc, 16)
@@ -651,7 +687,7 @@ def quantize_q3_K(x: np.ndarray, imatrix=None) -> np.ndarray:
             W = _importance_weights(X, _rowmajor_to_elem_major(_chunk_weights(qwb, s, e), 16),
                                     _block_sigma2(xc, 2), 16)
             sw = np.add.reduce(W, axis=0)
-            srch = _QxRmse1(X, 4, W)
+            srch = _QxRmse1(X, 4, W, fused)
             del W
             Ls = srch.L(np.arange(X.shape[1])).T  # (16, M): l + 4, as make_q3_quants returns
             scales = srch.scale.reshape(k, 16)
@@ -685,7 +721,8 @@ def _quantize_q45_K(x, nmax, rmin, nstep, block_bytes, imatrix=None):
     qwb = _imatrix_blocks(imatrix, shape)
     nb = xb.shape[0]
     out = np.empty((nb, block_bytes), np.uint8)
-    for s, e in _chunks(nb):
+    fused = _fused_for(xb)
+    for s, e in _chunks(nb, fused):
         xc = xb[s:e]
         k = e - s
         X = _rowmajor_to_elem_major(xc, 32)
@@ -694,12 +731,12 @@ def _quantize_q45_K(x, nmax, rmin, nstep, block_bytes, imatrix=None):
             av_x = np.sqrt(np.add.reduce(W, axis=0) / F32(32))  # C: sqrtf(sum_x2/32), sequential sum
             np.abs(X, out=W)
             W += av_x  # C: av_x + fabsf(x)
-            srch = _Qkx2(X, W, nmax, rmin, 0.1, nstep, False)
+            srch = _Qkx2(X, W, nmax, rmin, 0.1, nstep, False, fused)
         else:  # quantize_row_q{4,5}_K_impl
             QW = _rowmajor_to_elem_major(_chunk_weights(qwb, s, e), 32)
             W = _importance_weights(X, QW, _block_sigma2(xc, 2), 8)
             sw = np.add.reduce(W, axis=0)  # sequential over the 32 weights
-            srch = _Qkx2(X, W, nmax, -0.9, 0.05, 36, False)  # make_qkx3_quants
+            srch = _Qkx2(X, W, nmax, -0.9, 0.05, 36, False, fused)  # make_qkx3_quants
         del W
         scales = srch.scale.reshape(k, 8)
         mins = srch.the_min.reshape(k, 8)
@@ -780,12 +817,13 @@ def quantize_q6_K(x: np.ndarray, imatrix=None) -> np.ndarray:
     qwb = _imatrix_blocks(imatrix, shape)
     nb = xb.shape[0]
     out = np.empty((nb, 210), np.uint8)
-    for s, e in _chunks(nb):
+    fused = _fused_for(xb)
+    for s, e in _chunks(nb, fused):
         xc = xb[s:e]
         k = e - s
         X = _rowmajor_to_elem_major(xc, 16)
         QW = None if qwb is None else _rowmajor_to_elem_major(_chunk_weights(qwb, s, e), 16)
-        srch = _QxRmse1(X, 32, QW)
+        srch = _QxRmse1(X, 32, QW, fused)
         scales = srch.scale.reshape(k, 16)
         amax, max_scale = _first_absmax(scales.T)
         zero = amax < _GROUP_MAX_EPS
@@ -977,9 +1015,11 @@ def quantize_k(x: np.ndarray, type_name, imatrix=None, threads: int | None = Non
     ("Q2_K".."Q6_K", "Q8_K"), as llama.cpp's reference quantizer (llama-quantize without imatrix;
     with `imatrix` [n], as llama-quantize --imatrix).
 
-    `threads` (default: default_threads()): rows are split into bands quantized from a thread pool.
-    numpy releases the GIL inside its array operations, and every super-block is independent, so the
-    bytes do not depend on the split."""
+    `threads` (default: default_threads()): on the compiled path (large tensors) the compiled
+    searches run on that many torch intra-op threads (they hold the GIL, so Python threads would
+    serialize them); otherwise rows are split into bands quantized from a thread pool (numpy releases
+    the GIL inside its array operations). Every super-block is independent, so the bytes do not depend
+    on the split or the thread count."""
     name = _type_name(type_name)
     if name == "Q8_K":
         _check_imatrix(imatrix)
@@ -989,7 +1029,12 @@ def quantize_k(x: np.ndarray, type_name, imatrix=None, threads: int | None = Non
     x = np.asarray(x)
     rows = int(np.prod(x.shape[:-1])) if x.ndim > 1 else 1
     if threads == 1 or rows < 2 or x.size < 4 * _CHUNK * QK_K:
-        return quantize(x, imatrix=imatrix)
+        with kquant_fused.intra_op_threads(1):
+            return quantize(x, imatrix=imatrix)
+    if x.size >= kquant_fused.MIN_VALUES and kquant_fused.available():
+        # the compiled searches hold the GIL: they run on torch's intra-op threads instead
+        with kquant_fused.intra_op_threads(threads):
+            return quantize(x, imatrix=imatrix)
     x2 = x.reshape(rows, x.shape[-1])
     out = np.empty((rows, x.shape[-1] // QK_K * BLOCK_BYTES[name]), np.uint8)
     # bands of whole rows (block i of a row keeps imatrix[256*i:]), a few per thread to even out the load

@@ -264,3 +264,87 @@ def test_chunking_does_not_change_bytes(monkeypatch):
     monkeypatch.setattr(kq, "_CHUNK", 7)
     for t in TYPES:
         np.testing.assert_array_equal(kq.quantize_k(x, t), ref[t])
+
+
+# ------------------------------------------------------------------------------------------------
+# the compiled searches (kernels/kquant_fused.py): the same bytes as the numpy searches and as C
+
+
+@pytest.fixture
+def compiled_searches(monkeypatch):
+    """Send every tensor through the compiled searches (not only those >= MIN_VALUES) and count the
+    searches they actually ran, so that a silent fallback to numpy cannot pass for them."""
+    from qconvert.kernels import kquant_fused as kf
+
+    assert kf.available(), "QCONVERT_COMPILE=0, or a compiled search already failed in this process"
+    monkeypatch.setattr(kf, "MIN_VALUES", 0)
+    used = {"searches": 0}
+    for name in ("qx_search", "qkx2_search"):
+        real = getattr(kf, name)
+
+        def spy(*args, _real=real, **kwargs):
+            found = _real(*args, **kwargs)
+            used["searches"] += found is not None
+            return found
+
+        monkeypatch.setattr(kf, name, spy)
+    yield used
+    assert kf.available(), "a compiled search failed (see kquant_fused._run) and fell back to numpy"
+
+
+def _numpy_bytes(x, t, imatrix=None):
+    from qconvert.kernels import kquant_fused as kf
+
+    saved = kf.MIN_VALUES
+    kf.MIN_VALUES = 1 << 62
+    try:
+        return kq.quantize_k(x, t, imatrix=imatrix, threads=1)
+    finally:
+        kf.MIN_VALUES = saved
+
+
+# Q3_K without an importance matrix has no compiled part (its coordinate descent stays in numpy)
+@pytest.mark.parametrize("t", ["Q2_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_compiled_searches_give_the_numpy_and_c_bytes(t, compiled_searches, oracle):
+    for name, x in DATA.items():
+        with np.errstate(all="ignore"):
+            ours = kq.quantize_k(x, t, threads=1)
+            ref = _numpy_bytes(x, t)
+        np.testing.assert_array_equal(ours, ref, err_msg=f"{t} {name}: compiled != numpy")
+        bb = kq.BLOCK_BYTES[t]
+        same = (ours.reshape(-1, bb) == oracle.quantize(x, t).reshape(-1, bb)).all(axis=1)
+        print(f"\n{t} {name} compiled: {100 * same.mean():.4f}% of {same.size} blocks identical to C")
+        assert same.mean() >= MIN_IDENTICAL
+    assert compiled_searches["searches"] >= len(DATA)
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_compiled_weighted_searches_equal_ggml(t, compiled_searches):
+    """With an importance matrix every K type has a compiled search (Q3_K: make_qx_quants)."""
+    from qconvert.kernels.ggml_ctypes import available, ggml_quantize
+
+    if not available():
+        pytest.skip("llama-cpp-python is not installed: no ggml_quantize_chunk to compare with")
+    rng = np.random.default_rng(5)
+    for x in (DATA["normal"], DATA["real_shaped"][:16], DATA["mixed"]):
+        imat = rng.gamma(0.7, 1.0, x.shape[1]).astype(np.float32)
+        imat[rng.random(x.shape[1]) < 0.05] = 0.0
+        with np.errstate(all="ignore"):
+            ours = kq.quantize_k(x, t, imatrix=imat, threads=1)
+            np.testing.assert_array_equal(ours, _numpy_bytes(x, t, imat))
+            np.testing.assert_array_equal(ours, ggml_quantize(x, t, imatrix=imat))
+    assert compiled_searches["searches"] >= 3
+
+
+def test_compiled_searches_on_torch_threads(compiled_searches, monkeypatch):
+    """threads=2 on the compiled path runs the loops on torch's intra-op threads: same bytes, and the
+    caller's torch thread count is restored."""
+    import torch
+
+    monkeypatch.setattr(kq, "_CHUNK", 8)  # small enough for the threaded branch
+    x = DATA["real_shaped"]
+    before = torch.get_num_threads()
+    for t in ("Q4_K", "Q6_K"):
+        np.testing.assert_array_equal(kq.quantize_k(x, t, threads=2), kq.quantize_k(x, t, threads=1))
+        assert torch.get_num_threads() == before
+    assert compiled_searches["searches"] >= 4
