@@ -481,10 +481,10 @@ def _make_q3_quants(X, nmax=4):
 
     The coordinate descent is sequential over positions inside a sub-block, so it loops over the
     n rows; all sub-blocks advance together. A sub-block whose pass changed nothing would change
-    nothing in a further pass either (same state, same decisions), so running the remaining passes
-    for all sub-blocks is equivalent to C's per-block early exit.
+    nothing in a further pass either (same state, same decisions: C's per-block early exit), so each
+    pass after the first runs only on the sub-blocks the previous pass changed (about 20%, then 5%,
+    then 1% on LLM-like data) instead of on all of them.
     """
-    n, M = X.shape
     amax, mx = _first_absmax(X)
     zero = amax < _GROUP_MAX_EPS
     fn = F32(nmax)
@@ -497,35 +497,47 @@ def _make_q3_quants(X, nmax=4):
         WX = np.multiply(W, X)
         sumlx = np.add.reduce(WX * L, axis=0)
         suml2 = np.add.reduce((W * L) * L, axis=0)
-        for _ in range(5):
-            changed = False
-            for i in range(n):
-                x, w, wx, Li = X[i], W[i], WX[i], L[i]
-                slx = sumlx - wx * Li
-                sl2 = suml2 - (w * Li) * Li
-                q = x * sl2
-                q /= slx
-                # the quotient is unbounded (slx can be tiny), so C's exact nearest_int is needed
-                new = _nearest_int(q)
-                np.clip(new, -nmax, nmax - 1, out=new)
-                newf = new.astype(F32)
-                cand = (slx > 0) & (newf != Li)
-                slx2 = slx + wx * newf
-                sl2b = sl2 + (w * newf) * newf
-                acc = cand & (sl2b > 0) & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl2b)
-                if acc.any():
-                    changed = True
-                    m = _mask32(acc)
-                    _blend(Li, newf, m)
-                    _blend(sumlx, slx2, m)
-                    _blend(suml2, sl2b, m)
-            if not changed:
+        changed = _q3_pass(X, W, WX, L, sumlx, suml2, nmax)
+        active = np.flatnonzero(changed)
+        for _ in range(4):
+            if not active.size:
                 break
+            La, slx, sl2 = L[:, active], sumlx[active], suml2[active]  # copies, written back below
+            changed = _q3_pass(X[:, active], W[:, active], WX[:, active], La, slx, sl2, nmax)
+            L[:, active], sumlx[active], suml2[active] = La, slx, sl2
+            active = active[changed]
         scale = np.where(suml2 > 0, sumlx / suml2, F32(0))
     L += fn
     L[:, zero] = 0
     scale[zero] = 0
     return scale, L
+
+
+def _q3_pass(X, W, WX, L, sumlx, suml2, nmax) -> np.ndarray:
+    """One pass of make_q3_quants' coordinate descent over the n positions, updating L, sumlx and
+    suml2 in place; returns which columns (sub-blocks) changed."""
+    changed = np.zeros(X.shape[1], bool)
+    for i in range(X.shape[0]):
+        x, w, wx, Li = X[i], W[i], WX[i], L[i]
+        slx = sumlx - wx * Li
+        sl2 = suml2 - (w * Li) * Li
+        q = x * sl2
+        q /= slx
+        # the quotient is unbounded (slx can be tiny), so C's exact nearest_int is needed
+        new = _nearest_int(q)
+        np.clip(new, -nmax, nmax - 1, out=new)
+        newf = new.astype(F32)
+        cand = (slx > 0) & (newf != Li)
+        slx2 = slx + wx * newf
+        sl2b = sl2 + (w * newf) * newf
+        acc = cand & (sl2b > 0) & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl2b)
+        if acc.any():
+            changed |= acc
+            m = _mask32(acc)
+            _blend(Li, newf, m)
+            _blend(sumlx, slx2, m)
+            _blend(suml2, sl2b, m)
+    return changed
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1031,7 +1043,9 @@ def quantize_k(x: np.ndarray, type_name, imatrix=None, threads: int | None = Non
     if threads == 1 or rows < 2 or x.size < 4 * _CHUNK * QK_K:
         with kquant_fused.intra_op_threads(1):
             return quantize(x, imatrix=imatrix)
-    if x.size >= kquant_fused.MIN_VALUES and kquant_fused.available():
+    # Q3_K without an importance matrix has no compiled search (its descent stays in numpy)
+    compiled = name != "Q3_K" or imatrix is not None
+    if compiled and x.size >= kquant_fused.MIN_VALUES and kquant_fused.available():
         # the compiled searches hold the GIL: they run on torch's intra-op threads instead
         with kquant_fused.intra_op_threads(threads):
             return quantize(x, imatrix=imatrix)
