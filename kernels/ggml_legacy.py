@@ -182,7 +182,10 @@ def _q4_0_kernel(xb, offset):
     d = smax / -offset
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     t = xb * inv[..., None] + (offset + 0.5)  # C: x*id + 8.5, truncated by the (int8_t) cast
-    q = torch.trunc(t).clamp(max=15).to(torch.uint8)
+    # through int32 like the eager path and C's cast (x86's cvttps2dq: inf/NaN -> INT_MIN, whose low
+    # byte is 0), then clamp: clamping the float first would turn +inf (a denormal block's
+    # 1/d) into 15
+    q = torch.trunc(t).to(torch.int32).clamp(max=15).to(torch.uint8)
     return hi, lo, d, q[..., :_HALF] | (q[..., _HALF:] << 4)
 
 
@@ -193,7 +196,7 @@ def _q8_0_kernel(xb, divisor):
     v = xb * inv[..., None]
     t = torch.trunc(v)  # C's roundf: half away from zero (rint, except exact halves)
     r = torch.where((v - t).abs() == 0.5, t + torch.sign(v), torch.round(v))
-    return hi, lo, d, r.to(torch.int8)
+    return hi, lo, d, r.to(torch.int32).to(torch.int8)  # C's (int8_t) of a float: low byte of the int32
 
 
 _KERNELS = {"Q4_0": _q4_0_kernel, "Q8_0": _q8_0_kernel}
