@@ -208,6 +208,11 @@ def _fused_for(xb: np.ndarray) -> bool:
     return xb.size >= kquant_fused.MIN_VALUES and kquant_fused.available()
 
 
+def _has_compiled_search(name: str, imatrix) -> bool:
+    """Q3_K without an importance matrix has none: its coordinate descent stays in numpy."""
+    return name != "Q3_K" or imatrix is not None
+
+
 def _chunks(nb: int, fused: bool = False):
     # the compiled searches read each value once per candidate, so they take larger chunks
     step = _FUSED_CHUNK if fused else _CHUNK
@@ -677,7 +682,7 @@ def quantize_q3_K(x: np.ndarray, imatrix=None) -> np.ndarray:
     qwb = _imatrix_blocks(imatrix, shape)
     nb = xb.shape[0]
     out = np.empty((nb, 110), np.uint8)
-    fused = _fused_for(xb)
+    fused = _fused_for(xb) and _has_compiled_search("Q3_K", imatrix)
     for s, e in _chunks(nb, fused):
         xc = xb[s:e]
         k = e - s
@@ -1040,15 +1045,12 @@ def quantize_k(x: np.ndarray, type_name, imatrix=None, threads: int | None = Non
     threads = default_threads() if threads is None else max(1, int(threads))
     x = np.asarray(x)
     rows = int(np.prod(x.shape[:-1])) if x.ndim > 1 else 1
-    if threads == 1 or rows < 2 or x.size < 4 * _CHUNK * QK_K:
-        with kquant_fused.intra_op_threads(1):
-            return quantize(x, imatrix=imatrix)
-    # Q3_K without an importance matrix has no compiled search (its descent stays in numpy)
-    compiled = name != "Q3_K" or imatrix is not None
-    if compiled and x.size >= kquant_fused.MIN_VALUES and kquant_fused.available():
+    if _has_compiled_search(name, imatrix) and _fused_for(x):
         # the compiled searches hold the GIL: they run on torch's intra-op threads instead
         with kquant_fused.intra_op_threads(threads):
             return quantize(x, imatrix=imatrix)
+    if threads == 1 or rows < 2 or x.size < 4 * _CHUNK * QK_K:
+        return quantize(x, imatrix=imatrix)
     x2 = x.reshape(rows, x.shape[-1])
     out = np.empty((rows, x.shape[-1] // QK_K * BLOCK_BYTES[name]), np.uint8)
     # bands of whole rows (block i of a row keeps imatrix[256*i:]), a few per thread to even out the load
