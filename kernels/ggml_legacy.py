@@ -12,6 +12,9 @@ Three operations per type, all on [rows, n] tensors with n a multiple of 32:
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from .ggml_layouts import BlockLayout
@@ -160,13 +163,16 @@ def repack_grid(lay: BlockLayout, codes: torch.Tensor, scales: torch.Tensor, zer
 # result stays byte-identical to C because every compiled operation is an exactly defined IEEE
 # float32 operation (max/min, x*inv + c, 1/d, trunc, clamp, casts; inductor compiles without
 # unsafe-math and without FMA contraction), the only constant divisor (Q8_0's 127) comes in as a
-# runtime tensor so that it cannot be turned into a multiplication by its rounded reciprocal, and the
-# two things a compiler may legitimately change are redone in eager torch on the small per-block
-# arrays: the sign of a zero scale (C stores -0.0 for a Q4_0 block of zeros) and which of +a / -a is
-# "the" maximum of a block holding both (C keeps the first; those rare blocks are requantized eagerly).
+# runtime tensor so that it cannot be turned into a multiplication by its rounded reciprocal. The
+# kernel also returns the fp16 bits of the scale and a flag per block. The sign of a zero scale (C
+# stores -0.0 for a Q4_0 block of zeros) is set in integers, and the flagged blocks, which the float
+# code does not reproduce, are requantized eagerly: which of +a / -a is "the" maximum of a
+# block holding both (C keeps the first), non-finite values, and a scale whose inverse overflows
+# (C's float->int8 cast of +-inf/NaN).
 # Without a working compiler (or with QCONVERT_COMPILE=0) the eager path runs; both give the same bytes.
 
 _FUSED_MIN_ELEMENTS = 1 << 22  # below this the one-time compilation costs more than it saves
+_FUSED_BAND_VALUES = 1 << 22  # values per kernel call
 _fused_cache: dict = {}
 
 
@@ -176,17 +182,30 @@ def _fused_enabled() -> bool:
     return os.environ.get("QCONVERT_COMPILE", "1") != "0"
 
 
+
+
+def _redo_mask(hi, lo, inv):
+    """Blocks whose float codes the kernel does not reproduce: non-finite inputs, and a scale whose
+    inverse overflows (denormal blocks: x*inf is +-inf or NaN, which C's (int8_t) cast turns into the
+    low byte of INT_MIN, 0, while the kernel's float clamp would give 15 / a saturated int8)."""
+    return ~(torch.isfinite(inv) & torch.isfinite(hi) & torch.isfinite(lo))
+
+
 def _q4_0_kernel(xb, offset):
     hi, lo = xb.amax(-1), xb.amin(-1)
-    smax = torch.where(hi >= -lo, hi, lo)  # ties (hi == -lo) are redone eagerly
+    smax = torch.where(hi >= -lo, hi, lo)
     d = smax / -offset
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     t = xb * inv[..., None] + (offset + 0.5)  # C: x*id + 8.5, truncated by the (int8_t) cast
-    # through int32 like the eager path and C's cast (x86's cvttps2dq: inf/NaN -> INT_MIN, whose low
-    # byte is 0), then clamp: clamping the float first would turn +inf (a denormal block's
-    # 1/d) into 15
-    q = torch.trunc(t).to(torch.int32).clamp(max=15).to(torch.uint8)
-    return hi, lo, d, q[..., :_HALF] | (q[..., _HALF:] << 4)
+    q = torch.trunc(t).clamp(max=15).to(torch.uint8)
+    # C's d = max/-8 with max starting at +0: a zero d is -0.0 unless max was a negative number
+    # too small for max/-8 to be nonzero
+    # C's d = max/-8 with max starting at +0: a zero d is -0.0 unless max was a negative number too
+    # small for max/-8 to be nonzero. The caller sets that sign in integers: inductor compiles with
+    # -fno-signed-zeros, so the sign of a float zero is not something the kernel may rely on.
+    zero_kind = torch.where(d == 0, torch.where(smax >= 0, 2, 1), 0).to(torch.int8)  # 2: -0.0, 1: +0.0
+    redo = _redo_mask(hi, lo, inv) | ((hi == -lo) & (hi > 0))  # +a and -a: C keeps the first
+    return d.to(torch.float16), q[..., :_HALF] | (q[..., _HALF:] << 4), zero_kind, redo
 
 
 def _q8_0_kernel(xb, divisor):
@@ -196,7 +215,8 @@ def _q8_0_kernel(xb, divisor):
     v = xb * inv[..., None]
     t = torch.trunc(v)  # C's roundf: half away from zero (rint, except exact halves)
     r = torch.where((v - t).abs() == 0.5, t + torch.sign(v), torch.round(v))
-    return hi, lo, d, r.to(torch.int32).to(torch.int8)  # C's (int8_t) of a float: low byte of the int32
+    zero_kind = (d == 0).to(torch.int8)  # a zero d is C's 0/127 = +0.0
+    return d.to(torch.float16), r.to(torch.int8), zero_kind, _redo_mask(hi, lo, inv)
 
 
 _KERNELS = {"Q4_0": _q4_0_kernel, "Q8_0": _q8_0_kernel}
@@ -217,6 +237,22 @@ def _call_fused(name: str, *args):
         return _KERNELS[name](*args)
 
 
+def _empty_bytes(shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised uint8 tensor; a large one on transparent huge pages where Linux offers them
+    (THP in madvise mode): the first write of a fresh 48 MB buffer costs ~17 ms in 4 KB page faults
+    and ~3 ms in 2 MB pages, a third of what the Q8_0 kernel itself takes. The tensor keeps the
+    mapping alive and unmaps it when freed."""
+    n = math.prod(shape)
+    if n >= 1 << 23 and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            m.madvise(mmap.MADV_HUGEPAGE)
+            return torch.frombuffer(m, dtype=torch.uint8).view(shape)
+        except (OSError, ValueError, AttributeError):  # no THP, or no anonymous mmap here
+            pass
+    return torch.empty(shape, dtype=torch.uint8)
+
+
 def quantize_pack(lay: BlockLayout, x: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
     """float32 [rows, n] -> uint8 [rows, n/32*nbytes]: pack_blocks(quantize_blocks(x)), byte for byte,
     with the fused kernel for Q4_0 / Q8_0 when `fused` (default: large tensors, QCONVERT_COMPILE != 0)."""
@@ -228,17 +264,22 @@ def quantize_pack(lay: BlockLayout, x: torch.Tensor, fused: bool | None = None) 
     nb = n // lay.block
     xb = x.to(torch.float32).contiguous().view(rows, nb, lay.block)
     const = torch.tensor(8.0 if lay.name == "Q4_0" else 127.0, dtype=torch.float32)
-    hi, lo, d, q = _call_fused(lay.name, xb, const)
-    out = torch.empty(rows, nb, lay.nbytes, dtype=torch.uint8)
-    # C's zero scale: Q4_0 computes +0/-8 = -0.0, Q8_0 0/127 = +0.0
-    zero = torch.full_like(d, -0.0 if lay.name == "Q4_0" else 0.0)
-    d = torch.where(d == 0, zero, d)
-    out[..., 0:2] = _fp16_bytes(d)
-    out[..., 2:] = q.view(torch.uint8) if q.dtype == torch.int8 else q
-    if lay.name == "Q4_0":
-        tie = (hi == -lo) & (hi > 0)
-        if bool(tie.any()):  # +a and -a in one block: C's first-occurrence maximum, eagerly
-            r, b = tie.nonzero(as_tuple=True)
-            sub = xb[r, b].reshape(-1, lay.block)
-            out[r, b] = pack_blocks(lay, *quantize_blocks(lay, sub)).view(-1, lay.nbytes)
+    out = _empty_bytes((rows, nb, lay.nbytes))
+    # Bands of rows: the kernel's outputs of one band (<= 4 MB of codes) come from memory the allocator
+    # reuses, instead of fresh pages the kernel would fault in for the whole tensor's codes.
+    step = max(1, _FUSED_BAND_VALUES // n)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        d16, q, zero_kind, redo = _call_fused(lay.name, xb[r0:r1], const)  # fp16 scale, codes, zero kind, redo
+        bits = d16.view(torch.int16)
+        if bool(zero_kind.any()):  # blocks of zeros: the sign C gives their scale
+            bits.masked_fill_(zero_kind == 1, 0)
+            bits.masked_fill_(zero_kind == 2, -0x8000)  # fp16 -0.0
+        band = out[r0:r1]
+        band[..., 0:2] = bits.view(torch.uint8).view(r1 - r0, nb, 2)
+        band[..., 2:] = q.view(torch.uint8)
+        if bool(redo.any()):
+            r, b = redo.nonzero(as_tuple=True)
+            sub = xb[r0:r1][r, b].reshape(-1, lay.block)
+            band[r, b] = pack_blocks(lay, *quantize_blocks(lay, sub)).view(-1, lay.nbytes)
     return out.view(rows, nb * lay.nbytes)
