@@ -275,24 +275,7 @@ class _Qkx2:
                     & ((mx - raw_min) * top < mx * F32(4.0e6)))
         check = not np.all(safe | self.degenerate)
         sum_w = np.add.reduce(W, axis=0)  # C starts from weights[0]: same as 0 + weights[0]
-        S = np.empty((2, n, M), F32)  # [candidate L, x]
-        S[1] = X
-        R = np.empty((3, n, M), F32)  # [w*l, w*l*l, w*l*x], later scratch
-        T = R[0]
-        np.multiply(W, X, out=T)
-        sum_x = np.add.reduce(T, axis=0)
-
-        def error(scale, vmin, Lc, out=None):
-            # C: diff = scale*L + min - x; err += w * (mad ? |diff| : diff*diff)
-            np.multiply(Lc, scale, out=T)
-            np.add(T, vmin, out=T)
-            np.subtract(T, X, out=T)
-            if use_mad:
-                np.abs(T, out=T)
-            else:
-                np.multiply(T, T, out=T)
-            np.multiply(T, W, out=T)
-            return np.add.reduce(T, axis=0, out=out)
+        sum_x = np.add.reduce(np.multiply(W, X), axis=0)
 
         found = None
         if fused:  # the compiled search: same bytes
@@ -306,6 +289,25 @@ class _Qkx2:
                     arr[unsafe] = val
             self._finish(*found, mn)
             return
+
+        # the numpy search
+        S = np.empty((2, n, M), F32)  # [candidate L, x]
+        S[1] = X
+        R = np.empty((3, n, M), F32)  # [w*l, w*l*l, w*l*x], later scratch
+        T = R[0]
+
+        def error(scale, vmin, Lc, out=None):
+            # C: diff = scale*L + min - x; err += w * (mad ? |diff| : diff*diff)
+            np.multiply(Lc, scale, out=T)
+            np.add(T, vmin, out=T)
+            np.subtract(T, X, out=T)
+            if use_mad:
+                np.abs(T, out=T)
+            else:
+                np.multiply(T, T, out=T)
+            np.multiply(T, W, out=T)
+            return np.add.reduce(T, axis=0, out=out)
+
         # ST: the running state [best iscale, min it was used with, best error, scale, min];
         # NEW: the same fields for the current candidate, blended in where it is accepted.
         ST = np.empty((5, M), F32)
