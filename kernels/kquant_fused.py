@@ -193,20 +193,18 @@ def _t(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
 
 
-def qx_search(X: np.ndarray, W: np.ndarray, mx: np.ndarray, nmax: int):
+def qx_search(X: np.ndarray, W: np.ndarray, mx: np.ndarray, nmax: int, numerators):
     """The candidate loop of make_qx_quants(rmse_type 1) for element-major X, W (n, M), with mx the
-    first absolute maximum of each column: (scale, best iscale) as float32 [M], or None when the
-    compiled path is unavailable. Zero columns (amax < eps) are the caller's to fix up."""
+    first absolute maximum of each column and the candidates' iscale numerators (float32, in C's
+    order): (scale, best iscale) as float32 [M], or None when the compiled path is unavailable.
+    Zero columns (amax < eps) are the caller's to fix up."""
     Xt, Wt, mxt = _t(X), _t(W), _t(mx)
     lo, hi = _scalar(-nmax), _scalar(nmax - 1)
-    fn_ = np.float32(nmax)
 
     def calls(fn):
-        st = fn("qx_first")(Xt, Wt, mxt, _scalar(-fn_), lo, hi)
-        for step in range(-9, 10):
-            if step:
-                num = -np.float32(fn_ + np.float32(np.float32(0.1) * np.float32(step)))
-                st = fn("qx_candidate")(Xt, Wt, mxt, _scalar(num), lo, hi, *st)
+        st = fn("qx_first")(Xt, Wt, mxt, _scalar(-nmax), lo, hi)
+        for num in numerators:
+            st = fn("qx_candidate")(Xt, Wt, mxt, _scalar(num), lo, hi, *st)
         return st
 
     st = _run(calls)
@@ -215,22 +213,21 @@ def qx_search(X: np.ndarray, W: np.ndarray, mx: np.ndarray, nmax: int):
     return st[0].numpy(), st[2].numpy()
 
 
-def qkx2_search(X, W, mx, mn, sum_w, sum_x, nmax, rmin, rdelta, nstep, use_mad):
+def qkx2_search(X, W, mx, mn, sum_w, sum_x, nmax, numerators, use_mad):
     """make_qkx2_quants' search for element-major X, W (n, M) with column max mx, clamped min mn
-    (<= 0), and the weight sums: (best iscale, min it was used with, scale, running min) as float32
-    [M], or None when the compiled path is unavailable. Degenerate columns, and columns whose codes
-    could leave the range where rounding is C's nearest_int, are the caller's."""
+    (<= 0), the weight sums and the candidates' iscale numerators (float32, in C's order): (best
+    iscale, min it was used with, scale, running min) as float32 [M], or None when the compiled path
+    is unavailable. Degenerate columns, and columns whose codes could leave the range where rounding
+    is C's nearest_int, are the caller's."""
     Xt, Wt, mxt, mnt = _t(X), _t(W), _t(mx), _t(mn)
     swt, sxt = _t(sum_w), _t(sum_x)
-    fmax = np.float32(nmax)
-    fmax_t = _scalar(fmax)
+    fmax_t = _scalar(nmax)
     kind = "mad" if use_mad else "sq"
 
     def calls(fn):
         isc, err, scale = fn(f"qkx2_first_{kind}")(Xt, Wt, mxt, mnt, fmax_t)
         st = (isc, mnt, err, scale, mnt.clone())  # two tensors: an aliased pair would be another compile
-        for step in range(nstep + 1) if nstep >= 1 else ():
-            num = np.float32(np.float32(np.float32(rmin) + np.float32(np.float32(rdelta) * np.float32(step))) + fmax)
+        for num in numerators:
             st = fn(f"qkx2_candidate_{kind}")(Xt, Wt, mxt, swt, sxt, _scalar(num), fmax_t, *st)
         return st
 

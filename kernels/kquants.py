@@ -207,14 +207,11 @@ def _blend(dst: np.ndarray, src: np.ndarray, mask: np.ndarray) -> None:
     d ^= t
 
 
-def _fused_for(xb: np.ndarray) -> bool:
-    """Whether a tensor's searches run compiled (kernels/kquant_fused.py): large tensors, when enabled."""
-    return xb.size >= kquant_fused.MIN_VALUES and kquant_fused.available()
-
-
-def _has_compiled_search(name: str, imatrix) -> bool:
-    """Q3_K without an importance matrix has none: its coordinate descent stays in numpy."""
-    return name != "Q3_K" or imatrix is not None
+def _fused_for(x: np.ndarray, name: str, imatrix) -> bool:
+    """Whether a tensor's searches run compiled (kernels/kquant_fused.py): large tensors, when enabled,
+    of a type that has one (Q3_K without an importance matrix has none: its descent stays in numpy)."""
+    has_search = name != "Q3_K" or imatrix is not None
+    return has_search and x.size >= kquant_fused.MIN_VALUES and kquant_fused.available()
 
 
 def _chunks(nb: int, fused: bool = False, factor: int = 1):
@@ -226,6 +223,20 @@ def _chunks(nb: int, fused: bool = False, factor: int = 1):
 
 # ----------------------------------------------------------------------------------------------
 # searches, all on element-major arrays X of shape (n, M): column m is one sub-block of n values
+
+
+def _qkx2_numerators(nmax, rmin, rdelta, nstep) -> list:
+    """make_qkx2_quants' candidate iscale numerators rmin + rdelta*is + nmax, rounded as C's floats."""
+    if nstep < 1:
+        return []
+    fmax = F32(nmax)
+    return [F32(F32(F32(rmin) + F32(F32(rdelta) * F32(step))) + fmax) for step in range(nstep + 1)]
+
+
+def _qx_numerators(nmax) -> list:
+    """make_qx_quants' candidate iscale numerators -(nmax + 0.1*is), is = -9..9 without 0."""
+    fn = F32(nmax)
+    return [-F32(fn + F32(F32(0.1) * F32(step))) for step in range(-9, 10) if step]
 
 
 def _qkx2_round(X, isc, cur_min, raw_min, mx, nmax, out, check=True):
@@ -279,7 +290,8 @@ class _Qkx2:
 
         found = None
         if fused:  # the compiled search: same bytes
-            found = kquant_fused.qkx2_search(X, W, mx, mn, sum_w, sum_x, nmax, rmin, rdelta, nstep, use_mad)
+            found = kquant_fused.qkx2_search(X, W, mx, mn, sum_w, sum_x, nmax,
+                                             _qkx2_numerators(nmax, rmin, rdelta, nstep), use_mad)
         if found is not None:
             unsafe = np.flatnonzero(~(safe | self.degenerate))
             if unsafe.size:  # the few columns where rounding may not be C's nearest_int: numpy, exactly
@@ -319,8 +331,7 @@ class _Qkx2:
             ST[3] = F32(1) / ST[0]
             error(ST[3], mn, _qkx2_round(X, ST[0], mn, raw_min, mx, nmax, S[0], check), out=ST[2])
             vmin = ST[4]
-            for step in range(nstep + 1) if nstep >= 1 else ():
-                num = F32(F32(F32(rmin) + F32(F32(rdelta) * F32(step))) + fmax)
+            for num in _qkx2_numerators(nmax, rmin, rdelta, nstep):
                 isc = np.divide(num, mx - vmin, out=NEW[0])
                 Lc = _qkx2_round(X, isc, vmin, raw_min, mx, nmax, S[0], check)
                 np.multiply(W, Lc, out=R[0])
@@ -369,7 +380,8 @@ class _QxRmse1:
         amax, mx = _first_absmax(X)
         self.zero = amax < _GROUP_MAX_EPS
         fn = F32(nmax)
-        found = kquant_fused.qx_search(X, np.multiply(X, X) if W is None else W, mx, nmax) if fused else None
+        found = (kquant_fused.qx_search(X, np.multiply(X, X) if W is None else W, mx, nmax, _qx_numerators(nmax))
+                 if fused else None)
         if found is not None:  # the compiled search, same bytes
             scale, self.best_isc = found
             scale[self.zero] = 0
@@ -399,10 +411,8 @@ class _QxRmse1:
             sumlx, suml2 = sums(ST[2])
             ST[0] = np.where(suml2 != 0, sumlx / suml2, F32(0))
             np.multiply(ST[0], sumlx, out=ST[1])
-            for step in range(-9, 10):
-                if step == 0:
-                    continue
-                isc = np.divide(-F32(fn + F32(F32(0.1) * F32(step))), mx, out=NEW[2])
+            for num in _qx_numerators(nmax):
+                isc = np.divide(num, mx, out=NEW[2])
                 slx, sl2 = sums(isc)
                 acc = (sl2 > 0) & (slx * slx > ST[1] * sl2)
                 np.divide(slx, sl2, out=NEW[0])
@@ -617,7 +627,7 @@ def quantize_q2_K(x: np.ndarray, imatrix=None) -> np.ndarray:
     qwb = _imatrix_blocks(imatrix, shape)
     nb = xb.shape[0]
     out = np.empty((nb, 84), np.uint8)
-    fused = _fused_for(xb)
+    fused = _fused_for(xb, "Q2_K", imatrix)
     for s, e in _chunks(nb, fused):
         xc = xb[s:e]
         k = e - s
@@ -688,7 +698,7 @@ def quantize_q3_K(x: np.ndarray, imatrix=None) -> np.ndarray:
     qwb = _imatrix_blocks(imatrix, shape)
     nb = xb.shape[0]
     out = np.empty((nb, 110), np.uint8)
-    fused = _fused_for(xb) and _has_compiled_search("Q3_K", imatrix)
+    fused = _fused_for(xb, "Q3_K", imatrix)
     for s, e in _chunks(nb, fused, _Q3_CHUNK_FACTOR):
         xc = xb[s:e]
         k = e - s
@@ -744,7 +754,7 @@ def _quantize_q45_K(x, nmax, rmin, nstep, block_bytes, imatrix=None):
     qwb = _imatrix_blocks(imatrix, shape)
     nb = xb.shape[0]
     out = np.empty((nb, block_bytes), np.uint8)
-    fused = _fused_for(xb)
+    fused = _fused_for(xb, "Q4_K", imatrix)  # Q4_K and Q5_K alike
     for s, e in _chunks(nb, fused):
         xc = xb[s:e]
         k = e - s
@@ -840,7 +850,7 @@ def quantize_q6_K(x: np.ndarray, imatrix=None) -> np.ndarray:
     qwb = _imatrix_blocks(imatrix, shape)
     nb = xb.shape[0]
     out = np.empty((nb, 210), np.uint8)
-    fused = _fused_for(xb)
+    fused = _fused_for(xb, "Q6_K", imatrix)
     for s, e in _chunks(nb, fused):
         xc = xb[s:e]
         k = e - s
@@ -1051,7 +1061,7 @@ def quantize_k(x: np.ndarray, type_name, imatrix=None, threads: int | None = Non
     threads = default_threads() if threads is None else max(1, int(threads))
     x = np.asarray(x)
     rows = int(np.prod(x.shape[:-1])) if x.ndim > 1 else 1
-    if _has_compiled_search(name, imatrix) and _fused_for(x):
+    if _fused_for(x, name, imatrix):
         # the compiled searches hold the GIL: they run on torch's intra-op threads instead
         with kquant_fused.intra_op_threads(threads):
             return quantize(x, imatrix=imatrix)
