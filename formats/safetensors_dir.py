@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from ..converters.errors import BadInput
+from ..converters.validate import read_json as _read_json
 from ..converters.records import Dense, TensorRecord
 
 __all__ = ["CheckpointDir", "read_json", "SIDE_FILES", "dtype_name"]
@@ -27,16 +28,8 @@ SIDE_FILES = (
 
 
 def read_json(path: Path) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise BadInput("file not found", path=path) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadInput(f"not valid JSON ({e})", path=path) from None
-    if not isinstance(data, dict):
-        raise BadInput("expected a JSON object", path=path)
-    return data
+    """A JSON object from a checkpoint's file, bounded and checked (converters.validate)."""
+    return _read_json(path)
 
 
 class CheckpointDir:
