@@ -5,15 +5,20 @@
     qconvert formats                    (what each format can read and write)
     qconvert inspect PATH               (format, bits, group size and layout of a checkpoint)
 
-Exit status: 0 on success, 2 on bad input or a refused plan (one line on stderr, no traceback),
-130 on interrupt. No partial output is ever left at OUT.
+Exit status: 0 on success, 2 on bad input or a refused plan (one line on stderr, no traceback), 1 for an
+unexpected failure (a bug: one line naming the input; `--debug` shows the traceback), 130 on interrupt. No
+partial output is ever left at OUT.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 import sys
+import traceback
+import warnings
 from pathlib import Path
 
 import click
@@ -57,6 +62,9 @@ def cli():
     """Convert quantized LLM checkpoints between GPTQ, GGUF, HF (dense) and more.
 
     Convert with a pair command: qconvert 'gptq->gguf' SRC OUT (or gptq:gguf).
+
+    Errors are one line (exit 2 for bad input or a refused plan, 1 for a bug in qconvert); add --debug
+    anywhere on the command line to see a bug's traceback and the warnings held back.
     """
 
 
@@ -92,6 +100,8 @@ def _print_plan(report, quiet: bool) -> None:
             err = "-" if r.max_abs_err is None else f"{r.max_abs_err:.3g}"
             rmse = "-" if r.rmse is None else f"{r.rmse:.3g}"
             click.echo(f"{p.name:<48} {p.source:<22} {p.target:<10} {p.verdict:<11} {err:>11} {rmse:>10}")
+    for name, why in report.ignored_files.items():
+        click.echo(f"ignored: {name} ({why})")
     s = report.summary()
     counts = ", ".join(f"{v} {k}" for k, v in s["verdicts"].items() if v)
     click.echo(f"{s['tensors']} tensors: {counts}; max abs error {s['max_abs_err']}; {s['seconds']} s"
@@ -197,25 +207,97 @@ def verify_command(src_path, out_path, src_format, out_format, report_path, stri
 
 
 def main(argv=None) -> int:
-    try:
-        rv = cli.main(args=argv, prog_name="qconvert", standalone_mode=False)
-        if isinstance(rv, int):  # click returns an Exit's code instead of raising it here
-            return rv
-    except QConvertError as e:
-        click.echo(f"qconvert: error: {e}", err=True)
-        return 2
-    except click.exceptions.Exit as e:
-        return e.exit_code
-    except click.ClickException as e:
-        e.show()
-        return 2
-    except click.exceptions.Abort:
-        click.echo("qconvert: interrupted", err=True)
-        return 130
-    except KeyboardInterrupt:
-        click.echo("qconvert: interrupted", err=True)
-        return 130
-    return 0
+    """Run the CLI; return the exit status. Every failure ends as one line on stderr: a `QConvertError`
+    (bad input, refused plan) exits 2; anything else is a bug, reported in one line naming the input with
+    exit 1 (`--debug` anywhere on the line, or QCONVERT_DEBUG=1, shows the traceback instead).
+
+    Warnings of the libraries underneath (and of our own loggers) are held back while the command runs:
+    after a failure the error line stands alone; after a success they follow the output, once each."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("QCONVERT_DEBUG", "") not in ("", "0")
+    args = [a for a in args if a != "--debug"]
+    held = _HeldWarnings()
+    with held:
+        try:
+            rv = cli.main(args=args, prog_name="qconvert", standalone_mode=False)
+            status = rv if isinstance(rv, int) else 0  # click returns an Exit's code instead of raising it here
+        except QConvertError as e:
+            return _fail(f"qconvert: error: {e}", 2, held, debug)
+        except click.exceptions.Exit as e:
+            status = e.exit_code
+        except click.ClickException as e:
+            if debug:
+                held.flush()
+            e.show()
+            return 2
+        except (click.exceptions.Abort, KeyboardInterrupt):
+            return _fail("qconvert: interrupted", 130, held, debug)
+        except BrokenPipeError:  # `qconvert formats | head`
+            return 0
+        except Exception as e:  # a bug: one line naming the input, the traceback only on request
+            if debug:
+                held.flush()
+                traceback.print_exc()
+                return 1
+            return _fail(f"qconvert: error: {_unexpected(e, args)}", 1, held, debug)
+    held.flush()
+    return status
+
+
+def _fail(line: str, status: int, held: "_HeldWarnings", debug: bool) -> int:
+    if debug:
+        held.flush()
+    click.echo(line, err=True)
+    return status
+
+
+def _unexpected(e: BaseException, args: list[str]) -> str:
+    paths = [a for a in args[1:] if not a.startswith("-") and Path(a).exists()]
+    where = f"{paths[0]}: " if paths else ""
+    detail = " ".join(str(e).split())[:160]
+    what = type(e).__name__ + (f" ({detail})" if detail else "")
+    return (f"{where}unexpected {what}; this is a bug in qconvert: please report it with the output of "
+            f"the same command run with --debug")
+
+
+class _HeldWarnings(logging.Handler):
+    """Collects Python warnings and log records (WARNING and above), in the order they come, while a command
+    runs, instead of letting them reach stderr before the command's own output or error line."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        self._catch = warnings.catch_warnings()  # restores the filters and showwarning on exit
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._hold(record.getMessage())
+
+    def _hold(self, message: object) -> None:
+        line = " ".join(str(message).split())
+        if line and line not in self.messages:
+            self.messages.append(line)
+
+    def __enter__(self):
+        self._catch.__enter__()
+        warnings.simplefilter("default")
+        warnings.showwarning = lambda message, *_, **__: self._hold(message)
+        root = logging.getLogger()
+        root.addHandler(self)
+        self._old_level = root.level
+        if root.level > logging.WARNING or root.level == logging.NOTSET:
+            root.setLevel(logging.WARNING)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        root = logging.getLogger()
+        root.removeHandler(self)
+        root.setLevel(self._old_level)
+        self._catch.__exit__(*exc)
+
+    def flush(self) -> None:
+        for message in self.messages:
+            click.echo(f"qconvert: warning: {message}", err=True)
+        self.messages.clear()
 
 
 if __name__ == "__main__":

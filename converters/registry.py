@@ -10,7 +10,8 @@ from typing import Callable
 
 from .errors import QConvertError
 
-__all__ = ["FormatEntry", "register_format", "get_format", "all_formats", "normalize_name", "detect_format"]
+__all__ = ["FormatEntry", "register_format", "get_format", "all_formats", "normalize_name", "detect_format",
+           "describe_data"]
 
 # Every module (or subpackage) of qconvert.formats that calls register_format() is a format: a new
 # format is one new module there, with no list to edit.
@@ -80,7 +81,48 @@ def detect_format(path: Path) -> str:
     specific = [e for e in claims if not e.extras.get("generic")]
     if specific or claims:
         return (specific or claims)[0].name
-    raise QConvertError("cannot tell the format of this path; name it with --format", path=path)
+    raise QConvertError(f"not a format qconvert reads: {describe_data(path)}; qconvert reads "
+                        f"{', '.join(e.name for e in all_formats() if e.can_read)}", path=path)
+
+
+def describe_data(path: Path) -> str:
+    """What a path holds, in a few words, from its data (magic bytes, the config's quant_method), for
+    messages about inputs no format claims."""
+    path = Path(path)
+    if path.is_file():
+        try:
+            with open(path, "rb") as f:
+                head = f.read(16)
+        except OSError:
+            return "an unreadable file"
+        if head[:4] == b"GGUF":
+            return "a GGUF file"
+        if head[:2] == b"PK":
+            return "a zip archive (a torch.save file?)"
+        if len(head) >= 9 and head[8:9] == b"{":
+            return "a safetensors file"
+        return f"a file starting with bytes {head[:8].hex()}" if head else "an empty file"
+    if not path.is_dir():
+        return "neither a file nor a folder"
+    config = path / "config.json"
+    if config.is_file():
+        from .validate import read_json
+
+        try:
+            cfg = read_json(config)
+        except QConvertError:
+            return "a folder whose config.json is not valid JSON"
+        qc = cfg.get("quantization_config")
+        if isinstance(qc, dict) and qc:
+            method = qc.get("quant_method", qc.get("method"))
+            fmt = qc.get("format") or qc.get("checkpoint_format")
+            what = f"quant_method {method!r}" + (f", format {fmt!r}" if isinstance(fmt, str) else "")
+            return f"a checkpoint folder with {what}, which qconvert does not read yet"
+        if not any(path.glob("*.safetensors")):
+            return "a folder with a config.json but no .safetensors weights"
+        return "a checkpoint folder"
+    kinds = sorted({p.suffix for p in path.iterdir() if p.is_file() and p.suffix})
+    return "a folder without config.json" + (f" (files: {', '.join(kinds[:6])})" if kinds else " (empty)")
 
 
 def get_format(name: str) -> FormatEntry:

@@ -18,6 +18,8 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}"
 "${PIP[@]}" install -c constraints.txt -e ".[test,gptq,llama,triton]"
 export GPTQMODEL_CPU_WORKERS=2 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# a skipped oracle test is a failure here (tests/conftest.py): a run that proves nothing must not pass
+export QCONVERT_REQUIRE_ORACLES="${QCONVERT_REQUIRE_ORACLES:-1}"
 # Extra environments a format's tests need (a producer with conflicting pins, a runtime wheel) are set
 # up by one fragment per format, each sourced here with VENV and PIP already set.
 for fragment in scripts/test_env.d/*.sh; do

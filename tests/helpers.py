@@ -3,7 +3,6 @@ that decide whether an output is right. conftest.py puts this folder on sys.path
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +12,7 @@ import numpy as np
 
 def run_cli(*args, check_rc: int | None = 0) -> subprocess.CompletedProcess:
     """Run `python -m qconvert ARGS` as a user would; return the completed process."""
-    proc = subprocess.run([sys.executable, "-m", "qconvert", *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    proc = subprocess.run([sys.executable, "-m", "qconvert", *map(str, args)], capture_output=True, text=True)
     if check_rc is not None and proc.returncode != check_rc:
         raise AssertionError(f"exit {proc.returncode} (wanted {check_rc})\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
     return proc

@@ -1,0 +1,182 @@
+"""The command line's promises around failure: one line for every error (exit 2 for bad input, 1 for a bug),
+no warning before it, advice that names commands and types that exist and succeed, no temporary left
+behind by a killed run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from helpers import expect_user_error, run_cli
+from synthetic_gptq import make_synthetic_gptq
+
+from qconvert.converters import cli
+from qconvert.converters.run import _HOST, remove_stale_temporaries
+from qconvert.formats import gptq
+
+ALIGNED = re.compile(r"aligned choice: (.+?)(?:; pass --allow-requant|$)")
+
+
+def _run_main(capsys, *args) -> tuple[int, str, str]:
+    rc = cli.main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def test_a_bug_is_one_line_naming_the_input_with_exit_1(fx, tmp_path, capsys, monkeypatch):
+    src = fx["variants"]["v1_b4_g32_sym"]["ckpt"]
+
+    def broken(self):
+        raise ZeroDivisionError("division by zero")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(gptq.GptqSource, "records", broken)
+    rc, out, err = _run_main(capsys, "gptq->gguf", src, tmp_path / "o.gguf")
+    assert rc == 1
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith(f"qconvert: error: {src}: unexpected ZeroDivisionError (division by zero)")
+    assert "--debug" in err and "report" in err
+    assert not list(tmp_path.iterdir())
+
+    rc, out, err = _run_main(capsys, "gptq->gguf", src, tmp_path / "o.gguf", "--debug")
+    assert rc == 1 and "Traceback" in err and "ZeroDivisionError" in err
+
+
+def test_warnings_never_precede_the_error_line(fx, tmp_path, capsys, monkeypatch):
+    src = fx["variants"]["v1_b4_g32_sym"]["ckpt"]
+    real_init = gptq.GptqSource.__init__
+
+    def noisy(self, *a, **k):
+        warnings.warn("a library's warning", UserWarning)
+        logging.getLogger("gguf.some_library").warning("a library's log warning")
+        real_init(self, *a, **k)
+
+    monkeypatch.setattr(gptq.GptqSource, "__init__", noisy)
+    # a refused plan: the error line alone
+    rc, out, err = _run_main(capsys, "gptq->gguf", fx["variants"]["v1_b3_g32_sym"]["ckpt"], tmp_path / "o.gguf")
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith("qconvert: error: refused:"), err
+    # a success: the held warnings follow the output, once each
+    rc, out, err = _run_main(capsys, "gptq->gguf", src, tmp_path / "ok.gguf", "--quiet")
+    assert rc == 0 and out.strip().endswith(str(tmp_path / "ok.gguf"))
+    assert err.splitlines() == ["qconvert: warning: a library's warning",
+                                "qconvert: warning: a library's log warning"]
+
+
+def test_unknown_data_is_described_and_the_supported_formats_named(fx, tmp_path):
+    folder = tmp_path / "ct"
+    shutil.copytree(fx["variants"]["v1_b4_g32_sym"]["ckpt"], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    (folder / "quantize_config.json").unlink()
+    proc = run_cli("inspect", folder, check_rc=2)
+    line = proc.stderr.strip()
+    assert len(line.splitlines()) == 1 and "--format" not in line
+    assert "quant_method 'compressed-tensors'" in line and "format 'pack-quantized'" in line
+    assert "gguf, gptq, gptq-v2, hf, hqq, qqq, uqff" in line
+    err = expect_user_error("hf->gguf", folder, tmp_path, "config.json", "quant_method 'compressed-tensors'",
+                            "does not read yet", out_name="o.gguf")
+    assert "compressed-tensors->" not in err
+    # a quantized folder qconvert does read: the advice names a pair that works
+    err = expect_user_error("hf->gguf", fx["variants"]["v1_b4_g32_sym"]["ckpt"], tmp_path, "read it as gptq",
+                            out_name="o.gguf")
+    run_cli("gptq->gguf", fx["variants"]["v1_b4_g32_sym"]["ckpt"], tmp_path / "works.gguf")
+
+
+def _follow_advice(pair: str, src: Path, out: Path, args: list[str], err: str) -> list[str]:
+    """Every aligned choice a refusal proposes, re-run as a command: each must succeed."""
+    m = ALIGNED.search(err)
+    assert m, err
+    ran = []
+    for choice in m[1].split(" / "):
+        cmd = re.search(r"qconvert '([^']+)'(.*)$", choice)
+        if cmd:  # a whole command: another pair (and options)
+            new_pair = cmd[1].replace("SRC", pair.split("->")[0])
+            extra = re.sub(r"\(.*?\)", "", cmd[2]).split()
+            run_cli(new_pair, src, out.with_name(out.name + f".{len(ran)}"), *extra)
+        elif choice.startswith("no --type"):  # the same command without its --type
+            kept = [a for i, a in enumerate(args) if a != "--type" and (i == 0 or args[i - 1] != "--type")]
+            run_cli(pair, src, out.with_name(out.name + f".{len(ran)}"), *kept)
+        else:
+            opts = re.sub(r"\(.*?\)", "", choice).split()
+            assert opts and opts[0].startswith("--"), choice
+            run_cli(pair, src, out.with_name(out.name + f".{len(ran)}"), *opts)
+        ran.append(choice)
+    return ran
+
+
+def test_refusals_propose_only_choices_that_succeed(fx, tmp_path):
+    cases = [
+        ("gptq->gguf", fx["variants"]["v1_b3_g32_sym"]["ckpt"], []),            # 3-bit: --type q4_0 (exact)
+        ("gptq->gguf", fx["variants"]["v1_b4_g32_sym_act"]["ckpt"], []),        # act-order scattering blocks
+        ("gptq-v2->gptq", fx["variants"]["v2_b4_g32_asym_zp0"]["ckpt"], []),    # asym into v1: gptq-v2
+        ("gptq->gptq", fx["variants"]["v1_b4_g32_sym"]["ckpt"], ["--type", "4g32a"]),  # asked asym v1
+        ("gptq->gptq-v2", fx["variants"]["v1_b8_g128_sym"]["ckpt"], ["--type", "4g128"]),  # type differs
+    ]
+    proposed = []
+    for i, (pair, src, args) in enumerate(cases):
+        out = tmp_path / f"case{i}"
+        proc = run_cli(pair, src, out, *args, check_rc=2)
+        err = proc.stderr.strip()
+        assert len(err.splitlines()) == 1 and not out.exists(), err
+        proposed += _follow_advice(pair, src, out, args, err)
+    assert len(proposed) >= len(cases)
+
+
+def test_stale_temporaries_of_dead_runs_are_removed(fx, tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".out.gguf.qconvert-tmp-{_HOST}-{dead.pid}"
+    stale.write_bytes(b"x" * 1000)
+    stale_dir = tmp_path / f".other.qconvert-tmp-{_HOST}-{dead.pid}"
+    (stale_dir / "sub").mkdir(parents=True)
+    live = tmp_path / f".out.gguf.qconvert-tmp-{_HOST}-{os.getpid()}"  # this test process is alive
+    live.write_bytes(b"y")
+    foreign = tmp_path / f".out.gguf.qconvert-tmp-otherhost-{dead.pid}"  # another machine's, on a shared disk
+    foreign.write_bytes(b"z")
+    unrelated = tmp_path / ".keep.me"
+    unrelated.write_bytes(b"k")
+    run_cli("gptq->gguf", fx["variants"]["v1_b4_g32_sym"]["ckpt"], tmp_path / "out.gguf")
+    assert not stale.exists() and not stale_dir.exists()
+    assert live.exists() and foreign.exists() and unrelated.exists()
+    assert remove_stale_temporaries(tmp_path) == []  # nothing more to remove
+
+
+def test_kill_9_during_a_write_then_a_rerun_completes(tmp_path):
+    src = tmp_path / "src"
+    make_synthetic_gptq(src, hidden=1024, intermediate=2816, layers=12, shard_mb=48)
+    clean = tmp_path / "clean.gguf"
+    run_cli("gptq->gguf", src, clean)
+
+    work = tmp_path / "work"
+    work.mkdir()
+    out = work / "out.gguf"
+    proc = subprocess.Popen([sys.executable, "-m", "qconvert", "gptq->gguf", str(src), str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    temp = None
+    while time.monotonic() < deadline and proc.poll() is None:
+        temps = [p for p in work.iterdir() if "qconvert-tmp" in p.name]
+        if temps and temps[0].stat().st_size > 1_000_000:  # the writer is under way
+            temp = temps[0]
+            break
+        time.sleep(0.02)
+    assert temp is not None, "the conversion finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not out.exists() and temp.exists()  # killed: no output, its temporary left behind
+
+    run_cli("gptq->gguf", src, out)
+    assert out.read_bytes() == clean.read_bytes()
+    assert sorted(p.name for p in work.iterdir()) == ["out.gguf"]
