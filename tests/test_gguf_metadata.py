@@ -123,9 +123,6 @@ def copy_model(src: Path, dst: Path) -> Path:
     return dst
 
 
-MEASURED: dict[str, float] = {}
-
-
 def check_roundtrip(model_dir: Path, gguf_path: Path, *, label: str) -> float:
     """Tokenization and logits of llama.cpp vs HF; returns max |Δlogit|."""
     llm = llama_load(gguf_path)
@@ -137,7 +134,6 @@ def check_roundtrip(model_dir: Path, gguf_path: Path, *, label: str) -> float:
     got = llama_logits(llm, ids)
     assert got.shape == ref.shape
     delta = float(np.abs(got - ref).max())
-    MEASURED[label] = delta
     print(f"\n[{label}] max |dlogit| = {delta:.3g} (logit range {float(ref.max() - ref.min()):.3g})")
     assert delta < LOGIT_TOL, f"{label}: max |dlogit| {delta}"
     return delta
@@ -558,7 +554,6 @@ def test_llama2_style_byte_fallback_tokenizer(tmp_path_factory, tmp_path):
     assert llm.tokenize(PROMPT.encode()) == tok.encode(PROMPT).ids
     ids = tok.encode(PROMPT).ids
     delta = float(np.abs(llama_logits(llm, ids) - hf_logits(model_dir, ids)).max())
-    MEASURED["llama, llama-2 style tokenizer"] = delta
     assert delta < LOGIT_TOL
 
     # and back: GGUF -> tokenizer.json (merges rebuilt from the scores) tokenizes the same
@@ -613,7 +608,6 @@ def test_sentencepiece_tokenizer_model(tmp_path_factory, tmp_path):
     ids = [1] + sp.encode(PROMPT)
     assert llm.tokenize(PROMPT.encode()) == ids
     delta = float(np.abs(llama_logits(llm, ids) - hf_logits(model_dir, ids)).max())
-    MEASURED["llama, sentencepiece tokenizer.model"] = delta
     assert delta < LOGIT_TOL
     _check_llama_tokenizer_back(path, tmp_path / "back", sp.encode, bos=1)
 
@@ -797,8 +791,3 @@ def test_qk_permutation_matches_spec(n_head, n_kv, head_dim, hidden):
     for arch in ("qwen2", "qwen3"):
         assert qk_row_permutation("model.layers.0.self_attn.q_proj.weight", cfg, arch) is None
 
-
-def test_measured_deltas_report():
-    """Prints the deltas the slow tests measured in this session (visible with -s)."""
-    for k, v in MEASURED.items():
-        print(f"max |dlogit| {k}: {v:.3g}")
