@@ -81,3 +81,14 @@ def test_asymmetric_type_into_v1_is_refused_naming_v2(tmp_path):
     proc = run_cli("gguf->gptq", src, tmp_path / "o", "--type", "4g32a", "--allow-requant", check_rc=2)
     assert "asymmetric GPTQ is written as v2" in proc.stderr and "qconvert 'SRC->gptq-v2' --type 4g32a" in proc.stderr
     run_cli("gguf->gptq-v2", src, tmp_path / "o2", "--type", "4g32a", "--allow-requant")
+
+
+def test_k_quant_refusal_proposes_no_type_gptq_lacks(tmp_path):
+    """Q5_K/Q6_K tensors have no GPTQ twin: the refusal must not propose `--type 5g32` or `6g16` (which
+    GPTQ cannot write), only choices that work."""
+    src = _ensure("llama")["q4_k_m"]
+    proc = run_cli("gguf->gptq", src, tmp_path / "o", "--type", "4g32", check_rc=2)
+    line = proc.stderr.strip()
+    assert len(line.splitlines()) == 1 and "--allow-requant" in line
+    assert "5g" not in line and "6g" not in line
+    run_cli("gguf->gptq", src, tmp_path / "o", "--type", "4g32", "--allow-requant")
