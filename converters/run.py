@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from contextlib import contextmanager
@@ -16,9 +17,10 @@ import torch
 from tqdm import tqdm
 
 from .align import EXACT, NEAR_EXACT, REQUANTIZE
-from .errors import QConvertError
+from .errors import BadInput, QConvertError
 from .plan import BitIdentical, Options, TensorPlan, check_plan, verdict_counts
 from .registry import get_format
+from .validate import ConfigView
 
 __all__ = ["convert", "verify", "open_source", "plan_conversion", "TensorResult", "Report", "atomic_output"]
 
@@ -70,11 +72,51 @@ def open_source(fmt: str, path: Path, options: Options | None = None):
 
 
 def plan_conversion(source, writer, options: Options, progress: bool = True) -> list[TensorPlan]:
-    plans = []
+    plans, names = [], []
     for rec in tqdm(source.records(), desc="Checking", unit="tensor", disable=not progress, leave=False):
+        names.append(rec.name)
         plans.append(_mark_standin(rec, writer.plan_tensor(rec, options, source)))
+    check_required_tensors(source, names)
     writer.check_model(source, plans, options)
     return plans
+
+
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+_MAX_LAYERS = 1 << 16  # the deepest released models have ~130 layers
+
+
+def check_required_tensors(source, names: list[str]) -> None:
+    """What every model needs whatever its format, checked on the records' (Hugging Face) names: some
+    tensors at all; `lm_head.weight` when config.json unties it from the embedding (transformers would
+    otherwise start the head from random values); every decoder layer below num_hidden_layers (a layer
+    may be stored in several shards, but none may be absent). Layers beyond the count are allowed:
+    DeepSeek-V3 stores its multi-token-prediction layer as model.layers.<num_hidden_layers>."""
+    path = Path(getattr(source, "path", "") or ".")
+    if not names:
+        shards = getattr(getattr(source, "ckpt", None), "shards", None) or []
+        raise BadInput("the checkpoint holds no tensors", path=path / shards[0] if len(shards) == 1 else path)
+    config = getattr(source, "config", None)
+    if not isinstance(config, dict):
+        return
+    where = path / "config.json" if path.is_dir() and (path / "config.json").exists() else path
+    view = ConfigView(config, where)
+    present = set(names)
+    if view.bool("tie_word_embeddings", default=None) is False and "lm_head.weight" not in present:
+        raise BadInput("config.json sets tie_word_embeddings false, but the checkpoint has no output head",
+                       path=path, tensor="lm_head.weight")
+    n_layers = view.int("num_hidden_layers", default=None, lo=1, hi=_MAX_LAYERS)
+    if n_layers is None and "num_hidden_layers" in config:
+        view.int("num_hidden_layers", lo=1, hi=_MAX_LAYERS)  # null: refused, naming the key
+    if n_layers is None:
+        return
+    layers = {int(m[1]) for m in map(_LAYER_NAME.match, names) if m}
+    if not layers and "model.embed_tokens.weight" not in present:
+        return  # not a llama-style naming: nothing to count
+    missing = [i for i in range(n_layers) if i not in layers]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise BadInput(f"config.json says num_hidden_layers {n_layers}, but the checkpoint has no tensor of layer "
+                       f"{missing[0]}{more}", path=path, tensor=f"model.layers.{missing[0]}")
 
 
 def _mark_standin(rec, plan: TensorPlan) -> TensorPlan:

@@ -33,21 +33,24 @@ from ..converters.align import EXACT, REFUSED, REQUANTIZE, Verdict, check_grid_t
 from ..converters.errors import BadInput, QConvertError
 from ..converters.plan import Options, TensorPlan
 from ..converters.records import Dense, Grid, GridParams, PackedCodes, TensorRecord
+from ..converters.validate import REQUIRED, ConfigView
 from ..converters.registry import FormatEntry, register_format
-from ..kernels.bitpack import SUPPORTED_PACK_BITS, pack_rows, unpack_rows
+from ..kernels.bitpack import SUPPORTED_PACK_BITS, chunk_geometry, pack_rows, unpack_rows
 from ..kernels.hadamard import UnsupportedHadamard, fold_online_hadamard, require_foldable
 from ..kernels.rtn import quantize_rtn
+from .model_shapes import ModelShapes
 from .safetensors_dir import CheckpointDir, ShardWriter, copy_side_files, quantization_config_of, read_json, write_json
 
 __all__ = ["GptqSource", "GptqWriter", "open_gptq", "V1_WORD_OFFSET"]
 
 _PARTS = ("qweight", "qzeros", "scales", "g_idx")
+_PART_DTYPES = {"qweight": {"I32": "int32"}, "qzeros": {"I32": "int32"},
+                "scales": {"F16": "float16", "BF16": "bfloat16", "F32": "float32"},
+                "g_idx": {"I32": "int32", "I64": "int64"}}
 # whole-word constant that turns v2 zero fields into v1 fields (one per field, 2/4/8-bit packing)
 V1_WORD_OFFSET = {2: 0x55555555, 4: 0x11111111, 8: 0x01010101}
 _DENSE_LINEAR = re.compile(r"^model\.layers\.\d+\..*_proj\.weight$")
 _EMBEDDING = re.compile(r"(^|\.)embed_tokens\.weight$")
-_IN_FROM_HIDDEN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)$")
-_IN_FROM_INTERMEDIATE = re.compile(r"\.down_proj$")
 
 
 @dataclass(frozen=True)
@@ -58,43 +61,115 @@ class ModuleScheme:
     desc_act: bool
 
 
-def _quant_config(path: Path, config: dict) -> dict:
-    qc = config.get("quantization_config")
+def _quant_config(path: Path, config: dict) -> tuple[dict, Path, str]:
+    """The quantization config (config.json's `quantization_config`, else quantize_config.json), the file
+    it came from and the prefix naming its keys there."""
+    where = path / "config.json"
+    qc = ConfigView(config, where).view("quantization_config", default=None)
+    prefix = "quantization_config."
     qfile = path / "quantize_config.json"
-    if not qc and qfile.exists():
-        qc = read_json(qfile)
-    if not qc:
+    if (qc is None or not qc.data) and qfile.exists():
+        qc, where, prefix = ConfigView(read_json(qfile), qfile), qfile, ""
+    if qc is None or not qc.data:
         raise BadInput("no quantization_config in config.json and no quantize_config.json", path=path / "config.json")
-    method = str(qc.get("quant_method", qc.get("method", "gptq"))).lower()
-    if method != "gptq":
-        raise BadInput(f"quant_method is {method!r}, not gptq", path=path / "config.json")
-    return qc
+    method = qc.str("quant_method", default=None)
+    if method is None:
+        method = qc.str("method", default="gptq")
+    if method.lower() != "gptq":
+        raise BadInput(f"quant_method is {method!r}, not gptq", path=where)
+    return qc.data, where, prefix
 
 
-def _zero_convention(qc: dict) -> str:
-    fmt = str(qc.get("checkpoint_format", qc.get("format", "gptq"))).lower()
+def _zero_convention(qc: dict, where: Path | None = None, prefix: str = "") -> str:
+    view = ConfigView(qc, where, prefix)
+    key = "checkpoint_format" if qc.get("checkpoint_format") is not None else "format"
+    fmt = view.str(key, default="gptq").lower()
     if fmt not in ("gptq", "gptq_v2"):
-        raise BadInput(f"checkpoint_format {fmt!r} is not gptq or gptq_v2 (planar/marlin/bitblas layouts are not GPTQ v1/v2)")
+        raise BadInput(f"{prefix}{key} {fmt!r} is not gptq or gptq_v2 (planar/marlin/bitblas layouts are not "
+                       "GPTQ v1/v2)", path=where)
     return "v2" if fmt == "gptq_v2" else "v1"
 
 
-def _module_scheme(qc: dict, module: str) -> ModuleScheme | None:
-    """Resolve bits/group/sym/desc_act for one module: `dynamic` overrides (first match wins) over defaults.
+MAX_BITS = 16  # what a module's bits may say before the supported widths are checked at its tensors
+
+
+def config_bits(view: ConfigView, key: str = "bits", default=REQUIRED) -> int:
+    """A bit width as gptqmodel reads one (_normalize_quant_bits): an integer, an integral float or a
+    string of digits ("4"); anything else (a list, "four", true) is refused naming the key."""
+    value = view.get(key)
+    if isinstance(value, str) and value.strip().isdigit() and len(value) <= 4:
+        return _in_range(view, key, int(value))
+    if isinstance(value, float) and value.is_integer():
+        return _in_range(view, key, int(value))
+    return view.int(key, default=default, lo=1, hi=MAX_BITS)
+
+
+def _in_range(view: ConfigView, key: str, bits: int) -> int:
+    if not 1 <= bits <= MAX_BITS:
+        raise BadInput(f"{view.prefix}{key} is {bits}: expected an integer in [1, {MAX_BITS}]", path=view.path)
+    return bits
+
+
+def _scheme_fields(view: ConfigView, base: ModuleScheme | None) -> ModuleScheme:
+    """bits/group_size/sym/desc_act of the config (base None) or of one `dynamic` override over `base`,
+    typed and in range; gptqmodel refuses a group_size of 0 or below -1."""
+    bits = config_bits(view) if base is None else config_bits(view, default=base.bits)
+    group = view.int("group_size", default=-1 if base is None else base.group_size, lo=-1, hi=2**31 - 1)
+    if group == 0:
+        raise BadInput(f"{view.prefix}group_size is 0: expected -1 (one group per row) or a positive group size",
+                       path=view.path)
+    sym = view.bool("sym", default=True if base is None else base.sym)
+    desc_act = view.bool("desc_act", default=False if base is None else base.desc_act)
+    return ModuleScheme(bits, group, sym, desc_act)
+
+
+@dataclass(frozen=True)
+class _Rule:
+    exclude: bool  # a `-:` rule: the matching modules stay unquantized
+    regex: "re.Pattern"
+    scheme: ModuleScheme | None
+
+
+def _dynamic_rules(qc: dict, where: Path, prefix: str, base: ModuleScheme) -> list[_Rule]:
+    """gptqmodel's `dynamic`: {"-:regex": {}} excludes the modules it matches, "+:regex" or a bare regex
+    overrides bits/group_size/sym/desc_act for them. gptqmodel moves every key starting with "-" before
+    the others, then the first key whose regex matches (re.match, from the start of the module name)
+    decides (QuantizeConfig.__post_init__ and dynamic_get). Every key and value is checked here, also
+    those that match no module."""
+    dynamic = ConfigView(qc, where, prefix).view("dynamic", default=None)
+    if dynamic is None:
+        return []
+    ordered = sorted(dynamic.data.items(), key=lambda kv: not kv[0].startswith("-"))
+    rules = []
+    for key, override in ordered:
+        exclude = key.startswith("-:")
+        pattern = key[2:] if key[:2] in ("-:", "+:") else key
+        try:
+            regex = re.compile(pattern)
+        except (re.error, RecursionError, OverflowError) as e:
+            at = f" (error at character {e.pos})" if getattr(e, "pos", None) is not None else ""
+            raise BadInput(f"{dynamic.prefix.rstrip('.')} key {key[:80]!r} is not a valid regular expression{at}",
+                           path=where) from None
+        view = ConfigView(override, where, f"{dynamic.prefix}{key}.") if isinstance(override, dict) else None
+        if view is None:
+            raise BadInput(f"{dynamic.prefix}{key} is {_kind(override)}: expected a JSON object of overrides "
+                           "(bits, group_size, sym, desc_act)", path=where)
+        rules.append(_Rule(exclude, regex, None if exclude else _scheme_fields(view, base)))
+    return rules
+
+
+def _kind(value) -> str:
+    return {list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _module_scheme(base: ModuleScheme, rules: list[_Rule], module: str) -> ModuleScheme | None:
+    """bits/group/sym/desc_act of one module: the first matching `dynamic` rule over the defaults.
     None means the module is excluded from quantization (a `-:` rule)."""
-    base = {k: qc.get(k) for k in ("bits", "group_size", "sym", "desc_act")}
-    for pattern, override in (qc.get("dynamic") or {}).items():
-        negative = pattern.startswith("-:")
-        regex = pattern[2:] if pattern[:2] in ("-:", "+:") else pattern
-        if re.match(regex, module):
-            if negative:
-                return None
-            base.update({k: v for k, v in (override or {}).items() if k in base})
-            break
-    try:
-        return ModuleScheme(int(base["bits"]), int(base["group_size"] if base["group_size"] is not None else -1),
-                            bool(base["sym"] if base["sym"] is not None else True), bool(base["desc_act"]))
-    except (TypeError, ValueError):
-        raise BadInput(f"quantization config has no usable bits/group_size for module {module}") from None
+    for rule in rules:
+        if rule.regex.match(module):
+            return None if rule.exclude else rule.scheme
+    return base
 
 
 def decode_zeros(qzeros: torch.Tensor, bits: int, convention: str) -> torch.Tensor:
@@ -129,11 +204,14 @@ class GptqSource:
         self.path = Path(path)
         self.ckpt = CheckpointDir(self.path)
         cfg = read_json(self.path / "config.json")
-        self.quant_config = _quant_config(self.path, cfg)
+        self.quant_config, qc_file, qc_prefix = _quant_config(self.path, cfg)
         self.config = {k: v for k, v in cfg.items() if k != "quantization_config"}
-        self.convention = _zero_convention(self.quant_config)
+        self.shapes = ModelShapes(self.config, self.path / "config.json")
+        self.convention = _zero_convention(self.quant_config, qc_file, qc_prefix)
         self.format_name = "gptq-v2" if self.convention == "v2" else "gptq"
         self.rotation = _rotation_mode(self.quant_config, self.config, self.path / "config.json")
+        self.scheme = _scheme_fields(ConfigView(self.quant_config, qc_file, qc_prefix), None)
+        self.dynamic_rules = _dynamic_rules(self.quant_config, qc_file, qc_prefix, self.scheme)
         # group tensor names by quantized module prefix
         self.modules = self.ckpt.group_modules(_PARTS, primary="qweight")
 
@@ -145,40 +223,62 @@ class GptqSource:
         for needed in ("qzeros", "scales"):
             if needed not in parts:
                 raise BadInput(f"qweight without {needed}", path=where, tensor=f"{prefix}.{needed}")
-        scheme = _module_scheme(self.quant_config, prefix)
+        scheme = _module_scheme(self.scheme, self.dynamic_rules, prefix)
         if scheme is None:
             raise BadInput("module is quantized in the file but excluded by a dynamic '-:' rule", path=where, tensor=qweight_name)
         bits = scheme.bits
         if bits not in SUPPORTED_PACK_BITS:
             raise BadInput(f"unsupported bits {bits}: GPTQ v1/v2 packs {', '.join(map(str, SUPPORTED_PACK_BITS))}"
                            " (5-7 bit files use the planar gptq_p layout)", path=where, tensor=qweight_name)
-        qshape = self.ckpt.shape(qweight_name)
-        scales = self.ckpt.get(parts["scales"])
-        qzeros = self.ckpt.get(parts["qzeros"])
-        if len(qshape) != 2 or scales.dim() != 2 or qzeros.dim() != 2:
-            raise BadInput("qweight, qzeros and scales must be 2-D", path=where, tensor=prefix)
-        out_features = qshape[1]
-        in_features = qshape[0] * 32 // bits
-        if qshape[0] * 32 % bits:
+        # dtypes from the headers, before any data is read: gptqmodel packs qweight/qzeros in int32 (the
+        # only pack_dtype of real checkpoints), keeps g_idx int32 and accepts fp16/bf16/fp32 scales
+        for part, allowed in _PART_DTYPES.items():
+            if part in parts and self.ckpt.dtype(parts[part]) not in allowed:
+                raise BadInput(f"{part} dtype {self.ckpt.dtype(parts[part])} is not {' or '.join(allowed.values())}",
+                               path=self.ckpt.file_of(parts[part]), tensor=parts[part])
+        shapes = {part: self.ckpt.shape(name) for part, name in parts.items()}
+        for part in ("qweight", "qzeros", "scales"):
+            if len(shapes[part]) != 2:
+                raise BadInput(f"{part} shape {shapes[part]} is not 2-D", path=self.ckpt.file_of(parts[part]),
+                               tensor=parts[part])
+        qshape = shapes["qweight"]
+        codes_per_run, words_per_run = chunk_geometry(bits)  # 32 codes fill 3 words at 3 bits, 32/b words 1
+        if qshape[0] % words_per_run:
             raise BadInput(f"qweight rows {qshape[0]} do not hold whole {bits}-bit codes", path=where, tensor=qweight_name)
-        self._check_config_dims(prefix, in_features, out_features, where, qweight_name, bits)
-        n_groups = scales.shape[0]
-        group_size = scheme.group_size if scheme.group_size > 0 else in_features
-        if scales.shape[1] != out_features:
-            raise BadInput(f"scales shape {tuple(scales.shape)} does not match qweight {tuple(qshape)}",
-                           path=self.ckpt.file_of(parts["scales"]), tensor=parts["scales"])
-        if in_features % group_size or n_groups != in_features // group_size:
-            raise BadInput(f"{n_groups} scale groups do not match in_features {in_features} with group_size "
-                           f"{scheme.group_size}", path=self.ckpt.file_of(parts["scales"]), tensor=parts["scales"])
-        if tuple(qzeros.shape) != (n_groups, out_features * bits // 32):
-            raise BadInput(f"qzeros shape {tuple(qzeros.shape)} does not match {n_groups} groups x {out_features} "
-                           f"outputs at {bits} bits", path=self.ckpt.file_of(parts["qzeros"]), tensor=parts["qzeros"])
+        out_features = qshape[1]
+        in_features = qshape[0] // words_per_run * codes_per_run
+        if not in_features or not out_features:
+            raise BadInput(f"qweight shape {qshape} is empty", path=where, tensor=qweight_name)
+        if out_features % codes_per_run:
+            raise BadInput(f"qweight has {out_features} outputs, which {bits}-bit qzeros cannot pack (a multiple of "
+                           f"{codes_per_run} is needed)", path=where, tensor=qweight_name)
+        self.shapes.check_linear(prefix, out_features, in_features, where, qweight_name,
+                                 f"qweight shape {qshape} at {bits} bits")
+        # a group at least as wide as the inputs is one group per row (gptqmodel's g_idx = k // group_size = 0)
+        group_size = scheme.group_size if 0 < scheme.group_size < in_features else in_features
+        if in_features % group_size:
+            raise BadInput(f"in_features {in_features} is not a multiple of group_size {scheme.group_size}",
+                           path=where, tensor=qweight_name)
+        n_groups = in_features // group_size
+        sname, zname = parts["scales"], parts["qzeros"]
+        if shapes["scales"] != (n_groups, out_features):
+            raise BadInput(f"scales shape {shapes['scales']} does not match qweight {qshape}: expected "
+                           f"({n_groups}, {out_features}) for {in_features} inputs in groups of {group_size}",
+                           path=self.ckpt.file_of(sname), tensor=sname)
+        if shapes["qzeros"] != (n_groups, out_features // codes_per_run * words_per_run):
+            raise BadInput(f"qzeros shape {shapes['qzeros']} does not match {n_groups} groups x {out_features} "
+                           f"outputs at {bits} bits", path=self.ckpt.file_of(zname), tensor=zname)
+        if "g_idx" in parts and shapes["g_idx"] != (in_features,):
+            raise BadInput(f"g_idx shape {shapes['g_idx']} does not match qweight's {in_features} inputs",
+                           path=self.ckpt.file_of(parts["g_idx"]), tensor=parts["g_idx"])
+        scales = self.ckpt.get(sname)
+        qzeros = self.ckpt.get(zname)
         zeros = decode_zeros(qzeros, bits, self.convention)
         self._check_convention(zeros, bits, self.ckpt.file_of(parts["qzeros"]), parts["qzeros"])
         g_idx = None
         if "g_idx" in parts:
             g = self.ckpt.get(parts["g_idx"]).to(torch.int64)
-            if tuple(g.shape) != (in_features,) or (g.numel() and (int(g.min()) < 0 or int(g.max()) >= n_groups)):
+            if g.numel() and (int(g.min()) < 0 or int(g.max()) >= n_groups):
                 raise BadInput(f"g_idx shape {tuple(g.shape)} or range does not match {in_features} inputs and "
                                f"{n_groups} groups", path=self.ckpt.file_of(parts["g_idx"]), tensor=parts["g_idx"])
             natural = torch.arange(in_features, dtype=torch.int64) // group_size
@@ -186,18 +286,6 @@ class GptqSource:
         params = GridParams(bits=bits, group_size=group_size, scales=scales.T.contiguous(),
                             zeros=zeros.T.contiguous(), g_idx=g_idx)
         return params, (out_features, in_features), qweight_name
-
-    def _check_config_dims(self, prefix, in_features, out_features, where, tensor, bits):
-        hidden = self.config.get("hidden_size")
-        inter = self.config.get("intermediate_size")
-        expect = None
-        if hidden and _IN_FROM_HIDDEN.search(prefix):
-            expect = hidden
-        elif inter and _IN_FROM_INTERMEDIATE.search(prefix):
-            expect = inter
-        if expect is not None and in_features != expect:
-            raise BadInput(f"qweight shape implies in_features {in_features} at {bits} bits, but config.json says "
-                           f"{expect}", path=where, tensor=tensor)
 
     def _check_convention(self, zeros: torch.Tensor, bits: int, where: Path, tensor: str) -> None:
         mid = 1 << (bits - 1)
@@ -258,6 +346,7 @@ class GptqSource:
                     yield TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p),
                                        params=params, source_file=shard)
                 else:
+                    self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard)
                     yield self.ckpt.dense_record(name, shard)
 
     def side_files(self) -> dict[str, Path]:
@@ -476,12 +565,12 @@ class GptqSession:
 def _sniff(convention: str):
     def sniff(path: Path) -> bool:
         qc = quantization_config_of(path)
-        if not qc or str(qc.get("quant_method", qc.get("method", ""))).lower() != "gptq":
+        if not isinstance(qc, dict) or not qc or str(qc.get("quant_method", qc.get("method", ""))).lower() != "gptq":
             return False
         try:
             return _zero_convention(qc) == convention
-        except BadInput:
-            return False
+        except BadInput:  # an unreadable format label: the v1 reader opens it and names the key
+            return convention == "v1"
     return sniff
 
 

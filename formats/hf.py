@@ -17,6 +17,7 @@ from ..converters.errors import BadInput
 from ..converters.plan import Options, TensorPlan, unknown_type
 from ..converters.records import Dense, Grid, TensorRecord
 from ..converters.registry import FormatEntry, register_format
+from .model_shapes import ModelShapes
 from .safetensors_dir import CheckpointDir, ShardWriter, copy_side_files, quantization_config_of, read_json, write_json
 
 __all__ = ["HfSource", "HfWriter"]
@@ -38,11 +39,13 @@ class HfSource:
                            f"`qconvert {method}->...`", path=self.path / "config.json")
         self.config = cfg
         self.quant_config: dict = {}
+        self.shapes = ModelShapes(cfg, self.path / "config.json")
         self.ckpt = CheckpointDir(self.path)
 
     def records(self) -> Iterator[TensorRecord]:
         for shard in self.ckpt.shards:
             for name in self.ckpt.keys(shard):
+                self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard)
                 yield self.ckpt.dense_record(name, shard)
 
     def side_files(self) -> dict[str, Path]:

@@ -48,28 +48,37 @@ from ..converters.errors import BadInput, QConvertError
 from ..converters.plan import Options, TensorPlan
 from ..converters.records import Dense, Grid, GridParams, TensorRecord
 from ..converters.registry import FormatEntry, register_format
+from ..converters.validate import ConfigView
 from ..kernels.qqq_perm import (CHANNEL_SCALE_PERM, GROUP_SCALE_PERM, check_qqq_dims, pack_qqq_codes,
                                 permute_chunks, unpack_qqq_codes, unpermute_chunks)
 from ..kernels.rtn import quantize_rtn
+from .gptq import config_bits
+from .model_shapes import ModelShapes
 from .safetensors_dir import CheckpointDir, ShardWriter, copy_side_files, quantization_config_of, read_json, write_json
 
 __all__ = ["QqqSource", "QqqWriter", "qqq_runtime_grid", "qqq_group_size"]
 
 _PARTS = ("B", "s_channel", "s_group")
 _LAYER_LINEAR = re.compile(r"^model\.layers\.\d+\..*_proj\.weight$")
-_IN_FROM_HIDDEN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)$")
-_IN_FROM_INTERMEDIATE = re.compile(r"\.down_proj$")
 SUPPORTED_GROUPS = (-1, 128)
 INT8_STEPS = 16  # the largest second-level scale that keeps (c - 8) * s_group inside int8
 
 
 def _method(qc: dict) -> str:
+    if not isinstance(qc, dict):
+        return ""
     return str(qc.get("quant_method", qc.get("method", ""))).lower()
 
 
-def qqq_group_size(qc: dict) -> int:
-    g = qc.get("group_size", qc.get("q_group_size", -1))
-    return -1 if g is None else int(g)
+def _synonym(qc: dict, key: str, legacy: str) -> str:
+    """The key a config uses: gptqmodel's name, else the QQQ repo's (`wbits`, `q_group_size`)."""
+    return key if qc.get(key) is not None or legacy not in qc else legacy
+
+
+def qqq_group_size(qc: dict, path: Path | None = None, prefix: str = "") -> int:
+    """The config's group size (-1 when absent or null), an integer or a BadInput naming the key."""
+    return ConfigView(qc, path, prefix).int(_synonym(qc, "group_size", "q_group_size"), default=-1, lo=-1,
+                                            hi=2**31 - 1)
 
 
 def _mode(group_size: int, in_features: int) -> str:
@@ -116,20 +125,25 @@ class QqqSource:
         self.path = Path(path)
         self.ckpt = CheckpointDir(self.path)
         cfg = read_json(self.path / "config.json")
-        qc = cfg.get("quantization_config") or {}
-        if not qc and (self.path / "quantize_config.json").exists():
-            qc = read_json(self.path / "quantize_config.json")
-        where = self.path / "config.json"
+        where, prefix = self.path / "config.json", "quantization_config."
+        qc = ConfigView(cfg, where).view("quantization_config", default=None)
+        if (qc is None or not qc.data) and (self.path / "quantize_config.json").exists():
+            where, prefix = self.path / "quantize_config.json", ""
+            qc = ConfigView(read_json(where), where)
+        qc = qc.data if qc is not None else {}
         if _method(qc) != "qqq":
             raise BadInput(f"quant_method is {_method(qc) or 'missing'!r}, not qqq", path=where)
         self.quant_config = qc
         self.config = {k: v for k, v in cfg.items() if k != "quantization_config"}
-        bits = int(qc.get("bits", qc.get("wbits", 4)))
+        self.shapes = ModelShapes(self.config, self.path / "config.json")
+        view = ConfigView(qc, where, prefix)
+        bits_key = _synonym(qc, "bits", "wbits")
+        bits = config_bits(view, bits_key, default=4)
         if bits != 4:
-            raise BadInput(f"QQQ holds 4-bit weights only; config says bits {bits}", path=where)
-        if qc.get("sym") is False:
-            raise BadInput("QQQ is symmetric only; config says sym false", path=where)
-        self.group_size = qqq_group_size(qc)
+            raise BadInput(f"QQQ holds 4-bit weights only; config says {prefix}{bits_key} {bits}", path=where)
+        if not view.bool("sym", default=True):
+            raise BadInput(f"QQQ is symmetric only; config says {prefix}sym false", path=where)
+        self.group_size = qqq_group_size(qc, where, prefix)
         if self.group_size not in SUPPORTED_GROUPS:
             raise BadInput(f"QQQ group_size {self.group_size} is not -1 or 128", path=where)
         if qc.get("rotation"):
@@ -150,14 +164,7 @@ class QqqSource:
         if self.ckpt.dtype(b_name) != "I32":
             raise BadInput(f"B dtype {self.ckpt.dtype(b_name)} is not int32", path=where, tensor=b_name)
         in_features, out_features = shape[0] * 16, shape[1] // 2
-        expect = None
-        if _IN_FROM_HIDDEN.search(prefix):
-            expect = self.config.get("hidden_size")
-        elif _IN_FROM_INTERMEDIATE.search(prefix):
-            expect = self.config.get("intermediate_size")
-        if expect and in_features != expect:
-            raise BadInput(f"B shape {tuple(shape)} implies in_features {in_features}, but config.json says {expect}",
-                           path=where, tensor=b_name)
+        self.shapes.check_linear(prefix, out_features, in_features, where, b_name, f"B shape {tuple(shape)}")
         why = check_qqq_dims(in_features, out_features)
         if why:
             raise BadInput(why, path=where, tensor=b_name)
@@ -253,6 +260,7 @@ class QqqSource:
                                        params=params, source_file=shard,
                                        notes=self._notes(prefix, mode))
                 else:
+                    self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard)
                     yield self.ckpt.dense_record(name, shard)
 
     def side_files(self) -> dict[str, Path]:
