@@ -352,6 +352,11 @@ class GptqSource:
     def side_files(self) -> dict[str, Path]:
         return self.ckpt.side_files()
 
+    @property
+    def ignored_files(self) -> dict[str, str]:
+        """Weight files in the folder that are not part of the model, with why (CheckpointDir.ignored)."""
+        return self.ckpt.ignored
+
     def describe(self) -> dict:
         qc = self.quant_config
         desc = {"format": self.format_name, "zero_convention": self.convention,
@@ -362,6 +367,7 @@ class GptqSource:
         if self.rotation:
             desc["rotation"] = (f"{self.rotation}: online Hadamard before mlp.down_proj, folded into it on reading "
                                 "(kept as is for GPTQ output)")
+        desc["ignored_files"] = self.ignored_files
         return desc
 
 

@@ -51,10 +51,16 @@ class HfSource:
     def side_files(self) -> dict[str, Path]:
         return self.ckpt.side_files()
 
+    @property
+    def ignored_files(self) -> dict[str, str]:
+        """Weight files in the folder that are not part of the model, with why (CheckpointDir.ignored)."""
+        return self.ckpt.ignored
+
     def describe(self) -> dict:
         dtypes = sorted({self.ckpt.dtype(n) for n in self.ckpt.location})
         return {"format": "hf", "dtypes": dtypes, "shards": len(self.ckpt.shards),
-                "tensors": len(self.ckpt.location), "architectures": self.config.get("architectures")}
+                "tensors": len(self.ckpt.location), "architectures": self.config.get("architectures"),
+                "ignored_files": self.ignored_files}
 
 
 def parse_hf_type(text: str | None) -> str:

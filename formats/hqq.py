@@ -348,10 +348,16 @@ class HqqSafetensorsSource:
     def side_files(self) -> dict[str, Path]:
         return self.ckpt.side_files()
 
+    @property
+    def ignored_files(self) -> dict[str, str]:
+        """Weight files in the folder that are not part of the model, with why (CheckpointDir.ignored)."""
+        return self.ckpt.ignored
+
     def describe(self) -> dict:
         layers = {p: self.layer(p) for p in self.modules}
         return _describe("hqq", "transformers safetensors", layers,
-                         {"skip_modules": self.quant_config.get("skip_modules"), "shards": len(self.ckpt.shards)})
+                         {"skip_modules": self.quant_config.get("skip_modules"), "shards": len(self.ckpt.shards),
+                          "ignored_files": self.ignored_files})
 
 
 class _ShapeOnly:

@@ -266,6 +266,11 @@ class QqqSource:
     def side_files(self) -> dict[str, Path]:
         return self.ckpt.side_files()
 
+    @property
+    def ignored_files(self) -> dict[str, str]:
+        """Weight files in the folder that are not part of the model, with why (CheckpointDir.ignored)."""
+        return self.ckpt.ignored
+
     def describe(self) -> dict:
         modes: dict[str, int] = {}
         for prefix in self.modules:
@@ -275,7 +280,8 @@ class QqqSource:
                 "quantized_modules": len(self.modules), "layer_modes": modes, "shards": len(self.ckpt.shards),
                 "dequantization": "kernel-exact: per-channel 4-bit grid, scale 16*fp16(s_channel); grouped int8 grid "
                                   "clamp(round((c-8)*s_group)), scale fp16(s_channel)",
-                "layout": "B int32 [in/16, out*2] Marlin tiles; s_channel fp32 [1, out]; s_group fp16 [in/g, out]"}
+                "layout": "B int32 [in/16, out*2] Marlin tiles; s_channel fp32 [1, out]; s_group fp16 [in/g, out]",
+                "ignored_files": self.ignored_files}
 
 
 def open_qqq(path: Path, **_: object) -> QqqSource:

@@ -443,6 +443,15 @@ class UqffSource:
     def side_files(self) -> dict[str, Path]:
         return {n: self.path / n for n in SIDE_FILES if (self.path / n).exists()}
 
+    @property
+    def ignored_files(self) -> dict[str, str]:
+        """Weight files in the folder that are neither its .uqff shards nor the residual tensors read."""
+        from ..safetensors_dir import weight_files_ignored
+
+        used = {p.name for p in self.shard_paths}
+        used |= {Path(p).name for p in getattr(self.residual, "shards", None) or ["residual.safetensors"]}
+        return weight_files_ignored(self.path, used, "not read (the residual tensors are elsewhere)")
+
     def describe(self) -> dict:
         families: dict[str, int] = {}
         for key in self.layers:
@@ -454,7 +463,7 @@ class UqffSource:
                 "shards": [p.name for p in self.shard_paths], "layers": len(self.layers), "families": families,
                 "residual": None if self.residual is None else "residual.safetensors"
                 if (self.path / "residual.safetensors").exists() else "model safetensors",
-                "architectures": self.config.get("architectures")}
+                "architectures": self.config.get("architectures"), "ignored_files": self.ignored_files}
 
 
 def _integer_zeros(scales: torch.Tensor, biases: torch.Tensor, bits: int) -> torch.Tensor | None:
