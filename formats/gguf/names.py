@@ -27,6 +27,7 @@ __all__ = [
     "gguf_arch",
     "gguf_tensor_name",
     "hf_tensor_name",
+    "layer_index",
     "qk_row_permutation",
     "inverse_permutation",
     "head_dim",
@@ -95,19 +96,45 @@ def _arch_enum(arch: str) -> gguf.MODEL_ARCH:
 _NOT_LOADED = {gguf.MODEL_TENSOR.ATTN_ROT_EMBD}
 
 
-@lru_cache(maxsize=32)
-def _name_map(arch: str, n_layers: int) -> gguf.TensorNameMap:
-    return gguf.get_tensor_name_map(_arch_enum(arch), n_layers)
+@lru_cache(maxsize=8)
+def _name_map(arch: str) -> gguf.TensorNameMap:
+    """gguf's name map for one block: names of block i are those of block 0 with the index swapped,
+    so mapping a name costs the same whatever num_hidden_layers says (gguf's map of n blocks holds
+    every name of every block: a config's 2**31 layers would build it for hours)."""
+    return gguf.get_tensor_name_map(_arch_enum(arch), 1)
+
+
+# the first all-digit component of a dotted name is its layer (model.layers.3., layers.3., blk.3.)
+_LAYER_INDEX = re.compile(r"^((?:[^.]+\.)+?)(0|[1-9][0-9]*)\.")
+
+
+def _split_index(name: str) -> tuple[str, int | None]:
+    """(name with its layer index set to 0, the index), or (name, None) for a name outside the layers."""
+    m = _LAYER_INDEX.match(name)
+    if m is None:
+        return name, None
+    return m.group(1) + "0." + name[m.end():], int(m.group(2))
+
+
+def layer_index(name: str) -> int | None:
+    """The layer a tensor name belongs to (``model.layers.3.mlp.up_proj.qweight`` -> 3), None outside the layers."""
+    return _split_index(name)[1]
 
 
 def gguf_tensor_name(hf_name: str, arch: str, n_layers: int) -> str | None:
     """GGUF name of an HF tensor (``model.layers.3.self_attn.q_proj.weight`` ->
     ``blk.3.attn_q.weight``); ``None`` when the name has no GGUF counterpart for ``arch``
-    (e.g. ``rotary_emb.inv_freq``, GPTQ ``qweight``/``scales``)."""
-    found = _name_map(arch, int(n_layers)).get_type_and_name(hf_name, try_suffixes=(".weight", ".bias"))
+    (e.g. ``rotary_emb.inv_freq``, GPTQ ``qweight``/``scales``, a layer >= ``n_layers``)."""
+    base, layer = _split_index(hf_name)
+    if layer is not None and layer >= int(n_layers):
+        return None
+    found = _name_map(arch).get_type_and_name(base, try_suffixes=(".weight", ".bias"))
     if found is None or found[0] in _NOT_LOADED:
         return None
-    return found[1]
+    name = found[1]
+    if layer is None:
+        return None if name.startswith("blk.") else name
+    return f"blk.{layer}." + name[len("blk.0."):] if name.startswith("blk.0.") else None
 
 
 # HF module names used by llama / mistral / qwen2 / qwen3 checkpoints (transformers naming).
@@ -127,13 +154,12 @@ _HF_BLOCK = (
 )
 
 
-@lru_cache(maxsize=32)
-def _inverse_map(arch: str, n_layers: int) -> dict[str, str]:
-    """GGUF base name -> HF module name, for the HF llama/qwen naming only."""
-    tmap = _name_map(arch, n_layers)
+@lru_cache(maxsize=8)
+def _inverse_map(arch: str) -> dict[str, str]:
+    """GGUF base name -> HF module name, for the HF llama/qwen naming only (block 0 stands for every block)."""
+    tmap = _name_map(arch)
     inv: dict[str, str] = {}
-    candidates = list(_HF_GLOBAL) + [f"model.layers.{i}.{m}" for i in range(n_layers) for m in _HF_BLOCK]
-    for hf in candidates:
+    for hf in list(_HF_GLOBAL) + [f"model.layers.0.{m}" for m in _HF_BLOCK]:
         g = tmap.get_name(hf)
         if g is not None:
             inv.setdefault(g, hf)
@@ -143,13 +169,24 @@ def _inverse_map(arch: str, n_layers: int) -> dict[str, str]:
 def hf_tensor_name(gguf_name: str, arch: str, n_layers: int) -> str | None:
     """HF tensor name of a GGUF tensor (``blk.3.attn_q.weight`` ->
     ``model.layers.3.self_attn.q_proj.weight``); ``None`` when it has no HF counterpart (e.g.
-    ``rope_freqs.weight``)."""
-    inv = _inverse_map(arch, int(n_layers))
+    ``rope_freqs.weight``, a block >= ``n_layers``)."""
+    base, layer = _split_index(gguf_name)
+    if layer is not None and layer >= int(n_layers):
+        return None
+    inv = _inverse_map(arch)
+    hf = None
     for suffix in (".weight", ".bias"):
-        if gguf_name.endswith(suffix):
-            base = inv.get(gguf_name[: -len(suffix)])
-            return None if base is None else base + suffix
-    return inv.get(gguf_name)
+        if base.endswith(suffix):
+            module = inv.get(base[: -len(suffix)])
+            hf = None if module is None else module + suffix
+            break
+    else:
+        hf = inv.get(base)
+    if hf is None:
+        return None
+    if layer is None or not base.startswith("blk.0."):
+        return None if layer is not None or hf.startswith("model.layers.") else hf
+    return f"model.layers.{layer}." + hf[len("model.layers.0."):]
 
 
 def head_dim(config: Mapping) -> int:
