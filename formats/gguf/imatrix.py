@@ -73,10 +73,16 @@ def _read_legacy(path: Path) -> dict[str, np.ndarray]:
 def _read_gguf(path: Path) -> dict[str, np.ndarray]:
     import gguf
 
+    from .reader import _quiet, scan_header
+
+    header = scan_header(path)  # every count and extent bounded by the file before gguf-py walks it
     try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001 - gguf-py raises several types on bad files
-        raise BadInput(f"unreadable GGUF imatrix ({e})", path=path) from None
+        with _quiet():
+            reader = gguf.GGUFReader(str(path))
+    except Exception:  # noqa: BLE001 - the walk accepted the header; gguf-py disagreeing is still bad input
+        raise BadInput("GGUF imatrix header that gguf-py cannot parse", path=path) from None
+    if len(reader.tensors) != len(header.tensors):
+        raise BadInput("gguf-py reads a different tensor layout than the header describes", path=path)
     tensors = {t.name: t for t in reader.tensors}
     out = {}
     for name, t in tensors.items():
@@ -86,9 +92,15 @@ def _read_gguf(path: Path) -> dict[str, np.ndarray]:
         counts_t = tensors.get(base + ".counts")
         if counts_t is None:
             raise BadInput(f"imatrix entry {base!r} has sums but no counts", path=path)
+        for tt in (t, counts_t):
+            if _type_name(tt) != "F32":
+                raise BadInput(f"imatrix tensor is {_type_name(tt)}, expected F32", path=path, tensor=tt.name)
         sums = np.array(t.data, dtype=np.float32).reshape(-1)
         # llama.cpp rounds the stored float counts to integers (lround), then divides in float32
         raw = np.array(counts_t.data, dtype=np.float64).reshape(-1)
+        if raw.size == 0 or sums.size % raw.size:
+            raise BadInput(f"imatrix entry {base!r} has {sums.size} sums for {raw.size} counts (one count per "
+                           "expert, the same number of sums per count)", path=path, tensor=name)
         counts = (np.sign(raw) * np.floor(np.abs(raw) + 0.5)).astype(np.float32)
         per = sums.reshape(counts.size, -1)
         values = np.where(counts[:, None] > 0, per / np.where(counts > 0, counts, 1)[:, None], np.float32(1))
@@ -96,3 +108,12 @@ def _read_gguf(path: Path) -> dict[str, np.ndarray]:
     if not out:
         raise BadInput("GGUF file holds no imatrix entries (<name>.in_sum2 / <name>.counts)", path=path)
     return out
+
+
+def _type_name(t) -> str:
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(int(t.tensor_type)).name
+    except ValueError:
+        return f"type {int(t.tensor_type)}"

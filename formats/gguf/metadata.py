@@ -14,19 +14,26 @@ from __future__ import annotations
 
 import logging
 import math
+import re
+from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import gguf
 import numpy as np
 
 from ...converters.errors import BadInput, QConvertError
-from .names import SUPPORTED_ARCHS, head_dim
+from ...converters.validate import ConfigView
+from .names import SUPPORTED_ARCHS, head_dim, layer_index
 
 __all__ = [
     "add_model_metadata",
     "rope_parameters",
     "rope_freqs_tensor",
     "config_from_gguf",
+    "check_gguf_tensors",
+    "check_writer_config",
+    "layer_count",
+    "config_json_path",
     "field_values",
 ]
 
@@ -34,6 +41,11 @@ logger = logging.getLogger(__name__)
 
 _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_RMS_EPS = 1e-6
+# sanity bounds on hyper-parameters before any arithmetic (the tensors decide the exact values)
+MAX_WIDTH = 1 << 20  # hidden / ffn / head sizes
+MAX_HEADS = 1 << 14
+MAX_VOCAB = 1 << 24
+_FLOAT32_MAX = 3.4028234663852886e38  # GGUF stores rope and norm settings as FLOAT32
 
 
 def _require(config: Mapping, key: str) -> Any:
@@ -215,7 +227,12 @@ def field_values(fields: Any) -> dict[str, Any]:
     return out
 
 
-def config_from_gguf(fields: Any, tensor_names: Iterable[str] | None = None) -> dict:
+def _typed(kv: Mapping, path: object) -> ConfigView:
+    """Typed, range-checked reads of GGUF metadata values (a wrong type or range names the key)."""
+    return ConfigView(dict(kv), path, prefix="metadata ")
+
+
+def config_from_gguf(fields: Any, tensor_names: Iterable[str] | None = None, *, path: object = None) -> dict:
     """A config.json dict (transformers layout) from GGUF metadata, for llama / qwen2 / qwen3.
 
     ``fields``: a :class:`gguf.GGUFReader`, its ``.fields``, or a plain ``{key: value}`` dict.
@@ -223,6 +240,8 @@ def config_from_gguf(fields: Any, tensor_names: Iterable[str] | None = None) -> 
     (no ``output.weight``) and llama's ``attention_bias`` / ``mlp_bias``; without it the model is
     assumed untied and bias-free. A llama-3 ``rope_freqs`` tensor is not turned back into
     ``rope_scaling`` (its parameters are not recoverable from the factors alone).
+    Every value is type- and range-checked (BadInput naming ``path`` and the key); whether the values
+    agree with the tensors is :func:`check_gguf_tensors`' job.
     """
     if tensor_names is None and hasattr(fields, "tensors") and not isinstance(fields, Mapping):
         tensor_names = [t.name for t in fields.tensors]
@@ -230,40 +249,55 @@ def config_from_gguf(fields: Any, tensor_names: Iterable[str] | None = None) -> 
     arch = kv.get("general.architecture")
     if arch not in _HF_CLASS:
         raise QConvertError(f"GGUF architecture {arch!r} cannot be turned into a config.json; "
-                            f"supported: {', '.join(SUPPORTED_ARCHS)}")
+                            f"supported: {', '.join(SUPPORTED_ARCHS)}", path=path)
+    cv = _typed(kv, path)
 
-    def get(key: str, default: Any = None, required: bool = False) -> Any:
+    def get(key: str, default: Any = None, required: bool = False, kind: str = "int", **bounds) -> Any:
         full = f"{arch}.{key}"
-        if full in kv:
-            return kv[full]
-        if required:
-            raise BadInput(f"GGUF metadata lacks {full}")
-        return default
+        if full not in kv:
+            if required:
+                raise BadInput(f"GGUF metadata lacks {full}", path=path)
+            return default
+        return cv.int(full, **bounds) if kind == "int" else cv.float(full, **bounds)
 
-    n_embd = int(get("embedding_length", required=True))
-    n_head = int(get("attention.head_count", required=True))
-    n_kv = int(get("attention.head_count_kv", n_head))
-    hd = int(get("attention.key_length", n_embd // n_head))
+    n_embd = get("embedding_length", required=True, lo=1, hi=MAX_WIDTH)
+    n_head = get("attention.head_count", required=True, lo=1, hi=MAX_HEADS)
+    n_kv = get("attention.head_count_kv", n_head, lo=1, hi=n_head)
+    if n_head % n_kv:
+        raise BadInput(f"metadata {arch}.attention.head_count {n_head} is not a multiple of "
+                       f"{arch}.attention.head_count_kv {n_kv}", path=path)
+    if f"{arch}.attention.key_length" in kv:
+        hd = get("attention.key_length", lo=1, hi=MAX_WIDTH)
+    elif n_embd % n_head:
+        raise BadInput(f"metadata {arch}.embedding_length {n_embd} is not a multiple of "
+                       f"{arch}.attention.head_count {n_head} (and no {arch}.attention.key_length is given)", path=path)
+    else:
+        hd = n_embd // n_head
+    hd_v = get("attention.value_length", hd, lo=1, hi=MAX_WIDTH)
     tokens = kv.get("tokenizer.ggml.tokens")
-    n_vocab = len(tokens) if tokens is not None else get("vocab_size")
+    if tokens is not None and not isinstance(tokens, list):
+        raise BadInput("metadata tokenizer.ggml.tokens is not an array", path=path)
+    n_vocab = len(tokens) if tokens else get("vocab_size", lo=1, hi=MAX_VOCAB)
     if n_vocab is None:
-        raise BadInput("GGUF metadata has neither tokenizer.ggml.tokens nor a vocab_size")
+        raise BadInput("GGUF metadata has neither tokenizer.ggml.tokens nor a vocab_size", path=path)
     cls, model_type = _HF_CLASS[arch]
     cfg: dict[str, Any] = {
         "architectures": [cls],
         "model_type": model_type,
         "hidden_size": n_embd,
-        "intermediate_size": int(get("feed_forward_length", required=True)),
-        "num_hidden_layers": int(get("block_count", required=True)),
+        "intermediate_size": get("feed_forward_length", required=True, lo=1, hi=MAX_WIDTH),
+        "num_hidden_layers": get("block_count", required=True, lo=1),
         "num_attention_heads": n_head,
         "num_key_value_heads": n_kv,
         "head_dim": hd,
-        "max_position_embeddings": int(get("context_length", required=True)),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", _DEFAULT_RMS_EPS)),
-        "rope_theta": float(get("rope.freq_base", _DEFAULT_ROPE_THETA)),
+        "max_position_embeddings": get("context_length", required=True, lo=1),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", _DEFAULT_RMS_EPS, kind="float", lo=0.0, hi=1.0),
+        "rope_theta": get("rope.freq_base", _DEFAULT_ROPE_THETA, kind="float", lo=1e-30),
         "vocab_size": int(n_vocab),
         "hidden_act": "silu",
     }
+    if hd_v != hd:  # transformers has one head_dim: check_gguf_tensors refuses this after naming any bad shape
+        cfg["_value_head_dim"] = hd_v
     names = set(tensor_names) if tensor_names is not None else None
     cfg["tie_word_embeddings"] = bool(names is not None and "output.weight" not in names)
     if arch == "llama":
@@ -274,21 +308,212 @@ def config_from_gguf(fields: Any, tensor_names: Iterable[str] | None = None) -> 
     if arch in ("qwen2", "qwen3"):
         cfg["use_sliding_window"] = False
 
-    stype = get("rope.scaling.type")
+    stype = cv.str(f"{arch}.rope.scaling.type", default=None)
     if stype in ("linear", "yarn"):
-        scaling: dict[str, Any] = {"rope_type": stype, "factor": float(get("rope.scaling.factor", 1.0))}
+        scaling: dict[str, Any] = {"rope_type": stype,
+                                   "factor": get("rope.scaling.factor", 1.0, kind="float", lo=1e-30)}
         if stype == "yarn":
-            for key, hf in (("rope.scaling.original_context_length", "original_max_position_embeddings"),
-                            ("rope.scaling.yarn_ext_factor", "extrapolation_factor"),
-                            ("rope.scaling.yarn_attn_factor", "attention_factor"),
-                            ("rope.scaling.yarn_beta_fast", "beta_fast"),
-                            ("rope.scaling.yarn_beta_slow", "beta_slow")):
-                if get(key) is not None:
-                    scaling[hf] = get(key)
+            for key, hf, kind in (("rope.scaling.original_context_length", "original_max_position_embeddings", "int"),
+                                  ("rope.scaling.yarn_ext_factor", "extrapolation_factor", "float"),
+                                  ("rope.scaling.yarn_attn_factor", "attention_factor", "float"),
+                                  ("rope.scaling.yarn_beta_fast", "beta_fast", "float"),
+                                  ("rope.scaling.yarn_beta_slow", "beta_slow", "float")):
+                if get(key, kind=kind) is not None:
+                    scaling[hf] = get(key, kind=kind)
         cfg["rope_scaling"] = scaling
 
     for typ, key in (("bos", "tokenizer.ggml.bos_token_id"), ("eos", "tokenizer.ggml.eos_token_id"),
                      ("pad", "tokenizer.ggml.padding_token_id")):
         if key in kv:
-            cfg[f"{typ}_token_id"] = int(kv[key])
+            tid = cv.int(key, lo=0)
+            if tid < n_vocab:  # llama.cpp ignores an id outside the vocabulary; so does the config
+                cfg[f"{typ}_token_id"] = tid
     return cfg
+
+
+# --------------------------------------------------------------------------------------------------
+# the metadata against the tensors (both directions)
+# --------------------------------------------------------------------------------------------------
+_BLOCK_RE = re.compile(r"^blk\.(0|[1-9][0-9]*)\.")
+# per layer, the tensors llama.cpp's llama / qwen2 / qwen3 loaders require (biases are optional)
+_REQUIRED_BLOCK = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
+                   "ffn_down")
+_REQUIRED_BLOCK_EXTRA = {"qwen3": ("attn_q_norm", "attn_k_norm")}
+
+
+def _expected_shapes(cfg: Mapping, keys: Mapping[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """GGUF base name (``blk.N.`` stripped) -> (HF-order shape, the metadata it follows from) for the
+    weights and biases of a llama / qwen2 / qwen3 model. ``keys`` names each hyper-parameter."""
+    e, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    k = keys
+
+    def says(*names: str) -> str:
+        return ", ".join(f"{k[n]} {cfg[n]}" for n in names)
+
+    hdv = cfg.get("_value_head_dim", hd)
+    q, kvr, qv, kvv = nh * hd, nkv * hd, nh * hdv, nkv * hdv
+    vk = "_value_head_dim" if "_value_head_dim" in cfg else "head_dim"
+    heads = ("num_attention_heads", "head_dim", "hidden_size")
+    kv_heads = ("num_key_value_heads", "head_dim", "hidden_size")
+    ffn = ("intermediate_size", "hidden_size")
+    out = {
+        "token_embd.weight": ((v, e), says("vocab_size", "hidden_size")),
+        "output.weight": ((v, e), says("vocab_size", "hidden_size")),
+        "output_norm.weight": ((e,), says("hidden_size")),
+        "attn_norm.weight": ((e,), says("hidden_size")),
+        "ffn_norm.weight": ((e,), says("hidden_size")),
+        "attn_q.weight": ((q, e), says(*heads)),
+        "attn_k.weight": ((kvr, e), says(*kv_heads)),
+        "attn_v.weight": ((kvv, e), says("num_key_value_heads", vk, "hidden_size")),
+        "attn_output.weight": ((e, qv), says("num_attention_heads", vk, "hidden_size")),
+        "attn_q.bias": ((q,), says("num_attention_heads", "head_dim")),
+        "attn_k.bias": ((kvr,), says("num_key_value_heads", "head_dim")),
+        "attn_v.bias": ((kvv,), says("num_key_value_heads", vk)),
+        "attn_output.bias": ((e,), says("hidden_size")),
+        "attn_q_norm.weight": ((hd,), says("head_dim")),
+        "attn_k_norm.weight": ((hd,), says("head_dim")),
+        "ffn_gate.weight": ((f, e), says(*ffn)),
+        "ffn_up.weight": ((f, e), says(*ffn)),
+        "ffn_down.weight": ((e, f), says(*ffn)),
+        "ffn_gate.bias": ((f,), says("intermediate_size")),
+        "ffn_up.bias": ((f,), says("intermediate_size")),
+        "ffn_down.bias": ((e,), says("hidden_size")),
+        "rope_freqs.weight": ((hd // 2,), says("head_dim")),
+    }
+    return out
+
+
+def _layers_present(names: Iterable[str], path_of) -> int:
+    """1 + the highest block index among the tensor names (0 without blocks)."""
+    top = -1
+    for n in names:
+        if n.startswith("blk."):
+            m = _BLOCK_RE.match(n)
+            if m is None:
+                raise BadInput("block tensor name without a block number blk.N.", path=path_of(n), tensor=n)
+            top = max(top, int(m.group(1)))
+    return top + 1
+
+
+def _check_against(cfg: Mapping, shapes: Mapping[str, tuple[int, ...]], keys: Mapping[str, str], arch: str,
+                   path_of, label, layers_key: str, what: str) -> None:
+    """``shapes``: GGUF name -> HF-order shape of every tensor present; ``path_of(name)`` the file to
+    name (name None: the file of the metadata), ``label(name)`` the tensor name to show."""
+    n_layers = cfg["num_hidden_layers"]
+    present = _layers_present(shapes, path_of)
+    if present != n_layers:
+        span = f"blk.0 .. blk.{present - 1}" if present else "no blk.N tensors"
+        raise BadInput(f"{layers_key} is {n_layers} but the {what} hold {present} layers ({span})",
+                       path=path_of(None))
+    required = ["token_embd.weight", "output_norm.weight"]
+    per_layer = _REQUIRED_BLOCK + _REQUIRED_BLOCK_EXTRA.get(arch, ())
+    for i in range(n_layers):  # bounded: n_layers equals the layers the tensors name
+        required += [f"blk.{i}.{b}.weight" for b in per_layer]
+    for name in required:
+        if name not in shapes:
+            raise BadInput("required tensor is missing (" + (f"{arch} needs it in each of the {n_layers} layers)"
+                           if name.startswith("blk.") else f"every {arch} model has it)"),
+                           path=path_of(None), tensor=label(name))
+    expected = _expected_shapes(cfg, keys)
+    order = {base: i for i, base in enumerate(expected)}
+
+    def split(name: str) -> tuple[int, str]:
+        m = _BLOCK_RE.match(name)
+        return (int(m.group(1)), name[m.end():]) if m else (-1, name)
+
+    # the model's tensors first, then layer by layer in the table's order: the first contradiction is named
+    for name in sorted(shapes, key=lambda n: (split(n)[0], order.get(split(n)[1], len(order)), n)):
+        shape, base = shapes[name], split(name)[1]
+        want = expected.get(base)
+        if want is not None and tuple(shape) != want[0]:
+            raise BadInput(f"shape {list(shape)} contradicts the {'metadata' if what == 'tensors' else 'config'} "
+                           f"({want[1]}), which give {list(want[0])}", path=path_of(name), tensor=label(name))
+
+
+def check_gguf_tensors(cfg: Mapping, arch: str, shapes: Mapping[str, tuple[int, ...]], *, path: object = None,
+                       where: Mapping[str, object] | None = None) -> None:
+    """A GGUF's metadata (as :func:`config_from_gguf` turned it into ``cfg``) against its tensors:
+    ``block_count`` equals the layers present, every tensor llama.cpp requires for them is there, and
+    every known tensor has the shape the hyper-parameters give. ``shapes``: GGUF name -> HF-order shape."""
+    keys = {"hidden_size": f"{arch}.embedding_length", "intermediate_size": f"{arch}.feed_forward_length",
+            "vocab_size": "vocab size (tokenizer.ggml.tokens)", "head_dim": f"{arch}.attention.key_length",
+            "num_attention_heads": f"{arch}.attention.head_count",
+            "num_key_value_heads": f"{arch}.attention.head_count_kv", "num_hidden_layers": f"{arch}.block_count"}
+    keys = dict(keys, _value_head_dim=f"{arch}.attention.value_length")
+    where = where or {}
+    _check_against(cfg, shapes, keys, arch, lambda n: where.get(n, path) if n else path, lambda n: n,
+                   f"metadata {arch}.block_count", "tensors")
+    if cfg.get("_value_head_dim", cfg["head_dim"]) != cfg["head_dim"]:
+        raise BadInput(f"metadata {arch}.attention.value_length {cfg['_value_head_dim']} differs from "
+                       f"{arch}.attention.key_length {cfg['head_dim']}: transformers' {arch} has one head_dim",
+                       path=path)
+
+
+# --------------------------------------------------------------------------------------------------
+# the writer's inputs: config.json against the tensors being written
+# --------------------------------------------------------------------------------------------------
+def config_json_path(source) -> Path:
+    """The file a source's config came from: config.json in a checkpoint folder, else the file itself."""
+    p = Path(getattr(source, "path", "."))
+    return p / "config.json" if p.is_dir() else p
+
+
+def layer_count(config: Mapping, path: object) -> int:
+    """num_hidden_layers as an integer >= 1 (whether the tensors agree is check_writer_config's job)."""
+    return ConfigView(config, path).int("num_hidden_layers", lo=1)
+
+
+def check_writer_config(config: Mapping, arch: str, shapes: Mapping[str, tuple[int, ...]], path: object,
+                        names: Mapping[str, str] | None = None, unmapped: Iterable[str] = ()) -> None:
+    """The hyper-parameters a GGUF is written with (config.json's), type- and range-checked and compared
+    with the tensors being written (``shapes``: GGUF name -> HF-order shape; ``names``: GGUF name ->
+    the source's name, for the messages); BadInput naming ``path`` and the key. Run before anything
+    is written, so a bad config stops the conversion."""
+    cv = ConfigView(config, path)
+    n_embd = cv.int("hidden_size", lo=1, hi=MAX_WIDTH)
+    n_head = cv.int("num_attention_heads", lo=1, hi=MAX_HEADS)
+    n_kv = cv.int("num_key_value_heads", default=n_head, lo=1, hi=n_head)
+    if n_head % n_kv:
+        raise BadInput(f"num_attention_heads {n_head} is not a multiple of num_key_value_heads {n_kv}", path=path)
+    hd = cv.int("head_dim", default=None, lo=1, hi=MAX_WIDTH)
+    if hd is None:
+        if n_embd % n_head:
+            raise BadInput(f"hidden_size {n_embd} is not a multiple of num_attention_heads {n_head} (and no "
+                           "head_dim is given)", path=path)
+        hd = n_embd // n_head
+    cfg = {"hidden_size": n_embd, "num_attention_heads": n_head, "num_key_value_heads": n_kv, "head_dim": hd,
+           "intermediate_size": cv.int("intermediate_size", lo=1, hi=MAX_WIDTH),
+           "num_hidden_layers": cv.int("num_hidden_layers", lo=1),
+           "vocab_size": cv.int("vocab_size", default=None, lo=1, hi=MAX_VOCAB)}
+    cv.int("max_position_embeddings", lo=1, hi=2**32 - 1)
+    cv.float("rms_norm_eps", default=None, lo=0.0, hi=1.0)
+    cv.float("rope_theta", default=None, lo=1e-30, hi=_FLOAT32_MAX)
+    cv.bool("tie_word_embeddings", default=None)
+    for key in ("rope_scaling", "rope_parameters"):
+        sub = cv.view(key, default=None)
+        if sub is None:
+            continue
+        groups = [sub] if not (sub.data and all(isinstance(v, Mapping) for v in sub.data.values())) else \
+            [sub.view(k) for k in sub.data]
+        for g in groups:
+            g.str("rope_type", default=None)
+            g.str("type", default=None)
+            g.float("rope_theta", default=None, lo=1e-30, hi=_FLOAT32_MAX)
+            g.float("factor", default=None, lo=1e-30, hi=_FLOAT32_MAX)
+            g.int("original_max_position_embeddings", default=None, lo=1, hi=2**32 - 1)
+            for name in ("low_freq_factor", "high_freq_factor", "extrapolation_factor", "attention_factor",
+                         "attn_factor", "beta_fast", "beta_slow"):
+                g.float(name, default=None, lo=-_FLOAT32_MAX, hi=_FLOAT32_MAX)
+    emb = shapes.get("token_embd.weight")
+    if cfg["vocab_size"] is None:
+        cfg["vocab_size"] = emb[0] if emb else 0
+    for name in unmapped:  # a tensor of a layer the config does not count has no GGUF name
+        layer = layer_index(name)
+        if layer is not None and layer >= cfg["num_hidden_layers"]:
+            raise BadInput(f"num_hidden_layers is {cfg['num_hidden_layers']} but the checkpoint has tensors of "
+                           f"layer {layer} ({name})", path=path)
+    keys = {k: k for k in cfg}
+    names = names or {}
+    _check_against(cfg, shapes, keys, arch, lambda n: path, lambda n: names.get(n, n), "num_hidden_layers",
+                   "checkpoint's tensors")

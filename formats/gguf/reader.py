@@ -12,15 +12,25 @@ ggml order under llama.cpp names, each in one ggml type. Reading turns it back i
   blocks instead of re-encoding them; every other type gguf-py can decode (IQ*, TQ*, MXFP4, NVFP4)
   as `Dense` float32 from `gguf.quants.dequantize` (their codebooks are not grids).
 
-Files are memory-mapped and tensors are read one at a time.
+Files are memory-mapped and tensors are read one at a time. Before gguf-py's reader sees a file, a
+bounded walk of its header (`scan_header`) checks every count and length against the bytes that remain,
+every string for UTF-8, every tensor's extent and offset as llama.cpp lays them out, and that the tensors
+cover the data section; then the metadata is checked against the tensors (shapes, layers, required
+tensors: `metadata.check_gguf_tensors`). A bad file is one BadInput naming the key, tensor or offset.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import mmap
 import re
 import shutil
+import struct
 import tempfile
+import warnings
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -33,11 +43,11 @@ from ...converters.records import Dense, Grid, GridParams, PackedCodes, TensorRe
 from ...kernels.ggml_kblocks import K_ZERO_POINT, unpack_k_blocks
 from ...kernels.ggml_layouts import LAYOUTS
 from ...kernels.ggml_legacy import unpack_blocks
-from .metadata import config_from_gguf, field_values
+from .metadata import check_gguf_tensors, config_from_gguf, field_values
 from .names import hf_tensor_name, inverse_permutation, qk_row_permutation
 from .tokenizer import tokenizer_files_from_gguf
 
-__all__ = ["GgufSource", "open_gguf", "split_parts", "GRID_TYPES"]
+__all__ = ["GgufSource", "GgufHeader", "open_gguf", "scan_header", "split_parts", "GRID_TYPES"]
 
 _SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 _FLOAT = {"F32": (np.float32, torch.float32), "F16": (np.float16, torch.float16), "F64": (np.float64, torch.float64)}
@@ -65,50 +75,277 @@ def split_parts(path: Path) -> list[Path]:
     return parts
 
 
-class _CheckedReader(gguf.GGUFReader):
-    """gguf-py's reader, with each tensor's type and extent checked before gguf-py maps its data, so a
-    truncated file or an unknown type is reported with the tensor's name (gguf-py would fail with a
-    reshape error). Hooks `_build_tensors`, which gguf 0.19 calls once with the tensor-info fields."""
+# --------------------------------------------------------------------------------------------------
+# A bounded walk of the GGUF header, before gguf-py sees the file
+# --------------------------------------------------------------------------------------------------
+# Layout (llama.cpp ggml/src/gguf.cpp): magic "GGUF", uint32 version, uint64 tensor count, uint64 KV
+# count; per KV a string key (uint64 length + UTF-8 bytes), a uint32 value type and the value (arrays:
+# uint32 element type, uint64 count, the elements; arrays of arrays are invalid); per tensor a string
+# name (< 64 bytes), uint32 n_dims (<= 4), uint64 dims (ne0 first), uint32 ggml type, uint64 offset
+# into the data section; the data section starts at the next multiple of general.alignment (uint32,
+# a power of two, default 32), and each tensor starts where the one before it ends, padded to the
+# alignment (llama.cpp refuses any other offset).
+# gguf-py's reader loops once per declared array element and builds numpy views for each, and maps
+# tensors without comparing their extent to the file: every count is bounded here by the bytes left.
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_TYPE_NAMES = {0: "UINT8", 1: "INT8", 2: "UINT16", 3: "INT16", 4: "UINT32", 5: "INT32", 6: "FLOAT32", 7: "BOOL",
+               8: "STRING", 9: "ARRAY", 10: "UINT64", 11: "INT64", 12: "FLOAT64"}
+_STRING, _ARRAY = 8, 9
+_MIN_KV_BYTES = 8 + 4 + 1  # empty key, type, a one-byte value
+_MIN_TENSOR_INFO_BYTES = 8 + 1 + 4 + 4 + 8  # a one-byte name, n_dims 0, type, offset
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_MAX_NAME = 64  # GGML_MAX_NAME: names are shorter
+_MAX_ARRAY = 1 << 24  # elements in one metadata array (real files: ~262k tokens); gguf-py makes a view per element
+_DEFAULT_ALIGNMENT = 32
 
-    def _build_tensors(self, start_offs: int, fields) -> None:
-        size = len(self.data)
-        for field in fields:
-            _, name_data, _, dims, raw_dtype, offset = field.parts
-            name = bytes(name_data).decode("utf-8", "replace")
+
+@dataclass
+class _TensorInfo:
+    name: str
+    dims: tuple[int, ...]  # ggml order (ne0 first)
+    type_id: int
+    offset: int  # into the data section
+    nbytes: int
+    info_at: int  # byte offset of the tensor info in the file
+
+
+@dataclass
+class GgufHeader:
+    """What the bounded walk found: scalar metadata values, the tensor infos, where data starts."""
+    path: Path
+    size: int
+    version: int
+    kv_types: dict[str, tuple[int, int | None]]  # key -> (value type, element type of an array)
+    scalars: dict[str, object]  # scalar and string values
+    tensors: list[_TensorInfo]
+    alignment: int
+    data_offset: int
+
+
+class _Walk:
+    def __init__(self, path: Path, buf, size: int, order: str):
+        self.path, self.buf, self.size, self.order, self.pos = path, buf, size, order, 0
+
+    def fail(self, message: str, tensor: str | None = None) -> BadInput:
+        return BadInput(message, path=self.path, tensor=tensor)
+
+    def need(self, n: int, what: str) -> None:
+        if n > self.size - self.pos:
+            raise self.fail(f"truncated header: {what} at byte {self.pos} needs {n} bytes, the file has "
+                            f"{max(0, self.size - self.pos)} left")
+
+    def unpack(self, fmt: str, what: str):
+        n = struct.calcsize("<" + fmt)
+        self.need(n, what)
+        values = struct.unpack_from(self.order + fmt, self.buf, self.pos)
+        self.pos += n
+        return values if len(values) > 1 else values[0]
+
+    def string(self, what: str, limit: int | None = None) -> str:
+        at = self.pos
+        n = self.unpack("Q", f"the length of {what}")
+        if limit is not None and n >= limit:
+            raise self.fail(f"{what} at byte {at} is {n} bytes long (llama.cpp allows fewer than {limit})")
+        if n > self.size - self.pos:
+            raise self.fail(f"{what} at byte {at} says {n} bytes but only {self.size - self.pos} remain in the file")
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise self.fail(f"{what} at byte {at} is not valid UTF-8 (byte {at + 8 + e.start})") from None
+
+    def skip_strings(self, count: int, what: str) -> None:
+        """`count` strings in a row, each checked to lie in the file and to be UTF-8."""
+        unpack, order, buf, size = struct.unpack_from, self.order + "Q", self.buf, self.size
+        pos = self.pos
+        for i in range(count):
+            if size - pos < 8:
+                self.pos = pos
+                raise self.fail(f"{what}: element {i} of {count} at byte {pos} runs past the end of the file")
+            (n,) = unpack(order, buf, pos)
+            pos += 8
+            if n > size - pos:
+                raise self.fail(f"{what}: element {i} of {count} at byte {pos - 8} says {n} bytes but only "
+                                f"{size - pos} remain in the file")
             try:
-                qtype = gguf.GGMLQuantizationType(int(raw_dtype[0]))
-            except ValueError:
-                raise _TensorProblem(name, f"unknown ggml type id {int(raw_dtype[0])}") from None
-            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-            n_elems = int(np.prod(dims.astype(np.int64)))
-            end = int(start_offs + offset[0]) + n_elems * type_size // block
-            if n_elems % block:
-                raise _TensorProblem(name, f"{n_elems} elements are not whole {qtype.name} blocks of {block}")
-            if end > size:
-                raise _TensorProblem(name, f"truncated: tensor data ends at byte {end} but the file has {size}")
-        super()._build_tensors(start_offs, fields)
+                bytes(buf[pos:pos + n]).decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise self.fail(f"{what}: element {i} at byte {pos - 8} is not valid UTF-8 "
+                                f"(byte {pos + e.start})") from None
+            pos += n
+        self.pos = pos
 
 
-class _TensorProblem(Exception):
-    def __init__(self, tensor: str, message: str):
-        super().__init__(message)
-        self.tensor, self.message = tensor, message
+def _ggml_type_facts(type_id: int):
+    try:
+        qtype = gguf.GGMLQuantizationType(type_id)
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        return None
+    return qtype, block, type_size
 
 
-def _open(path: Path) -> gguf.GGUFReader:
+def scan_header(path: Path) -> GgufHeader:
+    """Walk a GGUF file's header with every count bounded by the bytes that remain, and check the
+    tensor data layout as llama.cpp does; BadInput naming the key, tensor or byte offset otherwise.
+    Reads only the header (the file is memory-mapped), so it stays fast on files of any size."""
+    path = Path(path)
     if not path.is_file():
         raise BadInput("file not found", path=path)
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise BadInput("not a GGUF file (no GGUF magic)", path=path)
+    size = path.stat().st_size
+    if size < 24:
+        raise BadInput(f"not a GGUF file ({size} bytes, shorter than a GGUF header)", path=path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        return _scan(path, mm, size)
+
+
+def _scan(path: Path, mm, size: int) -> GgufHeader:
+    if mm[:4] != b"GGUF":
+        raise BadInput("not a GGUF file (no GGUF magic)", path=path)
+    (version,) = struct.unpack_from("<I", mm, 4)
+    order = "<"
+    if version & 0xFFFF == 0:  # written on a machine of the other byte order (as gguf-py and llama.cpp read it)
+        order, (version,) = ">", struct.unpack_from(">I", mm, 4)
+    if version not in (2, 3):
+        raise BadInput(f"GGUF version {version} is not supported (versions 2 and 3 are)", path=path)
+    w = _Walk(path, mm, size, order)
+    w.pos = 8
+    n_tensors, n_kv = w.unpack("QQ", "the tensor and key counts")
+    if n_kv * _MIN_KV_BYTES > size - w.pos:
+        raise w.fail(f"header says {n_kv} metadata keys, more than the {size} byte file can hold")
+    if n_tensors * _MIN_TENSOR_INFO_BYTES > size - w.pos:
+        raise w.fail(f"header says {n_tensors} tensors, more than the {size} byte file can hold")
+    kv_types: dict[str, tuple[int, int | None]] = {}
+    scalars: dict[str, object] = {}
+    for i in range(n_kv):
+        at = w.pos
+        key = w.string(f"metadata key {i} of {n_kv}")
+        if key in kv_types:
+            raise w.fail(f"metadata key {key} appears twice (again at byte {at})")
+        vtype = w.unpack("I", f"the type of metadata {key}")
+        if vtype == _ARRAY:
+            etype, count = w.unpack("IQ", f"the element type and count of metadata {key}")
+            if etype == _ARRAY:
+                raise w.fail(f"metadata {key} at byte {at} is an array of arrays, which GGUF readers do not accept")
+            if etype != _STRING and etype not in _SCALAR_SIZES:
+                raise w.fail(f"metadata {key} at byte {at} is an array of unknown type id {etype}")
+            if count > _MAX_ARRAY:
+                raise w.fail(f"metadata {key} at byte {at} declares {count} elements (more than {_MAX_ARRAY} "
+                             "is not a model's metadata)")
+            esize = 8 if etype == _STRING else _SCALAR_SIZES[etype]
+            if count * esize > size - w.pos:
+                raise w.fail(f"metadata {key} at byte {at} declares {count} {_TYPE_NAMES[etype]} elements "
+                             f"({count * esize} bytes at least) but only {size - w.pos} bytes remain")
+            if etype == _STRING:
+                w.skip_strings(count, f"metadata {key}")
+            else:
+                w.pos += count * esize
+            kv_types[key] = (vtype, etype)
+        elif vtype == _STRING:
+            scalars[key] = w.string(f"the value of metadata {key}")
+            kv_types[key] = (vtype, None)
+        elif vtype in _SCALAR_SIZES:
+            scalars[key] = w.unpack(_SCALAR_FORMATS[vtype], f"the value of metadata {key}")
+            kv_types[key] = (vtype, None)
+        else:
+            raise w.fail(f"metadata {key} at byte {at} has unknown value type id {vtype}")
+
+    alignment = _DEFAULT_ALIGNMENT
+    if "general.alignment" in kv_types:
+        if kv_types["general.alignment"] != (4, None):
+            raise w.fail("metadata general.alignment is not a UINT32")
+        alignment = int(scalars["general.alignment"])
+        if alignment == 0 or alignment & (alignment - 1):
+            raise w.fail(f"metadata general.alignment is {alignment}, not a power of two")
+
+    tensors: list[_TensorInfo] = []
+    seen: set[str] = set()
+    for i in range(n_tensors):
+        at = w.pos
+        name = w.string(f"the name of tensor {i} of {n_tensors}", limit=_MAX_NAME)
+        if name in seen:
+            raise w.fail("tensor appears twice in the tensor infos", tensor=name)
+        seen.add(name)
+        n_dims = w.unpack("I", f"the dimension count of tensor {name}")
+        if n_dims > _MAX_DIMS:
+            raise w.fail(f"tensor info at byte {at} says {n_dims} dimensions (at most {_MAX_DIMS})", tensor=name)
+        dims = w.unpack("Q" * n_dims, f"the dimensions of tensor {name}") if n_dims else ()
+        dims = (dims,) if isinstance(dims, int) else tuple(dims)
+        type_id, offset = w.unpack("IQ", f"the type and offset of tensor {name}")
+        facts = _ggml_type_facts(type_id)
+        if facts is None:
+            raise w.fail(f"unknown ggml type id {type_id}", tensor=name)
+        qtype, block, type_size = facts
+        n_elems = 1
+        for d in dims:
+            n_elems *= d
+        if n_elems >= 1 << 63:
+            raise w.fail(f"dimensions {list(dims)} hold {n_elems} elements, more than a GGUF can", tensor=name)
+        if dims and dims[0] % block:
+            raise w.fail(f"rows of {dims[0]} elements are not whole {qtype.name} blocks of {block}", tensor=name)
+        tensors.append(_TensorInfo(name, dims, type_id, offset, n_elems // block * type_size, at))
+
+    data_offset = -(-w.pos // alignment) * alignment
+    expected = 0
+    for i, t in enumerate(tensors):
+        if t.offset != expected:
+            prev = tensors[i - 1] if i else None
+            if prev is None:
+                raise w.fail(f"tensor data starts at offset {t.offset} of the data section, not at 0 "
+                             "(the tensor infos or the key/tensor counts were altered)", tensor=t.name)
+            raise w.fail(f"tensor data starts at offset {t.offset} of the data section, but {prev.name} "
+                         f"(dims {list(prev.dims)}, {_type_label(prev.type_id)}) ends at {expected}: the "
+                         "tensor infos contradict each other", tensor=t.name)
+        end = data_offset + t.offset + t.nbytes
+        if end > size:
+            raise w.fail(f"truncated: tensor data ends at byte {end} but the file has {size}", tensor=t.name)
+        expected = t.offset + -(-t.nbytes // alignment) * alignment
+    if tensors:
+        last = tensors[-1]
+        end = data_offset + last.offset + last.nbytes
+        if size - end >= alignment:
+            raise w.fail(f"{size - end} bytes follow the last tensor's data (dims {list(last.dims)}): the file holds "
+                         "more than its tensor infos describe (was the tensor count altered?)", tensor=last.name)
+    return GgufHeader(path, size, version, kv_types, scalars, tensors, alignment, data_offset)
+
+
+def _type_label(type_id: int) -> str:
+    facts = _ggml_type_facts(type_id)
+    return facts[0].name if facts else f"type {type_id}"
+
+
+@contextlib.contextmanager
+def _quiet():
+    """gguf-py, numpy and torch may warn (or log) while a file is mapped; nothing of theirs may reach
+    stderr before our own error line, whatever the caller set up."""
+    loggers = [logging.getLogger(n) for n in ("gguf", "gguf.gguf_reader", "numpy")]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for lg in loggers:
+            lg.setLevel(logging.ERROR + 1)
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels):
+                lg.setLevel(level)
+
+
+def _open(path: Path) -> tuple[gguf.GGUFReader, GgufHeader]:
+    """The header walked and checked first (scan_header), then gguf-py's reader over the same bytes."""
+    header = scan_header(path)
     try:
-        reader = _CheckedReader(str(path), "r")
-    except _TensorProblem as e:
-        raise BadInput(e.message, path=path, tensor=e.tensor) from None
-    except Exception as e:  # gguf-py raises ValueError/IndexError/struct errors on truncated headers
-        raise BadInput(f"unreadable GGUF ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'corrupt'})",
-                       path=path) from None
-    return reader
+        with _quiet():
+            reader = gguf.GGUFReader(str(path), "r")
+    except Exception:  # noqa: BLE001 - the walk accepted the header; gguf-py disagreeing is still bad input
+        raise BadInput("GGUF header that gguf-py cannot parse although its layout is consistent", path=path) from None
+    if len(reader.tensors) != len(header.tensors) or any(
+            t.name != h.name or int(t.data_offset) != header.data_offset + h.offset
+            for t, h in zip(reader.tensors, header.tensors)):
+        raise BadInput("gguf-py reads a different tensor layout than the header describes", path=path)
+    return reader, header
 
 
 def _gguf_py_decodes(qtype) -> bool:
@@ -131,18 +368,27 @@ class GgufSource:
     def __init__(self, path: Path):
         self.parts = split_parts(Path(path))
         self.path = self.parts[0]
-        self.readers = [_open(p) for p in self.parts]
+        opened = [_open(p) for p in self.parts]
+        self.readers = [r for r, _ in opened]
+        self.headers = [h for _, h in opened]
         self._check_split()
         first = self.readers[0]
-        self.kv = field_values(first)
-        self.fields = first.fields
         names = [t.name for r in self.readers for t in r.tensors]
         if len(set(names)) != len(names):
-            dup = next(n for n in names if names.count(n) > 1)
+            seen: set[str] = set()
+            dup = next(n for n in names if n in seen or seen.add(n))
             raise BadInput("tensor appears twice across the split parts", path=self.path, tensor=dup)
-        self.config = config_from_gguf(first.fields, names)
+        with _quiet():
+            self.kv = field_values(first)
+        self.fields = first.fields
+        self.config = config_from_gguf(self.kv, names, path=self.path)
         self.arch = self.kv.get("general.architecture")
         self.n_layers = int(self.config["num_hidden_layers"])
+        # every tensor checked against the metadata before any is read or any loop runs per layer
+        check_gguf_tensors(self.config, self.arch, {t.name: tuple(int(d) for d in reversed(list(t.shape)))
+                                                    for r in self.readers for t in r.tensors},
+                           path=self.path, where={t.name: p for p, r in zip(self.parts, self.readers)
+                                                  for t in r.tensors})
         types = {_type_name(t) for r in self.readers for t in r.tensors}
         quantized = sorted(t for t in types if t not in ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"))
         self.quant_config: dict = ({"quant_method": "gguf", "file_type": self.kv.get("general.file_type"),
@@ -150,14 +396,30 @@ class GgufSource:
         self._tokenizer_dir: Path | None = None
 
     def _check_split(self) -> None:
-        if len(self.parts) == 1:
-            return
-        for i, (p, r) in enumerate(zip(self.parts, self.readers)):
-            kv = field_values({k: f for k, f in r.fields.items() if k.startswith("split.")})
-            no, count = kv.get("split.no"), kv.get("split.count")
-            if no is not None and (int(no) != i or int(count) != len(self.parts)):
-                raise BadInput(f"metadata says split part {int(no) + 1} of {int(count)}, the name says "
-                               f"{i + 1} of {len(self.parts)}", path=p)
+        """Each part's split.no / split.count agree with its name (llama.cpp's gguf-split writes both, and
+        split.tensors.count in the first part); a file named as one part of no set must not claim one."""
+        n = len(self.parts)
+        for i, (p, h) in enumerate(zip(self.parts, self.headers)):
+            no, count = h.scalars.get("split.no"), h.scalars.get("split.count")
+            if n == 1:
+                if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count > 1):
+                    raise BadInput(f"metadata split.count is {count!r}: the file is one part of a split set, but its "
+                                   "name has no -0000i-of-0000N.gguf suffix to find the other parts by", path=p)
+                continue
+            for key, value in (("split.no", no), ("split.count", count)):
+                if value is None:
+                    raise BadInput(f"split part without metadata {key} (every part of a split set carries "
+                                   "split.no and split.count)", path=p)
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise BadInput(f"metadata {key} is {value!r}: expected an integer", path=p)
+            if no != i or count != n:
+                raise BadInput(f"metadata says split part {no + 1} of {count}, the name says {i + 1} of {n}", path=p)
+        if n > 1:
+            total = self.headers[0].scalars.get("split.tensors.count")
+            found = sum(len(h.tensors) for h in self.headers)
+            if total is not None and total != found:
+                raise BadInput(f"metadata split.tensors.count says {total!r} tensors, the {n} parts hold {found}",
+                               path=self.parts[0])
 
     # -- one tensor ----------------------------------------------------------------------------
     def _record(self, path: Path, t) -> TensorRecord | None:
@@ -259,7 +521,7 @@ class GgufSource:
         if self._tokenizer_dir is None:
             tmp = Path(tempfile.mkdtemp(prefix="qconvert-gguf-tokenizer-"))
             weakref.finalize(self, shutil.rmtree, tmp, True)
-            tokenizer_files_from_gguf(self.fields, tmp)
+            tokenizer_files_from_gguf(self.kv, tmp, path=self.path)
             self._tokenizer_dir = tmp
         return {p.name: p for p in sorted(self._tokenizer_dir.iterdir())}
 

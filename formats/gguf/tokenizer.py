@@ -29,6 +29,7 @@ from typing import Any, Mapping, Sequence
 import gguf
 
 from ...converters.errors import BadInput, QConvertError
+from ...converters.validate import ConfigView, read_json
 from .metadata import field_values
 
 __all__ = [
@@ -147,11 +148,109 @@ def detect_pre_tokenizer(tokenizer_json: Mapping, path: object | None = None) ->
 # tokenizer.json -> token lists
 # --------------------------------------------------------------------------------------------------
 def _load_json(path: Path) -> Any:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise BadInput(f"cannot read {path.name}: {e}", path=path) from None
+    return read_json(path)
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_tokenizer_json(tj: Mapping, path: Path) -> None:
+    """The parts of tokenizer.json that this module and gguf's SpecialVocab read, checked for shape
+    before either walks them: a wrong type stops here with one line naming the file and the key."""
+    def bad(where: str, value: Any, expected: str) -> BadInput:
+        return BadInput(f"{where} is {_kind(value)} {_show(value)}: expected {expected}", path=path)
+
+    def obj(value: Any, where: str, nullable: bool = True) -> Mapping | None:
+        if value is None and nullable:
+            return None
+        if not isinstance(value, dict):
+            raise bad(where, value, "an object" + (" or null" if nullable else ""))
+        return value
+
+    def objects(value: Any, where: str) -> list:
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            raise bad(where, value, "a list of objects")
+        for i, item in enumerate(value):
+            obj(item, f"{where}[{i}]", nullable=False)
+        return value
+
+    def string(parent: Mapping, key: str, where: str) -> None:
+        if key in parent and parent[key] is not None and not isinstance(parent[key], str):
+            raise bad(f"{where}.{key}", parent[key], "a string")
+
+    model = obj(tj.get("model"), "model", nullable=False)
+    string(model, "type", "model")
+    string(model, "unk_token", "model")
+    vocab = model.get("vocab")
+    if _model_type(model) == "BPE" and vocab is not None and not isinstance(vocab, dict):
+        raise bad("model.vocab", vocab, "an object of token ids (a BPE vocabulary)")
+    if isinstance(vocab, dict):
+        for tok, tid in vocab.items():
+            if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+                raise bad(f"model.vocab[{_show(tok)}]", tid, "a token id (an integer >= 0)")
+    elif vocab is not None and not isinstance(vocab, list):
+        raise bad("model.vocab", vocab, "an object of token ids")
+    merges = model.get("merges")
+    if merges is not None:
+        if not isinstance(merges, list):
+            raise bad("model.merges", merges, "a list")
+        for i, m in enumerate(merges):
+            ok = (isinstance(m, str) and " " in m) or (
+                isinstance(m, list) and len(m) == 2 and all(isinstance(s, str) for s in m))
+            if not ok:
+                raise bad(f"model.merges[{i}]", m, 'a merge "a b" or ["a", "b"]')
+    added = tj.get("added_tokens")
+    for i, at in enumerate(objects(added, "added_tokens")):
+        tid, content = at.get("id"), at.get("content")
+        if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+            raise bad(f"added_tokens[{i}].id", tid, "a token id (an integer >= 0)")
+        if not isinstance(content, str):
+            raise bad(f"added_tokens[{i}].content", content, "a string")
+        if "special" in at and not isinstance(at["special"], bool):
+            raise bad(f"added_tokens[{i}].special", at["special"], "true or false")
+
+    def walk(node: Any, where: str, child_key: str) -> None:
+        """A (possibly nested) pre_tokenizer / normalizer / post_processor; the depth is bounded by read_json."""
+        node = obj(node, where)
+        if node is None:
+            return
+        string(node, "type", where)
+        if node.get("type") == "Sequence" or child_key in node:
+            for i, sub in enumerate(objects(node.get(child_key), f"{where}.{child_key}")):
+                walk(sub, f"{where}.{child_key}[{i}]", child_key)
+        if "pattern" in node:
+            pattern = obj(node["pattern"], f"{where}.pattern")
+            for key in ("Regex", "String"):
+                if pattern is not None:
+                    string(pattern, key, f"{where}.pattern")
+        for key in ("replacement", "prepend", "content", "behavior", "prepend_scheme"):
+            string(node, key, where)
+        for key in ("single", "pair"):
+            for i, item in enumerate(objects(node.get(key), f"{where}.{key}")):
+                for part in ("SpecialToken", "Sequence"):
+                    if part in item:
+                        obj(item[part], f"{where}.{key}[{i}].{part}", nullable=False)
+
+    walk(tj.get("pre_tokenizer"), "pre_tokenizer", "pretokenizers")
+    walk(tj.get("normalizer"), "normalizer", "normalizers")
+    walk(tj.get("post_processor"), "post_processor", "processors")
+
+
+def _check_side_json(model_dir: Path) -> None:
+    """tokenizer_config.json / chat_template.json, which gguf's SpecialVocab reads too: objects."""
+    for name in ("tokenizer_config.json", "chat_template.json"):
+        p = model_dir / name
+        if p.is_file():
+            read_json(p)
 
 
 def _model_type(model: Mapping) -> str:
@@ -297,8 +396,9 @@ def _sentencepiece_vocab(model_dir: Path, n_vocab: int
 
     try:
         vocab = SentencePieceVocab(model_dir)
-    except (RuntimeError, ValueError, OSError) as e:
-        raise BadInput(f"cannot read tokenizer.model: {e}", path=sp_path) from None
+    except (RuntimeError, ValueError, OSError, TypeError, KeyError, AttributeError):
+        raise BadInput("sentencepiece cannot load this tokenizer.model (or the added_tokens.json beside it is "
+                       "not an object of token ids)", path=sp_path) from None
     tokens: list[bytes] = []
     scores: list[float] = []
     types: list[int] = []
@@ -349,10 +449,15 @@ def _first_int(v: Any) -> int | None:
 def _special_vocab(model_dir: Path, config: Mapping, n_vocab: int, *, merges: bool,
                    unk_token_id: int | None, add_bos_default: bool,
                    fallback_ids: Mapping[str, int] | None = None) -> gguf.SpecialVocab:
+    _check_side_json(model_dir)
     try:
         sv = gguf.SpecialVocab(model_dir, load_merges=merges, n_vocab=n_vocab)
-    except ValueError as e:  # negative special token ids, an unknown merges layout
-        raise BadInput(f"tokenizer files: {e}", path=model_dir) from None
+    except ValueError:  # gguf-py refuses negative special token ids and merges it cannot parse
+        raise BadInput("tokenizer files: a negative special token id (config.json / tokenizer_config.json "
+                       "*_token_id) or merges of an unknown layout", path=model_dir) from None
+    except (TypeError, AttributeError, KeyError, IndexError):
+        raise BadInput("tokenizer files (tokenizer.json, tokenizer_config.json, merges.txt) hold a value of an "
+                       "unexpected type or form", path=model_dir) from None
     for typ in ("bos", "eos", "pad"):
         if typ not in sv.special_token_ids:
             tid = _first_int(config.get(f"{typ}_token_id"))
@@ -387,6 +492,8 @@ def add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, config: Mapping, n_v
 
     if tj_path.is_file():
         tj = _load_json(tj_path)
+        _check_tokenizer_json(tj, tj_path)
+        _check_side_json(model_dir)
         model = tj.get("model") or {}
         mtype = _model_type(model)
         if mtype == "BPE" and model.get("byte_fallback"):
@@ -506,30 +613,59 @@ def _merges_from_scores(vocab: Mapping[str, int], scores: Sequence[float], types
     return [[a, b] for *_, a, b in entries]
 
 
-def tokenizer_files_from_gguf(fields: Any, out_dir: Path) -> list[Path]:
+def _check_tokenizer_kv(kv: Mapping, path: object) -> None:
+    """The tokenizer.ggml.* values this module reads, checked for type (a GGUF edited or written by
+    another tool may hold, say, token types as strings); BadInput naming the key."""
+    def bad(key: str, expected: str) -> BadInput:
+        return BadInput(f"metadata {key} is not {expected}", path=path)
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for key, ok, expected in (
+            ("tokenizer.ggml.tokens", lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v),
+             "an array of strings"),
+            ("tokenizer.ggml.token_type", lambda v: isinstance(v, list) and all(is_int(t) for t in v),
+             "an array of integers"),
+            ("tokenizer.ggml.scores", lambda v: isinstance(v, list) and all(
+                isinstance(t, (int, float)) and not isinstance(t, bool) for t in v), "an array of numbers"),
+            ("tokenizer.ggml.merges", lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v),
+             "an array of strings"),
+            ("tokenizer.ggml.pre", lambda v: isinstance(v, str), "a string"),
+            ("tokenizer.chat_template", lambda v: isinstance(v, str), "a string"),
+            ("tokenizer.ggml.add_bos_token", lambda v: isinstance(v, bool), "a boolean"),
+            ("tokenizer.ggml.add_eos_token", lambda v: isinstance(v, bool), "a boolean"),
+            ("tokenizer.ggml.add_space_prefix", lambda v: isinstance(v, bool), "a boolean"),
+            *((f"tokenizer.ggml.{t}_token_id", is_int, "an integer") for t in ("bos", "eos", "padding", "unknown"))):
+        if key in kv and not ok(kv[key]):
+            raise bad(key, expected)
+
+
+def tokenizer_files_from_gguf(fields: Any, out_dir: Path, *, path: object = None) -> list[Path]:
     """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``out_dir`` from GGUF metadata
     (a :class:`gguf.GGUFReader`, its ``fields`` or a plain dict) that ``tokenizers`` and
     ``transformers.AutoTokenizer`` load: byte-level BPE for model ``gpt2`` (merges and the
     pre-tokenizer of ``tokenizer.ggml.pre``), a byte-fallback BPE with merges rebuilt from the scores
     for model ``llama`` (SentencePiece style). Returns the written paths."""
     kv = field_values(fields)
+    _check_tokenizer_kv(kv, path)
     model = kv.get("tokenizer.ggml.model")
     if model not in ("gpt2", "llama"):
         raise BadInput(f"GGUF tokenizer model {model!r} cannot be turned into a tokenizer.json "
-                       "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)")
+                       "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)", path=path)
     tokens: list[str] = [t.decode("utf-8", "replace") if isinstance(t, bytes) else t
                          for t in kv.get("tokenizer.ggml.tokens") or []]
     if not tokens:
-        raise BadInput("GGUF metadata has no tokenizer.ggml.tokens")
+        raise BadInput("GGUF metadata has no tokenizer.ggml.tokens", path=path)
     types = [int(t) for t in kv.get("tokenizer.ggml.token_type") or [int(TT.NORMAL)] * len(tokens)]
     if len(types) != len(tokens):
-        raise BadInput(f"GGUF has {len(tokens)} tokens but {len(types)} token types")
+        raise BadInput(f"GGUF has {len(tokens)} tokens but {len(types)} token types", path=path)
 
     vocab: dict[str, int] = {}
     added: list[dict] = []
     for i, (tok, t) in enumerate(zip(tokens, types)):
         if tok in vocab:
-            raise BadInput(f"GGUF token list repeats {tok!r} (ids {vocab[tok]} and {i})")
+            raise BadInput(f"GGUF token list repeats {_show(tok)} (ids {vocab[tok]} and {i})", path=path)
         vocab[tok] = i
         if t in (int(TT.CONTROL), int(TT.USER_DEFINED), int(TT.UNKNOWN)):
             added.append({"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
@@ -567,14 +703,17 @@ def tokenizer_files_from_gguf(fields: Any, out_dir: Path) -> list[Path]:
         bpe = {"byte_fallback": False, "ignore_merges": pre in _IGNORE_MERGES, "unk_token": None,
                "merges": [list(p) for p in _merge_pairs(kv.get("tokenizer.ggml.merges") or [])]}
         if not bpe["merges"]:
-            raise BadInput("GGUF byte-level BPE tokenizer has no tokenizer.ggml.merges")
+            raise BadInput("GGUF byte-level BPE tokenizer has no tokenizer.ggml.merges", path=path)
         normalizer = None
-        pre_tokenizer: dict | None = pre_tokenizer_json(pre)
+        try:
+            pre_tokenizer: dict | None = pre_tokenizer_json(pre)
+        except BadInput as e:
+            raise BadInput(e.detail, path=path) from None
         decoder = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
     else:
         scores = list(kv.get("tokenizer.ggml.scores") or [])
         if len(scores) != len(tokens):
-            raise BadInput("GGUF SentencePiece tokenizer lacks one score per token (tokenizer.ggml.scores)")
+            raise BadInput("GGUF SentencePiece tokenizer lacks one score per token (tokenizer.ggml.scores)", path=path)
         prefix = bool(kv.get("tokenizer.ggml.add_space_prefix", True))
         bpe = {"byte_fallback": True, "ignore_merges": False, "unk_token": unk,
                "merges": _merges_from_scores(vocab, scores, types)}

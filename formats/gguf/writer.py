@@ -37,7 +37,7 @@ from ...kernels.ggml_layouts import LAYOUTS, BlockLayout
 from ...kernels.ggml_legacy import decode_blocks, quantize_pack, repack_grid
 from ...kernels.gptq_q4_0 import gptq4_to_q4_0, q4_0_to_gptq4
 from .kencode import QUANTIZERS, QuantHow, encode_quantized
-from .metadata import add_model_metadata, rope_freqs_tensor
+from .metadata import add_model_metadata, check_writer_config, config_json_path, layer_count, rope_freqs_tensor
 from .names import gguf_arch, gguf_tensor_name, inverse_permutation, qk_row_permutation
 from .presets import PRESETS, ModelFacts, preset_of, preset_type, quantized_by_llama_cpp
 
@@ -223,7 +223,7 @@ class GgufWriter:
     def _arch(self, source) -> tuple[str, int]:
         cached = getattr(source, "_gguf_arch", None)
         if cached is None:
-            cached = (gguf_arch(source.config), int(source.config.get("num_hidden_layers", 0)))
+            cached = (gguf_arch(source.config), layer_count(source.config, config_json_path(source)))
             source._gguf_arch = cached
         return cached
 
@@ -277,6 +277,11 @@ class GgufWriter:
         return plan
 
     def check_model(self, source, plans, options) -> None:
+        arch, _ = self._arch(source)
+        kept = [p for p in plans if p.out_name and p.out_name != "?" and not p.info.get("drop")]
+        check_writer_config(source.config, arch, {p.out_name: tuple(p.shape) for p in kept},
+                            config_json_path(source), names={p.out_name: p.name for p in kept},
+                            unmapped=[p.name for p in plans if not p.out_name])
         _settle_tied_embedding(source, plans, options)
         # the tokenizer is checked by the session before writing; do it here too so dry runs see it
         arch, _ = self._arch(source)
