@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ class Report:
     results: list[TensorResult] = field(default_factory=list)
     seconds: float = 0.0
     dry_run: bool = False
+    ignored_files: dict = field(default_factory=dict)  # files beside the source that are not part of the model
 
     def summary(self) -> dict:
         plans = [r.plan for r in self.results]
@@ -56,7 +58,7 @@ class Report:
                 "dry_run": self.dry_run}
 
     def as_dict(self) -> dict:
-        return {"source": {"format": self.source_format, "path": self.source_path},
+        return {"source": {"format": self.source_format, "path": self.source_path, "ignored_files": self.ignored_files},
                 "target": {"format": self.target_format, "path": self.output_path},
                 "tensors": [r.as_dict() for r in self.results], "summary": self.summary()}
 
@@ -142,7 +144,8 @@ def atomic_output(out: Path, is_file: bool, force: bool, several_files: bool = F
     if out.exists() and not force:
         raise QConvertError("output exists; pass --force to replace it", path=out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.qconvert-tmp-{os.getpid()}")
+    remove_stale_temporaries(out.parent)
+    tmp = out.with_name(f".{out.name}{_TMP_MARK}{_HOST}-{os.getpid()}")
     _remove(tmp)
     if not is_file or several_files:
         tmp.mkdir()
@@ -163,6 +166,39 @@ def atomic_output(out: Path, is_file: bool, force: bool, several_files: bool = F
             os.replace(p, out.with_name(p.name))
     finally:
         _remove(tmp)
+
+
+# A temporary output is `.<out name>.qconvert-tmp-<host>-<pid>`: a run killed with SIGKILL cannot remove
+# its own, so every run removes those beside its output whose process (on this host) is gone.
+_TMP_MARK = ".qconvert-tmp-"
+_HOST = socket.gethostname().replace("-", "_") or "host"
+_TMP_NAME = re.compile(r"^\..+\.qconvert-tmp-(?P<host>[^-]+)-(?P<pid>\d+)$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_temporaries(folder: Path) -> list[Path]:
+    """Remove the temporaries in `folder` left by qconvert runs on this host whose process no longer
+    exists (killed runs); those of live runs, and of other hosts sharing the folder, stay."""
+    removed = []
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _TMP_NAME.match(entry.name)
+        if m and m["host"] == _HOST and int(m["pid"]) != os.getpid() and not _alive(int(m["pid"])):
+            _remove(entry)
+            removed.append(entry)
+    return removed
 
 
 def _remove(path: Path) -> None:
@@ -207,7 +243,7 @@ def convert(src_format: str, src_path: Path, dst_format: str, out_path: Path | N
     source = open_source(src_format, src_path, options)
     plans = plan_conversion(source, writer, options, progress)
     report = Report(source.format_name, target.name, str(src_path), None if dry_run else str(out_path),
-                    dry_run=dry_run)
+                    dry_run=dry_run, ignored_files=dict(getattr(source, "ignored_files", None) or {}))
     if dry_run:
         report.results = [TensorResult(p) for p in plans]
         report.seconds = time.perf_counter() - start

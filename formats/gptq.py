@@ -420,9 +420,12 @@ class GptqWriter:
         if rec.is_grid:
             p = rec.params
             src = describe_grid(p, rec.shape[1])
-            # GPTQ quantizes linears only: a quantized embedding (GGUF token_embd), or an output head it
-            # cannot hold as it is (GGUF Q6_K), is stored dequantized in fp16, as GPTQ models keep them
-            if _EMBEDDING.search(rec.name) or (rec.name == "lm_head.weight" and self._check_grid(p).verdict != EXACT):
+            # GPTQ quantizes the decoder blocks' linears only: a quantized embedding (GGUF token_embd) or
+            # output head is stored dequantized in fp16, as GPTQ models keep them. A quantized head would
+            # load in gptqmodel (`lm_head: true`) but not in transformers: its GPTQ loader (optimum)
+            # replaces the linears inside the blocks only, all with one bits/group_size, and leaves a
+            # quantized head's weight uninitialized (random logits)
+            if _EMBEDDING.search(rec.name) or rec.name == "lm_head.weight":
                 v = check_grid_to_float(p, "F16")
                 return TensorPlan(rec.name, rec.shape, src, "float16", v.verdict,
                                   f"kept unquantized as in GPTQ models: {v.reason}", out_name=rec.name,
@@ -431,6 +434,8 @@ class GptqWriter:
                 want = parse_gptq_type(explicit)
                 same = (want.bits == p.bits and (want.group_size if want.group_size > 0 else rec.shape[1]) == p.group_size
                         and (want.sym == p.symmetric or not want.sym))
+                if not want.sym and self.convention == "v1":
+                    return self._asym_v1_refusal(rec, src, explicit)
                 if not same:
                     info = {"scheme": want}
                     view = rec.notes.get("four_bit_view")  # a source's own 4-bit form of the tensor (QQQ grouped)
@@ -438,19 +443,22 @@ class GptqWriter:
                         info["grid_view"] = view[1]
                     return TensorPlan(rec.name, rec.shape, src, explicit, REQUANTIZE, "type differs from the source grid"
                                       + ("; the source's own 4-bit codes are kept" if "grid_view" in info else ""),
-                                      alternative=f"--type {p.bits}g{p.group_size}", out_name=rec.name, info=info)
+                                      alternative=self._aligned_type(p, rec.shape[1]), out_name=rec.name, info=info)
             v = self._check_grid(p)
             target = f"gptq {p.bits}-bit g{p.group_size}" if p.n_groups > 1 else f"gptq {p.bits}-bit per-channel"
             if v.verdict == REFUSED and self.convention == "v1" and not p.symmetric and p.integer_zeros:
-                return TensorPlan(rec.name, rec.shape, src, target, REFUSED, v.reason, alternative="gptq-v2 output (exact)",
-                                  out_name=rec.name)
+                return TensorPlan(rec.name, rec.shape, src, target, REFUSED, v.reason,
+                                  alternative="gptq-v2 output (exact): qconvert 'SRC->gptq-v2'", out_name=rec.name)
             info = {}
             if v.verdict == REQUANTIZE:
+                # v1 output is written symmetric: gptqmodel loads asymmetric v1 only from its own files
                 info["scheme"] = ModuleScheme(p.bits if p.bits in SUPPORTED_PACK_BITS else 4,
-                                              p.group_size if p.n_groups > 1 else -1, False, False)
+                                              p.group_size if p.n_groups > 1 else -1, self.convention == "v1", False)
             return TensorPlan(rec.name, rec.shape, src, target, v.verdict, v.reason, out_name=rec.name, info=info)
         if explicit and len(rec.shape) == 2 and _DENSE_LINEAR.match(rec.name):
             want = parse_gptq_type(explicit)
+            if not want.sym and self.convention == "v1":
+                return self._asym_v1_refusal(rec, rec.dtype, explicit)
             return TensorPlan(rec.name, rec.shape, rec.dtype, explicit, REQUANTIZE,
                               "dense weights quantized with round-to-nearest (no calibration)",
                               out_name=rec.name, info={"scheme": want})
@@ -466,6 +474,17 @@ class GptqWriter:
         plan.target = f"{plan.target} + online Hadamard (rotation kept)"
         plan.info.update(keeps_source_form=True, rotated_grid=rec.notes["rotated_grid"], rotation=rec.notes["rotation"])
         return plan
+
+    def _asym_v1_refusal(self, rec: TensorRecord, src: str, explicit: str) -> TensorPlan:
+        return TensorPlan(rec.name, rec.shape, src, explicit, REFUSED,
+                          "asymmetric GPTQ is written as v2: gptqmodel loads asymmetric v1 only from its own files",
+                          alternative=f"gptq-v2 output: qconvert 'SRC->gptq-v2' --type {explicit}", out_name=rec.name)
+
+    def _aligned_type(self, p: GridParams, in_features: int) -> str:
+        """The advice when `--type` asks for another grid than the source's: without `--type` every tensor
+        keeps its own grid, which is exact when GPTQ holds it (one `--type` may not fit every tensor: a
+        g128 checkpoint's 128-wide rows are single groups); "" when it does not hold it."""
+        return "no --type (every tensor keeps its own grid: exact)" if self._check_grid(p).verdict == EXACT else ""
 
     def _check_grid(self, p: GridParams) -> Verdict:
         if p.axis != 1 or not p.integer_zeros or p.bits not in SUPPORTED_PACK_BITS:
@@ -558,9 +577,12 @@ class GptqSession:
         for prefix in self.dense_linears:
             dynamic[f"-:^{re.escape(prefix)}$"] = {}
         qc = {"bits": base.bits, "group_size": base.group_size, "desc_act": base.desc_act, "sym": base.sym,
-              "lm_head": "lm_head" in self.schemes, "method": "gptq", "quant_method": "gptq",
-              "format": fmt, "checkpoint_format": fmt, "pack_dtype": "int32",
-              "meta": {"quantizer": [f"qconvert:{__version__}"]}}
+              "lm_head": False, "method": "gptq", "quant_method": "gptq",
+              "format": fmt, "checkpoint_format": fmt, "pack_dtype": "int32"}
+        if fmt == "gptq_v2":
+            # gptqmodel's `meta` marks its own files; auto-round's loader in transformers refuses files that
+            # carry it (they may be v2), and v1 files load the same in gptqmodel without it
+            qc["meta"] = {"quantizer": [f"qconvert:{__version__}"]}
         if dynamic:
             qc["dynamic"] = dynamic
         if self.rotation:

@@ -34,9 +34,7 @@ class HfSource:
         cfg = read_json(self.path / "config.json")
         qc = cfg.get("quantization_config")
         if qc:
-            method = qc.get("quant_method", "?")
-            raise BadInput(f"this checkpoint is quantized (quant_method {method!r}); read it as {method}, e.g. "
-                           f"`qconvert {method}->...`", path=self.path / "config.json")
+            raise BadInput(_quantized_hint(self.path, qc), path=self.path / "config.json")
         self.config = cfg
         self.quant_config: dict = {}
         self.shapes = ModelShapes(cfg, self.path / "config.json")
@@ -61,6 +59,23 @@ class HfSource:
         return {"format": "hf", "dtypes": dtypes, "shards": len(self.ckpt.shards),
                 "tensors": len(self.ckpt.location), "architectures": self.config.get("architectures"),
                 "ignored_files": self.ignored_files}
+
+
+def _quantized_hint(path: Path, qc) -> str:
+    """Why a quantized folder is not `hf`, and the pair that reads it where qconvert has one."""
+    from ..converters.errors import QConvertError
+    from ..converters.registry import all_formats, detect_format
+
+    method = qc.get("quant_method", qc.get("method")) if isinstance(qc, dict) else None
+    try:
+        fmt = detect_format(path)
+    except QConvertError:
+        fmt = None
+    if fmt and fmt != "hf":
+        return f"this checkpoint is quantized (quant_method {method!r}): read it as {fmt}, e.g. `qconvert '{fmt}->gguf'`"
+    readers = ", ".join(e.name for e in all_formats() if e.can_read)
+    return (f"this checkpoint is quantized with quant_method {method!r}, which qconvert does not read yet "
+            f"(it reads {readers})")
 
 
 def parse_hf_type(text: str | None) -> str:
