@@ -1427,6 +1427,9 @@ def child_case(job: dict) -> int:
     # refused plan would hide what the reader does with the input
     commands.append(("convert", [f"{READERS[job['reader']]}->hf", str(ctx.input), str(out), "--type", "f32",
                                  "--allow-requant", "--quiet"]))
+    if "gguf" in job.get("targets", ()):  # the GGUF writer reads what hf ignores (tokenizer, metadata)
+        commands.append(("to-gguf", [f"{READERS[job['reader']]}->gguf", str(ctx.input), str(case_dir / "out.gguf"),
+                                     "--type", "f16", "--allow-requant", "--quiet"]))
     for name, argv in commands:
         _redirect(case_dir / f"{name}.out", case_dir / f"{name}.err")
         t0 = time.monotonic()
@@ -1435,11 +1438,11 @@ def child_case(job: dict) -> int:
         (case_dir / "result.json").write_text(json.dumps(res))
         if rc not in (0, 2, 130):  # a bug: the CLI said so in one line; --debug gives the traceback's frames
             _redirect(case_dir / f"{name}.debug.out", case_dir / f"{name}.debug.err")
-            _run_cli([a if a != str(out) else str(out) + "-debug" for a in argv] + ["--debug"])
+            _run_cli([a + "-debug" if a in (str(out), str(case_dir / "out.gguf")) else a for a in argv] + ["--debug"])
     faulthandler.cancel_dump_traceback_later()
     res["rss_growth"] = max(0, _status("VmHWM") - rss0)
-    last = res["commands"][-1]
-    if last["name"] == "convert" and last["rc"] == 0:
+    hf = next((c for c in res["commands"] if c["name"] == "convert"), None)
+    if hf is not None and hf["rc"] == 0:
         if job.get("ref_out"):  # the seed's own conversion: keep its digest
             Path(job["ref_out"]).write_text(json.dumps(st_digest(out)))
         elif meta["structural"]:  # compared with the seed's conversion by the parent
@@ -1629,10 +1632,12 @@ def classify_command(name: str, rc: int | None, err: str, root: str, out: Path, 
             return Outcome("bad-refusal", name, line[:300], "library text: " + _normalize(detail, root))
         if root not in msg:
             return Outcome("bad-refusal", name, line[:300], "names no input file: " + _normalize(msg, root))
-        if name == "convert":
-            left = [p.name for p in case_dir.iterdir() if ".qconvert-tmp-" in p.name]
-            if out.exists() or left:
-                return Outcome("bad-refusal", name, line[:300], f"left output behind ({'OUT' if out.exists() else left[0]})")
+        if name in ("convert", "to-gguf"):
+            target = out if name == "convert" else case_dir / "out.gguf"
+            left = [p.name for p in case_dir.iterdir() if ".qconvert-tmp-" in p.name and target.name in p.name]
+            if target.exists() or left:
+                return Outcome("bad-refusal", name, line[:300],
+                               f"left output behind ({target.name if target.exists() else left[0]})")
         return Outcome("refused", name, line[:300], _normalize(detail, root))
     exc, sig = tb_signature(err)
     debug = _read(case_dir / f"{name}.debug.err")
@@ -1651,7 +1656,7 @@ def classify_case(case_dir: Path, status: int | None, rusage, killed: bool) -> t
     hang = _read(case_dir / "hang.txt")
     crash = _read(case_dir / "crash.txt")
     done = {c["name"]: c for c in res.get("commands", [])}
-    names = [n for n in ("inspect", "convert") if (case_dir / f"{n}.err").exists()]
+    names = [n for n in ("inspect", "convert", "to-gguf") if (case_dir / f"{n}.err").exists()]
     current = names[-1] if names else "setup"
     if meta.get("skip"):
         return Outcome("skipped", "", meta["skip"], "skipped"), meta, res
@@ -1727,6 +1732,7 @@ class Fuzzer:
         self.findings_fh = None
         self.hash = code_hash()
         self.only = args.mutations
+        self.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
 
     # -- seeds ---------------------------------------------------------------------------------------------
     def build_gguf_seeds(self) -> None:
@@ -1794,7 +1800,7 @@ class Fuzzer:
         case_dir = Path(tempfile.mkdtemp(prefix="ref-", dir=self.cases_dir))
         job = {"dir": str(case_dir), "reader": reader, "seed_name": seed.name, "seed_path": str(seed.path),
                "seed_kind": seed.kind, "mutate": False, "ref_out": str(path), "timeout": self.args.timeout * 4,
-               "inspect": True, "case": -1, "master_seed": self.args.seed}
+               "inspect": True, "case": -1, "master_seed": self.args.seed, "targets": self.targets}
         self.ref_queue.append(job)
 
     def on_ref(self, job, status, rusage, seconds, killed) -> None:
@@ -1826,12 +1832,12 @@ class Fuzzer:
         case_dir.mkdir(parents=True)
         return {"dir": str(case_dir), "reader": reader, "seed_name": seed.name, "seed_path": str(seed.path),
                 "seed_kind": seed.kind, "case": case, "master_seed": self.args.seed, "timeout": self.args.timeout,
-                "only": self.only, "inspect": True}
+                "only": self.only, "inspect": True, "targets": self.targets}
 
     def on_case(self, job, status, rusage, seconds, killed) -> None:
         o, meta, res = classify_case(Path(job["dir"]), status, rusage, killed)
         pending = (job, o, meta, res, seconds)
-        if res.get("digest") is not None and o.outcome in ("ok", "noisy"):
+        if res.get("digest") is not None and SEVERITY[o.outcome] < SEVERITY["silent"]:  # hf exited 0
             self.need_ref(job["reader"], self.seed_of[(job["reader"], job["seed_name"])], pending)
         else:
             self.finish(*pending, ref=None)
@@ -1843,6 +1849,7 @@ class Fuzzer:
             o = silent_outcome(o, meta, compare_digests(ref, res["digest"]))
         row = self.counts.setdefault(reader, {})
         row[o.outcome] = row.get(o.outcome, 0) + 1
+        o.line = o.line.replace(str(case_dir / "in"), "IN").replace(str(case_dir), "CASE")
         record = None
         if o.outcome in FINDING_OUTCOMES:
             record = {"reader": reader, "seed": job["seed_name"], "seed_path": job["seed_path"], "case": job["case"],
@@ -2008,6 +2015,8 @@ def main(argv=None) -> int:
     ap.add_argument("--summary-json", help="write the counts and seed problems as JSON")
     ap.add_argument("--keep", help="copy every failing case (mutated input, stderr) into this folder")
     ap.add_argument("--work", default=str(DEFAULT_WORK), help="cache of GGUF seeds and seed references")
+    ap.add_argument("--targets", default="hf,gguf", help="conversions run per case after inspect: hf (--type f32, "
+                    "always; compared with the seed's for silent corruption) and gguf (--type f16)")
     ap.add_argument("--fixtures", default=str(FIXTURES), help="the test fixtures folder the seeds come from")
     ap.add_argument("--max-seeds", type=int, default=0, help="use only the first K seeds of each reader")
     ap.add_argument("--mutations", help="only mutation kinds matching this regex (e.g. 'gguf|cfg')")
