@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from ..converters.errors import BadInput
 from ..converters.validate import read_json as _read_json
+from .safetensors_header import SafetensorsHeader, read_header
 from ..converters.records import Dense, TensorRecord
 
 __all__ = ["CheckpointDir", "read_json", "SIDE_FILES", "dtype_name", "weight_files_ignored", "WEIGHT_SUFFIXES"]
@@ -115,9 +116,13 @@ class CheckpointDir:
         self.weight_map: dict[str, str] | None = None
         self.shards, self.chosen_by = self._choose()
         self._keys: dict[str, list[str]] = {}
+        self._headers: dict[str, SafetensorsHeader] = {}
         self.location: dict[str, str] = {}
         for shard in self.shards:
-            keys = self._open(shard, lambda f: list(f.keys()))
+            # our own check of the header first (sizes against the file, in our words); the names in
+            # sorted order, as safe_open lists them
+            self._headers[shard] = read_header(self.path / shard)
+            keys = sorted(self._headers[shard].tensors)
             self._keys[shard] = keys
             for k in keys:
                 if k in self.location:
@@ -288,8 +293,8 @@ class CheckpointDir:
                 return fn(f)
         except BadInput:
             raise
-        except Exception as e:  # SafetensorError: truncated, corrupt header, bad offsets
-            raise BadInput(f"cannot read safetensors file ({_one_line(e)})", path=path) from None
+        except Exception:  # SafetensorError: what read_header did not catch; its words are the library's
+            raise BadInput("cannot read safetensors file (not a valid safetensors file)", path=path) from None
 
     def keys(self, shard: str) -> list[str]:
         return self._keys[shard]
@@ -298,10 +303,10 @@ class CheckpointDir:
         return name in self.location
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._open(self.location[name], lambda f: f.get_slice(name).get_shape()))
+        return self._headers[self.location[name]].tensors[name].shape
 
     def dtype(self, name: str) -> str:
-        return self._open(self.location[name], lambda f: f.get_slice(name).get_dtype())
+        return self._headers[self.location[name]].tensors[name].dtype
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.location:
@@ -310,8 +315,9 @@ class CheckpointDir:
         try:
             with safe_open(str(self.path / shard), framework="pt") as f:
                 return f.get_tensor(name)
-        except Exception as e:
-            raise BadInput(f"cannot read tensor ({_one_line(e)})", path=self.path / shard, tensor=name) from None
+        except Exception as e:  # the header was checked: this is the data itself (a dtype torch lacks, I/O)
+            why = "no torch dtype for it" if isinstance(e, (TypeError, ValueError)) else "the file cannot be read"
+            raise BadInput(f"cannot read tensor ({why})", path=self.path / shard, tensor=name) from None
 
     def file_of(self, name: str) -> Path:
         return self.path / self.location[name]
@@ -381,10 +387,6 @@ def _duplicate_weight_map_key(index: Path) -> str | None:
 
     data = json.loads(index.read_bytes().decode("utf-8"), object_pairs_hook=pairs_hook)
     return seen_twice.get(id(data.get("weight_map")))
-
-
-def _one_line(e: Exception) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
 
 
 class ShardWriter:
