@@ -25,8 +25,11 @@ HQQ grids and integer-zero grids (GPTQ) are written exactly; anything else, and 
 
 from __future__ import annotations
 
+import math
+import os
 import pickle
 import re
+import warnings
 import zipfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -40,7 +43,8 @@ from ..converters.errors import BadInput, QConvertError
 from ..converters.plan import Options, TensorPlan
 from ..converters.records import Dense, Grid, GridParams, TensorRecord
 from ..converters.registry import FormatEntry, register_format
-from ..kernels.hqq import PACKINGS, codes_to_grouped, grouped_shape, pack_hqq, packing_for_bits, quantize_hqq, unpack_hqq
+from ..kernels.hqq import (PACKINGS, axis0_compact, axis0_expand, codes_to_grouped, grouped_shape, pack_hqq,
+                           packing_for_bits, quantize_hqq, unpack_hqq)
 from .safetensors_dir import SIDE_FILES, CheckpointDir, ShardWriter, copy_side_files, read_json, write_json
 
 __all__ = ["HqqLayer", "HqqSafetensorsSource", "HqqPickleSource", "HqqWriter", "open_hqq", "DTYPE_NAMES"]
@@ -56,7 +60,16 @@ LAYER_KEYS = ("W_q", "nbits", "group_size", "shape", "scale", "zero", "axis", "p
               "view_as_float", "quant_scale", "quant_zero", "compute_dtype", "offload_meta", "encoded_state_dict",
               "stores_quant_config", "channel_wise", "optimize", "round_zero")
 _REQUIRED = ("W_q", "nbits", "group_size", "shape", "scale", "zero", "axis", "packing")
+# keys only an HQQ layer has (a dense model's tensors are .weight / .bias): one without its W_q is a broken layer
+_HQQ_ONLY_KEYS = frozenset(LAYER_KEYS) - {"W_q", "shape", "scale"}
 _DECODER_LINEAR = re.compile(r"^model\.layers\.\d+\..*_proj\.weight$")
+_EMBEDDING = re.compile(r"(?:^|\.)(?:embed_tokens|wte|word_embeddings)\.weight$")
+_INT_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_MAX_INT = 1 << 53
+_MAX_DIM = 1 << 24  # no released model has a dimension near this
+# dtypes a non-HQQ tensor may have (norms, embeddings, dense linears, biases; integer buffers)
+_DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
+                 torch.int16, torch.int32, torch.int64, torch.bool)
 
 
 @dataclass
@@ -81,9 +94,10 @@ class HqqLayer:
         if self.axis == 1:
             s = self.scale.reshape(out_features, in_features // self.group_size)
             z = self.zero.reshape(out_features, in_features // self.group_size)
-        else:
-            s = self.scale.reshape(out_features // self.group_size, in_features)
-            z = self.zero.reshape(out_features // self.group_size, in_features)
+        else:  # [p, in] (kernels/hqq.py axis0_expand: the group size need not divide the rows)
+            s = axis0_expand(self.scale, self.shape, self.group_size)
+            z = axis0_expand(self.zero, self.shape, self.group_size)
+            return axis0_params(self.bits, self.shape, s, z, self.compute_dtype)
         return GridParams(bits=self.bits, group_size=self.group_size, scales=s, zeros=z, axis=self.axis,
                           compute_dtype=self.compute_dtype)
 
@@ -98,6 +112,20 @@ class HqqLayer:
 
     def grid(self) -> Grid:
         return Grid(self.params(), self.codes())
+
+
+def axis0_params(bits: int, shape: tuple[int, int], scales: torch.Tensor, zeros: torch.Tensor,
+                 compute_dtype: torch.dtype) -> GridParams:
+    """records.py's axis-0 grid from the expanded [p, in] scales and zeros: R = p, group_size = out / p."""
+    return GridParams(bits=bits, group_size=shape[0] // scales.shape[0], scales=scales, zeros=zeros, axis=0,
+                      compute_dtype=compute_dtype)
+
+
+def axis0_source_group(rec_or_notes) -> tuple[int, ...]:
+    """The hqq group size an axis-0 record was stored with (readers note it), to store it again."""
+    notes = getattr(rec_or_notes, "notes", rec_or_notes) or {}
+    g = notes.get("axis0_group_size")
+    return (g,) if isinstance(g, int) and g > 0 else ()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -129,14 +157,18 @@ class _LayerDecoder:
         if isinstance(v, torch.Tensor):
             if v.numel() != 1:
                 raise self.bad(f"expected a scalar, found shape {tuple(v.shape)}", key)
-            return v.item()
-        if isinstance(v, (bool, int, float)):
-            return v
-        raise self.bad(f"expected a number, found {type(v).__name__}", key)
+            if not (v.dtype.is_floating_point or v.dtype in _INT_DTYPES):
+                raise self.bad(f"expected a number, found a {v.dtype} tensor", key)
+            v = v.item()
+        if not isinstance(v, (bool, int, float)):
+            raise self.bad(f"expected a number, found {type(v).__name__}", key)
+        if isinstance(v, float) and not math.isfinite(v) or isinstance(v, int) and abs(v) > _MAX_INT:
+            raise self.bad(f"expected a finite number of at most {_MAX_INT}, found {str(v)[:30]}", key)
+        return v
 
     def integer(self, key: str) -> int:
         v = self.number(key)
-        if float(v) != int(v):
+        if isinstance(v, float) and not v.is_integer():
             raise self.bad(f"expected an integer, found {v}", key)
         return int(v)
 
@@ -146,7 +178,7 @@ class _LayerDecoder:
     def text(self, key: str) -> str:
         v = self.values[key]
         if isinstance(v, torch.Tensor):
-            if v.dtype != torch.uint8 or v.dim() != 1:
+            if v.dtype != torch.uint8 or v.dim() != 1 or v.numel() > 64:
                 raise self.bad(f"expected a uint8 character vector, found {v.dtype} {tuple(v.shape)}", key)
             return bytes(v.tolist()).decode("ascii", errors="replace")
         if isinstance(v, torch.dtype):
@@ -164,15 +196,17 @@ class _LayerDecoder:
     def shape(self, key: str) -> tuple[int, int]:
         v = self.values[key]
         if isinstance(v, torch.Tensor):
-            if v.dtype not in (torch.int64, torch.int32) or v.dim() != 1:
+            if v.dtype not in (torch.int64, torch.int32) or v.dim() != 1 or v.numel() > 8:
                 raise self.bad(f"expected an integer vector, found {v.dtype} {tuple(v.shape)}", key)
             dims = tuple(int(x) for x in v.tolist())
-        elif isinstance(v, (torch.Size, tuple, list)):
+        elif isinstance(v, (torch.Size, tuple, list)) and len(v) <= 8:
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                raise self.bad("expected a shape of integers", key)
             dims = tuple(int(x) for x in v)
         else:
             raise self.bad(f"expected a shape, found {type(v).__name__}", key)
-        if len(dims) != 2 or min(dims) <= 0:
-            raise self.bad(f"expected a 2-D [out, in] shape, found {list(dims)}", key)
+        if len(dims) != 2 or min(dims) <= 0 or max(dims) > _MAX_DIM:
+            raise self.bad(f"expected a 2-D [out, in] shape of sizes 1..{_MAX_DIM}, found {list(dims)[:8]}", key)
         return dims  # type: ignore[return-value]
 
     def decode(self) -> HqqLayer:
@@ -207,9 +241,6 @@ class _LayerDecoder:
         if axis == 1 and in_features % group_size:
             raise self.bad(f"axis-1 groups of {group_size} cross rows of {in_features} inputs; not supported",
                            "group_size")
-        if axis == 0 and out_features % group_size:
-            raise self.bad(f"axis-0 groups of {group_size} do not divide {out_features} output rows; not "
-                           "supported", "group_size")
         n_groups = out_features * in_features // group_size
         want = (n_groups, 1) if axis == 1 else (1, n_groups)
         scale, zero = self.tensor("scale"), self.tensor("zero")
@@ -235,8 +266,9 @@ class _LayerDecoder:
         if view_as_float:
             if w_q.dim() != 2 or not w_q.dtype.is_floating_point:
                 raise self.bad(f"view_as_float W_q must be a 2-D float tensor, found {w_q.dtype}", "W_q")
-            width = w_q.shape[1] * w_q.element_size() // torch.tensor([], dtype=pk.storage).element_size()
-            got = (w_q.shape[0], width)
+            word = torch.tensor([], dtype=pk.storage).element_size()
+            width, rest = divmod(w_q.shape[1] * w_q.element_size(), word)
+            got = (w_q.shape[0], width if not rest else -1)
         else:
             if w_q.dtype != pk.storage:
                 raise self.bad(f"W_q dtype {w_q.dtype} is not {pk.storage} ({packing})", "W_q")
@@ -249,6 +281,24 @@ class _LayerDecoder:
                         flags, nbits_stored=nbits)
 
 
+def _unpacked(layer: HqqLayer, where: Path, prefix: str) -> Grid:
+    """The layer's grid with its codes unpacked (the decoder checked the word counts; this is the net)."""
+    try:
+        return layer.grid()
+    except (ValueError, RuntimeError, IndexError):
+        raise BadInput(f"W_q words do not unpack into {list(layer.shape)} {layer.packing} codes", path=where,
+                       tensor=f"{prefix}.W_q") from None
+
+
+def _check_bias(layer: HqqLayer, bias, where: Path, prefix: str) -> None:
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor) or not bias.dtype.is_floating_point or tuple(bias.shape) != (layer.shape[0],):
+        what = f"{bias.dtype} {tuple(bias.shape)}" if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise BadInput(f"bias is {what}; expected a float vector of the layer's {layer.shape[0]} outputs",
+                       path=where, tensor=f"{prefix}.bias")
+
+
 def _check_codes(layer: HqqLayer, codes: torch.Tensor, where: Path, prefix: str) -> None:
     top = 2 if layer.nbits_stored == 1.58 else (1 << layer.bits) - 1
     if codes.numel() and int(codes.max()) > top:
@@ -257,10 +307,12 @@ def _check_codes(layer: HqqLayer, codes: torch.Tensor, where: Path, prefix: str)
 
 
 def _grid_record(prefix: str, layer: HqqLayer, load_layer, source_file: str) -> TensorRecord:
+    notes = {"hqq": {"packing": layer.packing, "view_as_float": layer.view_as_float,
+                     "nbits": layer.nbits_stored, **layer.flags}}
+    if layer.axis == 0:
+        notes["axis0_group_size"] = layer.group_size
     return TensorRecord(f"{prefix}.weight", layer.shape, "grid", load_layer, params=layer.params(),
-                        source_file=source_file,
-                        notes={"hqq": {"packing": layer.packing, "view_as_float": layer.view_as_float,
-                                       "nbits": layer.nbits_stored, **layer.flags}})
+                        source_file=source_file, notes=notes)
 
 
 def _side_files(path: Path) -> dict[str, Path]:
@@ -304,8 +356,24 @@ class HqqSafetensorsSource:
             prefix, _, key = name.rpartition(".")
             if prefix in self.modules and (key in LAYER_KEYS or key == "bias"):
                 self.modules[prefix][key] = name
+            elif prefix in self.modules:
+                # e.g. a GPTQ `.qweight` or a dense `.weight` left beside the layer: which one would a loader
+                # use? transformers' HQQ loader takes the 19 keys; we refuse rather than guess
+                raise BadInput(f"stray tensor beside the HQQ layer {prefix}: an HQQ layer holds only "
+                               f"{', '.join(_REQUIRED)} and hqq's flags (and bias)", path=self.ckpt.file_of(name),
+                               tensor=name)
         if not self.modules:
             raise BadInput("no HQQ layers (no <module>.W_q tensors) in the safetensors files", path=self.path)
+        for name in self.ckpt.location:
+            prefix, _, key = name.rpartition(".")
+            if key in _HQQ_ONLY_KEYS and prefix not in self.modules:
+                raise BadInput(f"HQQ layer {key} without its {prefix}.W_q", path=self.ckpt.file_of(name), tensor=name)
+        for prefix, parts in self.modules.items():
+            if "bias" in parts:
+                shape = tuple(self.ckpt.shape(parts["bias"]))
+                if len(shape) != 1:
+                    raise BadInput(f"bias of shape {shape} is not a vector", path=self.ckpt.file_of(parts["bias"]),
+                                   tensor=parts["bias"])
         self._layers: dict[str, HqqLayer] = {}
 
     def layer(self, prefix: str, with_codes: bool = False) -> HqqLayer:
@@ -329,8 +397,9 @@ class HqqSafetensorsSource:
 
     def _load_grid(self, prefix: str) -> Grid:
         layer = self.layer(prefix, with_codes=True)
-        grid = layer.grid()
-        _check_codes(layer, grid.codes, self.ckpt.file_of(self.modules[prefix]["W_q"]), prefix)
+        where = self.ckpt.file_of(self.modules[prefix]["W_q"])
+        grid = _unpacked(layer, where, prefix)
+        _check_codes(layer, grid.codes, where, prefix)
         return grid
 
     def records(self) -> Iterator[TensorRecord]:
@@ -380,24 +449,151 @@ class _ShapeOnly:
 # hqq library qmodel.pt (current and legacy)
 
 
-def load_qmodel(path: Path) -> dict:
-    """torch.load with weights_only=True (tensors, numbers, strings, dtypes, torch.Size only), memory-mapped
-    where the file allows; anything else is refused, never unpickled."""
+_PICKLE = re.compile(r"^[^/]+/data\.pkl$")
+
+
+def _check_torch_zip(path: Path) -> None:
+    """What torch.save writes (since torch 1.6, and hqq's save_quantized through it): an uncompressed zip
+    with one `<archive>/data.pkl` and the storages as `<archive>/data/<key>` records. Checked from the zip's
+    own directory before torch reads anything, so that every size it will use is bounded by the file: no
+    compressed member (nothing can inflate), members inside the file, and a pickle torch must read whole
+    of at most the file's size. A pre-1.6 (non-zip) pickle is refused: its storages are sized by the pickle
+    itself and allocated before any check."""
     try:
-        try:
-            data = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e).lower():
-                raise
-            data = torch.load(str(path), map_location="cpu", weights_only=True)  # legacy non-zip files
+        size = os.path.getsize(path)
+        if not zipfile.is_zipfile(path):
+            raise BadInput("not a zip-format torch file (torch.save has written zip files since torch 1.6; "
+                           "hqq's save_quantized writes them)", path=path)
+        with zipfile.ZipFile(path) as z:
+            members = z.infolist()
+    except BadInput:
+        raise
     except FileNotFoundError:
         raise BadInput("file not found", path=path) from None
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, OverflowError) as e:
+        raise BadInput(f"not a readable zip file ({type(e).__name__})", path=path) from None
+    pickles = [m for m in members if _PICKLE.match(m.filename)]
+    if len(pickles) != 1:
+        raise BadInput(f"expected one <archive>/data.pkl in the torch zip, found {len(pickles)}", path=path)
+    for m in members:
+        if m.compress_type != zipfile.ZIP_STORED:
+            raise BadInput(f"zip member {m.filename[:80]!r} is compressed; torch.save stores members "
+                           "uncompressed", path=path)
+        if m.header_offset + m.file_size > size or m.file_size > size:
+            raise BadInput(f"zip member {m.filename[:80]!r} claims {m.file_size} bytes past the end of the "
+                           f"{size}-byte file (truncated?)", path=path)
+    records = {m.filename: m.file_size for m in members}
+    archive = pickles[0].filename.rpartition("/")[0]
+    for key, type_name, numel in _pickled_storages(path, pickles[0]):
+        record = f"{archive}/data/{key}"
+        width = _STORAGE_BYTES.get(type_name)
+        if record not in records:
+            raise BadInput(f"the pickle names storage {key[:40]!r}, which the zip does not hold", path=path)
+        if width is not None and numel * width != records[record]:
+            raise BadInput(f"storage {key[:40]!r} claims {numel} x {width} bytes, its record holds "
+                           f"{records[record]}", path=path)
+
+
+# torch's typed storage classes (what torch.save names in each storage's persistent id) and their widths
+_STORAGE_BYTES = {"DoubleStorage": 8, "FloatStorage": 4, "HalfStorage": 2, "BFloat16Storage": 2, "LongStorage": 8,
+                  "IntStorage": 4, "ShortStorage": 2, "CharStorage": 1, "ByteStorage": 1, "BoolStorage": 1,
+                  "ComplexFloatStorage": 8, "ComplexDoubleStorage": 16}
+_MARK = object()
+
+
+def _pickled_storages(path: Path, info: zipfile.ZipInfo) -> list[tuple[str, str, int]]:
+    """(key, storage class, element count) of every storage the pickle names, read by walking its opcodes
+    (pickletools, nothing executed) with a stack of the few values that matter: torch writes each
+    storage as the persistent id ('storage', <class>, key, location, numel). Bounded by the pickle's size."""
+    import pickletools
+
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        local = f.read(30)
+        if len(local) != 30 or local[:4] != b"PK\x03\x04":
+            raise BadInput("the zip's entry for data.pkl does not point at a file header", path=path)
+        f.seek(info.header_offset + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little"))
+        data = f.read(info.file_size)
+    found: list[tuple[str, str, int]] = []
+    stack: list = []
+    memo: dict = {}
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            name = op.name
+            if name in ("BINPUT", "LONG_BINPUT", "PUT"):
+                memo[arg] = stack[-1]
+            elif name == "MEMOIZE":
+                memo[len(memo)] = stack[-1]
+            elif name in ("BINGET", "LONG_BINGET", "GET"):
+                stack.append(memo.get(arg))
+            elif name == "GLOBAL":
+                stack.append(("global", str(arg).rpartition(" ")[2]))
+            elif name == "STACK_GLOBAL":  # protocol 4: module and name strings from the stack
+                qualname = stack.pop()
+                stack.pop()
+                stack.append(("global", qualname if isinstance(qualname, str) else None))
+            elif name == "MARK":
+                stack.append(_MARK)
+            elif name == "TUPLE":
+                i = len(stack) - 1 - stack[::-1].index(_MARK)
+                items, stack[i:] = tuple(stack[i + 1:]), []
+                stack.append(items)
+            elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
+                n = int(name[-1])
+                if len(stack) < n:
+                    raise IndexError
+                items, stack[-n:] = tuple(stack[-n:]), []
+                stack.append(items)
+            elif name == "BINPERSID":
+                pid = stack.pop()
+                if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage":
+                    _, cls, key, _, numel = pid
+                    if not (isinstance(key, str) and isinstance(numel, int)):
+                        raise BadInput("a storage's persistent id is not (storage, class, key, location, numel)",
+                                       path=path)
+                    found.append((key, cls[1] if isinstance(cls, tuple) else None, numel))
+                stack.append(None)
+            elif isinstance(arg, (str, int)) and not op.stack_before and len(op.stack_after) == 1:
+                stack.append(arg)  # strings and integers (BINUNICODE, BININT, LONG1...)
+            else:  # any other opcode: pop what it takes, push placeholders for what it leaves
+                before = [s.name for s in op.stack_before]
+                if "mark" in before:
+                    i = len(stack) - 1 - stack[::-1].index(_MARK)
+                    del stack[i:]
+                    before = before[: before.index("mark")]
+                if len(stack) < len(before):
+                    raise IndexError
+                del stack[len(stack) - len(before):]
+                stack.extend([None] * len(op.stack_after))
+    except BadInput:
+        raise
+    except Exception:  # a bad opcode, a pop from an empty stack, a missing mark: not a pickle torch wrote
+        raise BadInput("corrupt torch file: data.pkl does not decode as a pickle", path=path) from None
+    return found
+
+
+def load_qmodel(path: Path) -> dict:
+    """torch.load with weights_only=True (tensors, numbers, strings, dtypes, torch.Size only), memory-mapped
+    (so no storage is read, and a storage claiming more bytes than the file holds fails in torch);
+    anything else is refused, never unpickled. Every failure of torch's unpickler on a corrupt pickle
+    (it raises UnpicklingError, but also KeyError, TypeError, IndexError, UnicodeDecodeError, struct.error
+    ... on flipped bytes) is a BadInput, and torch's warnings about odd pickles are not printed."""
+    path = Path(path)
+    _check_torch_zip(path)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            data = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
-        first = " ".join(str(e).split())[:200]
-        raise BadInput(f"refused: not a weights-only torch file, it asks for objects that are not tensors "
-                       f"({first})", path=path) from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as e:
-        raise BadInput(f"cannot read torch file ({' '.join(str(e).split())[:200]})", path=path) from None
+        text = " ".join(str(e).split())
+        m = re.search(r"GLOBAL (\S+) was not an allowed global|whose module (\S+) is blocked", text)
+        if m:  # the pickle names a callable outside torch's weights-only allowlist
+            what = (m[1] or m[2] or "")[:80]
+            raise BadInput(f"refused: not a weights-only torch file, its pickle asks for {what!r}, which is not "
+                           "a tensor, number, string or dtype; such files are never unpickled", path=path) from None
+        raise BadInput("corrupt torch file: data.pkl does not decode as a weights-only pickle", path=path) from None
+    except Exception:  # whatever torch's unpickler or zip reader raises on flipped bytes or a bad storage
+        raise BadInput("corrupt torch file: data.pkl or the storages it names do not decode", path=path) from None
     if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in data.items()):
         raise BadInput("expected a dict {module name: {key: value}} (hqq save_quantized layout)", path=path)
     return data
@@ -422,11 +618,18 @@ class HqqPickleSource:
         for module, state in self.weights.items():
             if "W_q" in state:
                 self._layers[module] = self._decode(module, state)
+                _check_bias(self._layers[module], state.get("bias"), self.file, module)
             else:
                 for key, value in state.items():
+                    name = f"{module}.{key}"
+                    if not isinstance(key, str):
+                        raise BadInput(f"key {str(key)[:40]!r} is not a string", path=self.file, tensor=module)
                     if not isinstance(value, torch.Tensor):
                         raise BadInput(f"expected a tensor, found {type(value).__name__}", path=self.file,
-                                       tensor=f"{module}.{key}")
+                                       tensor=name)
+                    if value.dtype not in _DENSE_DTYPES or value.is_sparse or value.dim() > 8:
+                        raise BadInput(f"{value.dtype} tensor of {value.dim()} dimensions is not a weight this "
+                                       "reader passes through", path=self.file, tensor=name)
         if not self._layers:
             raise BadInput("no HQQ layers (no entry with W_q)", path=self.file)
 
@@ -441,7 +644,7 @@ class HqqPickleSource:
 
     def _load_grid(self, module: str) -> Grid:
         layer = self._layers[module]
-        grid = layer.grid()
+        grid = _unpacked(layer, self.file, module)
         _check_codes(layer, grid.codes, self.file, module)
         return grid
 
@@ -549,15 +752,28 @@ def _scheme_fits(scheme: HqqScheme, shape: tuple[int, int]) -> str:
     gs = scheme.group_size
     if scheme.axis == 1 and in_features % gs:
         return f"rows of {in_features} are not whole groups of {gs}"
-    if scheme.axis == 0 and out_features % gs:
-        return f"{out_features} output rows are not whole groups of {gs}"
+    if scheme.axis == 0 and (out_features * in_features) % gs:  # hqq: W.reshape(gs, -1), numel % gs == 0
+        return f"the {out_features}x{in_features} weight is not whole axis-0 groups of {gs}"
     rows = grouped_shape(shape, gs, scheme.axis)[0]
     if not packing_for_bits(scheme.bits).fits(rows):
         return f"{rows} group rows cannot be packed as {packing_for_bits(scheme.bits).name}"
     return ""
 
 
-def _grid_as_hqq(p: GridParams, shape: tuple[int, int]) -> tuple[str, str]:
+def _axis0_layout(p: GridParams, shape: tuple[int, int], prefer: tuple[int, ...] = ()):
+    """(group_size, scale [1, M], zero [1, M]) of the hqq layout an axis-0 grid is stored in, or None."""
+    return axis0_compact(p.scales, p.zeros, shape, p.bits, prefer)
+
+
+def _source_scheme(p: GridParams, shape: tuple[int, int], prefer: tuple[int, ...] = ()) -> HqqScheme:
+    """The grid's own hqq scheme (axis 0: the group size of its hqq layout, not records.py's out / p)."""
+    if p.axis == 0:
+        layout = _axis0_layout(p, shape, prefer) if p.row_idx is None else None
+        return HqqScheme(p.bits, layout[0] if layout else p.group_size, 0)
+    return HqqScheme(p.bits, p.group_size, p.axis)
+
+
+def _grid_as_hqq(p: GridParams, shape: tuple[int, int], prefer: tuple[int, ...] = ()) -> tuple[str, str]:
     """(verdict, reason) for storing a grid as hqq without requantizing."""
     if p.bits not in _SUPPORTED_BITS:
         return REQUANTIZE, f"{p.bits}-bit codes have no hqq packing"
@@ -567,7 +783,10 @@ def _grid_as_hqq(p: GridParams, shape: tuple[int, int]) -> tuple[str, str]:
         return REQUANTIZE, "act-order groups are not hqq groups"
     if p.axis == 0 and p.row_idx is not None:
         return REQUANTIZE, "reordered axis-0 rows are not hqq groups"
-    why = _scheme_fits(HqqScheme(p.bits, p.group_size, p.axis), shape)
+    if p.axis == 0 and _axis0_layout(p, shape, prefer) is None:
+        return REFUSED, (f"no hqq axis-0 group size gives these {tuple(p.scales.shape)} scales with "
+                         f"{packing_for_bits(p.bits).name} packing")
+    why = _scheme_fits(_source_scheme(p, shape, prefer), shape)
     if why:
         return REFUSED, why
     if not torch.is_floating_point(p.zeros) and not bool((p.zeros.abs() <= 256).all()):
@@ -581,22 +800,31 @@ class HqqWriter:
 
     def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
         _, scheme = parse_hqq_type(options.explicit_type(rec.name) or options.type)
+        if rec.is_grid and _EMBEDDING.search(rec.name):
+            # hqq (and transformers' HQQ loader) quantize nn.Linear only: a quantized token embedding (UQFF
+            # 1.2, GGUF) is stored as its dequantized values in the source's compute dtype, which is exact
+            cd = rec.params.compute_dtype
+            return TensorPlan(rec.name, rec.shape, describe_grid(rec.params, rec.shape[1]), str(cd)[6:], EXACT,
+                              f"hqq quantizes linear layers only: the embedding is stored dequantized ({str(cd)[6:]})",
+                              out_name=rec.name, info={"kind": "dequant", "dtype": cd})
         if rec.is_grid:
             p = rec.params
             src = describe_grid(p, rec.shape[1])
-            same = scheme is None or scheme == HqqScheme(p.bits, p.group_size, p.axis)
-            verdict, reason = _grid_as_hqq(p, rec.shape) if same else (REQUANTIZE, "scheme differs from the source grid")
+            prefer = axis0_source_group(rec)
+            own = _source_scheme(p, rec.shape, prefer)
+            same = scheme is None or scheme == own
+            verdict, reason = _grid_as_hqq(p, rec.shape, prefer) if same else (REQUANTIZE, "scheme differs from the source grid")
             if verdict == EXACT:
-                return TensorPlan(rec.name, rec.shape, src, HqqScheme(p.bits, p.group_size, p.axis).label(), EXACT,
-                                  reason, out_name=rec.name, info={"kind": "grid", "hqq": rec.notes.get("hqq", {})})
+                return TensorPlan(rec.name, rec.shape, src, own.label(), EXACT, reason, out_name=rec.name,
+                                  info={"kind": "grid", "hqq": rec.notes.get("hqq", {}), "axis0_group_size": prefer})
             want = scheme or HqqScheme(p.bits if p.bits in _SUPPORTED_BITS else 4,
                                        p.group_size if p.axis == 1 else 64, 1)
             why = _scheme_fits(want, rec.shape)
             if why:
                 return TensorPlan(rec.name, rec.shape, src, want.label(), REFUSED, why, out_name=rec.name)
             alt = ""
-            if not same and _grid_as_hqq(p, rec.shape)[0] == EXACT:
-                alt = f"--type {p.bits}g{p.group_size}a{p.axis} (exact)"
+            if not same and _grid_as_hqq(p, rec.shape, prefer)[0] == EXACT:
+                alt = f"--type {own.bits}g{own.group_size}a{own.axis} (exact)"
             return TensorPlan(rec.name, rec.shape, src, want.label(), REQUANTIZE,
                               reason + "; quantized again with hqq's rule", alternative=alt, out_name=rec.name,
                               info={"kind": "requant", "scheme": want})
@@ -633,18 +861,24 @@ def _layer_state(grid: Grid, notes: dict) -> dict:
     out_features, in_features = shape = grid.shape
     packing = packing_for_bits(p.bits)
     cd = p.compute_dtype
-    words = pack_hqq(codes_to_grouped(grid.codes, p.group_size, p.axis), packing)
-    n_groups = out_features * in_features // p.group_size
+    group_size, scale, zero = p.group_size, p.scales, p.zeros
+    if p.axis == 0:  # the compact [1, M] meta of the hqq layout (the planner checked there is one)
+        layout = _axis0_layout(p, shape, tuple(notes.get("axis0_group_size", ())))
+        if layout is None:
+            raise QConvertError(f"no hqq axis-0 layout holds scales of shape {tuple(p.scales.shape)}")
+        group_size, scale, zero = layout
+    words = pack_hqq(codes_to_grouped(grid.codes, group_size, p.axis), packing)
+    n_groups = out_features * in_features // group_size
     keep = (n_groups, 1) if p.axis == 1 else (1, n_groups)
-    scale = p.scales.to(cd).reshape(keep).contiguous()
-    zero = p.zeros.to(cd).reshape(keep).contiguous()
+    scale = scale.to(cd).reshape(keep).contiguous()
+    zero = zero.to(cd).reshape(keep).contiguous()
     hq = notes.get("hqq", {})
     view_as_float = bool(hq.get("view_as_float", False))
     if view_as_float:
         words = words.view(cd)
     nbits = hq.get("nbits", p.bits)
     nbits = 1.58 if nbits == 1.58 else int(p.bits)
-    return {"W_q": words, "nbits": nbits, "group_size": int(p.group_size), "shape": torch.Size(shape),
+    return {"W_q": words, "nbits": nbits, "group_size": int(group_size), "shape": torch.Size(shape),
             "scale": scale, "zero": zero, "axis": int(p.axis), "packing": packing.name,
             "unpack_view_dtype": packing.storage, "view_as_float": view_as_float, "quant_scale": False,
             "quant_zero": False, "compute_dtype": cd, "offload_meta": False, "stores_quant_config": True,
@@ -678,6 +912,7 @@ class HqqSession:
         self.path, self.source, self.style = path, source, style
         self.schemes: Counter = Counter()  # (bits, group_size, axis, view_as_float, round_zero) -> layers
         self.dense_linears: list[str] = []
+        self.grid_modules: set[str] = set()
         if style == "safetensors":
             self.shards = ShardWriter(path)
         else:
@@ -689,18 +924,27 @@ class HqqSession:
 
     def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor:
         kind = plan.info.get("kind")
+        if kind == "dequant":
+            item = Dense(item.dequantize(plan.info["dtype"]))
         if kind == "requant":
             s = plan.info["scheme"]
             w = item.dequantize(torch.float32)
             codes, scale, zero = quantize_hqq(w, s.bits, s.group_size, s.axis)
-            r = w.shape[0] // s.group_size if s.axis == 0 else w.shape[0]
-            params = GridParams(bits=s.bits, group_size=s.group_size, scales=scale.reshape(r, -1),
-                                zeros=zero.reshape(r, -1), axis=s.axis, compute_dtype=torch.float32)
-            item = Grid(params, codes)
+            if s.axis == 0:
+                shape = tuple(w.shape)
+                params = axis0_params(s.bits, shape, axis0_expand(scale, shape, s.group_size),
+                                      axis0_expand(zero, shape, s.group_size), torch.float32)
+            else:
+                params = GridParams(bits=s.bits, group_size=s.group_size, scales=scale.reshape(w.shape[0], -1),
+                                    zeros=zero.reshape(w.shape[0], -1), axis=1, compute_dtype=torch.float32)
+            item, plan_notes = Grid(params, codes), {"axis0_group_size": (s.group_size,)}
+        else:
+            plan_notes = {}
         if isinstance(item, Grid):
             prefix = plan.name[: -len(".weight")] if plan.name.endswith(".weight") else plan.name
-            state = _layer_state(item, self._notes_of(plan))
+            state = _layer_state(item, {**self._notes_of(plan), **plan_notes})
             self._put_layer(prefix, state)
+            self.grid_modules.add(prefix)
             p = item.params
             self.schemes[(p.bits, p.group_size, p.axis, state["view_as_float"], state["round_zero"])] += 1
             return self._decode_back(state, item.shape)
@@ -711,8 +955,11 @@ class HqqSession:
         return tensor.to(torch.float32)
 
     def _notes_of(self, plan: TensorPlan) -> dict:
-        """hqq's own flags of the source layer (view_as_float, nbits 1.58, optimize...) to keep, if any."""
-        return {"hqq": plan.info.get("hqq", {})} if plan.info.get("kind") == "grid" else {}
+        """hqq's own flags of the source layer (view_as_float, nbits 1.58, optimize...) and its axis-0 group
+        size to keep, if any."""
+        if plan.info.get("kind") != "grid":
+            return {}
+        return {"hqq": plan.info.get("hqq", {}), "axis0_group_size": tuple(plan.info.get("axis0_group_size", ()))}
 
     def _decode_back(self, state: dict, shape) -> torch.Tensor:
         """What hqq decodes from the state written: unpack the written words and dequantize them."""
@@ -769,7 +1016,10 @@ class HqqSession:
         bits, group_size, axis, view_as_float, round_zero = self.schemes.most_common(1)[0][0]
         weight = {"nbits": bits, "group_size": group_size, "axis": axis, "channel_wise": True, "optimize": True,
                   "round_zero": round_zero, "view_as_float": view_as_float}
-        skip = ["lm_head"] + [m for m in self.dense_linears if m != "lm_head"]
+        # transformers leaves skip_modules as nn.Linear and would drop a quantized lm_head's 19 keys (random
+        # weights instead): lm_head is skipped only when it is not written quantized
+        skip = ([] if "lm_head" in self.grid_modules else ["lm_head"]) + [m for m in self.dense_linears
+                                                                        if m != "lm_head"]
         # transformers reads every layer's settings from its own tensors; quant_config, quant_method and
         # skip_modules must still be there (HqqConfig.from_dict and the loader index them)
         return {"quant_config": {"offload_meta": False, "scale_quant_params": None, "zero_quant_params": None,

@@ -15,10 +15,13 @@ the zero only), run in float32 as hqq runs it on a CPU, so that requantizing int
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["PACKINGS", "Packing", "packing_for_bits", "pack_hqq", "unpack_hqq", "grouped_shape",
-           "codes_to_grouped", "grouped_to_codes", "quantize_hqq"]
+           "codes_to_grouped", "grouped_to_codes", "quantize_hqq", "axis0_period", "axis0_expand",
+           "axis0_compact"]
 
 
 class Packing:
@@ -95,6 +98,87 @@ def unpack_hqq(words: torch.Tensor, packing: Packing, rows: int) -> torch.Tensor
     if out.shape[0] < rows or (packing.name != "3bit_32" and out.shape[0] != rows) or step != packing.packed_rows(rows):
         raise ValueError(f"{tuple(words.shape)} {packing.name} words do not hold {rows} rows")
     return out[:rows]
+
+
+# -- axis 0: hqq's [1, M] meta as the [p, in] matrix of converters/records.py ---------------------------
+# Flat element f = n*in + k of W[out, in] sits in column f % M of W.reshape(gs, M), M = numel / gs: that
+# column is its group. hqq (and mistral.rs, which copies its reshape) only need gs to divide numel, so gs
+# need not divide `out`: mistral.rs 0.9.5 writes k/v projections of 32 rows with gs 64 (M = in / 2).
+# Rows n and n + p fall in the same groups when p*in is a multiple of M, first for p = M / gcd(in, M);
+# so the group of (n, k) is column ((n % p)*in + k) % M, and the meta expanded to
+# E[h, k] = meta[(h*in + k) % M], h < p, is records.py's axis-0 form with R = p rows and
+# group_size = out / p. When gs divides out this is the plain reshape (p = out / gs, E = meta.reshape(p, in)).
+# E holds lcm(M, in) <= numel values: never more than the weight itself.
+
+
+def axis0_period(shape: tuple[int, int], group_size: int) -> int:
+    """p: the number of distinct group rows of an axis-0 grid (numel % group_size must be 0)."""
+    out_features, in_features = shape
+    m = out_features * in_features // group_size
+    return m // math.gcd(in_features, m)
+
+
+def axis0_expand(meta: torch.Tensor, shape: tuple[int, int], group_size: int) -> torch.Tensor:
+    """hqq's axis-0 scale or zero ([1, M] or [M]) -> the [p, in] matrix E[h, k] = meta[(h*in + k) % M]."""
+    out_features, in_features = shape
+    flat = meta.reshape(-1)
+    m = flat.numel()
+    p = axis0_period(shape, group_size)
+    if p * in_features == m:
+        return flat.reshape(p, in_features)
+    index = torch.arange(p * in_features, dtype=torch.int64) % m
+    return flat[index].reshape(p, in_features)
+
+
+def _bits_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns (so that equality is exact, NaN and -0.0 included)."""
+    if t.is_floating_point():
+        return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t
+
+
+def _divisors(n: int) -> list[int]:
+    small, large, d = [], [], 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
+def axis0_compact(scales: torch.Tensor, zeros: torch.Tensor, shape: tuple[int, int], bits: int,
+                  prefer: tuple[int, ...] = ()) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """The inverse of axis0_expand: (group_size, scale [1, M], zero [1, M]) of an hqq axis-0 layout that
+    gives these [p, in] scales and zeros exactly and whose group rows `bits`' packing holds; None when
+    none does. The group sizes in `prefer` (the source's own) are tried first, then the smallest
+    period M of the flattened meta (the largest group), up to M = p*in (group_size = out / p, always
+    a layout of this grid)."""
+    out_features, in_features = shape
+    numel = out_features * in_features
+    p = scales.shape[0]
+    if tuple(scales.shape) != (p, in_features) or tuple(zeros.shape) != (p, in_features) or out_features % p:
+        return None
+    s_bits, z_bits = _bits_of(scales).reshape(-1), _bits_of(zeros).reshape(-1)
+    total = p * in_features
+    packing = packing_for_bits(bits)
+
+    def fits(m: int) -> bool:
+        if m <= 0 or total % m or numel % m or m // math.gcd(in_features, m) != p:
+            return False
+        if not packing.fits(numel // m):
+            return False
+        head_s, head_z = s_bits[:m], z_bits[:m]
+        return bool(torch.equal(s_bits.view(-1, m), head_s.expand(total // m, m))
+                    and torch.equal(z_bits.view(-1, m), head_z.expand(total // m, m)))
+
+    candidates = [numel // g for g in prefer if g and g > 0 and numel % g == 0] + _divisors(total)
+    for m in dict.fromkeys(candidates):
+        if fits(m):
+            gs = numel // m
+            return gs, scales.reshape(-1)[:m].reshape(1, m).contiguous(), zeros.reshape(-1)[:m].reshape(1, m).contiguous()
+    return None
 
 
 def _shrink_lp(x: torch.Tensor, beta: float, lp_norm: float) -> torch.Tensor:
