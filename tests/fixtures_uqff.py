@@ -13,6 +13,8 @@ Layout under ``root`` (default ``tests/_fixtures/uqff``)::
     wide/               f32 Llama, hidden 256, ffn 512 (K types need rows of 256), rope_theta and a
                         chat template added (mistral.rs needs both)
     narrow/             the 128-wide fixtures.py model (fp16), same additions
+    kv32/               the wide model with 8 heads of 32 and one kv head: k/v projections of 32 rows, fewer
+                        than mistral.rs' HQQ group of 64 (its groups run over the flattened weight)
     <model>-<type>/     what mistral.rs wrote: <type>-0.uqff, residual.safetensors, config.json, ...
                         plus mistralrs_logprobs.json {"ids", "steps": [[[token, logprob] x3] ...]}
 
@@ -38,6 +40,7 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 # model shows mistral.rs's fallback (q4k -> Q4_1, embeddings Q6K -> Q5_1).
 WIDE_TYPES = ("q4_0", "q4k", "q6k", "hqq4", "hqq8", "afq4", "afq8", "fp8", "f8q8", "mxfp4")
 NARROW_TYPES = ("q4k",)
+KV32_TYPES = ("hqq4", "hqq8")
 
 
 def _fixtures_module():
@@ -63,7 +66,7 @@ def mistralrs_ready(model_dir: Path) -> None:
         tc_path.write_text(json.dumps(tc, indent=2) + "\n")
 
 
-def build_wide_llama(out_dir: Path, seed: int = 77) -> Path:
+def build_wide_llama(out_dir: Path, seed: int = 77, heads: int = 4, kv_heads: int = 2, head_dim: int = 64) -> Path:
     """A float32 Llama with rows of 256 (hidden 256, ffn 512, 2 layers, 4 heads of 64, 2 kv heads)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -72,7 +75,8 @@ def build_wide_llama(out_dir: Path, seed: int = 77) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(vocab_size=fx.VOCAB_SIZE, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                         max_position_embeddings=256,
                          rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=0,
                          pad_token_id=None, attention_bias=False, mlp_bias=False, dtype=torch.float32)
     torch.manual_seed(seed)
@@ -92,6 +96,11 @@ def build_wide_llama(out_dir: Path, seed: int = 77) -> Path:
     fx.build_tokenizer(out)
     mistralrs_ready(out)
     return out
+
+
+def build_kv32_llama(out_dir: Path) -> Path:
+    """The wide model's sizes with 8 heads of 32 and one kv head: k_proj / v_proj are [32, 256]."""
+    return build_wide_llama(out_dir, seed=91, heads=8, kv_heads=1, head_dim=32)
 
 
 def build_narrow_llama(out_dir: Path) -> Path:
@@ -182,14 +191,18 @@ def ensure_uqff_fixtures(root: Path = DEFAULT_ROOT) -> dict:
         if not (root / "narrow" / ".done").exists():
             build_narrow_llama(root / "narrow")
             (root / "narrow" / ".done").write_text("ok")
+        if not (root / "kv32" / ".done").exists():
+            build_kv32_llama(root / "kv32")
+            (root / "kv32" / ".done").write_text("ok")
         made, failed = {}, {}
-        for model, types in (("wide", WIDE_TYPES), ("narrow", NARROW_TYPES)):
+        for model, types in (("wide", WIDE_TYPES), ("narrow", NARROW_TYPES), ("kv32", KV32_TYPES)):
             for isq in types:
                 try:
                     made[f"{model}-{isq}"] = _write_one(root, model, isq)
                 except Exception as e:  # reported by the tests, never silently skipped
                     failed[f"{model}-{isq}"] = str(e)
-    return {"root": root, "wide": root / "wide", "narrow": root / "narrow", "uqff": made, "failed": failed}
+    return {"root": root, "wide": root / "wide", "narrow": root / "narrow", "kv32": root / "kv32", "uqff": made,
+            "failed": failed}
 
 
 if __name__ == "__main__":

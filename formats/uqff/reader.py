@@ -25,9 +25,12 @@ from ...converters.records import Dense, Grid, GridParams, PackedCodes, TensorRe
 from ...kernels.ggml_kblocks import K_ZERO_POINT, unpack_k_blocks
 from ...kernels.ggml_layouts import LAYOUTS
 from ...kernels.ggml_legacy import unpack_blocks
+from ...kernels.hqq import axis0_expand
+from ..model_shapes import ModelShapes, layer_index
 from ..safetensors_dir import SIDE_FILES, read_json
-from .layout import (EXTRA_BLOCKS, FAMILY_OF_TAG, GGML_NAME_OF_ID, MAJOR, READER_MINOR, decode_f8q8, decode_mxfp4,
-                     decode_q8_1, decode_q8_k, hqq_halves_unpack, unpack_afq)
+from .layout import (AFQ_BITS, AFQ_GROUPS, EXTRA_BLOCKS, FAMILY_OF_TAG, FP8_DTYPE_CODE, GGML_NAME_OF_ID, MAJOR,
+                     READER_MINOR, decode_f8q8, decode_mxfp4, decode_q8_1, decode_q8_k, hqq_halves_unpack,
+                     unpack_afq)
 
 __all__ = ["UqffSource", "open_uqff", "shard_set", "is_uqff_file"]
 
@@ -36,8 +39,22 @@ _VERSION_KEYS = ("uqff.version.major", "uqff.version.minor", "uqff.version.patch
 _TORCH_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def _one_line(e: Exception) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
+def _safetensors_problem(e: Exception, path: Path) -> str:
+    """What is wrong with a safetensors file, in our words (the library's text is not for users)."""
+    try:
+        size = Path(path).stat().st_size
+    except OSError:
+        return "the file cannot be opened"
+    text = str(e)
+    if size < 8:
+        return f"{size} bytes: not even a header length"
+    if "HeaderTooLarge" in text or "HeaderTooSmall" in text or "InvalidHeader" in text:
+        return "the header length or JSON header is invalid"
+    if "MetadataIncompleteBuffer" in text or "incomplete" in text.lower():
+        return f"truncated: the header describes more data than the {size}-byte file holds"
+    if "InvalidOffset" in text or "TensorInvalidInfo" in text:
+        return "a tensor's shape, dtype and data offsets do not agree"
+    return "corrupt header or data offsets"
 
 
 def is_uqff_file(path: Path) -> bool:
@@ -55,31 +72,85 @@ def is_uqff_file(path: Path) -> bool:
 
 
 def shard_set(path: Path) -> list[Path]:
-    """The shards to read: a `.uqff` file expands to its contiguous set `<stem>-0.uqff, <stem>-1.uqff, ...`
-    (as mistral.rs does); a directory must hold exactly one such set."""
+    """The shards to read, as mistral.rs finds them. A `<stem>-<N>.uqff` file expands to its contiguous set
+    `<stem>-0.uqff, <stem>-1.uqff, ...`; any other `.uqff` name is one file as it is. A directory must hold
+    one such set: the files named `<stem>-<N>.uqff` (hidden files and other names beside a set are not
+    part of it and are left alone), or else a single `.uqff` file. A gap in the numbering (a missing
+    shard) is refused: the layers it held would be missing."""
     path = Path(path)
     if path.is_dir():
-        files = sorted(path.glob("*.uqff"))
+        files = sorted(p for p in path.glob("*.uqff") if p.is_file() and not p.name.startswith("."))
         if not files:
             raise BadInput("no .uqff file in this directory", path=path)
-        stems = sorted({(_SHARD_RE.match(p.name) or {"stem": p.stem})["stem"] for p in files})
-        if len(stems) > 1:
-            raise BadInput(f"several UQFF sets here ({', '.join(stems)}); name one, e.g. "
+        sets: dict[str, list[Path]] = {}
+        for p in files:
+            m = _SHARD_RE.match(p.name)
+            if m:
+                sets.setdefault(m["stem"], []).append(p)
+        if len(sets) > 1:
+            stems = sorted(sets)
+            raise BadInput(f"several UQFF sets here ({', '.join(stems[:6])}); name one, e.g. "
                            f"{path / (stems[0] + '-0.uqff')}", path=path)
-        first = next((p for p in files if p.name == f"{stems[0]}-0.uqff"), files[0])
-        return shard_set(first)
+        if sets:
+            (stem, members), = sets.items()
+            return _contiguous(path / f"{stem}-0.uqff", stem, members)
+        if len(files) > 1:
+            raise BadInput(f"several .uqff files here and none named <stem>-<N>.uqff "
+                           f"({', '.join(p.name for p in files[:6])}); name one", path=path)
+        return files
     if not path.is_file():
         raise BadInput("no such file", path=path)
     m = _SHARD_RE.match(path.name)
     if not m:
         return [path]
+    members = [p for p in path.parent.glob("*.uqff") if p.is_file() and _stem_of(p) == m["stem"]]
+    return _contiguous(path, m["stem"], members)
+
+
+def _stem_of(p: Path) -> str | None:
+    m = _SHARD_RE.match(p.name)
+    return m["stem"] if m else None
+
+
+def _contiguous(named: Path, stem: str, members: list[Path]) -> list[Path]:
+    """`<stem>-0.uqff` .. `<stem>-<k>.uqff` with no gap; every other member of the stem is an error."""
+    folder = named.parent
     shards, i = [], 0
-    while (path.parent / f"{m['stem']}-{i}.uqff").exists():
-        shards.append(path.parent / f"{m['stem']}-{i}.uqff")
+    while (folder / f"{stem}-{i}.uqff").is_file():
+        shards.append(folder / f"{stem}-{i}.uqff")
         i += 1
-    if path not in shards:
-        raise BadInput(f"shard set {m['stem']}-0.uqff .. is not contiguous up to this file", path=path)
+        if i > len(members):
+            break
+    if not shards:
+        raise BadInput(f"{stem}-0.uqff is missing: a UQFF set starts at shard 0", path=named)
+    stray = sorted(p.name for p in members if p not in shards)
+    if stray:
+        raise BadInput(f"not part of the contiguous set {stem}-0.uqff .. {shards[-1].name} (mistral.rs reads "
+                       f"{stem}-0, -1, ... up to the first missing number, {stem}-{i}.uqff); a shard is "
+                       "missing or misnamed", path=folder / stray[0])
+    if named not in shards:
+        raise BadInput(f"shard set {stem}-0.uqff .. is not contiguous up to this file", path=named)
+    _check_report(shards)
     return shards
+
+
+def _check_report(shards: list[Path]) -> None:
+    """mistral.rs' uqff_report.json, when present, lists each output's shards and mistral.rs holds the folder
+    to it: a shard it lists for this set that is not there is refused (its layers would be missing)."""
+    report = shards[0].parent / "uqff_report.json"
+    if not report.is_file():
+        return
+    outputs = read_json(report).get("outputs")
+    names = [p.name for p in shards]
+    for output in outputs if isinstance(outputs, list) else []:
+        listed = output.get("shards") if isinstance(output, dict) else None
+        if not isinstance(listed, list) or not all(isinstance(x, str) for x in listed):
+            continue
+        if set(listed) & set(names) and listed != names:
+            missing = [x for x in listed if x not in names]
+            if missing:
+                raise BadInput(f"missing: {report.name} lists it among this set's shards ({', '.join(listed[:6])})",
+                               path=shards[0].parent / Path(missing[0]).name)
 
 
 class _Shards:
@@ -105,7 +176,7 @@ class _Shards:
         except BadInput:
             raise
         except Exception as e:  # truncated file, corrupt header, offsets past the end
-            raise BadInput(f"cannot read safetensors file ({_one_line(e)})", path=shard) from None
+            raise BadInput(f"cannot read safetensors file ({_safetensors_problem(e, shard)})", path=shard) from None
 
     def __contains__(self, name: str) -> bool:
         return name in self.location
@@ -118,7 +189,7 @@ class _Shards:
             with safe_open(str(shard), framework="pt") as f:
                 return f.get_tensor(name)
         except Exception as e:
-            raise BadInput(f"cannot read tensor ({_one_line(e)})", path=shard, tensor=name) from None
+            raise BadInput(f"cannot read tensor ({_safetensors_problem(e, shard)})", path=shard, tensor=name) from None
 
     def meta(self, name: str) -> tuple[str, list[int]]:
         def fn(f):
@@ -152,8 +223,31 @@ class _Shards:
         return found
 
 
-def _scalar(t: torch.Tensor) -> int:
-    return int(t.reshape(-1)[0].to(torch.int64)) if t.numel() == 1 else int(t.to(torch.int64))
+_INT_TAGS = ("U8", "U16", "U32", "I8", "I16", "I32", "I64")
+_FLOAT_TAGS = ("F32", "F16", "BF16", "F64")
+_MAX_DIM = 1 << 24
+_FP8_MAX_SCALE = 65504.0 / 448.0
+_NUMBERED = re.compile(r"^model-\d+-of-\d+\.safetensors$")
+_PICKLED = re.compile(r"^pytorch_model.*\.(bin|pt|pth)$")
+# model types whose every layer has these tensors (transformers' Llama, Mistral, Qwen2, Qwen3): for them a
+# missing one is refused by name
+_COMPLETE_CHECKED = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+_PER_LAYER = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+              "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _numel(shape) -> int:
+    total = 1
+    for d in shape:
+        total *= int(d)
+    return total
+
+
+def _show_allowed(allowed) -> str:
+    if isinstance(allowed, range):
+        return f"{allowed.start}..{allowed.stop - 1}"
+    values = sorted(allowed)
+    return "one of " + ", ".join(map(str, values[:16])) + (" ..." if len(values) > 16 else "")
 
 
 def _torch_dtype_name(dtype: torch.dtype) -> str:
@@ -172,8 +266,11 @@ class UqffSource:
         self.shards = _Shards(self.shard_paths)
         self._check_version()
         cfg_path = self.path / "config.json"
-        cfg = read_json(cfg_path) if cfg_path.exists() else {}
-        self.config = _without_quantization_config(cfg)
+        if not cfg_path.is_file():
+            raise BadInput("missing: mistral.rs builds the model from the config.json beside the UQFF shards",
+                           path=cfg_path)
+        self.config = _without_quantization_config(read_json(cfg_path))
+        self.shapes = ModelShapes(self.config, cfg_path)
         self.quant_config = {"quant_method": "uqff", "version": ".".join(map(str, self.version)),
                              "shards": [p.name for p in self.shard_paths]}
         self.layers: dict[str, dict[str, str]] = {}  # key -> {suffix: tensor name}
@@ -196,7 +293,11 @@ class UqffSource:
             if "weight" not in parts:
                 raise BadInput("layer has metadata but no weight", path=self.shards.location[parts["weight.format"]],
                                tensor=f"{key}.weight")
+        if not self.layers:
+            raise BadInput("no UQFF layers in this set (no <key>.weight.format tensors): nothing to read",
+                           path=self.shard_paths[0])
         self.residual = self._residual()
+        self._check_complete()
 
     # -- container checks -------------------------------------------------------------------------------
     def _check_version(self) -> None:
@@ -218,15 +319,109 @@ class UqffSource:
         self.version = version
 
     def _residual(self):
-        """residual.safetensors, else the model's own safetensors (what mistral.rs falls back to)."""
+        """Where mistral.rs takes every tensor that is not a UQFF layer from: the model's own weights when
+        the folder has them (model.safetensors.index.json, model.safetensors, model-N-of-M.safetensors,
+        consolidated.safetensors; pytorch_model*.bin/.pt/.pth), else residual.safetensors, else nothing.
+        Other .safetensors files beside them are not read (mistral.rs does not read them either)."""
         from ..safetensors_dir import CheckpointDir
 
-        candidates = [p for p in self.path.glob("*.safetensors")]
-        if not candidates:
-            return None
-        if (self.path / "residual.safetensors").exists():
-            return _Shards([self.path / "residual.safetensors"])
-        return CheckpointDir(self.path)
+        d = self.path
+        if (d / "model.safetensors.index.json").is_file() or (d / "model.safetensors").is_file():
+            return CheckpointDir(d)
+        numbered = sorted(p for p in d.glob("model-*-of-*.safetensors") if _NUMBERED.match(p.name) and p.is_file())
+        if numbered:
+            return _Shards(numbered)
+        if (d / "consolidated.safetensors").is_file():
+            return _Shards([d / "consolidated.safetensors"])
+        pickles = sorted(p.name for p in d.iterdir() if _PICKLED.match(p.name) and p.is_file())
+        if pickles:
+            raise BadInput("mistral.rs would take the tensors that are not UQFF layers from this pickle, which "
+                           "this reader does not read; convert it to safetensors (residual.safetensors)",
+                           path=d / pickles[0])
+        if (d / "residual.safetensors").is_file():
+            return _Shards([d / "residual.safetensors"])
+        return None
+
+    def _residual_names(self) -> list[str]:
+        if self.residual is None:
+            return []
+        return self.residual.order if isinstance(self.residual, _Shards) else list(self.residual.location)
+
+    def _check_complete(self) -> None:
+        """The model's other tensors (norms, and the embedding when it is not a layer) must be there: a UQFF
+        set without residual.safetensors, or with a wrong one, would convert into a model without them."""
+        have = set(self.layers) | {f"{k}.weight" for k in self.layers}
+        have |= set(self._residual_names())
+        where = self.path / "residual.safetensors"
+        if self.residual is None:
+            raise BadInput("missing: the tensors that are not UQFF layers (the model's norms, dense leftovers) "
+                           "are stored there by mistral.rs, and no model safetensors stand in for it", path=where)
+        if not any(n for n in self._residual_names() if not n.startswith("uqff.version.")):
+            raise BadInput("holds no tensors: the model's norms are missing", path=self._residual_file(None))
+        sh = self.shapes
+        if self.config.get("model_type") not in _COMPLETE_CHECKED or not sh.layers:
+            return
+        want = ["model.norm.weight"]
+        if "model.embed_tokens.weight" not in have and not (sh.tie and "lm_head.weight" in have):
+            want.append("model.embed_tokens.weight")
+        if not sh.tie:
+            want.append("lm_head.weight")
+        for i in range(sh.layers):
+            want += [f"model.layers.{i}.{n}.weight" for n in _PER_LAYER]
+        missing = [n for n in want if n not in have]
+        if missing:
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise BadInput(f"{len(missing)} tensor(s) the model needs (config.json: {sh.layers} layers) are in "
+                           f"neither the UQFF shards nor the residual tensors: {', '.join(missing[:3])}{more}",
+                           path=self._residual_file(None), tensor=missing[0])
+
+    def _residual_file(self, name: str | None) -> Path:
+        if self.residual is None:
+            return self.path / "residual.safetensors"
+        if isinstance(self.residual, _Shards):
+            return self.residual.location[name] if name in self.residual.location else self.residual.shards[0]
+        return self.residual.file_of(name) if name in self.residual.location else self.path
+
+    # -- per-layer metadata scalars -----------------------------------------------------------------------
+    def _meta_int(self, key: str, suffix: str, allowed, what: str) -> int:
+        """An integer scalar (`[]` or `[1]`) metadata tensor, checked against `allowed` before any use."""
+        parts = self.layers[key]
+        if suffix not in parts:
+            raise BadInput(f"missing {suffix} for this layer", path=self.shards.location[parts["weight"]],
+                           tensor=f"{key}.{suffix}")
+        name = parts[suffix]
+        dtype, shape = self.shards.meta(name)
+        if dtype not in _INT_TAGS or len(shape) > 1 or (shape and shape[0] != 1):
+            raise BadInput(f"{what}: expected an integer scalar, found {dtype} {shape[:4]}",
+                           path=self.shards.location[name], tensor=name)
+        v = int(self.shards.get(name).reshape(-1)[0].to(torch.int64))
+        if v not in allowed:
+            raise BadInput(f"{what} is {v}; expected {_show_allowed(allowed)}", path=self.shards.location[name],
+                           tensor=name)
+        return v
+
+    def _meta_float(self, key: str, suffix: str, what: str) -> torch.Tensor:
+        parts = self.layers[key]
+        if suffix not in parts:
+            raise BadInput(f"missing {suffix} for this layer", path=self.shards.location[parts["weight"]],
+                           tensor=f"{key}.{suffix}")
+        name = parts[suffix]
+        dtype, shape = self.shards.meta(name)
+        if dtype not in _FLOAT_TAGS or len(shape) > 1 or (shape and shape[0] != 1):
+            raise BadInput(f"{what}: expected a float scalar, found {dtype} {shape[:4]}",
+                           path=self.shards.location[name], tensor=name)
+        v = self.shards.get(name).reshape(())
+        if not bool(torch.isfinite(v)):
+            raise BadInput(f"{what} is not a finite number", path=self.shards.location[name], tensor=name)
+        return v
+
+    def _header(self, key: str, suffix: str) -> tuple[str, list[int]]:
+        """(dtype tag, shape) of a layer's tensor from the safetensors header, without reading it."""
+        parts = self.layers[key]
+        if suffix not in parts:
+            raise BadInput(f"missing {suffix} for this layer", path=self.shards.location[parts["weight"]],
+                           tensor=f"{key}.{suffix}")
+        return self.shards.meta(parts[suffix])
 
     # -- one layer --------------------------------------------------------------------------------------
     def _part(self, key: str, suffix: str) -> torch.Tensor:
@@ -237,17 +432,19 @@ class UqffSource:
         return self.shards.get(parts[suffix])
 
     def family(self, key: str) -> str:
-        tag = _scalar(self._part(key, "weight.format"))
-        if tag not in FAMILY_OF_TAG:
-            raise BadInput(f"unknown UQFF format tag {tag}", path=self.shards.location[self.layers[key]["weight"]],
-                           tensor=f"{key}.weight.format")
-        return FAMILY_OF_TAG[tag]
+        return FAMILY_OF_TAG[self._meta_int(key, "weight.format", FAMILY_OF_TAG, "UQFF format tag")]
 
     def _bad(self, key: str, msg: str, suffix: str = "weight") -> BadInput:
         return BadInput(msg, path=self.shards.location[self.layers[key]["weight"]], tensor=f"{key}.{suffix}")
 
     def _shape(self, key: str) -> tuple[int, ...]:
+        dtype, dims = self._header(key, "weight.shape")
+        if dtype not in _INT_TAGS or len(dims) != 1 or not 1 <= dims[0] <= 8:
+            raise self._bad(key, f"weight.shape must be a short integer vector, found {dtype} {dims[:4]}",
+                            "weight.shape")
         shape = tuple(int(x) for x in self._part(key, "weight.shape").to(torch.int64).tolist())
+        if any(not 1 <= x <= _MAX_DIM for x in shape):
+            raise self._bad(key, f"weight shape {list(shape)}: every size must be 1..{_MAX_DIM}", "weight.shape")
         if len(shape) != 2:
             raise self._bad(key, f"weight shape {list(shape)}: only 2-D layers are supported (stacked experts "
                                  "are not)", "weight.shape")
@@ -258,10 +455,7 @@ class UqffSource:
         fam = self.family(key)
         if fam == "gguf":
             shape = self._shape(key)
-            type_id = _scalar(self._part(key, "weight.dtype"))
-            name = GGML_NAME_OF_ID.get(type_id)
-            if name is None:
-                raise self._bad(key, f"unknown ggml type id {type_id}", "weight.dtype")
+            name = GGML_NAME_OF_ID[self._meta_int(key, "weight.dtype", GGML_NAME_OF_ID, "ggml type id")]
             notes = {"uqff_family": fam, "ggml_type": name}
             if name in LAYOUTS and LAYOUTS[name].kind != "float":
                 return shape, self._load_gguf(key, shape, name).params, "grid", notes
@@ -270,10 +464,19 @@ class UqffSource:
         notes = {"uqff_family": fam}
         if fam in ("hqq", "afq"):
             params, shape = self._load_hqq(key, False) if fam == "hqq" else self._load_afq(key, False)
+            if fam == "hqq":  # the stored group size and flags, so that a HQQ / UQFF writer stores the same layout
+                notes["axis0_group_size"] = self._meta_int(key, "weight.group_size", range(1, 1 << 32), "group size")
+                notes["uqff_hqq"] = {k: self._meta_int(key, f"weight.{k}", range(0, 1 << 32), k)
+                                     for k in ("optimization_steps", "round_zeros", "channel_wise")
+                                     if f"weight.{k}" in self.layers[key]}
             return shape, params, "grid", notes
         dtype, wshape = self.shards.meta(self.layers[key]["weight"])
+        if fam != "f8q8" and (len(wshape) != 2 or min(wshape) < 1):
+            raise self._bad(key, f"{fam} weight of shape {wshape[:4]}: only 2-D layers are supported")
         if fam == "unquant":
-            return tuple(wshape), None, {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(dtype, dtype), notes
+            if dtype not in ("F32", "F16", "BF16"):
+                raise self._bad(key, f"Unquant weight dtype {dtype} is not F32, F16 or BF16")
+            return tuple(wshape), None, {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[dtype], notes
         if fam == "f8q8":
             return self._shape(key), None, "float32", notes
         if fam == "mxfp4":
@@ -284,7 +487,7 @@ class UqffSource:
         fam = self.family(key)
         if fam == "gguf":
             shape = self._shape(key)
-            name = GGML_NAME_OF_ID.get(_scalar(self._part(key, "weight.dtype")))
+            name = GGML_NAME_OF_ID[self._meta_int(key, "weight.dtype", GGML_NAME_OF_ID, "ggml type id")]
             if name in LAYOUTS and LAYOUTS[name].kind != "float":
                 return self._load_gguf(key, shape, name)
             return Dense(self._gguf_plain(key, shape, name))
@@ -296,11 +499,18 @@ class UqffSource:
         if fam == "fp8":
             if w.dtype != torch.float8_e4m3fn:
                 raise self._bad(key, f"FP8 weight dtype {w.dtype} is not F8_E4M3")
-            scale = self._part(key, "weight.dequant_w_scale").to(torch.float32)
+            if "weight.dtype" in self.layers[key]:
+                self._meta_int(key, "weight.dtype", (FP8_DTYPE_CODE,), "FP8 dtype code (9 = F8E4M3)")
+            scale = self._meta_float(key, "weight.dequant_w_scale", "FP8 dequant scale").to(torch.float32)
+            # mistral.rs' ISQ stores absmax / 448 (> 0); a scale past 65504 / 448 would put weights beyond
+            # float16's range, which no model's weights reach: a corrupt value, not a model
+            if not 0.0 < float(scale) <= _FP8_MAX_SCALE:
+                raise self._bad(key, f"FP8 dequant scale {float(scale):.6g} is outside (0, {_FP8_MAX_SCALE:.6g}]: the "
+                                     "weights would be beyond float16's range", "weight.dequant_w_scale")
             return Dense(w.to(torch.float32) * scale)
         if fam == "f8q8":
             shape = self._shape(key)
-            nblocks = _scalar(self._part(key, "weight.num_blocks"))
+            nblocks = self._meta_int(key, "weight.num_blocks", range(1, 1 << 32), "F8Q8 block count")
             if w.dtype != torch.uint8 or w.numel() != nblocks * 33 or nblocks * 32 < shape[0] * shape[1]:
                 raise self._bad(key, f"F8Q8 weight of {w.numel()} bytes does not hold {nblocks} blocks of 33 "
                                      f"for shape {list(shape)}")
@@ -361,43 +571,62 @@ class UqffSource:
 
     def _load_hqq(self, key: str, with_codes: bool = True):
         out, n = self._shape(key)
-        bits = _scalar(self._part(key, "weight.bits"))
-        gs = _scalar(self._part(key, "weight.group_size"))
-        axis = _scalar(self._part(key, "weight.axis"))
-        if axis != 0:
-            raise self._bad(key, f"HQQ axis {axis}: mistral.rs reads axis 0 only", "weight.axis")
-        if bits not in (4, 8):
-            raise self._bad(key, f"HQQ {bits}-bit layers are not supported (mistral.rs writes 4 and 8)", "weight.bits")
-        if gs <= 0 or out % gs:
-            raise self._bad(key, f"HQQ group size {gs} does not divide the {out} output rows", "weight.group_size")
-        scales, zeros, w = self._part(key, "weight.scales"), self._part(key, "weight.zeros"), self._part(key, "weight")
-        m = out * n // gs
-        if scales.dtype != zeros.dtype or not scales.is_floating_point() or scales.numel() != m or zeros.numel() != m:
-            raise self._bad(key, f"HQQ scales {list(scales.shape)} {scales.dtype} / zeros {list(zeros.shape)} "
-                                 f"{zeros.dtype} do not match {m} groups", "weight.scales")
-        if w.dtype != torch.uint8 or tuple(w.shape) != (gs * bits // 8, m):
-            raise self._bad(key, f"HQQ weight {list(w.shape)} {w.dtype}, expected uint8 {[gs * bits // 8, m]}")
-        # HQQ's [1, numel/gs] meta flattened row-major is the [R, in] matrix of records.py's axis-0 form
-        r = out // gs
-        params = GridParams(bits=bits, group_size=gs, scales=scales.reshape(r, n), zeros=zeros.reshape(r, n),
-                            axis=0, compute_dtype=scales.dtype)
+        numel = out * n
+        bits = self._meta_int(key, "weight.bits", (4, 8), "HQQ bits (mistral.rs writes 4 and 8)")
+        self._meta_int(key, "weight.axis", (0,), "HQQ axis (mistral.rs dequantizes axis 0 only)")
+        gs = self._meta_int(key, "weight.group_size", range(1, numel + 1), f"HQQ group size (1..{numel})")
+        for suffix in ("weight.round_zeros", "weight.channel_wise"):
+            if suffix in self.layers[key]:
+                self._meta_int(key, suffix, (0, 1), suffix[len("weight."):] + " flag")
+        if "weight.optimization_steps" in self.layers[key]:
+            self._meta_int(key, "weight.optimization_steps", range(0, 1 << 32), "optimization steps")
+        # hqq and mistral.rs view the flattened weight as [gs, numel/gs]: gs must divide the element count
+        # (not the rows: k/v projections of 32 rows with gs 64 are what mistral.rs writes), and the 4-bit
+        # packing stores the two halves of the gs rows in one byte
+        if numel % gs or gs * bits % 8:
+            raise self._bad(key, f"HQQ group size {gs} does not divide the {out}x{n} weight's {numel} elements "
+                                 f"into whole {bits}-bit packed groups", "weight.group_size")
+        m = numel // gs
+        for suffix in ("weight.scales", "weight.zeros"):
+            dtype, shape = self._header(key, suffix)
+            if dtype not in ("F32", "F16", "BF16") or _numel(shape) != m or len(shape) > 2:
+                raise self._bad(key, f"HQQ {suffix[7:]} {shape[:4]} {dtype} do not hold {m} float groups "
+                                     f"([1, {m}])", suffix)
+        if self._header(key, "weight.scales")[0] != self._header(key, "weight.zeros")[0]:
+            raise self._bad(key, "HQQ scales and zeros have different dtypes", "weight.zeros")
+        wdtype, wshape = self._header(key, "weight")
+        if wdtype != "U8" or list(wshape) != [gs * bits // 8, m]:
+            raise self._bad(key, f"HQQ weight {wshape[:4]} {wdtype}, expected U8 {[gs * bits // 8, m]} for shape "
+                                 f"{[out, n]}, group size {gs}, {bits} bits")
+        scales, zeros = self._part(key, "weight.scales"), self._part(key, "weight.zeros")
+        # the [1, M] meta as records.py's axis-0 [p, in] matrix (kernels/hqq.py axis0_expand)
+        e_s, e_z = axis0_expand(scales, (out, n), gs), axis0_expand(zeros, (out, n), gs)
+        params = GridParams(bits=bits, group_size=out // e_s.shape[0], scales=e_s, zeros=e_z, axis=0,
+                            compute_dtype=scales.dtype)
         if not with_codes:
             return params, (out, n)
-        grouped = hqq_halves_unpack(w, bits)  # [gs, numel/gs]
+        grouped = hqq_halves_unpack(self._part(key, "weight"), bits)  # [gs, numel/gs]
         return Grid(params, grouped.reshape(out, n))
 
     def _load_afq(self, key: str, with_codes: bool = True):
-        bits = _scalar(self._part(key, "weight.bits"))
-        gs = _scalar(self._part(key, "weight.group_size"))
-        w, scales, biases = self._part(key, "weight"), self._part(key, "weight.scales"), self._part(key, "weight.biases")
-        if bits not in (2, 3, 4, 6, 8) or gs not in (32, 64, 128):
-            raise self._bad(key, f"AFQ bits {bits} / group size {gs} not supported", "weight.bits")
-        if w.dim() != 2 or w.dtype not in (torch.uint32, torch.int32):
-            raise self._bad(key, f"AFQ weight must be a 2-D U32 tensor, got {list(w.shape)} {w.dtype}")
-        out, n = w.shape[0], w.shape[1] * 32 // bits
-        if scales.dtype != biases.dtype or tuple(scales.shape) != (out, n // gs) or tuple(biases.shape) != (out, n // gs):
-            raise self._bad(key, f"AFQ scales {list(scales.shape)} / biases {list(biases.shape)} do not match "
-                                 f"{out} x {n // gs} groups", "weight.scales")
+        bits = self._meta_int(key, "weight.bits", AFQ_BITS, "AFQ bits")
+        gs = self._meta_int(key, "weight.group_size", AFQ_GROUPS, "AFQ group size")
+        wdtype, wshape = self._header(key, "weight")
+        if len(wshape) != 2 or wdtype not in ("U32", "I32") or min(wshape) < 1:
+            raise self._bad(key, f"AFQ weight must be a 2-D U32 tensor, got {wshape[:4]} {wdtype}")
+        out, words = wshape
+        n, rest = divmod(words * 32, bits)
+        dtypes = {self._header(key, s)[0] for s in ("weight.scales", "weight.biases")}
+        sshape, bshape = self._header(key, "weight.scales")[1], self._header(key, "weight.biases")[1]
+        if len(dtypes) != 1 or not dtypes <= {"F32", "F16", "BF16"} or list(sshape) != list(bshape) \
+                or len(sshape) != 2 or sshape[0] != out:
+            raise self._bad(key, f"AFQ scales {sshape[:4]} / biases {bshape[:4]} ({', '.join(sorted(dtypes))}) "
+                                 f"are not one float [{out}, groups] pair", "weight.scales")
+        if rest or n != sshape[1] * gs:
+            raise self._bad(key, f"AFQ weight rows of {words} u32 words hold {words * 32 / bits:g} {bits}-bit codes, "
+                                 f"but the scales describe {sshape[1]} groups of {gs} = {sshape[1] * gs} inputs",
+                            "weight.bits")
+        scales, biases = self._part(key, "weight.scales"), self._part(key, "weight.biases")
         compute = scales.dtype
         zeros = _integer_zeros(scales, biases, bits)
         if zeros is not None:
@@ -407,28 +636,42 @@ class UqffSource:
                                 compute_dtype=compute)
         if not with_codes:
             return params, (out, n)
+        w = self._part(key, "weight")
         codes = unpack_afq(w, bits, n)
         packed = PackedCodes(w.view(torch.int32).T.contiguous(), bits, "gptq-rows") if bits in (2, 3, 4, 8) else None
         return Grid(params, codes, packed)
 
     # -- the ModelSource interface ------------------------------------------------------------------------
+    def _check_shape(self, name: str, shape: tuple, where: Path) -> None:
+        """A tensor's shape against config.json (formats/model_shapes.py), and its layer index."""
+        i = layer_index(name)
+        if i is not None and self.shapes.layers is not None and i >= self.shapes.layers:
+            raise BadInput(f"layer {i} is beyond config.json's num_hidden_layers {self.shapes.layers}", path=where,
+                           tensor=name)
+        self.shapes.check_dense(name, tuple(shape), where)
+
     def records(self) -> Iterator[TensorRecord]:
         for key in self.layers:
             shape, params, dtype, notes = self.describe_layer(key)
-            where = str(self.shards.location[self.layers[key]["weight"]].name)
+            path = self.shards.location[self.layers[key]["weight"]]
+            self._check_shape(f"{key}.weight", shape, path)
             yield TensorRecord(f"{key}.weight", shape, dtype, lambda k=key: self.load_layer(k), params=params,
-                               source_file=where, notes=notes)
+                               source_file=path.name, notes=notes)
             if key in self.biases:
-                yield self._dense_record(self.shards, self.biases[key])
+                rec = self._dense_record(self.shards, self.biases[key])
+                if rec.shape != (shape[0],):
+                    raise BadInput(f"bias of shape {rec.shape} does not match the layer's {shape[0]} outputs",
+                                   path=self.shards.location[self.biases[key]], tensor=rec.name)
+                yield rec
         for key, name in self.biases.items():
             if key not in self.layers:
                 yield self._dense_record(self.shards, name)
-        if self.residual is not None:
-            names = self.residual.order if isinstance(self.residual, _Shards) else list(self.residual.location)
-            for name in names:
-                if name.startswith("uqff.version.") or name[: -len(".weight")] in self.layers and name.endswith(".weight"):
-                    continue  # UQFF layers override the dense copy (mistral.rs asks the UQFF first)
-                yield self._dense_record(self.residual, name)
+        biases = set(self.biases.values())
+        for name in self._residual_names():
+            if name.startswith("uqff.version.") or name in biases or \
+                    (name.endswith(".weight") and name[: -len(".weight")] in self.layers):
+                continue  # UQFF layers (and their biases) override the dense copy (mistral.rs asks the UQFF first)
+            yield self._dense_record(self.residual, name)
 
     def _dense_record(self, store, name: str) -> TensorRecord:
         if isinstance(store, _Shards):
@@ -438,6 +681,7 @@ class UqffSource:
             dtype, shape, where = store.dtype(name), store.shape(name), store.location[name]
         from ..safetensors_dir import dtype_name as _dtype_name
 
+        self._check_shape(name, tuple(shape), store.location[name] if isinstance(store, _Shards) else store.file_of(name))
         return TensorRecord(name, tuple(shape), _dtype_name(dtype), lambda: Dense(store.get(name)), source_file=where)
 
     def side_files(self) -> dict[str, Path]:
@@ -457,7 +701,7 @@ class UqffSource:
         for key in self.layers:
             fam = self.family(key)
             if fam == "gguf":
-                fam = "gguf:" + GGML_NAME_OF_ID.get(_scalar(self._part(key, "weight.dtype")), "?")
+                fam = "gguf:" + GGML_NAME_OF_ID[self._meta_int(key, "weight.dtype", GGML_NAME_OF_ID, "ggml type id")]
             families[fam] = families.get(fam, 0) + 1
         return {"format": "uqff", "version": ".".join(map(str, self.version)),
                 "shards": [p.name for p in self.shard_paths], "layers": len(self.layers), "families": families,

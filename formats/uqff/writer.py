@@ -39,6 +39,7 @@ from ...converters.errors import QConvertError
 from ...converters.plan import BitIdentical, Options, TensorPlan, unknown_type
 from ...converters.records import Dense, Grid, GridParams, TensorRecord
 from ...kernels.ggml_layouts import LAYOUTS
+from ...kernels.hqq import axis0_compact, axis0_expand
 from ..safetensors_dir import copy_side_files, write_json
 from .reader import _without_quantization_config
 from .layout import (AFQ_GROUPS, FP8_DTYPE_CODE, GGML_TYPE_IDS, K_FALLBACK, MAJOR, TAG, UQFF_TYPES,
@@ -107,16 +108,22 @@ def check_target(t: UqffType, rec: TensorRecord) -> tuple[Verdict, dict]:
         return Verdict(v.verdict, note + v.reason), info
     if t.family == "hqq":
         gs = t.group_size
+        layout = None
         if p is not None and p.axis == 0 and p.row_idx is None and p.bits <= t.bits:
+            # the compact [1, M] meta of an hqq layout of this grid, the source's own group size first
+            prefer = rec.notes.get("axis0_group_size")
+            layout = axis0_compact(p.scales, p.zeros, tuple(shape), t.bits, (prefer,) if isinstance(prefer, int) else ())
+        if layout is not None:
             store = p.compute_dtype if p.compute_dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
-            info = {"aligned": True, "group_size": p.group_size, "meta_dtype": store}
+            info = {"aligned": True, "group_size": layout[0], "meta_dtype": store,
+                    "hqq_flags": dict(rec.notes.get("uqff_hqq") or {})}
             if store == p.scales.dtype or (torch.equal(p.scales.to(store).to(p.scales.dtype), p.scales)
                                            and torch.equal(p.zeros.to(store).to(p.zeros.dtype), p.zeros)):
-                return Verdict(EXACT, f"codes, scales and zeros kept (axis 0, group {p.group_size}, "
+                return Verdict(EXACT, f"codes, scales and zeros kept (axis 0, group {layout[0]}, "
                                       f"{str(store)[6:]})"), info
             return Verdict(NEAR_EXACT, f"codes kept; scales and zeros round to {str(store)[6:]}"), info
-        if shape[0] * in_features % gs or shape[0] % gs:
-            return Verdict(REFUSED, f"{shape[0]} rows are not whole HQQ axis-0 groups of {gs}"), {}
+        if shape[0] * in_features % gs:  # hqq's W.reshape(gs, -1): the element count must divide (not the rows)
+            return Verdict(REFUSED, f"the {shape[0]}x{in_features} weight is not whole HQQ axis-0 groups of {gs}"), {}
         why = ("HQQ axis-1 groups run along the input features; mistral.rs' HQQ holds axis 0 only"
                if p is not None and p.axis == 1 and p.zeros.is_floating_point() and p.mins is None
                else "mistral.rs' HQQ groups run down strided output rows (axis 0)" if p is not None
@@ -348,23 +355,32 @@ class UqffSession:
         out, n = plan.shape
         if plan.info.get("aligned"):
             p = item.params
-            gs, store = p.group_size, plan.info["meta_dtype"]
-            codes, scales, zeros, steps = item.codes, p.scales.to(store), p.zeros.to(store), 0
+            store = plan.info["meta_dtype"]
+            layout = axis0_compact(p.scales, p.zeros, (out, n), t.bits, (plan.info["group_size"],))
+            if layout is None or layout[0] != plan.info["group_size"]:
+                raise QConvertError("the grid's axis-0 scales changed between planning and writing", tensor=plan.name)
+            gs, scales, zeros = layout
+            codes, scales, zeros = item.codes, scales.to(store), zeros.to(store)
+            # a UQFF source's informational flags are kept as it stored them (0 steps: not optimized here)
+            flags = plan.info.get("hqq_flags") or {}
+            steps, round_zeros = flags.get("optimization_steps", 0), flags.get("round_zeros", 0)
+            channel_wise = flags.get("channel_wise", 1)
         else:
             from ...kernels.hqq import quantize_hqq
 
             gs, store, steps = plan.info["group_size"], torch.float32, 10  # mistral.rs ISQ: 10 steps, no round
+            round_zeros, channel_wise = 0, 1
             codes, scales, zeros = quantize_hqq(item.dequantize(torch.float32), t.bits, gs, axis=0, optimize=True,
                                                 round_zero=False, iters=steps)
-        r = out // gs
-        params = GridParams(bits=t.bits, group_size=gs, scales=scales.reshape(r, n), zeros=zeros.reshape(r, n),
-                            axis=0, compute_dtype=store)
+        e_s, e_z = axis0_expand(scales, (out, n), gs), axis0_expand(zeros, (out, n), gs)
+        params = GridParams(bits=t.bits, group_size=out // e_s.shape[0], scales=e_s, zeros=e_z, axis=0,
+                            compute_dtype=store)
         grouped = codes.reshape(gs, out * n // gs)
         tensors = {"": hqq_halves_pack(grouped, t.bits), "weight.format": _u8(TAG["hqq"]),
                    "weight.scales": scales.reshape(1, -1).contiguous(), "weight.zeros": zeros.reshape(1, -1).contiguous(),
                    "weight.shape": _u32([out, n]), "weight.bits": _u8(t.bits), "weight.group_size": _u32(gs),
-                   "weight.axis": _u8(0), "weight.optimization_steps": _u32(steps), "weight.round_zeros": _u8(0),
-                   "weight.channel_wise": _u8(1)}
+                   "weight.axis": _u8(0), "weight.optimization_steps": _u32(steps),
+                   "weight.round_zeros": _u8(round_zeros), "weight.channel_wise": _u8(channel_wise)}
         return tensors, Grid(params, codes).dequantize(torch.float32)
 
     def _encode_afq(self, t: UqffType, plan: TensorPlan, item):
