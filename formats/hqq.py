@@ -315,6 +315,33 @@ def _grid_record(prefix: str, layer: HqqLayer, load_layer, source_file: str) -> 
                         source_file=source_file, notes=notes)
 
 
+# model types whose every decoder layer has these modules (transformers' Llama, Mistral, Qwen2, Qwen3): a
+# checkpoint of one of them without one would convert into a model without it
+_COMPLETE_CHECKED = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+_PER_LAYER = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+              "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _check_complete(config: dict, names: set[str], where: Path) -> None:
+    """Every module config.json's model needs is there (`names`: `<module>.weight` of dense tensors and
+    HQQ layers alike); checked only for the model types listed above."""
+    from ..converters.validate import ConfigView
+
+    if config.get("model_type") not in _COMPLETE_CHECKED or "num_hidden_layers" not in config:
+        return
+    view = ConfigView(config, where.parent / "config.json" if where.is_file() else where / "config.json")
+    layers = view.int("num_hidden_layers", lo=1, hi=1 << 16)
+    want = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not view.bool("tie_word_embeddings", default=False):
+        want.append("lm_head.weight")
+    want += [f"model.layers.{i}.{m}.weight" for i in range(layers) for m in _PER_LAYER]
+    missing = [n for n in want if n not in names]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise BadInput(f"{len(missing)} module(s) the model needs (config.json: {layers} layers) are missing: "
+                       f"{', '.join(missing[:3])}{more}", path=where, tensor=missing[0])
+
+
 def _side_files(path: Path) -> dict[str, Path]:
     return {n: path / n for n in SIDE_FILES if (path / n).exists()}
 
@@ -368,6 +395,7 @@ class HqqSafetensorsSource:
             prefix, _, key = name.rpartition(".")
             if key in _HQQ_ONLY_KEYS and prefix not in self.modules:
                 raise BadInput(f"HQQ layer {key} without its {prefix}.W_q", path=self.ckpt.file_of(name), tensor=name)
+        _check_complete(self.config, {f"{m}.weight" for m in self.modules} | set(self.ckpt.location), self.path)
         for prefix, parts in self.modules.items():
             if "bias" in parts:
                 shape = tuple(self.ckpt.shape(parts["bias"]))
@@ -632,6 +660,9 @@ class HqqPickleSource:
                                        "reader passes through", path=self.file, tensor=name)
         if not self._layers:
             raise BadInput("no HQQ layers (no entry with W_q)", path=self.file)
+        names = {f"{m}.weight" for m in self._layers}
+        names |= {f"{m}.{k}" if m else str(k) for m, state in self.weights.items() if m not in self._layers for k in state}
+        _check_complete(self.config, names, self.file)
 
     def _decode(self, module: str, state: dict) -> HqqLayer:
         values = dict(state)

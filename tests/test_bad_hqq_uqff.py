@@ -294,6 +294,15 @@ def test_decoded_structure_is_checked(qmodel_copy, tmp_path, key, value, needle)
     expect_user_error("hqq->hf", qmodel_copy, tmp_path, "qmodel.pt", f"model.layers.0.mlp.up_proj", needle)
 
 
+def test_qmodel_without_a_layer(qmodel_copy, tmp_path):
+    """A module removed from the pickle would convert into a model without it."""
+    path = qmodel_copy / "qmodel.pt"
+    weights = torch.load(path, weights_only=True)
+    del weights["model.layers.1.mlp.gate_proj"]
+    torch.save(weights, path)
+    expect_user_error("hqq->hf", qmodel_copy, tmp_path, "qmodel.pt", "model.layers.1.mlp.gate_proj.weight", "missing")
+
+
 # 2b. transformers safetensors HQQ: a stray tensor beside a layer
 
 
@@ -380,6 +389,13 @@ def test_residual_without_the_norms(ufx, tmp_path, drop, needle):
     src = _copy(ufx["uqff"]["wide-afq4"], tmp_path / "m")
     _edit(src / "residual.safetensors", lambda t: t.pop(drop))
     expect_user_error("uqff->hf", src, tmp_path, "residual.safetensors", needle, "neither the UQFF shards")
+
+
+def test_residual_tensor_of_an_integer_dtype(ufx, tmp_path):
+    src = _copy(ufx["uqff"]["wide-mxfp4"], tmp_path / "m")
+    name = "model.layers.0.input_layernorm.weight"
+    _edit(src / "residual.safetensors", lambda t: t.__setitem__(name, t[name].to(torch.uint8)))
+    expect_user_error("uqff->gguf", src, tmp_path, "residual.safetensors", name, "U8 tensor", out_name="out.gguf")
 
 
 def test_missing_layer_is_refused(ufx, tmp_path):

@@ -681,7 +681,10 @@ class UqffSource:
             dtype, shape, where = store.dtype(name), store.shape(name), store.location[name]
         from ..safetensors_dir import dtype_name as _dtype_name
 
-        self._check_shape(name, tuple(shape), store.location[name] if isinstance(store, _Shards) else store.file_of(name))
+        path = store.location[name] if isinstance(store, _Shards) else store.file_of(name)
+        if dtype not in ("F32", "F16", "BF16"):  # norms, embeddings, biases, dense leftovers: mistral.rs loads floats
+            raise BadInput(f"{dtype} tensor: the tensors beside UQFF layers are F32, F16 or BF16", path=path, tensor=name)
+        self._check_shape(name, tuple(shape), path)
         return TensorRecord(name, tuple(shape), _dtype_name(dtype), lambda: Dense(store.get(name)), source_file=where)
 
     def side_files(self) -> dict[str, Path]:
