@@ -1730,7 +1730,7 @@ class Fuzzer:
         self.ref_queue: list[dict] = []
         self.seed_of: dict[tuple[str, str], Seed] = {}
         self.findings_fh = None
-        self.hash = code_hash()
+        self.hash = getattr(args, "code_hash", None) or code_hash()
         self.only = args.mutations
         self.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
 
@@ -2002,6 +2002,30 @@ def replay(args) -> int:
     return 0 if o.outcome in ("ok", "refused") else 1
 
 
+def preload_qconvert() -> list[str]:
+    """Import every module of qconvert here, once: the children inherit them (no torch op runs in this
+    process) and never import qconvert code from disk, so a run tests one version of the code even while
+    the working tree changes under it (a child importing a newer converters/run.py next to older modules
+    would fail with ImportErrors that are not qconvert's). Returns the modules that could not be imported."""
+    import importlib
+    import pkgutil
+
+    failed = []
+    for sub in ("converters", "formats", "kernels"):
+        pkg = importlib.import_module(f"qconvert.{sub}")
+        for info in pkgutil.walk_packages(pkg.__path__, f"qconvert.{sub}."):
+            if "triton" in info.name:  # GPU kernels: never used on CPU, and importing triton is slow
+                continue
+            try:
+                importlib.import_module(info.name)
+            except Exception:
+                failed.append(info.name)
+    from qconvert.converters.registry import all_formats
+
+    all_formats()
+    return failed
+
+
 def main(argv=None) -> int:
     global FIXTURES
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -2027,11 +2051,10 @@ def main(argv=None) -> int:
     args.replay_mode = False
     FIXTURES = Path(args.fixtures).resolve()
 
-    # import qconvert and every format once, here; the children inherit it (no torch op runs in this process)
-    from qconvert.converters import cli  # noqa: F401
-    from qconvert.converters.registry import all_formats
-    all_formats()
+    code = code_hash()  # of the code preloaded next
+    preload_qconvert()
 
+    args.code_hash = code
     if args.replay:
         return replay(args)
     readers = [r.strip() for r in args.readers.split(",") if r.strip()]
