@@ -113,6 +113,8 @@ def describe_data(path: Path) -> str:
         except QConvertError:
             return "a folder whose config.json is not valid JSON"
         qc = cfg.get("quantization_config")
+        if qc is not None and not isinstance(qc, dict):
+            return f"a checkpoint folder whose config.json quantization_config is not a JSON object ({qc!r:.40})"
         if isinstance(qc, dict) and qc:
             method = qc.get("quant_method", qc.get("method"))
             fmt = qc.get("format") or qc.get("checkpoint_format")

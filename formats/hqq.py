@@ -359,6 +359,15 @@ def _describe(fmt: str, container: str, layers: dict[str, HqqLayer], extra: dict
 # transformers safetensors
 
 
+def _quantization_config(cfg: dict, where: Path) -> dict:
+    """config.json's quantization_config ({} when absent or empty); anything but an object is bad input."""
+    if not cfg.get("quantization_config"):
+        return {}
+    from ..converters.validate import ConfigView
+
+    return dict(ConfigView(cfg, where).view("quantization_config").data)
+
+
 class HqqSafetensorsSource:
     """A transformers (or hqq save_to_safetensors) HQQ directory: flat `<module>.<key>` tensors."""
 
@@ -368,7 +377,7 @@ class HqqSafetensorsSource:
     def __init__(self, path: Path):
         self.path = Path(path)
         cfg = read_json(self.path / "config.json")
-        self.quant_config = dict(cfg.get("quantization_config") or {})
+        self.quant_config = _quantization_config(cfg, self.path / "config.json")
         if self.quant_config and str(self.quant_config.get("quant_method", "")).lower() != "hqq":
             raise BadInput(f"quant_method is {self.quant_config.get('quant_method')!r}, not hqq",
                            path=self.path / "config.json")
@@ -638,7 +647,7 @@ class HqqPickleSource:
         self.path = path.parent if path.is_file() else path
         self.file = path if path.is_file() else path / QMODEL
         cfg = read_json(self.path / "config.json")
-        self.quant_config = dict(cfg.get("quantization_config") or {})
+        self.quant_config = _quantization_config(cfg, self.path / "config.json")
         self.config = {k: v for k, v in cfg.items() if k != "quantization_config"}
         self.weights = load_qmodel(self.file)
         self.legacy = any("meta" in v for v in self.weights.values() if "W_q" in v)
@@ -727,18 +736,15 @@ def sniff_hqq(path: Path) -> bool:
         qc = read_json(path / "config.json").get("quantization_config") or {}
     except BadInput:
         return False
+    if not isinstance(qc, dict):  # not for detection to judge: the reader named by the user refuses it
+        return False
     if str(qc.get("quant_method", "")).lower() == "hqq":
         return True
-    # hqq's save_to_safetensors writes no quantization_config: the per-layer W_q tensors decide
-    shard = next(iter(sorted(path.glob("*.safetensors"))), None)
-    if shard is None:
-        return False
+    # hqq's save_to_safetensors writes no quantization_config: the per-layer W_q tensors of the model's own
+    # files decide (not of an adapter or another weight file beside them)
     try:
-        from safetensors import safe_open
-
-        with safe_open(str(shard), framework="pt") as f:
-            return any(k.endswith(".W_q") for k in f.keys())
-    except Exception:
+        return any(k.endswith(".W_q") for k in CheckpointDir(path).location)
+    except BadInput:
         return False
 
 

@@ -459,4 +459,4 @@ def quantization_config_of(path: Path) -> dict | None:
             qc = read_json(path / "quantize_config.json")
         except BadInput:
             return None
-    return qc
+    return qc if isinstance(qc, dict) else None  # not an object: for the reader to refuse, naming the key

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+import fixtures
 from helpers import expect_user_error, run_cli
 from synthetic_gptq import make_synthetic_gptq
 
@@ -180,3 +181,19 @@ def test_kill_9_during_a_write_then_a_rerun_completes(tmp_path):
     run_cli("gptq->gguf", src, out)
     assert out.read_bytes() == clean.read_bytes()
     assert sorted(p.name for p in work.iterdir()) == ["out.gguf"]
+
+
+@pytest.mark.parametrize("fixture", ["gptq", "hqq"])
+def test_quantization_config_that_is_no_object(fx, tmp_path, fixture):
+    """Detection (inspect) and the named reader both refuse it in one line; neither crashes on it."""
+    src = fx["variants"]["v1_b4_g32_sym"]["ckpt"] if fixture == "gptq" else \
+        Path(fixtures.DEFAULT_ROOT) / "hqq" / "b4_g64_ax1" / "tf"
+    folder = tmp_path / "m"
+    shutil.copytree(src, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = "-inf"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    (folder / "quantize_config.json").unlink(missing_ok=True)
+    proc = run_cli("inspect", folder, check_rc=2)
+    assert len(proc.stderr.strip().splitlines()) == 1 and "quantization_config is not a JSON object" in proc.stderr
+    expect_user_error(f"{fixture}->hf", folder, tmp_path, "config.json", "quantization_config is '-inf'")
