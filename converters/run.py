@@ -22,6 +22,7 @@ from .errors import BadInput, QConvertError
 from .plan import BitIdentical, Options, TensorPlan, check_plan, verdict_counts
 from .registry import get_format
 from .validate import ConfigView
+from ..formats.model_shapes import Layout, known_layout
 
 __all__ = ["convert", "verify", "open_source", "plan_conversion", "TensorResult", "Report", "atomic_output"]
 
@@ -74,11 +75,12 @@ def open_source(fmt: str, path: Path, options: Options | None = None):
 
 
 def plan_conversion(source, writer, options: Options, progress: bool = True) -> list[TensorPlan]:
-    plans, names = [], []
+    plans, names, files = [], [], {}
     for rec in tqdm(source.records(), desc="Checking", unit="tensor", disable=not progress, leave=False):
         names.append(rec.name)
+        files[rec.name] = rec.source_file
         plans.append(_mark_standin(rec, writer.plan_tensor(rec, options, source)))
-    check_required_tensors(source, names)
+    check_required_tensors(source, names, files)
     writer.check_model(source, plans, options)
     return plans
 
@@ -87,13 +89,24 @@ _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 _MAX_LAYERS = 1 << 16  # the deepest released models have ~130 layers
 
 
-def check_required_tensors(source, names: list[str]) -> None:
-    """What every model needs whatever its format, checked on the records' (Hugging Face) names: some
-    tensors at all; `lm_head.weight` when config.json unties it from the embedding (transformers would
-    otherwise start the head from random values); every decoder layer below num_hidden_layers (a layer
-    may be stored in several shards, but none may be absent). Layers beyond the count are allowed:
-    DeepSeek-V3 stores its multi-token-prediction layer as model.layers.<num_hidden_layers>."""
+def check_required_tensors(source, names: list[str], files: dict[str, str] | None = None) -> None:
+    """What every model needs whatever its format, checked on the records' (Hugging Face) names, which
+    every reader yields alike (one `<module>.weight` per quantized linear): some tensors at all;
+    `lm_head.weight` when config.json unties it from the embedding (transformers would otherwise start
+    the head from random values); every decoder layer below num_hidden_layers (a layer may be stored in
+    several shards, but none may be absent).
+
+    For the architectures whose names are known (model_shapes.KNOWN_LAYOUTS: llama, mistral, qwen2,
+    qwen3) also: no name the architecture does not have (a renamed or foreign tensor, a layer at or
+    beyond num_hidden_layers), and every tensor of the model present, in every layer (the biases where
+    config.json says the model has them). Other architectures keep only the layer count, with layers
+    beyond it allowed: DeepSeek-V3 stores its multi-token-prediction layer as
+    model.layers.<num_hidden_layers>, and MoE, hybrid (attention / state-space) and pruned models hold
+    different tensors in different layers, so no per-layer rule is safe for them.
+
+    `files` maps names to the records' source_file, to name the file in a refusal."""
     path = Path(getattr(source, "path", "") or ".")
+    files = files or {}
     if not names:
         shards = getattr(getattr(source, "ckpt", None), "shards", None) or []
         raise BadInput("the checkpoint holds no tensors", path=path / shards[0] if len(shards) == 1 else path)
@@ -103,22 +116,63 @@ def check_required_tensors(source, names: list[str]) -> None:
     where = path / "config.json" if path.is_dir() and (path / "config.json").exists() else path
     view = ConfigView(config, where)
     present = set(names)
+
+    def file_of(name: str) -> Path:
+        f = files.get(name)
+        if not f:
+            return path
+        f = Path(f)
+        return f if f.is_absolute() else (path / f if path.is_dir() else path.with_name(f.name))
+
+    every_file = {file_of(n) for n in names}
+    one_file = next(iter(every_file)) if len(every_file) == 1 else path
+
     if view.bool("tie_word_embeddings", default=None) is False and "lm_head.weight" not in present:
         raise BadInput("config.json sets tie_word_embeddings false, but the checkpoint has no output head",
-                       path=path, tensor="lm_head.weight")
+                       path=one_file, tensor="lm_head.weight")
     n_layers = view.int("num_hidden_layers", default=None, lo=1, hi=_MAX_LAYERS)
     if n_layers is None and "num_hidden_layers" in config:
         view.int("num_hidden_layers", lo=1, hi=_MAX_LAYERS)  # null: refused, naming the key
-    if n_layers is None:
+    layout = known_layout(config, where)
+    if layout is not None:
+        for name in names:
+            if not layout.allows(name, n_layers):
+                raise BadInput(_not_in_layout(name, layout, n_layers), path=file_of(name), tensor=name)
+    layer_files: dict[int, Path] = {}
+    for name in names:
+        m = _LAYER_NAME.match(name)
+        if m:
+            layer_files.setdefault(int(m[1]), file_of(name))
+    if n_layers is not None and (layer_files or "model.embed_tokens.weight" in present or layout is not None):
+        missing = [i for i in range(n_layers) if i not in layer_files]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise BadInput(f"config.json says num_hidden_layers {n_layers}, but the checkpoint has no tensor of "
+                           f"layer {missing[0]}{more}", path=one_file, tensor=f"model.layers.{missing[0]}")
+    if layout is None:
         return
-    layers = {int(m[1]) for m in map(_LAYER_NAME.match, names) if m}
-    if not layers and "model.embed_tokens.weight" not in present:
-        return  # not a llama-style naming: nothing to count
-    missing = [i for i in range(n_layers) if i not in layers]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise BadInput(f"config.json says num_hidden_layers {n_layers}, but the checkpoint has no tensor of layer "
-                       f"{missing[0]}{more}", path=path, tensor=f"model.layers.{missing[0]}")
+    for name in layout.top_required:
+        if name not in present:
+            why = ("config.json sets tie_word_embeddings false, so " if name == "lm_head.weight" else "")
+            raise BadInput(f"missing: {why}{layout.class_name} needs it (transformers would start it from random "
+                           "values)", path=one_file, tensor=name)
+    for i in sorted(layer_files):
+        for suffix in layout.layer_required:
+            name = f"model.layers.{i}.{suffix}"
+            if name not in present:
+                because = layout.required_because.get(suffix)
+                why = f"config.json says {because}" if because else f"{layout.class_name} has it in every layer"
+                raise BadInput(f"missing: {why} (transformers would start it from random values)",
+                               path=layer_files[i], tensor=name)
+
+
+def _not_in_layout(name: str, layout: Layout, n_layers: int | None) -> str:
+    m = _LAYER_NAME.match(name)
+    if m and n_layers is not None and int(m[1]) >= n_layers:
+        return (f"layer {m[1]} is beyond config.json's num_hidden_layers {n_layers} ({layout.model_type} models "
+                "have no extra layers)")
+    return (f"not a tensor of {layout.class_name} (config.json's model_type {layout.model_type!r}): a renamed or "
+            "foreign tensor")
 
 
 def _mark_standin(rec, plan: TensorPlan) -> TensorPlan:

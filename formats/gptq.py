@@ -271,6 +271,15 @@ class GptqSource:
         if "g_idx" in parts and shapes["g_idx"] != (in_features,):
             raise BadInput(f"g_idx shape {shapes['g_idx']} does not match qweight's {in_features} inputs",
                            path=self.ckpt.file_of(parts["g_idx"]), tensor=parts["g_idx"])
+        if scheme.desc_act and "g_idx" not in parts and n_groups > 1:
+            # act-order quantizes the inputs in a permuted order, so the group of input k is g_idx[k], not
+            # k // group_size. gptqmodel's loader does not refuse a missing g_idx (it checks only that
+            # every qweight is there) and keeps the buffer its QuantLinear starts with, the identity
+            # order: a model that differs from the one quantized. With one group per row the order does
+            # not matter.
+            raise BadInput(f"{'dynamic override' if scheme is not self.scheme else 'config'} says desc_act true "
+                           f"(act-order, {n_groups} groups), but the module has no g_idx to say which group each "
+                           "input belongs to", path=where, tensor=f"{prefix}.g_idx")
         scales = self.ckpt.get(sname)
         qzeros = self.ckpt.get(zname)
         zeros = decode_zeros(qzeros, bits, self.convention)
@@ -346,7 +355,7 @@ class GptqSource:
                     yield TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p),
                                        params=params, source_file=shard)
                 else:
-                    self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard)
+                    self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard, self.ckpt.dtype(name))
                     yield self.ckpt.dense_record(name, shard)
 
     def side_files(self) -> dict[str, Path]:

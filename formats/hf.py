@@ -43,7 +43,7 @@ class HfSource:
     def records(self) -> Iterator[TensorRecord]:
         for shard in self.ckpt.shards:
             for name in self.ckpt.keys(shard):
-                self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard)
+                self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard, self.ckpt.dtype(name))
                 yield self.ckpt.dense_record(name, shard)
 
     def side_files(self) -> dict[str, Path]:

@@ -26,12 +26,13 @@ q_proj sizes), or when config.json names no model_type.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..converters.errors import BadInput
 from ..converters.validate import ConfigView
 
-__all__ = ["ModelShapes", "MAX_LAYERS", "MAX_DIM"]
+__all__ = ["ModelShapes", "Layout", "known_layout", "check_dtype", "MAX_LAYERS", "MAX_DIM"]
 
 MAX_LAYERS = 1 << 16  # the deepest released models have ~130 layers
 MAX_DIM = 1 << 24  # vocabularies reach ~260k, hidden and intermediate sizes ~50k
@@ -104,8 +105,11 @@ class ModelShapes:
         return None
 
     # -- checks --------------------------------------------------------------------------------------
-    def check_dense(self, name: str, shape: tuple, where: Path) -> None:
-        """A tensor stored as it is: its header shape against the config."""
+    def check_dense(self, name: str, shape: tuple, where: Path, dtype: str | None = None) -> None:
+        """A tensor stored as it is: its header dtype (a safetensors tag, when given: check_dtype) and its
+        header shape against the config."""
+        if dtype is not None:
+            check_dtype(name, dtype, where)
         want = self.expected(name)
         if want is None:
             return
@@ -135,3 +139,112 @@ def layer_index(name: str) -> int | None:
     """N of a tensor named `model.layers.N.…`, else None."""
     m = _LAYER.match(name)
     return int(m[1]) if m else None
+
+
+# -- dtypes -----------------------------------------------------------------------------------------
+# A model's parameters are floats: embeddings, heads, norms, linears' weights and biases (nn.Embedding,
+# nn.Linear, RMSNorm/LayerNorm). Stored as integers in a dense tensor they are corrupt (a relabelled
+# header), never a format: quantized formats keep their integer codes under their own names (GPTQ
+# qweight/qzeros/g_idx, QQQ B, HQQ W_q), which the readers consume before this check. The rule is by name
+# and anywhere in a name (a multimodal wrapper's `language_model.model.layers...` too); these suffixes are
+# never integer in an unquantized checkpoint of any architecture.
+_FLOAT_ROLE = re.compile(r"(?:^|\.)(?:(?P<embed>embed_tokens\.weight)|(?P<head>lm_head\.weight)"
+                         r"|(?P<norm>[a-z0-9_]*norm[a-z0-9_]*\.(?:weight|bias))|(?P<linear>[a-z0-9_]*_proj\.(?:weight|bias))"
+                         r"|(?P<rope>inv_freq))$")
+_ROLE_WORDS = {"embed": "an embedding", "head": "the output head", "norm": "a norm weight",
+               "linear": "a linear layer's weight or bias", "rope": "a rotary frequency buffer"}
+INTEGER_TAGS = frozenset({"I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64", "BOOL"})
+# Integer tensors real unquantized checkpoints do carry besides the parameters are buffers: position_ids
+# and relative_position_index (int64), BatchNorm's num_batches_tracked (int64), attention masks saved as
+# bool or uint8 (GPT-Neo/GPT-J's attn.bias). Every writer copies those five dtypes; 16-bit and unsigned
+# 32/64-bit integers are no buffer's dtype and no writer stores them.
+BUFFER_TAGS = frozenset({"I8", "U8", "I32", "I64", "BOOL"})
+
+
+def check_dtype(name: str, dtype: str, where: Path) -> None:
+    """A dense tensor's safetensors dtype tag against what its name says it is: a float parameter stored
+    as an integer, or an integer of a width no buffer has, is a BadInput naming file, tensor and dtype."""
+    if dtype not in INTEGER_TAGS:
+        return
+    m = _FLOAT_ROLE.search(name)
+    if m:
+        role = _ROLE_WORDS[m.lastgroup]
+        raise BadInput(f"dtype {dtype} is an integer type, but this is {role}, a float tensor "
+                       "(F16, BF16 or F32 in a dense checkpoint)", path=where, tensor=name)
+    if dtype not in BUFFER_TAGS:
+        raise BadInput(f"dtype {dtype}: no model tensor is stored as this integer type (integer buffers are "
+                       "I8, U8, I32, I64 or BOOL)", path=where, tensor=name)
+
+
+# -- the tensors of a known architecture ------------------------------------------------------------
+# transformers' state dict of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM
+# (modeling_llama.py etc.): model.embed_tokens.weight, model.norm.weight, lm_head.weight (absent when
+# tie_word_embeddings is true; every one of the four configs defaults it to false), and per decoder layer
+# input_layernorm.weight, post_attention_layernorm.weight, self_attn.{q,k,v,o}_proj.weight,
+# mlp.{gate,up,down}_proj.weight, plus
+#   llama:   self_attn.{q,k,v,o}_proj.bias when attention_bias, mlp.*_proj.bias when mlp_bias (both default false)
+#   mistral: no biases
+#   qwen2:   self_attn.{q,k,v}_proj.bias always (nn.Linear(..., bias=True)); o_proj has none
+#   qwen3:   self_attn.q_norm.weight and k_norm.weight; self_attn.*_proj.bias when attention_bias
+# Optional names real checkpoints carry beside these, accepted and never required: a bias on any of the
+# seven linears (GPTQ-for-LLaMa's QuantLinear registered a zero bias buffer for every layer and saved it),
+# and the rotary `inv_freq` buffer older transformers saved per layer (self_attn.rotary_emb.inv_freq;
+# transformers drops it on loading). Quantized parts (GPTQ qweight/qzeros/scales/g_idx, QQQ
+# B/s_channel/s_group, HQQ W_q/scale/zero/meta...) never reach these names: every reader yields one
+# `<module>.weight` record per quantized linear.
+KNOWN_LAYOUTS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+TOP_REQUIRED = ("model.embed_tokens.weight", "model.norm.weight")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The tensor names of one known architecture: what every layer must hold (suffixes after
+    `model.layers.N.`), what it may hold besides, and the top-level names."""
+    model_type: str
+    class_name: str
+    layer_required: tuple[str, ...]
+    layer_optional: frozenset[str]
+    top_required: tuple[str, ...]
+    top_optional: frozenset[str]
+    required_because: dict  # suffix -> the config key that makes it required (biases)
+
+    def allows(self, name: str, n_layers: int | None) -> bool:
+        """Whether `name` is one of the architecture's names (a layer index in range when n_layers is known)."""
+        m = _LAYER.match(name)
+        if m is None:
+            return name in self.top_required or name in self.top_optional
+        if n_layers is not None and int(m[1]) >= n_layers:
+            return False
+        suffix = name[m.end():]
+        return suffix in self.layer_required or suffix in self.layer_optional
+
+
+def known_layout(config: dict, where: Path) -> Layout | None:
+    """The Layout of config.json's model_type when it is one of KNOWN_LAYOUTS, else None (other
+    architectures: MoE, hybrid and multi-token-prediction models vary from layer to layer)."""
+    model_type = config.get("model_type")
+    if model_type not in KNOWN_LAYOUTS:
+        return None
+    view = ConfigView(config, where)
+    required = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    required += [f"self_attn.{p}.weight" for p in _ATTN] + [f"mlp.{p}.weight" for p in _MLP]
+    because: dict[str, str] = {}
+    if model_type in ("llama", "qwen3") and view.bool("attention_bias", default=False):
+        because.update({f"self_attn.{p}.bias": "attention_bias true" for p in _ATTN})
+    if model_type == "llama" and view.bool("mlp_bias", default=False):
+        because.update({f"mlp.{p}.bias": "mlp_bias true" for p in _MLP})
+    if model_type == "qwen2":
+        because.update({f"self_attn.{p}.bias": "qwen2 (its q/k/v projections always have a bias)"
+                        for p in ("q_proj", "k_proj", "v_proj")})
+    if model_type == "qwen3":
+        required += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    required += list(because)
+    optional = {f"self_attn.{p}.bias" for p in _ATTN} | {f"mlp.{p}.bias" for p in _MLP}
+    optional |= {"self_attn.rotary_emb.inv_freq"}
+    tied = view.bool("tie_word_embeddings", default=False)
+    top_required = TOP_REQUIRED if tied else (*TOP_REQUIRED, "lm_head.weight")
+    return Layout(model_type, KNOWN_LAYOUTS[model_type], tuple(required), frozenset(optional - set(required)),
+                  top_required, frozenset({"lm_head.weight", "model.rotary_emb.inv_freq"}), because)

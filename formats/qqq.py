@@ -260,7 +260,7 @@ class QqqSource:
                                        params=params, source_file=shard,
                                        notes=self._notes(prefix, mode))
                 else:
-                    self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard)
+                    self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard, self.ckpt.dtype(name))
                     yield self.ckpt.dense_record(name, shard)
 
     def side_files(self) -> dict[str, Path]:

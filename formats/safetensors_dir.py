@@ -337,7 +337,8 @@ class CheckpointDir:
                 modules.setdefault(prefix, {})[part] = name
         for prefix, found in modules.items():
             if primary not in found:
-                raise BadInput(f"{', '.join(sorted(found))} without {primary}", path=self.path, tensor=prefix)
+                first = found[min(found)]  # the file holding the partners (the first of them, by part name)
+                raise BadInput(f"{', '.join(sorted(found))} without {primary}", path=self.file_of(first), tensor=prefix)
         return modules
 
     def side_files(self) -> dict[str, Path]:
