@@ -287,6 +287,16 @@ def test_required_tensor_missing(made, tmp_path, old, new):
     _fails(bad, tmp_path, f"tensor {old}", "required tensor is missing")
 
 
+def test_layer_numbers_with_a_gap(made, tmp_path):
+    """blk.1.ffn_up renamed blk.7.ffn_up and block_count set to 8 to match the highest index: the gap
+    is refused before anything loops over the eight layers the metadata claims."""
+    def fn(r):
+        _tensor(r, "blk.1.ffn_up.weight").field.parts[1][4] = ord("7")
+        _set(f"{ARCH}.block_count", 8)(r)
+    bad = _edit(made["ours"], tmp_path / "bad.gguf", fn)
+    _fails(bad, tmp_path, "tensor blk.7.ffn_up.weight", "skip layer 2")
+
+
 def test_no_library_message_and_no_warning(made, tmp_path):
     """The reader API: BadInput in our own words, no warning or log record on the way."""
     cases = {
@@ -416,7 +426,7 @@ def _set_key(key, value):
     ("rms_norm_eps", 1e300, ("rms_norm_eps is 1e+300",)),
     ("num_hidden_layers", None, ("num_hidden_layers is None",)),
     ("num_hidden_layers", 2**31, ("num_hidden_layers is 2147483648",)),
-    ("num_hidden_layers", 1, ("num_hidden_layers is 1",)),
+    ("num_hidden_layers", 1, ("num_hidden_layers", "model.layers.1")),  # the structure check names the layer
     ("rope_theta", "10000", ("rope_theta is '10000'",)),
     ("num_key_value_heads", 3, ("num_key_value_heads",)),
     ("num_key_value_heads", 0, ("num_key_value_heads is 0",)),
@@ -424,6 +434,13 @@ def _set_key(key, value):
     ("hidden_size", "128", ("hidden_size is '128'",)),
     ("max_position_embeddings", -5, ("max_position_embeddings is -5",)),
     ("rope_scaling", [1, 2], ("rope_scaling is [1, 2]",)),
+    # the fixture's config.json holds transformers 5's rope_parameters (which take precedence over rope_scaling)
+    ("rope_parameters", {"rope_type": "longrope", "factor": 2.0}, ("type 'longrope' cannot be stored in GGUF",)),
+    ("rope_parameters", {"rope_type": "linear", "rope_theta": 1e4}, ("rope_parameters.factor is missing",)),
+    ("rope_parameters", {"rope_type": "linear", "factor": "2"}, ("rope_parameters.factor is '2'",)),
+    ("rope_parameters", {"rope_type": "default", "rope_theta": "1e4"}, ("rope_parameters.rope_theta is '1e4'",)),
+    ("rope_parameters", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0},
+     ("high_freq_factor 4.0 is not above low_freq_factor 4.0",)),
 ])
 def test_config_values_for_gguf(ckpt, tmp_path, key, value, needles):
     """One line naming config.json and the key, whichever check meets the value first (the GPTQ

@@ -384,16 +384,21 @@ def _expected_shapes(cfg: Mapping, keys: Mapping[str, str]) -> dict[str, tuple[t
     return out
 
 
-def _layers_present(names: Iterable[str], path_of) -> int:
-    """1 + the highest block index among the tensor names (0 without blocks)."""
-    top = -1
+def _layers_present(names: Iterable[str], path_of, label) -> int:
+    """The number of layers the tensor names hold: blocks 0 .. n-1, each with at least one tensor (a
+    gap is refused here, so that n is bounded by the tensor count, whatever index a name carries)."""
+    first: dict[int, str] = {}
     for n in names:
         if n.startswith("blk."):
             m = _BLOCK_RE.match(n)
             if m is None:
-                raise BadInput("block tensor name without a block number blk.N.", path=path_of(n), tensor=n)
-            top = max(top, int(m.group(1)))
-    return top + 1
+                raise BadInput("block tensor name without a block number blk.N.", path=path_of(n), tensor=label(n))
+            first.setdefault(int(m.group(1)), n)
+    for expect, index in enumerate(sorted(first)):
+        if index != expect:
+            raise BadInput(f"the tensors skip layer {expect} (no blk.{expect}.* tensor) but name layer {index}",
+                           path=path_of(first[index]), tensor=label(first[index]))
+    return len(first)
 
 
 def _check_against(cfg: Mapping, shapes: Mapping[str, tuple[int, ...]], keys: Mapping[str, str], arch: str,
@@ -401,7 +406,7 @@ def _check_against(cfg: Mapping, shapes: Mapping[str, tuple[int, ...]], keys: Ma
     """``shapes``: GGUF name -> HF-order shape of every tensor present; ``path_of(name)`` the file to
     name (name None: the file of the metadata), ``label(name)`` the tensor name to show."""
     n_layers = cfg["num_hidden_layers"]
-    present = _layers_present(shapes, path_of)
+    present = _layers_present(shapes, path_of, label)
     if present != n_layers:
         span = f"blk.0 .. blk.{present - 1}" if present else "no blk.N tensors"
         raise BadInput(f"{layers_key} is {n_layers} but the {what} hold {present} layers ({span})",
@@ -464,6 +469,36 @@ def layer_count(config: Mapping, path: object) -> int:
     return ConfigView(config, path).int("num_hidden_layers", lo=1)
 
 
+_ROPE_TYPES = ("default", "linear", "yarn", "llama3", "dynamic")
+
+
+def _check_rope(config: Mapping, path: object) -> None:
+    """The rope settings GGUF can hold (what _add_rope_scaling and rope_freqs_tensor write), checked
+    before writing: a type GGUF cannot store, a scaling without its factor, llama3 frequencies that
+    would divide by zero."""
+    cv = ConfigView(config, path)
+    for key in ("rope_scaling", "rope_parameters"):  # a wrong type is named by its own key first
+        cv.view(key, default=None)
+    rp = rope_parameters(config)
+    where = "rope_parameters" if isinstance(config.get("rope_parameters"), Mapping) else "rope_scaling"
+    r = ConfigView(rp, path, prefix=f"{where}.")
+    rtype = rp["rope_type"]
+    if rtype not in _ROPE_TYPES:
+        raise BadInput(f"{where} type {rtype!r} cannot be stored in GGUF for this architecture "
+                       "(supported: linear, yarn, llama3)", path=path)
+    r.float("rope_theta", lo=1e-30, hi=_FLOAT32_MAX)
+    if rtype in ("linear", "yarn"):
+        r.float("factor", lo=1e-30, hi=_FLOAT32_MAX)
+    if rtype == "llama3":
+        r.float("factor", default=8.0, lo=1e-30, hi=_FLOAT32_MAX)
+        low = r.float("low_freq_factor", default=1.0, lo=1e-30, hi=_FLOAT32_MAX)
+        high = r.float("high_freq_factor", default=4.0, lo=1e-30, hi=_FLOAT32_MAX)
+        r.int("original_max_position_embeddings", default=8192, lo=1, hi=2**32 - 1)
+        if high <= low:
+            raise BadInput(f"{where}.high_freq_factor {high} is not above low_freq_factor {low} (llama3 rope "
+                           "interpolates between them)", path=path)
+
+
 def check_writer_config(config: Mapping, arch: str, shapes: Mapping[str, tuple[int, ...]], path: object,
                         names: Mapping[str, str] | None = None, unmapped: Iterable[str] = ()) -> None:
     """The hyper-parameters a GGUF is written with (config.json's), type- and range-checked and compared
@@ -490,6 +525,7 @@ def check_writer_config(config: Mapping, arch: str, shapes: Mapping[str, tuple[i
     cv.float("rms_norm_eps", default=None, lo=0.0, hi=1.0)
     cv.float("rope_theta", default=None, lo=1e-30, hi=_FLOAT32_MAX)
     cv.bool("tie_word_embeddings", default=None)
+    _check_rope(config, path)
     for key in ("rope_scaling", "rope_parameters"):
         sub = cv.view(key, default=None)
         if sub is None:
