@@ -28,6 +28,7 @@ from ...kernels.ggml_legacy import unpack_blocks
 from ...kernels.hqq import axis0_expand
 from ..model_shapes import ModelShapes, layer_index
 from ..safetensors_dir import SIDE_FILES, read_json
+from ..safetensors_header import read_header
 from .layout import (AFQ_BITS, AFQ_GROUPS, EXTRA_BLOCKS, FAMILY_OF_TAG, FP8_DTYPE_CODE, GGML_NAME_OF_ID, MAJOR,
                      READER_MINOR, decode_f8q8, decode_mxfp4, decode_q8_1, decode_q8_k, hqq_halves_unpack,
                      unpack_afq)
@@ -37,24 +38,6 @@ __all__ = ["UqffSource", "open_uqff", "shard_set", "is_uqff_file"]
 _SHARD_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d+)\.uqff$")
 _VERSION_KEYS = ("uqff.version.major", "uqff.version.minor", "uqff.version.patch")
 _TORCH_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-
-def _safetensors_problem(e: Exception, path: Path) -> str:
-    """What is wrong with a safetensors file, in our words (the library's text is not for users)."""
-    try:
-        size = Path(path).stat().st_size
-    except OSError:
-        return "the file cannot be opened"
-    text = str(e)
-    if size < 8:
-        return f"{size} bytes: not even a header length"
-    if "HeaderTooLarge" in text or "HeaderTooSmall" in text or "InvalidHeader" in text:
-        return "the header length or JSON header is invalid"
-    if "MetadataIncompleteBuffer" in text or "incomplete" in text.lower():
-        return f"truncated: the header describes more data than the {size}-byte file holds"
-    if "InvalidOffset" in text or "TensorInvalidInfo" in text:
-        return "a tensor's shape, dtype and data offsets do not agree"
-    return "corrupt header or data offsets"
 
 
 def is_uqff_file(path: Path) -> bool:
@@ -160,8 +143,11 @@ class _Shards:
         self.shards = shards
         self.location: dict[str, Path] = {}
         self.order: list[str] = []
+        # each header checked in our own words first (formats/safetensors_header.py); names sorted, as
+        # safe_open lists them
+        self.headers = {shard: read_header(shard) for shard in shards}
         for shard in shards:
-            for name in self._open(shard, lambda f: list(f.keys())):
+            for name in sorted(self.headers[shard].tensors):
                 if name in self.location and not name.startswith("uqff.version."):
                     raise BadInput(f"duplicate tensor key (also in {self.location[name].name})", path=shard,
                                    tensor=name)
@@ -175,8 +161,8 @@ class _Shards:
                 return fn(f)
         except BadInput:
             raise
-        except Exception as e:  # truncated file, corrupt header, offsets past the end
-            raise BadInput(f"cannot read safetensors file ({_safetensors_problem(e, shard)})", path=shard) from None
+        except Exception:  # what read_header did not catch; the library's words are not for users
+            raise BadInput("cannot read safetensors file (not a valid safetensors file)", path=shard) from None
 
     def __contains__(self, name: str) -> bool:
         return name in self.location
@@ -188,14 +174,12 @@ class _Shards:
         try:
             with safe_open(str(shard), framework="pt") as f:
                 return f.get_tensor(name)
-        except Exception as e:
-            raise BadInput(f"cannot read tensor ({_safetensors_problem(e, shard)})", path=shard, tensor=name) from None
+        except Exception:  # the header was checked: the data itself cannot be read
+            raise BadInput("cannot read tensor (the file cannot be read)", path=shard, tensor=name) from None
 
     def meta(self, name: str) -> tuple[str, list[int]]:
-        def fn(f):
-            s = f.get_slice(name)
-            return s.get_dtype(), list(s.get_shape())
-        return self._open(self.location[name], fn)
+        entry = self.headers[self.location[name]].tensors[name]
+        return entry.dtype, list(entry.shape)
 
     def version_values(self) -> tuple[int, int, int] | None:
         """The version tensors; every shard that carries them must agree (mistral.rs' rule)."""
