@@ -367,34 +367,31 @@ class UqffSource:
         return self.residual.file_of(name) if name in self.residual.location else self.path
 
     # -- per-layer metadata scalars -----------------------------------------------------------------------
-    def _meta_int(self, key: str, suffix: str, allowed, what: str) -> int:
-        """An integer scalar (`[]` or `[1]`) metadata tensor, checked against `allowed` before any use."""
+    def _meta_scalar(self, key: str, suffix: str, tags, kind: str, what: str) -> tuple[str, torch.Tensor]:
+        """A layer's scalar (`[]` or `[1]`) metadata tensor of one of `tags`, checked from the header before
+        it is read: (its name, its value as a 0-d tensor)."""
         parts = self.layers[key]
         if suffix not in parts:
             raise BadInput(f"missing {suffix} for this layer", path=self.shards.location[parts["weight"]],
                            tensor=f"{key}.{suffix}")
         name = parts[suffix]
         dtype, shape = self.shards.meta(name)
-        if dtype not in _INT_TAGS or len(shape) > 1 or (shape and shape[0] != 1):
-            raise BadInput(f"{what}: expected an integer scalar, found {dtype} {shape[:4]}",
+        if dtype not in tags or len(shape) > 1 or (shape and shape[0] != 1):
+            raise BadInput(f"{what}: expected {kind} scalar, found {dtype} {shape[:4]}",
                            path=self.shards.location[name], tensor=name)
-        v = int(self.shards.get(name).reshape(-1)[0].to(torch.int64))
+        return name, self.shards.get(name).reshape(())
+
+    def _meta_int(self, key: str, suffix: str, allowed, what: str) -> int:
+        """An integer scalar metadata tensor, checked against `allowed` before any use."""
+        name, value = self._meta_scalar(key, suffix, _INT_TAGS, "an integer", what)
+        v = int(value.to(torch.int64))
         if v not in allowed:
             raise BadInput(f"{what} is {v}; expected {_show_allowed(allowed)}", path=self.shards.location[name],
                            tensor=name)
         return v
 
     def _meta_float(self, key: str, suffix: str, what: str) -> torch.Tensor:
-        parts = self.layers[key]
-        if suffix not in parts:
-            raise BadInput(f"missing {suffix} for this layer", path=self.shards.location[parts["weight"]],
-                           tensor=f"{key}.{suffix}")
-        name = parts[suffix]
-        dtype, shape = self.shards.meta(name)
-        if dtype not in _FLOAT_TAGS or len(shape) > 1 or (shape and shape[0] != 1):
-            raise BadInput(f"{what}: expected a float scalar, found {dtype} {shape[:4]}",
-                           path=self.shards.location[name], tensor=name)
-        v = self.shards.get(name).reshape(())
+        name, v = self._meta_scalar(key, suffix, _FLOAT_TAGS, "a float", what)
         if not bool(torch.isfinite(v)):
             raise BadInput(f"{what} is not a finite number", path=self.shards.location[name], tensor=name)
         return v
