@@ -12,6 +12,7 @@ import torch
 
 import fixtures_qqq
 from helpers import edit_safetensors, expect_user_error, run_cli
+from test_hqq import hqqfx  # noqa: F401  (the hqq fixtures: qwen2 base, HQQ safetensors)
 from qconvert.converters.errors import BadInput
 from qconvert.converters.run import check_required_tensors
 from qconvert.formats.gptq import GptqSource
@@ -39,6 +40,20 @@ def ckpt(fx, tmp_path):
 
 def _edit_tensors(folder, fn):
     edit_safetensors(folder / "model.safetensors", fn)
+
+
+def _relabel(path, name, dtype):
+    """Change one tensor's dtype in the safetensors header, bytes untouched (the same size: F16 -> I16/U16,
+    F32 -> I32), as a corrupted or hand-edited header would."""
+    import struct
+
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    header[name]["dtype"] = dtype
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
 
 
 def _edit_json(path, fn):
@@ -257,7 +272,7 @@ def test_gptq_stray_qweight_and_orphan_partners(fx, ckpt, tmp_path):
     other = _copy(fx["variants"]["v1_b4_g32_sym"]["ckpt"], tmp_path, "other")
     prefix = f"{LAYER1}.mlp.up_proj"
     _edit_tensors(other, lambda t: t.pop(f"{prefix}.qweight"))
-    _gguf_error(other, tmp_path, prefix, "g_idx, qzeros, scales without qweight")
+    _gguf_error(other, tmp_path, "other/model.safetensors", f"tensor {prefix}", "g_idx, qzeros, scales without qweight")
 
 
 # -- required tensors ---------------------------------------------------------------------------------
@@ -371,3 +386,191 @@ def test_required_tensor_checks_cover_every_source_format(fx, tmp_path):
         check_required_tensors(source, [n for n in names if not n.startswith(f"{LAYER1}.")])
     with pytest.raises(BadInput, match="holds no tensors"):
         check_required_tensors(source, [])
+    # the per-tensor rules of a known architecture, on the GGUF reader's names, naming the GGUF file
+    recs = list(source.records())
+    files = {r.name: r.source_file for r in recs}
+    k_proj = f"{LAYER1}.self_attn.k_proj.weight"
+    with pytest.raises(BadInput, match="LlamaForCausalLM has it in every layer") as e:
+        check_required_tensors(source, [n for n in names if n != k_proj], files)
+    assert e.value.path == str(gguf_path) and e.value.tensor == k_proj
+    with pytest.raises(BadInput, match="layer 5 is beyond config.json's num_hidden_layers 2") as e:
+        check_required_tensors(source, names + ["model.layers.5.input_layernorm.weight"], files)
+    with pytest.raises(BadInput, match="not a tensor of LlamaForCausalLM"):
+        check_required_tensors(source, names + ["model.layers.0.mlp.experts.0.up_proj.weight"], files)
+
+
+def _wide_llama():
+    """tests/fixtures_uqff.py's F32 llama (the uqff fixtures' base), built once."""
+    import fixtures_uqff
+
+    root = fixtures_uqff.DEFAULT_ROOT
+    if not (root / "wide" / ".done").exists():
+        fixtures_uqff.ensure_uqff_fixtures()
+    return root / "wide"
+
+
+# -- float parameters stored as integers (fuzz findings F4, F8) ----------------------------------------
+
+@pytest.mark.parametrize("seed, pair, name, dtype, role", [
+    ("hf", "hf->hf", "model.layers.0.input_layernorm.weight", "U16", "a norm weight"),
+    ("hf", "hf->hf", "lm_head.weight", "I16", "the output head"),
+    ("hf", "hf->gguf", f"{LAYER1}.mlp.down_proj.weight", "I16", "a linear layer's weight"),
+    ("wide", "hf->hf", "model.layers.0.input_layernorm.weight", "I32", "a norm weight"),  # F32 -> I32: was copied
+    ("qqq", "qqq->hf", "model.norm.weight", "I16", "a norm weight"),
+    ("gptq", "gptq->hf", "model.embed_tokens.weight", "I16", "an embedding"),
+])
+def test_float_parameter_stored_as_an_integer(fx, qfx, tmp_path, seed, pair, name, dtype, role):
+    """A header that relabels a float parameter as an integer: refused naming file, tensor and dtype (it used
+    to be a plan refusal naming no file, or an I32 norm copied into the output as int32)."""
+    src = {"hf": lambda: fx["bases"]["base"], "wide": _wide_llama,
+           "qqq": lambda: qfx["variants"]["qqq_g128"]["ckpt"],
+           "gptq": lambda: fx["variants"]["v1_b4_g32_sym"]["ckpt"]}[seed]()
+    folder = _copy(src, tmp_path, "in")
+    _relabel(folder / "model.safetensors", name, dtype)
+    expect_user_error(pair, folder, tmp_path, "in/model.safetensors", f"tensor {name}", f"dtype {dtype}", role,
+                      out_name="out.gguf" if pair.endswith("gguf") else "out")
+
+
+def test_integer_buffers_of_other_architectures_pass_and_odd_widths_do_not(fx, tmp_path):
+    """Outside the known layouts an unknown tensor passes through as it is when it is a float or an integer
+    buffer real checkpoints carry (position_ids int64, a bool mask); an I16 tensor of no known role is no
+    buffer's dtype, and no writer stores it: refused naming file, tensor and dtype."""
+    hf = _copy(fx["bases"]["base"], tmp_path, "in")
+    _edit_json(hf / "config.json", lambda cfg: cfg.update(model_type="olmo"))  # not a known layout
+    extra = {"model.vision.position_ids": torch.arange(8, dtype=torch.int64)[None],
+             "model.vision.mask": torch.ones(4, 4, dtype=torch.bool), "model.vision.scale": torch.ones(3)}
+    _edit_tensors(hf, lambda t: t.update(extra))
+    out = tmp_path / "ok"
+    run_cli("hf->hf", hf, out, "--quiet")
+    from safetensors.torch import load_file
+
+    got = load_file(str(out / "model.safetensors"))
+    assert torch.equal(got["model.vision.position_ids"], extra["model.vision.position_ids"])
+    assert got["model.vision.mask"].dtype == torch.bool
+    _edit_tensors(hf, lambda t: t.update({"model.vision.counts": torch.zeros(4, dtype=torch.int16)}))
+    expect_user_error("hf->hf", hf, tmp_path, "in/model.safetensors", "tensor model.vision.counts", "dtype I16")
+
+
+# -- every tensor of a known architecture (F5) ----------------------------------------------------------
+
+def _q(prefix, parts=("qweight", "qzeros", "scales", "g_idx")):
+    return [f"{prefix}.{p}" for p in parts]
+
+
+@pytest.mark.parametrize("seed, pair, removed, missing, needle", [
+    ("hf", "hf->hf", [f"{LAYER1}.self_attn.k_proj.weight"], f"{LAYER1}.self_attn.k_proj.weight",
+     "LlamaForCausalLM has it in every layer"),
+    ("hf", "hf->hf", ["model.norm.weight"], "model.norm.weight", "LlamaForCausalLM needs it"),
+    ("hf", "hf->gguf", ["model.embed_tokens.weight"], "model.embed_tokens.weight", "LlamaForCausalLM needs it"),
+    ("gptq", "gptq->hf", ["model.layers.0.input_layernorm.weight"], "model.layers.0.input_layernorm.weight",
+     "in every layer"),
+    ("gptq", "gptq->hf", _q(f"{LAYER1}.self_attn.q_proj"), f"{LAYER1}.self_attn.q_proj.weight", "in every layer"),
+    ("qqq", "qqq->hf", _q(f"{LAYER1}.mlp.down_proj", ("B", "s_channel", "s_group")), f"{LAYER1}.mlp.down_proj.weight",
+     "in every layer"),
+    ("qqq", "qqq->hf", [f"{LAYER1}.input_layernorm.weight"], f"{LAYER1}.input_layernorm.weight", "in every layer"),
+])
+def test_a_tensor_missing_from_a_known_architecture(fx, qfx, tmp_path, seed, pair, removed, missing, needle):
+    """One tensor (or a whole quantized linear) removed: `->hf` used to exit 0 with a model transformers
+    would complete with random weights."""
+    src = {"hf": lambda: fx["bases"]["base"], "qqq": lambda: qfx["variants"]["qqq_g128"]["ckpt"],
+           "gptq": lambda: fx["variants"]["v1_b4_g32_sym"]["ckpt"]}[seed]()
+    folder = _copy(src, tmp_path, "in")
+    _edit_tensors(folder, lambda t: [t.pop(n) for n in removed])
+    expect_user_error(pair, folder, tmp_path, "in/model.safetensors", f"tensor {missing}", "missing", needle,
+                      "random values", out_name="out.gguf" if pair.endswith("gguf") else "out")
+
+
+def test_qwen2_biases_are_required(hqqfx, tmp_path):
+    """Qwen2's q/k/v projections always have a bias (nn.Linear(..., bias=True) in Qwen2Attention)."""
+    q = _copy(hqqfx["root"] / "base_qwen2", tmp_path, "in")
+    name = f"{LAYER1}.self_attn.v_proj.bias"
+    _edit_tensors(q, lambda t: t.pop(name))
+    expect_user_error("hf->hf", q, tmp_path, "in/model.safetensors", f"tensor {name}", "qwen2")
+
+
+@pytest.mark.parametrize("key, missing", [("attention_bias", "model.layers.0.self_attn.q_proj.bias"),
+                                          ("mlp_bias", "model.layers.0.mlp.gate_proj.bias")])
+def test_biases_the_config_promises(fx, tmp_path, key, missing):
+    """A llama config with attention_bias / mlp_bias true builds biased linears: a checkpoint without the
+    biases is not that model. Without the key (false) the biases are optional: GPTQ-for-LLaMa saved a zero
+    bias for every linear, and such a checkpoint converts."""
+    ckpt = _copy(fx["variants"]["v1_b4_g32_sym"]["ckpt"], tmp_path, "in")
+    _edit_json(ckpt / "config.json", lambda cfg: cfg.update({key: True}))
+    expect_user_error("gptq->hf", ckpt, tmp_path, "in/model.safetensors", f"tensor {missing}", f"{key} true")
+    _edit_json(ckpt / "config.json", lambda cfg: cfg.update({key: "yes"}))
+    expect_user_error("gptq->hf", ckpt, tmp_path, "config.json", f"{key} is 'yes'")
+
+
+def test_optional_names_real_checkpoints_carry(fx, tmp_path):
+    """A zero bias on a quantized linear (GPTQ-for-LLaMa's QuantLinear saved one for every layer) and the
+    per-layer rotary inv_freq buffer older transformers saved: both convert, the bias kept."""
+    ckpt = _copy(fx["variants"]["v1_b4_g32_sym"]["ckpt"], tmp_path, "in")
+    bias = f"{LAYER1}.mlp.up_proj.bias"
+    _edit_tensors(ckpt, lambda t: t.update({bias: torch.zeros(256, dtype=torch.float16),
+                                            "model.layers.0.self_attn.rotary_emb.inv_freq": torch.rand(16)}))
+    out = tmp_path / "ok"
+    run_cli("gptq->hf", ckpt, out, "--quiet")
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(str(out / "model.safetensors"))[bias].float(), torch.zeros(256))
+
+
+# -- names a known architecture does not have (F6) ------------------------------------------------------
+
+def _rename(old, new):
+    return lambda t: t.update({new: t.pop(old)})
+
+
+@pytest.mark.parametrize("seed, pair, edit, named, needle", [
+    ("hf", "hf->hf", _rename("model.layers.0.self_attn.o_proj.weight", "model.layers.0.self_attn.o_proj.weightx"),
+     "model.layers.0.self_attn.o_proj.weightx", "not a tensor of LlamaForCausalLM"),
+    ("hf", "hf->hf", _rename("model.layers.0.mlp.up_proj.weight", "model.fuzzed_layers.0.mlp.up_proj.weight"),
+     "model.fuzzed_layers.0.mlp.up_proj.weight", "not a tensor of LlamaForCausalLM"),
+    ("hf", "hf->gguf", _rename("model.norm.weight", "model.layers.99.model.norm.weight"),
+     "model.layers.99.model.norm.weight", "layer 99 is beyond config.json's num_hidden_layers 2"),
+    ("gptq", "gptq->hf", lambda t: t.update({"model.layers.2.input_layernorm.weight": torch.ones(128).half()}),
+     "model.layers.2.input_layernorm.weight", "layer 2 is beyond"),
+    # Qwen3's per-head norms are not llama's
+    ("gptq", "gptq->hf", lambda t: t.update({"model.layers.0.self_attn.q_norm.weight": torch.ones(32).half()}),
+     "model.layers.0.self_attn.q_norm.weight", "not a tensor of LlamaForCausalLM"),
+    # a quantized part renamed is left over as a dense tensor of no known name
+    ("qqq", "qqq->hf", _rename(f"{LAYER1}.mlp.down_proj.s_channel", f"{LAYER1}.mlp.down_proj.s_chan"),
+     f"{LAYER1}.mlp.down_proj", "s_channel"),
+])
+def test_a_name_a_known_architecture_does_not_have(fx, qfx, tmp_path, seed, pair, edit, named, needle):
+    src = {"hf": lambda: fx["bases"]["base"], "qqq": lambda: qfx["variants"]["qqq_gm1"]["ckpt"],
+           "gptq": lambda: fx["variants"]["v1_b4_g32_sym"]["ckpt"]}[seed]()
+    folder = _copy(src, tmp_path, "in")
+    _edit_tensors(folder, edit)
+    expect_user_error(pair, folder, tmp_path, "in/model.safetensors", f"tensor {named}", needle,
+                      out_name="out.gguf" if pair.endswith("gguf") else "out")
+
+
+def test_hqq_source_gets_the_same_checks(hqqfx, tmp_path):
+    """The checks run on the records' names, which the HQQ reader yields as every reader does (one
+    `<module>.weight` per quantized linear): a layer beyond num_hidden_layers in an HQQ
+    safetensors checkpoint (written by hqq through transformers) and a name llama does not have (Qwen3's k_norm)
+    are refused the same way. (A missing tensor the HQQ reader refuses itself, before this check.)"""
+    h = _copy(hqqfx["root"] / "b4_g64_ax1" / "tf", tmp_path, "in")
+    _edit_tensors(h, lambda t: t.update({"model.layers.7.input_layernorm.weight": t["model.norm.weight"].clone()}))
+    expect_user_error("hqq->hf", h, tmp_path, "in/model.safetensors", "tensor model.layers.7.input_layernorm.weight",
+                      "layer 7 is beyond")
+    _edit_tensors(h, lambda t: [t.pop("model.layers.7.input_layernorm.weight"),
+                                t.update({"model.layers.0.self_attn.k_norm.weight": t["model.norm.weight"][:32].clone()})])
+    expect_user_error("hqq->hf", h, tmp_path, "in/model.safetensors", "tensor model.layers.0.self_attn.k_norm.weight",
+                      "not a tensor of LlamaForCausalLM")
+
+
+# -- act-order without g_idx (F7) ------------------------------------------------------------------------
+
+def test_act_order_module_without_g_idx(fx, tmp_path):
+    """desc_act true: the group of input k is g_idx[k]. Without g_idx gptqmodel loads the identity order its
+    QuantLinear starts with (its loader checks only the qweights), a different model: refused. Without
+    act-order the natural order is g_idx, and a file without it converts."""
+    ckpt = _copy(fx["variants"]["v1_b4_g32_sym_act"]["ckpt"], tmp_path, "in")
+    name = f"{LAYER1}.self_attn.v_proj.g_idx"
+    _edit_tensors(ckpt, lambda t: t.pop(name))
+    expect_user_error("gptq->hf", ckpt, tmp_path, "in/model.safetensors", f"tensor {name}", "desc_act true")
+    plain = _copy(fx["variants"]["v1_b4_g32_sym"]["ckpt"], tmp_path, "plain")
+    _edit_tensors(plain, lambda t: t.pop(name))
+    run_cli("gptq->hf", plain, tmp_path / "ok", "--quiet")
