@@ -216,8 +216,8 @@ class Layout:
         m = _LAYER.match(name)
         if m is None:
             return name in self.top_required or name in self.top_optional
-        if n_layers is not None and int(m[1]) >= n_layers:
-            return False
+        if m[1] != str(int(m[1])) or (n_layers is not None and int(m[1]) >= n_layers):
+            return False  # `model.layers.01.` is not a name transformers writes or loads
         suffix = name[m.end():]
         return suffix in self.layer_required or suffix in self.layer_optional
 
