@@ -1606,8 +1606,11 @@ class Outcome:
     signature: str = ""
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
 def classify_command(name: str, rc: int | None, err: str, root: str, out: Path, case_dir: Path) -> Outcome:
-    lines = [ln for ln in err.splitlines() if ln.strip()]
+    lines = [ln.rstrip("\r") for ln in err.split("\n") if ln.strip()]  # lines as a terminal shows them
     if ALLOC_TEXT.search(err):
         exc, sig = tb_signature(err)
         first = next((ln for ln in lines if ALLOC_TEXT.search(ln)), exc)
@@ -1628,6 +1631,9 @@ def classify_command(name: str, rc: int | None, err: str, root: str, out: Path, 
             return Outcome("warning-first", name, lines[0][:300], "before the error: " + _normalize(lines[0], root))
         if len(lines) > 1:
             return Outcome("bad-refusal", name, line[:300], "several lines: " + _normalize(detail, root))
+        if _CONTROL.search(msg):
+            return Outcome("bad-refusal", name, line[:300], "control characters in the message: " +
+                           _normalize(_CONTROL.sub("?", detail), root)[:60])
         if LIBRARY_TEXT.search(msg):
             return Outcome("bad-refusal", name, line[:300], "library text: " + _normalize(detail, root))
         if root not in msg:
