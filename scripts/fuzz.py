@@ -1737,6 +1737,9 @@ class Fuzzer:
         self.seed_of: dict[tuple[str, str], Seed] = {}
         self.findings_fh = None
         self.hash = getattr(args, "code_hash", None) or code_hash()
+        for old in (self.work / "refs").glob("*"):  # references of older code versions, unused for an hour
+            if old.name != self.hash and time.time() - old.stat().st_mtime > 3600:
+                shutil.rmtree(old, ignore_errors=True)
         self.only = args.mutations
         self.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
 
