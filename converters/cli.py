@@ -24,7 +24,7 @@ from pathlib import Path
 import click
 
 from .. import __version__
-from .errors import QConvertError
+from .errors import QConvertError, _printable
 from .plan import Options
 from .registry import all_formats, detect_format, get_format
 
@@ -254,7 +254,7 @@ def _fail(line: str, status: int, held: "_HeldWarnings", debug: bool) -> int:
 def _unexpected(e: BaseException, args: list[str]) -> str:
     paths = [a for a in args[1:] if not a.startswith("-") and Path(a).exists()]
     where = f"{paths[0]}: " if paths else ""
-    detail = " ".join(str(e).split())[:160]
+    detail = _printable(" ".join(str(e).split()))[:160]
     what = type(e).__name__ + (f" ({detail})" if detail else "")
     return (f"{where}unexpected {what}; this is a bug in qconvert: please report it with the output of "
             f"the same command run with --debug")

@@ -327,7 +327,8 @@ def _check_complete(config: dict, names: set[str], where: Path) -> None:
     HQQ layers alike); checked only for the model types listed above."""
     from ..converters.validate import ConfigView
 
-    if config.get("model_type") not in _COMPLETE_CHECKED or "num_hidden_layers" not in config:
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in _COMPLETE_CHECKED or "num_hidden_layers" not in config:
         return
     view = ConfigView(config, where.parent / "config.json" if where.is_file() else where / "config.json")
     layers = view.int("num_hidden_layers", lo=1, hi=1 << 16)

@@ -68,7 +68,7 @@ class ModelShapes:
             head_dim = self.hidden // self.heads
         self.head_dim = head_dim
         self.tie = view.bool("tie_word_embeddings", default=None)
-        model_type = config.get("model_type")
+        model_type = view.str("model_type", default=None)
         self.llama_like = model_type is None or model_type in _LLAMA_LIKE
 
     # -- expected shapes -----------------------------------------------------------------------------
@@ -226,7 +226,7 @@ def known_layout(config: dict, where: Path) -> Layout | None:
     """The Layout of config.json's model_type when it is one of KNOWN_LAYOUTS, else None (other
     architectures: MoE, hybrid and multi-token-prediction models vary from layer to layer)."""
     model_type = config.get("model_type")
-    if model_type not in KNOWN_LAYOUTS:
+    if not isinstance(model_type, str) or model_type not in KNOWN_LAYOUTS:
         return None
     view = ConfigView(config, where)
     required = ["input_layernorm.weight", "post_attention_layernorm.weight"]

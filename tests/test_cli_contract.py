@@ -197,3 +197,15 @@ def test_quantization_config_that_is_no_object(fx, tmp_path, fixture):
     proc = run_cli("inspect", folder, check_rc=2)
     assert len(proc.stderr.strip().splitlines()) == 1 and "quantization_config is not a JSON object" in proc.stderr
     expect_user_error(f"{fixture}->hf", folder, tmp_path, "config.json", "quantization_config is '-inf'")
+
+
+def test_error_lines_stay_one_printable_line():
+    """Names read from a damaged file (a GGUF key whose length field was edited, a tensor name) can hold
+    newlines, NULs and terminal escapes: the message shows them escaped, on one line, bounded."""
+    from qconvert.converters.errors import BadInput
+
+    e = BadInput("metadata \x00tokenizer.ggml.pre\x08\n\x1b[31m", path="/m/model.gguf", tensor="t\nx")
+    line = str(e)
+    assert line.isprintable() and "\n" not in line
+    assert line == "/m/model.gguf, tensor t\\nx: metadata \\x00tokenizer.ggml.pre\\x08\\n\\x1b[31m"
+    assert len(str(BadInput("k" * 10**6, path="/m/x"))) <= 2000

@@ -150,7 +150,8 @@ def add_model_metadata(writer: gguf.GGUFWriter, config: Mapping, arch: str, *, f
         writer.add_key_length(hd)
         writer.add_value_length(hd)
     if arch == "llama":
-        writer.add_vocab_size(int(_require(config, "vocab_size")))
+        if config.get("vocab_size") is not None:  # optional for llama.cpp, which counts the tokenizer's tokens
+            writer.add_vocab_size(int(config["vocab_size"]))
         writer.add_rope_dimension_count(hd)
 
     _add_rope_scaling(writer, rp)

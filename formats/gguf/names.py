@@ -69,12 +69,14 @@ def gguf_arch(config: Mapping) -> str:
     archs = config.get("architectures") or []
     if isinstance(archs, str):
         archs = [archs]
+    if not isinstance(archs, list):  # an object or a number: named in the refusal below
+        archs = [archs]
     for a in archs:
-        if a in _ARCH_BY_CLASS:
+        if isinstance(a, str) and a in _ARCH_BY_CLASS:
             return _ARCH_BY_CLASS[a]
     if not archs:
         mt = config.get("model_type")
-        if mt in _ARCH_BY_MODEL_TYPE:
+        if isinstance(mt, str) and mt in _ARCH_BY_MODEL_TYPE:
             return _ARCH_BY_MODEL_TYPE[mt]
         what = f"model_type {mt!r}" if mt else "no architectures/model_type in config.json"
     else:

@@ -533,7 +533,10 @@ class GgufSource:
                 continue
             vtype = gguf.GGUFValueType(f.types[0])
             sub = gguf.GGUFValueType(f.types[1]) if vtype == gguf.GGUFValueType.ARRAY and len(f.types) > 1 else None
-            writer.add_key_value(key, f.contents(), vtype, sub_type=sub)
+            value = f.contents()
+            if vtype == gguf.GGUFValueType.ARRAY and not len(value):  # GGUF writers refuse empty arrays
+                raise BadInput(f"metadata {key} is an empty array", path=self.path)
+            writer.add_key_value(key, value, vtype, sub_type=sub)
 
     def describe(self) -> dict:
         counts: dict[str, int] = {}

@@ -343,7 +343,8 @@ class UqffSource:
         if not any(n for n in self._residual_names() if not n.startswith("uqff.version.")):
             raise BadInput("holds no tensors: the model's norms are missing", path=self._residual_file(None))
         sh = self.shapes
-        if self.config.get("model_type") not in _COMPLETE_CHECKED or not sh.layers:
+        model_type = self.config.get("model_type")
+        if not isinstance(model_type, str) or model_type not in _COMPLETE_CHECKED or not sh.layers:
             return
         want = ["model.norm.weight"]
         if "model.embed_tokens.weight" not in have and not (sh.tie and "lm_head.weight" in have):
