@@ -60,7 +60,7 @@ def _supported_list() -> str:
     return ", ".join(sorted(_ARCH_BY_CLASS)) + f" (model_type {', '.join(sorted(_ARCH_BY_MODEL_TYPE))})"
 
 
-def gguf_arch(config: Mapping) -> str:
+def gguf_arch(config: Mapping, path: object | None = None) -> str:
     """The llama.cpp architecture string ("llama", "qwen2", "qwen3") for an HF config.json dict.
 
     ``architectures[0]`` decides; ``model_type`` is the fallback. Anything else raises
@@ -81,7 +81,7 @@ def gguf_arch(config: Mapping) -> str:
         what = f"model_type {mt!r}" if mt else "no architectures/model_type in config.json"
     else:
         what = f"architecture {', '.join(map(str, archs))}"
-    raise QConvertError(f"{what} is not supported for GGUF output; supported: {_supported_list()}")
+    raise QConvertError(f"{what} is not supported for GGUF output; supported: {_supported_list()}", path=path)
 
 
 def _arch_enum(arch: str) -> gguf.MODEL_ARCH:

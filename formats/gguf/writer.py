@@ -223,7 +223,8 @@ class GgufWriter:
     def _arch(self, source) -> tuple[str, int]:
         cached = getattr(source, "_gguf_arch", None)
         if cached is None:
-            cached = (gguf_arch(source.config), layer_count(source.config, config_json_path(source)))
+            where = config_json_path(source)
+            cached = (gguf_arch(source.config, where), layer_count(source.config, where))
             source._gguf_arch = cached
         return cached
 
