@@ -248,8 +248,8 @@ def config_from_gguf(fields: Any, tensor_names: Iterable[str] | None = None, *, 
         tensor_names = [t.name for t in fields.tensors]
     kv = field_values(fields)
     arch = kv.get("general.architecture")
-    if arch not in _HF_CLASS:
-        raise QConvertError(f"GGUF architecture {arch!r} cannot be turned into a config.json; "
+    if not isinstance(arch, str) or arch not in _HF_CLASS:
+        raise QConvertError(f"GGUF architecture {arch!r:.60} cannot be turned into a config.json; "
                             f"supported: {', '.join(SUPPORTED_ARCHS)}", path=path)
     cv = _typed(kv, path)
 
