@@ -19,7 +19,7 @@ from typing import Any
 
 from .errors import BadInput
 
-__all__ = ["read_json", "parse_json", "ConfigView", "REQUIRED", "MAX_JSON_BYTES", "MAX_JSON_DEPTH"]
+__all__ = ["read_json", "parse_json", "json_kind", "ConfigView", "REQUIRED", "MAX_JSON_BYTES", "MAX_JSON_DEPTH"]
 
 MAX_JSON_BYTES = 256 * 1024 * 1024  # a tokenizer.json of a 256k vocabulary is ~20 MB; an index a few MB
 MAX_JSON_DEPTH = 64  # real configs nest 4-6 deep, tokenizer.json ~8
@@ -95,11 +95,12 @@ def read_json(path: Path, *, expect: type | None = dict, max_bytes: int = MAX_JS
     data = parse_json(text, path)
     if expect is not None and not isinstance(data, expect):
         want = {dict: "a JSON object", list: "a JSON array"}.get(expect, expect.__name__)
-        raise BadInput(f"expected {want}, found {_kind(data)}", path=path)
+        raise BadInput(f"expected {want}, found {json_kind(data)}", path=path)
     return data
 
 
-def _kind(value: Any) -> str:
+def json_kind(value: Any) -> str:
+    """How a JSON value reads in a message: "an object", "a string", "null"..."""
     return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
             float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
 
@@ -115,7 +116,7 @@ class ConfigView:
     def __init__(self, data: Any, path: object, prefix: str = ""):
         if not isinstance(data, dict):
             where = prefix.rstrip(".") or "the file"
-            raise BadInput(f"{where} is {_kind(data)}, expected a JSON object", path=path)
+            raise BadInput(f"{where} is {json_kind(data)}, expected a JSON object", path=path)
         self.data = data
         self.path = path
         self.prefix = prefix

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from ..converters.errors import BadInput
-from ..converters.validate import read_json as _read_json
+from ..converters.validate import json_kind, read_json as _read_json
 from .safetensors_header import SafetensorsHeader, read_header
 from ..converters.records import Dense, TensorRecord
 
@@ -235,11 +235,11 @@ class CheckpointDir:
         data = read_json(index)
         weight_map = data.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
-            found = "missing" if weight_map is None else f"{_kind(weight_map)}"
+            found = "missing" if weight_map is None else f"{json_kind(weight_map)}"
             raise BadInput(f"weight_map is {found}: expected an object mapping tensor names to shard files",
                            path=index)
         if data.get("metadata") is not None and not isinstance(data["metadata"], dict):
-            raise BadInput(f"metadata is {_kind(data['metadata'])}: expected a JSON object", path=index)
+            raise BadInput(f"metadata is {json_kind(data['metadata'])}: expected a JSON object", path=index)
         duplicate = _duplicate_weight_map_key(index)
         if duplicate is not None:
             raise BadInput("listed twice in weight_map", path=index, tensor=duplicate)
@@ -250,7 +250,7 @@ class CheckpointDir:
             if shard in checked:
                 continue
             if not isinstance(shard, str):
-                raise BadInput(f"weight_map value is {_kind(shard)}: expected a shard file name", path=index,
+                raise BadInput(f"weight_map value is {json_kind(shard)}: expected a shard file name", path=index,
                                tensor=tensor)
             if not _plain_file_name(shard) or not shard.endswith(".safetensors"):
                 raise BadInput(f"weight_map names shard {shard[:80]!r}: expected a .safetensors file name inside "
@@ -350,10 +350,6 @@ def dtype_name(safetensors_dtype: str) -> str:
     return {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "I32": "int32",
             "I64": "int64", "I8": "int8", "U8": "uint8", "BOOL": "bool"}.get(safetensors_dtype, safetensors_dtype.lower())
 
-
-def _kind(value) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
-            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def _json_or_none(path: Path) -> dict | None:

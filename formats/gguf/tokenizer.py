@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 import gguf
 
 from ...converters.errors import BadInput, QConvertError
-from ...converters.validate import ConfigView, read_json
+from ...converters.validate import ConfigView, json_kind, read_json
 from .metadata import field_values
 
 __all__ = [
@@ -147,15 +147,6 @@ def detect_pre_tokenizer(tokenizer_json: Mapping, path: object | None = None) ->
 # --------------------------------------------------------------------------------------------------
 # tokenizer.json -> token lists
 # --------------------------------------------------------------------------------------------------
-def _load_json(path: Path) -> Any:
-    return read_json(path)
-
-
-def _kind(value: Any) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
-            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
-
-
 def _show(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -165,7 +156,7 @@ def _check_tokenizer_json(tj: Mapping, path: Path) -> None:
     """The parts of tokenizer.json that this module and gguf's SpecialVocab read, checked for shape
     before either walks them: a wrong type stops here with one line naming the file and the key."""
     def bad(where: str, value: Any, expected: str) -> BadInput:
-        return BadInput(f"{where} is {_kind(value)} {_show(value)}: expected {expected}", path=path)
+        return BadInput(f"{where} is {json_kind(value)} {_show(value)}: expected {expected}", path=path)
 
     def obj(value: Any, where: str, nullable: bool = True) -> Mapping | None:
         if value is None and nullable:
@@ -491,7 +482,7 @@ def add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, config: Mapping, n_v
     sp_path = model_dir / "tokenizer.model"
 
     if tj_path.is_file():
-        tj = _load_json(tj_path)
+        tj = read_json(tj_path)
         _check_tokenizer_json(tj, tj_path)
         _check_side_json(model_dir)
         model = tj.get("model") or {}
