@@ -14,11 +14,10 @@ import warnings
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from ..converters.errors import BadInput
 from ..converters.validate import json_kind, read_json as _read_json
-from .safetensors_header import SafetensorsHeader, read_header
+from .safetensors_header import Descriptors, SafetensorsHeader, read_header, read_tensor
 from ..converters.records import Dense, TensorRecord
 
 __all__ = ["CheckpointDir", "read_json", "SIDE_FILES", "dtype_name", "weight_files_ignored", "WEIGHT_SUFFIXES"]
@@ -109,6 +108,7 @@ class CheckpointDir:
     """
 
     def __init__(self, path: Path):
+        self._fds = Descriptors()  # of the shards, for reading tensors
         self.path = Path(path)
         if not self.path.is_dir():
             raise BadInput("not a directory (expected a checkpoint folder)", path=self.path)
@@ -286,16 +286,6 @@ class CheckpointDir:
             warnings.warn(f"{index}: the shards hold {' and '.join(parts)}; read as the shards hold them, "
                           "as transformers does", stacklevel=3)
 
-    def _open(self, shard: str, fn):
-        path = self.path / shard
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                return fn(f)
-        except BadInput:
-            raise
-        except Exception:  # SafetensorError: what read_header did not catch; its words are the library's
-            raise BadInput("cannot read safetensors file (not a valid safetensors file)", path=path) from None
-
     def keys(self, shard: str) -> list[str]:
         return self._keys[shard]
 
@@ -312,12 +302,10 @@ class CheckpointDir:
         if name not in self.location:
             raise BadInput("tensor not found in any shard", path=self.path, tensor=name)
         shard = self.location[name]
-        try:
-            with safe_open(str(self.path / shard), framework="pt") as f:
-                return f.get_tensor(name)
-        except Exception as e:  # the header was checked: this is the data itself (a dtype torch lacks, I/O)
-            why = "no torch dtype for it" if isinstance(e, (TypeError, ValueError)) else "the file cannot be read"
-            raise BadInput(f"cannot read tensor ({why})", path=self.path / shard, tensor=name) from None
+        return read_tensor(self._headers[shard], name, self._fds.fd(self.path / shard))
+
+    def close(self) -> None:
+        self._fds.close()
 
     def file_of(self, name: str) -> Path:
         return self.path / self.location[name]

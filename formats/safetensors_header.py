@@ -12,19 +12,26 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..converters.errors import BadInput
 
-__all__ = ["TensorEntry", "SafetensorsHeader", "read_header", "DTYPE_BITS"]
+__all__ = ["TensorEntry", "SafetensorsHeader", "read_header", "read_tensor", "Descriptors", "DTYPE_BITS", "TORCH_DTYPES"]
 
 # bits per element of every dtype the safetensors format defines (sub-byte types pack along the last axis)
 DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16,
               "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "F64": 64, "I64": 64, "U64": 64,
               "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "C64": 64}
 MAX_HEADER_BYTES = 100 * 1000 * 1000  # the library's own limit on the JSON header
+# the torch dtype safetensors' own loader gives each one (safetensors.torch._TYPES); the sub-byte float
+# types have none that holds one element per value, and are refused by read_tensor
+TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U16": "uint16",
+                "U32": "uint32", "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+                "F8_E8M0": "float8_e8m0fnu", "C64": "complex64"}
 
 
 @dataclass(frozen=True)
@@ -113,3 +120,66 @@ def read_header(path: Path) -> SafetensorsHeader:
     if position != data_len:
         raise bad(f"the tensors cover {position} bytes of data, the file holds {data_len}")
     return SafetensorsHeader(path, tensors, metadata, 8 + n)
+
+
+def read_tensor(header: SafetensorsHeader, name: str, fd: int):
+    """One tensor's bytes read from an open file descriptor of header.path into a tensor of its own: exactly
+    the bytes the checked header gives it are allocated, and no mapping of the file outlives the call (peak
+    memory stays one tensor, however large the shard). Opening the file with safe_open for each tensor
+    parses its header again and maps the whole file; the header here was checked once, by read_header."""
+    import torch
+
+    entry = header.tensors[name]
+    dtype = getattr(torch, TORCH_DTYPES.get(entry.dtype, ""), None)
+    if dtype is None:
+        raise BadInput(f"cannot read tensor (no torch dtype for {entry.dtype})", path=header.path, tensor=name)
+    nbytes = entry.end - entry.begin
+    buf = bytearray(nbytes)
+    view, got, offset = memoryview(buf), 0, header.data_start + entry.begin
+    try:
+        while got < nbytes:
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n <= 0:
+                break
+            got += n
+    except OSError as e:
+        raise BadInput(f"cannot read tensor ({e.strerror or type(e).__name__})", path=header.path,
+                       tensor=name) from None
+    if got != nbytes:  # the file shrank after its header was read
+        raise BadInput(f"cannot read tensor (the file ends {nbytes - got} bytes short of it)", path=header.path,
+                       tensor=name)
+    if nbytes == 0:
+        return torch.empty(entry.shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype).reshape(entry.shape)
+
+
+class Descriptors:
+    """Open read-only descriptors of a few files, kept for the next tensor read (descriptors, not maps: a
+    kept descriptor holds no memory). The least recently used is closed past `keep`."""
+
+    def __init__(self, keep: int = 8):
+        self.keep = keep
+        self._open: dict[Path, int] = {}
+
+    def fd(self, path: Path) -> int:
+        fd = self._open.pop(path, None)
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise BadInput(f"cannot read file ({e.strerror or type(e).__name__})", path=path) from None
+            while len(self._open) >= self.keep:
+                os.close(self._open.pop(next(iter(self._open))))
+        self._open[path] = fd  # most recently used last
+        return fd
+
+    def close(self) -> None:
+        fds, self._open = self._open, {}
+        for fd in fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __del__(self) -> None:
+        self.close()

@@ -1730,6 +1730,7 @@ class Fuzzer:
         self.cases_dir = Path(tempfile.mkdtemp(prefix="cases-", dir=self.work))
         self.pool = ForkPool(args.jobs)
         self.counts: dict[str, dict[str, int]] = {}
+        self.command_seconds: dict[str, dict[str, float]] = {}  # reader -> command (and "case", the whole child) -> seconds
         self.findings: list[dict] = []
         self.seed_failures: list[str] = []
         self.refs: dict[tuple[str, str], object] = {}  # digest, None (seed failed) or [pending cases]
@@ -1858,6 +1859,10 @@ class Fuzzer:
             o = silent_outcome(o, meta, compare_digests(ref, res["digest"]))
         row = self.counts.setdefault(reader, {})
         row[o.outcome] = row.get(o.outcome, 0) + 1
+        times = self.command_seconds.setdefault(reader, {"case": 0.0})
+        times["case"] = round(times["case"] + seconds, 3)
+        for c in res.get("commands", ()):
+            times[c["name"]] = round(times.get(c["name"], 0.0) + c["seconds"], 3)
         o.line = o.line.replace(str(case_dir / "in"), "IN").replace(str(case_dir), "CASE")
         record = None
         if o.outcome in FINDING_OUTCOMES:
@@ -2089,6 +2094,7 @@ def main(argv=None) -> int:
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps({
             "counts": fz.counts, "seed_failures": fz.seed_failures, "seconds": round(fz.seconds, 1),
+            "command_seconds": fz.command_seconds,
             "findings": [{k: r[k] for k in ("reader", "outcome", "signature", "case", "seed", "mutation", "line")}
                          for r in fz.findings]}, indent=1))
     return 0

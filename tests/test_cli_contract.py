@@ -209,3 +209,23 @@ def test_error_lines_stay_one_printable_line():
     assert line.isprintable() and "\n" not in line
     assert line == "/m/model.gguf, tensor t\\nx: metadata \\x00tokenizer.ggml.pre\\x08\\n\\x1b[31m"
     assert len(str(BadInput("k" * 10**6, path="/m/x"))) <= 2000
+
+
+def test_special_token_ids_outside_the_vocabulary_are_skipped_with_a_warning_naming_the_folder(fx, tmp_path, capsys):
+    """As llama.cpp's converter does (gguf-py's SpecialVocab skips them): a pad id equal to the vocabulary size
+    is common in real configs, so this is no refusal, but the warning names the folder and the id."""
+    import gguf
+
+    src = tmp_path / "model"
+    shutil.copytree(fx["bases"]["base"], src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["bos_token_id"] = 2**31
+    (src / "config.json").write_text(json.dumps(cfg))
+    rc, out, err = _run_main(capsys, "hf->gguf", src, tmp_path / "o.gguf", "--type", "f16", "--quiet")
+    assert rc == 0, err
+    assert err.splitlines() == [f"qconvert: warning: {src}: bos token id 2147483648 (config.json / "
+                                f"tokenizer_config.json) is outside the {cfg['vocab_size']}-token vocabulary; "
+                                "not written"]
+    field = gguf.GGUFReader(tmp_path / "o.gguf").fields.get("tokenizer.ggml.bos_token_id")
+    # the tokenizer files' own BOS (tokenizer_config.json's bos_token) is what remains, as in llama.cpp
+    assert field is None or int(field.parts[field.data[0]][0]) < cfg["vocab_size"]

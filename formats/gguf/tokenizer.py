@@ -437,10 +437,31 @@ def _first_int(v: Any) -> int | None:
     return None
 
 
+class _OutOfRangeIds(logging.Filter):
+    """Collects gguf-py's "Special token type T, id N out of range" warnings (which name no file) so that
+    they are said once, in our words, with the folder."""
+
+    _TEXT = re.compile(r"^Special token type (\w+), id (\d+) out of range")
+
+    def __init__(self):
+        super().__init__()
+        self.ids: list[tuple[str, int]] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        m = self._TEXT.match(record.getMessage())
+        if m:
+            self.ids.append((m.group(1), int(m.group(2))))
+            return False
+        return True
+
+
 def _special_vocab(model_dir: Path, config: Mapping, n_vocab: int, *, merges: bool,
                    unk_token_id: int | None, add_bos_default: bool,
                    fallback_ids: Mapping[str, int] | None = None) -> gguf.SpecialVocab:
     _check_side_json(model_dir)
+    skipped = _OutOfRangeIds()
+    vocab_logger = logging.getLogger("gguf.vocab")
+    vocab_logger.addFilter(skipped)
     try:
         sv = gguf.SpecialVocab(model_dir, load_merges=merges, n_vocab=n_vocab)
     except ValueError:  # gguf-py refuses negative special token ids and merges it cannot parse
@@ -449,6 +470,12 @@ def _special_vocab(model_dir: Path, config: Mapping, n_vocab: int, *, merges: bo
     except (TypeError, AttributeError, KeyError, IndexError):
         raise BadInput("tokenizer files (tokenizer.json, tokenizer_config.json, merges.txt) hold a value of an "
                        "unexpected type or form", path=model_dir) from None
+    finally:
+        vocab_logger.removeFilter(skipped)
+    for typ, tid in skipped.ids:
+        # llama.cpp's converter skips such an id too (a pad id equal to the vocabulary size is common)
+        logger.warning("%s: %s token id %d (config.json / tokenizer_config.json) is outside the %d-token "
+                       "vocabulary; not written", model_dir, typ, tid, n_vocab)
     for typ in ("bos", "eos", "pad"):
         if typ not in sv.special_token_ids:
             tid = _first_int(config.get(f"{typ}_token_id"))

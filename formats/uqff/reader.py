@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors import safe_open
 
 from ...converters.errors import BadInput
 from ...converters.records import Dense, Grid, GridParams, PackedCodes, TensorRecord
@@ -28,7 +27,7 @@ from ...kernels.ggml_legacy import unpack_blocks
 from ...kernels.hqq import axis0_expand
 from ..model_shapes import ModelShapes, layer_index
 from ..safetensors_dir import SIDE_FILES, read_json
-from ..safetensors_header import read_header
+from ..safetensors_header import Descriptors, read_header, read_tensor
 from .layout import (AFQ_BITS, AFQ_GROUPS, EXTRA_BLOCKS, FAMILY_OF_TAG, FP8_DTYPE_CODE, GGML_NAME_OF_ID, MAJOR,
                      READER_MINOR, decode_f8q8, decode_mxfp4, decode_q8_1, decode_q8_k, hqq_halves_unpack,
                      unpack_afq)
@@ -141,6 +140,7 @@ class _Shards:
 
     def __init__(self, shards: list[Path]):
         self.shards = shards
+        self._fds = Descriptors()
         self.location: dict[str, Path] = {}
         self.order: list[str] = []
         # each header checked in our own words first (formats/safetensors_header.py); names sorted, as
@@ -155,15 +155,6 @@ class _Shards:
                     self.order.append(name)
                 self.location.setdefault(name, shard)
 
-    def _open(self, shard: Path, fn):
-        try:
-            with safe_open(str(shard), framework="pt") as f:
-                return fn(f)
-        except BadInput:
-            raise
-        except Exception:  # what read_header did not catch; the library's words are not for users
-            raise BadInput("cannot read safetensors file (not a valid safetensors file)", path=shard) from None
-
     def __contains__(self, name: str) -> bool:
         return name in self.location
 
@@ -171,11 +162,7 @@ class _Shards:
         shard = self.location.get(name)
         if shard is None:
             raise BadInput("tensor not found in any shard", path=self.shards[0], tensor=name)
-        try:
-            with safe_open(str(shard), framework="pt") as f:
-                return f.get_tensor(name)
-        except Exception:  # the header was checked: the data itself cannot be read
-            raise BadInput("cannot read tensor (the file cannot be read)", path=shard, tensor=name) from None
+        return read_tensor(self.headers[shard], name, self._fds.fd(shard))
 
     def meta(self, name: str) -> tuple[str, list[int]]:
         entry = self.headers[self.location[name]].tensors[name]
@@ -185,20 +172,17 @@ class _Shards:
         """The version tensors; every shard that carries them must agree (mistral.rs' rule)."""
         found = None
         for shard in self.shards:
-            def fn(f):
-                keys = set(f.keys())
-                if not any(k in keys for k in _VERSION_KEYS):
-                    return None
+            entries = self.headers[shard].tensors
+            vals = None
+            if any(k in entries for k in _VERSION_KEYS):
                 vals = []
                 for k in _VERSION_KEYS:
-                    if k not in keys:
+                    if k not in entries:
                         raise BadInput("incomplete UQFF version tensors", path=shard, tensor=k)
-                    s = f.get_slice(k)
-                    if s.get_dtype() != "U32" or list(s.get_shape()) != []:
+                    if entries[k].dtype != "U32" or entries[k].shape != ():
                         raise BadInput("UQFF version tensor must be a scalar U32", path=shard, tensor=k)
-                    vals.append(int(f.get_tensor(k).to(torch.int64)))
-                return tuple(vals)
-            vals = self._open(shard, fn)
+                    vals.append(int(read_tensor(self.headers[shard], k, self._fds.fd(shard)).to(torch.int64)))
+                vals = tuple(vals)
             if vals is not None:
                 if found is not None and vals != found:
                     raise BadInput(f"conflicting UQFF version tensors ({'.'.join(map(str, vals))} vs "
