@@ -3,7 +3,7 @@
 Every GPTQ bit width (2, 3, 4, 8) uses the same rule: consecutive codes form one little-endian bit
 stream, code i at bits [b*i, b*i + b), cut into 32-bit words. For 2/4/8 bits a code never straddles
 two words; for 3 bits every 32 codes fill exactly 3 words and codes 10 and 21 straddle (the
-"10-1-10-1-10" layout of the spec is this same stream). One loop over the codes of a chunk therefore
+"10-1-10-1-10" layout gptqmodel describes is this same stream). One loop over the codes of a chunk therefore
 serves all widths, with the straddling part handled where it occurs.
 
 `qweight` packs along rows (input features), `qzeros` along columns (output features):

@@ -9,7 +9,8 @@ the codes. ggml dequantizes in float32 as
 
 so a grid with per-sub-block `scales = d * sc` (float32, one rounding, as ggml computes it) and
 `mins = -(dmin * m)` (min form) or an integer zero point (4 / 32) reproduces ggml's values bit for
-bit. Byte positions follow ggml-common.h (shared spec gguf.md section 2). Pure numpy, no model code.
+bit. Byte positions follow ggml's block_q2_K .. block_q6_K structs in ggml-common.h. Pure numpy, no model
+code.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ HQQ views a weight W[out, in] in row-major order as a group matrix:
 and stores codes packed along dim 0 of that matrix in slabs: with k codes per storage word, slab j (rows
 j*P/k .. (j+1)*P/k) goes to bit field j counted from the most significant side. 3-bit packs ten codes into
 bits 29..0 of an int32 after zero-padding the rows to a multiple of ten. Dequantization is
-(q - zero) * scale, with the scale stored already inverted; see shared spec hqq.md sections 1-2.
+(q - zero) * scale, with the scale stored already inverted (hqq 0.2.8's hqq/core/quantize.py: `quantize`
+stores 1 / scale, `dequantize` computes `(W_q - zero) * scale`; the packing is hqq/core/bitpack.py's).
 
 `quantize_hqq` is HQQ's own rule (min/max grid, optional rounded zero, then the proximal solver that moves
 the zero only), run in float32 as hqq runs it on a CPU, so that requantizing into HQQ gives what hqq gives.

@@ -12,7 +12,7 @@ Every super-block covers 256 consecutive values of a row:
 - Q6_K (210 B): 16 sub-blocks of 16; int8 scales, fp16 d, 6-bit codes; value = d*sc*(q-32).
 - Q8_K (292 B): fp32 d, int8 codes, int16 sums of each 16 codes (an activation format).
 
-The byte layouts are in the spec (shared/specs/gguf.md section 2).
+The byte layouts are ggml's block_q2_K .. block_q8_K structs in ggml-common.h.
 
 Exactness. The C reference in llama-cpp-python's libggml-base.so is compiled for baseline x86-64
 SSE (it contains no vfmadd instruction), so every C expression is a chain of individually rounded
@@ -26,9 +26,10 @@ Where C accumulates a sum over a sub-block sequentially, the data is laid out el
 another into the accumulator (pairwise summation only happens along a contiguous reduction axis),
 which is exactly C's order. ``nearest_int`` is C's
 ``fval + 1.5*2**23`` bit trick; it equals round-half-to-even (``np.rint``) for |v| < 2**22, and the
-trick itself is used wherever the argument is not provably in that range. One detail the spec's
-summary of make_qkx2_quants leaves out: C's search overwrites its `min` when it accepts a candidate,
-and later candidates use that min in `iscale*(x - min)` and `(max - min)`; this is reproduced.
+trick itself is used wherever the argument is not provably in that range. One detail of
+make_qkx2_quants (ggml-quants.c) that is easy to miss: C's search overwrites its `min` when it
+accepts a candidate, and later candidates use that min in `iscale*(x - min)` and `(max - min)`;
+this is reproduced.
 
 Speed. All super-blocks of a chunk are processed at once; Python loops run only over the candidate
 scales of the searches (<= 21) and, for Q3_K, over the 16 positions x <= 5 coordinate-descent passes.

@@ -12,7 +12,7 @@ QQQ (gptqmodel `nn_modules/qlinear/qqq.py`, from the QQQ repo's Marlin packer) s
 
 Scales are stored permuted too: `s_channel` (flattened) in chunks of 32 by `CHANNEL_SCALE_PERM`,
 `s_group` (flattened row-major, `[in/group, out]`) in chunks of 64 by `GROUP_SCALE_PERM`;
-`stored[x] = true[perm[x]]` in every case. Shared spec gptq_qqq.md section 3.3.
+`stored[x] = true[perm[x]]` in every case. (gptqmodel 7.6 nn_modules/qlinear/qqq.py: the scale_perm tables.)
 
 Pure functions over tensors; no model or format knowledge.
 """

@@ -27,7 +27,7 @@ runs with ``--import-mode=importlib``::
     spec = importlib.util.spec_from_file_location("qconvert_test_fixtures", p)
     fixtures = importlib.util.module_from_spec(spec); spec.loader.exec_module(fixtures)
 
-gptqmodel pitfalls handled here (see also shared/specs/gptq_qqq.md section 6):
+Pitfalls of gptqmodel 7.6.0 on a CPU handled here:
 * ``GPTQMODEL_CPU_WORKERS`` must be >= 2 on a 2-core machine (set by default here).
 * group_size -1 needs ``act_group_aware=False``.
 * the CPU default load dtype is bfloat16 -> always pass ``dtype=torch.float16``.

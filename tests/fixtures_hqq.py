@@ -22,10 +22,11 @@ Layout under ``root`` (default tests/_fixtures/hqq)::
 HQQLinear modules, hqq's `AutoHQQHFModel.from_quantized` for qmodel.pt, or hqq's `HQQLinear.load_state_dict`
 per layer of a safetensors checkpoint, which keeps an fp16/bf16 compute dtype) and writes the same kind of reference file.
 
-Pitfalls handled (shared/specs/hqq.md section 6): device "cpu" everywhere; transformers computes HQQ in
-float32 whatever dtype is asked, so the transformers variants are float32 and the float16 variant is made by
-the hqq library; dynamic_config lists every linear tag; save_pretrained before save_quantized (the latter
-turns the state dict encoding off, so encoded_state_dict is set back afterwards); one thread (reproducible).
+Pitfalls of hqq 0.2.8 and transformers 4.57.6 on a CPU handled here: device "cpu" everywhere; transformers
+computes HQQ in float32 whatever dtype is asked, so the transformers variants are float32 and the float16
+variant is made by the hqq library; dynamic_config lists every linear tag; save_pretrained before
+save_quantized (the latter turns the state dict encoding off, so encoded_state_dict is set back afterwards);
+one thread (reproducible).
 """
 
 from __future__ import annotations
@@ -203,9 +204,8 @@ def load_hqq_lib(path: Path, compute_dtype):
 
 
 def load_hqq_safetensors(path: Path, compute_dtype):
-    """hqq's own HQQLinear.load_state_dict on each layer of a safetensors checkpoint (the manual loader of
-    shared spec hqq.md section 6): transformers 4.57.6 always computes HQQ in float32, this keeps the
-    checkpoint's fp16/bf16 compute dtype."""
+    """hqq's own HQQLinear.load_state_dict on each layer of a safetensors checkpoint (a loader by hand, since
+    transformers 4.57.6 always computes HQQ in float32): this keeps the checkpoint's fp16/bf16 compute dtype."""
     import torch
     from hqq.core.quantize import HQQLinear
     from safetensors.torch import load_file

@@ -18,7 +18,8 @@ Layout under ``root`` (default ``tests/_fixtures/qqq``)::
 Variants: ``qqq_g128`` (QQQ 4-bit group 128), ``qqq_gm1`` (QQQ 4-bit per-channel), ``rot_b4_g128``
 (GPTQ v1 4-bit g128 sym with ``rotation: "hadamard"``).
 
-gptqmodel on a CPU needs two monkeypatches (shared spec gptq_qqq.md section 6), both confined here:
+gptqmodel 7.6.0 on a CPU needs two monkeypatches (its QQQ packing and its rotation assume CUDA), both
+confined here:
 * QQQ packing: ``QQQProcessor._quant_linear_kernel`` picks the CUDA ``QQQLinear``; it is made to return
   ``(QQQTorchLinear, BACKEND.QQQ_TORCH)`` (same ``pack()``), and ``backend="qqq_torch"`` is passed.
 * rotation: ``apply_exact_had_to_linear`` calls ``.cuda()``; ``torch.Tensor.cuda`` is an identity while

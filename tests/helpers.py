@@ -19,7 +19,7 @@ def run_cli(*args, check_rc: int | None = 0) -> subprocess.CompletedProcess:
 
 
 def llama_logits(gguf_path: Path, ids: list[int]) -> np.ndarray:
-    """llama.cpp's logits for every position (F32 KV cache, as the spec prescribes)."""
+    """llama.cpp's logits for every position (F32 KV cache: an F16 cache would add its own rounding to the comparison)."""
     from llama_cpp import Llama
 
     llm = Llama(str(gguf_path), n_ctx=128, n_batch=128, logits_all=True, n_threads=2, verbose=False,

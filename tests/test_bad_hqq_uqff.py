@@ -84,8 +84,9 @@ def _edit(path: Path, fn) -> None:
 
 
 def _hqq_formula(raw: dict, key: str) -> torch.Tensor:
-    """shared spec, independently of qconvert: W.reshape(gs, -1) columns are the groups; 4-bit keeps the
-    first half of the gs rows in the high nibble; W = (q - zero) * scale."""
+    """UQFF's HQQ layer as mistral.rs 0.9.5 decodes it (mistralrs-quant/src/hqq/), written here independently
+    of qconvert: W.reshape(gs, -1) columns are the groups; 4-bit keeps the first half of the gs rows in the
+    high nibble; W = (q - zero) * scale."""
     w = raw[f"{key}.weight"]
     bits, gs = int(raw[f"{key}.weight.bits"]), int(raw[f"{key}.weight.group_size"])
     out, n = (int(x) for x in raw[f"{key}.weight.shape"])
@@ -104,7 +105,7 @@ def test_kv32_fixture_has_groups_larger_than_the_rows(ufx, isq):
 
 @pytest.mark.parametrize("isq", FU.KV32_TYPES)
 def test_kv32_reads_as_mistralrs_computes(ufx, tmp_path, isq):
-    """Every layer equals the spec's formula, and transformers on `uqff->hf` gives mistral.rs' own
+    """Every layer equals that formula (_hqq_formula), and transformers on `uqff->hf` gives mistral.rs' own
     log-probabilities for the same UQFF."""
     from qconvert.formats.uqff.reader import UqffSource
     from test_uqff import _teacher_forced_gap

@@ -757,7 +757,7 @@ def test_every_tensor_maps(tmp_path_factory, arch, tie):
 
 
 def _spec_permute(w: torch.Tensor, n: int) -> torch.Tensor:
-    # shared/specs/gguf.md section 3: what llama.cpp's converter does
+    # what llama.cpp's convert_hf_to_gguf.py does to q_proj / k_proj rows (LlamaModel.permute), written out here
     return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 

@@ -92,8 +92,9 @@ def model_dir(key: str) -> Path:
 
 
 def f32_gguf(key: str, tmp: Path | None = None) -> Path:
-    """The F32 GGUF llama-quantize starts from (cached next to the model; built by our F32 writer, which
-    the shared spec found tensor-for-tensor identical to convert_hf_to_gguf's)."""
+    """The F32 GGUF llama-quantize starts from (cached next to the model; built by our F32 writer, whose
+    tensors were found byte-identical to those llama.cpp's convert_hf_to_gguf.py writes for llama, qwen2 and
+    qwen3)."""
     src = model_dir(key)
     out = src.parent / f"{key}_256-f32.gguf"
     if not out.exists():

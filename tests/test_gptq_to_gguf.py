@@ -28,7 +28,7 @@ ALIGNED = {
     "v1_b4_g32_asym_zp0": ("Q4_1", "near-exact"),
     "v2_b4_g32_asym_zp0": ("Q4_1", "near-exact"),
 }
-# spec gguf.md section 4: quantized weights vs the dequantized reference, F32 KV cache
+# quantized weights vs the dequantized reference, with an F32 KV cache (an F16 cache adds its own rounding)
 LOGIT_TOLERANCE = 0.05  # of the reference's logit range
 # The zero-point-0 base model has every linear's first 32 inputs made positive, which makes llama.cpp's
 # int8 activation quantization (Q8_0/Q8_1 on CPU) cost more: on it an F32 GGUF matches transformers to

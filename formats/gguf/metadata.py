@@ -1,7 +1,7 @@
 """GGUF model metadata (hyper-parameters) for llama / qwen2 / qwen3, both directions.
 
 * :func:`add_model_metadata` writes every ``{arch}.*`` and ``general.*`` key llama.cpp needs to load
-  the model (see shared/specs/gguf.md section 3).
+  the model, as llama.cpp's convert_hf_to_gguf.py writes them and its llama-model.cpp reads them.
 * :func:`rope_freqs_tensor` computes the ``rope_freqs.weight`` tensor llama-3 style rope scaling
   needs (llama.cpp divides each rotation frequency by its factor).
 * :func:`config_from_gguf` rebuilds a config.json dict from a GGUF file's metadata.

@@ -1,7 +1,7 @@
 """UQFF 1.x facts in one place, and the pure per-family codecs (tensors in, tensors out).
 
 A UQFF layer `<key>` is a group of safetensors tensors `<key>.weight`, `<key>.weight.format` (U8 scalar:
-the family tag) and family-specific `<key>.weight.<field>` metadata; see shared spec uqff.md section 2.
+the family tag) and family-specific `<key>.weight.<field>` metadata (mistralrs-quant/src/uqff/ in mistral.rs).
 Each family decodes here exactly as mistral.rs 0.9.5 computes it on a CPU:
 
   tag 0 GGUF blocks   ggml block bytes [rows * row_bytes] + ggml type id + torch-order shape
@@ -53,7 +53,9 @@ GGML_TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7,
 GGML_NAME_OF_ID = {v: k for k, v in GGML_TYPE_IDS.items()}
 # the two ggml types kernels.ggml_layouts does not hold (no GGUF writer target); decoded here by hand
 EXTRA_BLOCKS = {"Q8_1": (32, 36), "Q8_K": (256, 292)}  # (elements, bytes); Q8_1 is 36 bytes in candle
-F8Q8_DIVISOR = 416.0  # F8E4M3::MAX as the float8 0.7 crate in mistral.rs 0.9.5 evaluates it (spec 2.5)
+# F8Q8 divides by F8E4M3::MAX, which the float8 0.7 crate linked into mistral.rs 0.9.5 evaluates to 416, not 448:
+# with 416 the decoding of mistral.rs' own F8Q8 layers matches its runtime exactly, with 448 it does not
+F8Q8_DIVISOR = 416.0
 MXFP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
@@ -86,7 +88,8 @@ UQFF_TYPES = {t.name: t for t in (
     _t("f32", "unquant", 32, dtype=torch.float32), _t("f16", "unquant", 16, dtype=torch.float16),
     _t("bf16", "unquant", 16, dtype=torch.bfloat16),
 )}
-# mistral.rs' fallback for K types when a row is not a whole number of 256-blocks (spec 2.0)
+# mistral.rs' ISQ fallback for K types when a row is not a whole number of 256-blocks (as its own output shows:
+# q4k on 64-wide rows is stored as Q4_1)
 K_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q4_1", "Q5_K": "Q5_0", "Q6_K": "Q5_1"}
 AFQ_GROUPS = (128, 64, 32)
 AFQ_BITS = (2, 3, 4, 6, 8)
