@@ -2,6 +2,7 @@
 
     qconvert 'gptq->gguf' SRC OUT [--type q4_0] [--allow-requant] [--dry-run] [--report r.json] [--force]
     qconvert gptq:gguf SRC OUT          (the same pair without quotes: an unquoted '>' is a shell redirect)
+    qconvert convert SRC OUT --to gguf  (the same, the source format detected; or given with --from)
     qconvert formats                    (what each format can read and write)
     qconvert inspect PATH               (format, bits, group size and layout of a checkpoint)
 
@@ -26,17 +27,23 @@ import click
 from .. import __version__
 from .errors import QConvertError, _printable
 from .plan import Options
-from .registry import all_formats, detect_format, get_format
+from .registry import FormatEntry, OptionSpec, all_formats, declared_options, detect_format, get_format
 
-__all__ = ["main", "cli", "detect_format"]
+__all__ = ["main", "cli", "detect_format", "writer_extra"]
 
 _PAIR = re.compile(r"^(?P<src>[A-Za-z0-9_.\-]+?)(?:->|:|=>)(?P<dst>[A-Za-z0-9_.\-]+)$")
 
 
+_DETECTING_COMMAND = "convert"
+
+
 class PairGroup(click.Group):
-    """A click group that also accepts `SRC->DST` as a command name."""
+    """A click group that also accepts `SRC->DST` as a command name, and builds `convert` for the target its
+    `--to` names (so that its --help shows that target's types and options)."""
 
     def get_command(self, ctx, name):
+        if name == _DETECTING_COMMAND:
+            return _make_detecting_command(None)
         cmd = super().get_command(ctx, name)
         if cmd is not None:
             return cmd
@@ -48,12 +55,36 @@ class PairGroup(click.Group):
                                    "redirect), or write it as SRC:DST")
         return None
 
+    def list_commands(self, ctx):
+        return sorted([*super().list_commands(ctx), _DETECTING_COMMAND])
+
     def resolve_command(self, ctx, args):
         name = args[0] if args else None
+        if name == _DETECTING_COMMAND:
+            return name, _make_detecting_command(_known_target(_peek_option(args[1:], "--to"))), args[1:]
         cmd = self.get_command(ctx, name) if name else None
         if cmd is None:
             return super().resolve_command(ctx, args)
         return name, cmd, args[1:]
+
+    def format_epilog(self, ctx, formatter):
+        """The pairs and examples come from the registry, so the help names only what exists."""
+        with formatter.section("Pairs (SRC->DST or SRC:DST)"):
+            formatter.write_dl(_pair_rows())
+        with formatter.section("Examples"):
+            for example in _help_examples():
+                formatter.write(f"{'':>{formatter.current_indent}}{example}\n")
+
+
+def _pair_rows() -> list[tuple[str, str]]:
+    """One row per readable format: the formats it converts into."""
+    writable = ", ".join(e.name for e in all_formats() if e.can_write)
+    return [(e.name, f"-> {writable}") for e in all_formats() if e.can_read]
+
+
+def _help_examples() -> list[str]:
+    """The first example each writable format declares: one command per target keeps the help short."""
+    return [e.examples[0] for e in all_formats() if e.can_write and e.examples]
 
 
 @click.group(cls=PairGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -61,7 +92,8 @@ class PairGroup(click.Group):
 def cli():
     """Convert quantized LLM checkpoints between GPTQ, GGUF, HF (dense) and more.
 
-    Convert with a pair command: qconvert 'gptq->gguf' SRC OUT (or gptq:gguf).
+    Convert with a pair command: qconvert 'gptq->gguf' SRC OUT (or gptq:gguf), or let qconvert detect
+    the source: qconvert convert SRC OUT --to gguf. An option a target does not take is refused.
 
     Errors are one line (exit 2 for bad input or a refused plan, 1 for a bug in qconvert); add --debug
     anywhere on the command line to see a bug's traceback and the warnings held back.
@@ -82,12 +114,12 @@ def _parse_tensor_types(values) -> list[tuple[str, str]]:
     return out
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, flag: str = "--split-max-size") -> int:
     """`2G` -> 2_000_000_000 bytes: decimal units K/M/G/T as llama.cpp's gguf-split and converter read
     them (an optional trailing B is ignored); a plain number is bytes."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*", str(text), re.IGNORECASE)
     if not m or float(m[1]) <= 0:
-        raise QConvertError(f"--split-max-size expects a size such as 500M or 2G, got {text!r}")
+        raise QConvertError(f"{flag} expects a size such as 500M or 2G, got {text!r}")
     return int(float(m[1]) * 1000 ** "_KMGT".index(m[2].upper() or "_"))
 
 
@@ -108,47 +140,154 @@ def _print_plan(report, quiet: bool) -> None:
                + (" (dry run: nothing written)" if report.dry_run else f" -> {report.output_path}"))
 
 
+# options every conversion takes, whatever the target; a format may not declare one of these
+_GENERIC_FLAGS = ("--type", "--tensor-type", "--allow-requant", "--dry-run", "--report", "--force", "--quiet",
+                  "--to", "--from")
+_WRITER_PARAM = "writer_"  # prefix of the click parameter names of writer options (never a generic name)
+
+
+def _known_target(name: str | None) -> FormatEntry | None:
+    """The format `name` names, or None when it names none (the command then fails when it runs)."""
+    if not name:
+        return None
+    try:
+        return get_format(name)
+    except QConvertError:
+        return None
+
+
+def _peek_option(args: list[str], flag: str) -> str | None:
+    """The value of `flag` (`--to gguf` or `--to=gguf`) in raw arguments, before click parses them."""
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg[len(flag) + 1:]
+    return None
+
+
+def _type_help(target: FormatEntry | None) -> str:
+    if target is not None and target.type_help:
+        return f"target type for quantized tensors ({target.name}: {target.type_help})"
+    return ("target type for quantized tensors; `qconvert convert --to FMT --help` names the types of the "
+            "target FMT")
+
+
+def _generic_params(target: FormatEntry | None) -> list[click.Parameter]:
+    return [
+        click.Argument(["src_path"], type=click.Path(path_type=Path)),
+        click.Argument(["out_path"], type=click.Path(path_type=Path), required=False),
+        click.Option(["--type", "type_"], metavar="TYPE", help=_type_help(target)),
+        click.Option(["--tensor-type"], multiple=True, metavar="REGEX=TYPE",
+                     help="per-tensor type override, first match wins"),
+        click.Option(["--allow-requant"], is_flag=True, help="accept lossy requantization where the grids do not align"),
+        click.Option(["--dry-run"], is_flag=True, help="print the per-tensor plan with verdicts; write nothing"),
+        click.Option(["--report", "report_path"], type=click.Path(path_type=Path),
+                     help="write a JSON report of every tensor"),
+        click.Option(["--force"], is_flag=True, help="replace an existing output"),
+        click.Option(["--quiet"], is_flag=True, help="print only the summary line"),
+    ]
+
+
+def _param_name(spec: OptionSpec) -> str:
+    return _WRITER_PARAM + spec.key
+
+
+def _click_type(spec: OptionSpec):
+    if spec.kind == "path":
+        return click.Path(path_type=Path)
+    if spec.kind == "choice":
+        return click.Choice(list(spec.choices))
+    return str  # "size" and "text": parsed (or passed on) by _writer_value
+
+
+def _writer_params(target: FormatEntry | None) -> list[click.Option]:
+    """Every format's declared options, so that one given for another target is refused by name instead
+    of being an unknown option; those the known target does not take are left out of its --help."""
+    params = []
+    for flag, (spec, owners) in declared_options().items():
+        if flag in _GENERIC_FLAGS:
+            raise ValueError(f"format {owners[0]} declares {flag}, which every conversion takes already")
+        params.append(click.Option([flag, _param_name(spec)], type=_click_type(spec), metavar=spec.metavar or None,
+                                   help=spec.help, hidden=target is not None and target.name not in owners))
+    return params
+
+
+def _writer_value(spec: OptionSpec, value):
+    """The Options.extra value of a given option, as the writers read it."""
+    if spec.kind == "size":
+        return parse_size(value, spec.flag)
+    if spec.kind == "path":
+        return str(value)
+    return value
+
+
+def writer_extra(target: FormatEntry, given: dict[str, object]) -> dict:
+    """Options.extra from the writer options given ({flag: value}, None = not given): one the target does
+    not declare is refused, since its writer would ignore it."""
+    extra = {}
+    for flag, (spec, owners) in declared_options().items():
+        value = given.get(flag)
+        if value is None:
+            continue
+        if target.name not in owners:
+            raise QConvertError(f"{flag} applies to {' or '.join(owners)} output only (the target is {target.name})")
+        extra[spec.key] = _writer_value(spec, value)
+    return extra
+
+
+def _given_writer_options(params: dict) -> dict[str, object]:
+    """{flag: value} of the writer options in a command's parsed parameters."""
+    return {flag: params.get(_param_name(spec)) for flag, (spec, _) in declared_options().items()}
+
+
+def _run_conversion(src_format: str | None, target_name: str, params: dict) -> None:
+    """What both conversion commands do: check the options against the target, detect the source format
+    when none is given, convert, print the plan, write the report."""
+    from .run import convert
+
+    if params["out_path"] is None and not params["dry_run"]:
+        raise click.UsageError("OUT_PATH is required unless --dry-run is given")
+    options = Options(type=params["type_"], tensor_types=_parse_tensor_types(params["tensor_type"]),
+                      allow_requant=params["allow_requant"])
+    options.extra.update(writer_extra(get_format(target_name), _given_writer_options(params)))
+    detected = src_format is None
+    if detected:
+        src_format = detect_format(params["src_path"])
+    report = convert(src_format, params["src_path"], target_name, params["out_path"], options, force=params["force"],
+                     dry_run=params["dry_run"], progress=sys.stderr.isatty())
+    if detected and not params["quiet"]:
+        # said after the conversion: after a failure the error line stands alone on stderr
+        click.echo(f"detected source format: {src_format}", err=True)
+    _print_plan(report, params["quiet"])
+    if params["report_path"]:
+        report.write_json(params["report_path"])
+
+
 def _make_convert_command(src: str, dst: str) -> click.Command:
-    @click.command(name=f"{src}->{dst}", help=f"Convert a {src} checkpoint into {dst}.")
-    @click.argument("src_path", type=click.Path(path_type=Path))
-    @click.argument("out_path", type=click.Path(path_type=Path), required=False)
-    @click.option("--type", "type_", help="target type for quantized tensors (gguf: q4_0, q4_1, q8_0, q4_k, f16..., "
-                                          "or a llama-quantize mix: q4_k_m, q4_k_s, q5_k_m, q5_k_s, q6_k, q3_k_m, q2_k; "
-                                          "gptq: 4g128, 4g32a...; hf: bf16, f16, f32)")
-    @click.option("--tensor-type", multiple=True, metavar="REGEX=TYPE", help="per-tensor type override, first match wins")
-    @click.option("--allow-requant", is_flag=True, help="accept lossy requantization where the grids do not align")
-    @click.option("--dry-run", is_flag=True, help="print the per-tensor plan with verdicts; write nothing")
-    @click.option("--report", "report_path", type=click.Path(path_type=Path), help="write a JSON report of every tensor")
-    @click.option("--force", is_flag=True, help="replace an existing output")
-    @click.option("--quiet", is_flag=True, help="print only the summary line")
-    @click.option("--split-max-size", metavar="SIZE", help="gguf: split the output into parts of at most SIZE "
-                                                          "(e.g. 500M, 2G) named OUT-0000i-of-0000N.gguf")
-    @click.option("--imatrix", "imatrix", type=click.Path(path_type=Path), help="gguf: llama.cpp importance matrix "
-                  "(llama-imatrix .dat or GGUF) weighting the K quantizers as llama-quantize --imatrix does")
-    @click.option("--quantizer", type=click.Choice(["qconvert", "llama.cpp"]), default=None,
-                  help="gguf: whose quantizer requantizes (default qconvert's own; llama.cpp needs llama-cpp-python)")
-    def command(src_path, out_path, type_, tensor_type, allow_requant, dry_run, report_path, force, quiet,
-                split_max_size, imatrix, quantizer):
-        from .run import convert
+    target = _known_target(dst)
 
-        if out_path is None and not dry_run:
-            raise click.UsageError("OUT_PATH is required unless --dry-run is given")
-        options = Options(type=type_, tensor_types=_parse_tensor_types(tensor_type), allow_requant=allow_requant)
-        if split_max_size is not None:
-            if get_format(dst).name != "gguf":
-                raise QConvertError("--split-max-size applies to gguf output only")
-            options.extra["split_max_size"] = parse_size(split_max_size)
-        if imatrix is not None:
-            options.extra["imatrix"] = str(imatrix)
-        if quantizer is not None:
-            options.extra["quantizer"] = quantizer
-        report = convert(src, src_path, dst, out_path, options, force=force, dry_run=dry_run,
-                         progress=sys.stderr.isatty())
-        _print_plan(report, quiet)
-        if report_path:
-            report.write_json(report_path)
+    def command(**params):
+        _run_conversion(src, dst, params)
 
-    return command
+    return click.Command(f"{src}->{dst}", callback=command, help=f"Convert a {src} checkpoint into {dst}.",
+                         params=[*_generic_params(target), *_writer_params(target)])
+
+
+def _make_detecting_command(target: FormatEntry | None) -> click.Command:
+    def command(to_format, from_format, **params):
+        _run_conversion(from_format, to_format, params)
+
+    params = [*_generic_params(target),
+              click.Option(["--to", "to_format"], required=True, metavar="FMT", help="the target format"),
+              click.Option(["--from", "from_format"], metavar="FMT",
+                           help="read the source as this format instead of detecting it"),
+              *_writer_params(target)]
+    return click.Command(_DETECTING_COMMAND, callback=command, params=params,
+                         short_help="Convert SRC into the format --to names, detecting SRC's format.",
+                         help="Convert SRC into the format --to names, detecting SRC's format (as inspect does) "
+                              "unless --from names it; the options and the output are those of the pair "
+                              "command qconvert 'FROM->TO'.")
 
 
 @cli.command("formats")

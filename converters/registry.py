@@ -10,12 +10,38 @@ from typing import Callable
 
 from .errors import QConvertError
 
-__all__ = ["FormatEntry", "register_format", "get_format", "all_formats", "normalize_name", "detect_format",
-           "describe_data"]
+__all__ = ["FormatEntry", "OptionSpec", "OPTION_KINDS", "register_format", "get_format", "all_formats",
+           "normalize_name", "detect_format", "describe_data", "declared_options"]
 
 # Every module (or subpackage) of qconvert.formats that calls register_format() is a format: a new
 # format is one new module there, with no list to edit.
 _FORMATS_PACKAGE = "qconvert.formats"
+
+
+# how the CLI reads an option's value: a path (passed on as str), a size such as 2G (bytes, int), one of
+# `choices`, or plain text
+OPTION_KINDS = ("path", "size", "choice", "text")
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """A writer-specific command-line option a format accepts as a conversion *target*: the CLI offers the
+    union of every format's options and refuses one the chosen target does not declare, so no option is
+    silently ignored. Its parsed value goes into `Options.extra[key]`."""
+    flag: str  # "--imatrix"
+    key: str  # the Options.extra key the writer reads
+    kind: str = "text"  # one of OPTION_KINDS
+    help: str = ""
+    metavar: str = ""
+    choices: tuple[str, ...] = ()  # kind "choice" only
+
+    def __post_init__(self):
+        if not self.flag.startswith("--"):
+            raise ValueError(f"option flag {self.flag!r} must start with --")
+        if self.kind not in OPTION_KINDS:
+            raise ValueError(f"option {self.flag}: kind {self.kind!r} is not one of {', '.join(OPTION_KINDS)}")
+        if (self.kind == "choice") != bool(self.choices):
+            raise ValueError(f"option {self.flag}: choices go with kind 'choice' (and it needs them)")
 
 
 @dataclass
@@ -27,6 +53,10 @@ class FormatEntry:
     writer: object | None = None  # an object with the Writer interface (converters.plan)
     sniff: Callable | None = None  # (path) -> bool: is this path this format? (files and config, not names)
     extras: dict = field(default_factory=dict)
+    # CLI facts, as a target: its writer-specific options, the vocabulary of --type, example command lines
+    options: tuple[OptionSpec, ...] = ()
+    type_help: str = ""
+    examples: tuple[str, ...] = ()
 
     @property
     def can_read(self) -> bool:
@@ -50,11 +80,14 @@ def register_format(entry: FormatEntry) -> FormatEntry:
     key = normalize_name(entry.name)
     if key in _REGISTRY and _REGISTRY[key] is not entry:
         raise ValueError(f"format {key!r} is already registered")
-    _REGISTRY[key] = entry
-    for alias in entry.aliases:
-        a = normalize_name(alias)
+    aliases = [normalize_name(alias) for alias in entry.aliases]
+    for a in aliases:  # every check before any change: a refused registration leaves the registry as it was
         if _ALIASES.get(a, key) != key:
             raise ValueError(f"alias {a!r} already names format {_ALIASES[a]!r}")
+        if a in _REGISTRY and a != key:
+            raise ValueError(f"alias {a!r} is the name of format {a!r}")
+    _REGISTRY[key] = entry
+    for a in aliases:
         _ALIASES[a] = key
     return entry
 
@@ -140,3 +173,16 @@ def get_format(name: str) -> FormatEntry:
 def all_formats() -> list[FormatEntry]:
     _load_builtin()
     return [_REGISTRY[k] for k in sorted(_REGISTRY)]
+
+
+def declared_options() -> dict[str, tuple[OptionSpec, tuple[str, ...]]]:
+    """Every writer-specific option any format declares: flag -> (spec, the formats declaring it). Formats
+    may share a flag only with the same spec, since the CLI offers one option for it."""
+    found: dict[str, tuple[OptionSpec, tuple[str, ...]]] = {}
+    for entry in all_formats():
+        for spec in entry.options:
+            known, names = found.get(spec.flag, (spec, ()))
+            if known != spec:
+                raise ValueError(f"option {spec.flag} is declared differently by {names[0]} and {entry.name}")
+            found[spec.flag] = (spec, names + (entry.name,))
+    return found

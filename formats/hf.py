@@ -138,4 +138,8 @@ register_format(FormatEntry("hf", aliases=("safetensors", "dense", "transformers
                             open_reader=lambda path, **_: HfSource(path), writer=HfWriter(),
                             # a mistral.rs UQFF directory also has config.json and residual.safetensors
                             sniff=lambda path: quantization_config_of(path) == {} and any(Path(path).glob("*.safetensors"))
-                            and not any(Path(path).glob("*.uqff"))))
+                            and not any(Path(path).glob("*.uqff")),
+                            # the --type vocabulary as parse_hf_type reads it (bf16 when none is given)
+                            type_help=", ".join(t.lower() for t in HF_TYPES) + " (default bf16)",
+                            examples=("qconvert convert model.gguf model-hf/ --to hf",
+                                      "qconvert 'gptq->hf' model-gptq/ model-hf/ --type f32")))

@@ -3,6 +3,7 @@ that decide whether an output is right. conftest.py puts this folder on sys.path
 
 from __future__ import annotations
 
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -75,3 +76,15 @@ def edit_safetensors(path: Path, fn) -> None:
     tensors = load_file(str(path))
     fn(tensors)
     save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def write_legacy_imatrix(path: Path, values: dict[str, np.ndarray], ncall: int = 10) -> None:
+    """llama-imatrix's .dat layout: entries of (name, ncall, n values, mean * ncall), then ncall and the
+    dataset name."""
+    with open(path, "wb") as f:
+        f.write(struct.pack("<i", len(values)))
+        for name, v in sorted(values.items()):
+            f.write(struct.pack("<i", len(name)) + name.encode())
+            f.write(struct.pack("<ii", ncall, v.size))
+            f.write((v * np.float32(ncall)).astype("<f4").tobytes())
+        f.write(struct.pack("<i", ncall) + struct.pack("<i", 8) + b"calib.tx")

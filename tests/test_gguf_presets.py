@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import json
 import re
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +26,7 @@ import pytest
 import torch
 
 import fixtures
-from helpers import gguf_tensors, llama_logits, run_cli
+from helpers import gguf_tensors, llama_logits, run_cli, write_legacy_imatrix
 
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
@@ -253,17 +252,6 @@ def _imatrix_values(hf_dir: Path, seed: int = 3) -> dict[str, np.ndarray]:
     return out
 
 
-def _write_legacy_imatrix(path: Path, values: dict[str, np.ndarray], ncall: int = 10) -> None:
-    """llama-imatrix's .dat layout: the file holds mean * ncall."""
-    with open(path, "wb") as f:
-        f.write(struct.pack("<i", len(values)))
-        for name, v in sorted(values.items()):
-            f.write(struct.pack("<i", len(name)) + name.encode())
-            f.write(struct.pack("<ii", ncall, v.size))
-            f.write((v * np.float32(ncall)).astype("<f4").tobytes())
-        f.write(struct.pack("<i", ncall) + struct.pack("<i", 8) + b"calib.tx")
-
-
 def _write_gguf_imatrix(path: Path, values: dict[str, np.ndarray], count: int = 512) -> None:
     w = gguf.GGUFWriter(str(path), arch="imatrix")
     w.add_type("imatrix")
@@ -284,7 +272,7 @@ def test_imatrix_file_end_to_end_equals_llama_quantize(layout, tmp_path):
     src = model_dir("qwen3")
     values = _imatrix_values(src)
     path = tmp_path / f"imatrix.{layout}"
-    (_write_legacy_imatrix if layout == "dat" else _write_gguf_imatrix)(path, values)
+    (write_legacy_imatrix if layout == "dat" else _write_gguf_imatrix)(path, values)
     from qconvert.formats.gguf.imatrix import read_imatrix
 
     loaded = read_imatrix(path)

@@ -2,7 +2,10 @@
 
 from pathlib import Path
 
-from ...converters.registry import FormatEntry, register_format
+from ...converters.registry import FormatEntry, OptionSpec, register_format
+from ...kernels.ggml_layouts import LAYOUTS
+from .kencode import QUANTIZERS
+from .presets import PRESETS
 from .reader import open_gguf
 from .writer import GgufWriter
 
@@ -15,6 +18,28 @@ def _is_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
+# the --type vocabulary as the writer's _parse_type and presets read it: every ggml type it writes, then
+# llama-quantize's mixes (q2_k, q6_k and q8_0 name both a type and a mix; as --type they are the mix)
+_TYPE_HELP = (", ".join(t.lower() for t in LAYOUTS) + "; llama-quantize mixes: "
+              + ", ".join(p for p in PRESETS if p.upper() not in LAYOUTS)
+              + ", and as --type also " + ", ".join(p for p in PRESETS if p.upper() in LAYOUTS))
+
+_OPTIONS = (
+    OptionSpec("--split-max-size", "split_max_size", "size", metavar="SIZE",
+               help="gguf: split the output into parts of at most SIZE (e.g. 500M, 2G) named "
+                    "OUT-0000i-of-0000N.gguf"),
+    OptionSpec("--imatrix", "imatrix", "path",
+               help="gguf: llama.cpp importance matrix (llama-imatrix .dat or GGUF) weighting the K quantizers "
+                    "as llama-quantize --imatrix does"),
+    OptionSpec("--quantizer", "quantizer", "choice", choices=QUANTIZERS,
+               help="gguf: whose quantizer requantizes (default qconvert's own; llama.cpp needs "
+                    "llama-cpp-python)"),
+)
+
 register_format(FormatEntry("gguf", aliases=("llama.cpp", "ggml"),
                             description="llama.cpp GGUF file: complete model with metadata and tokenizer",
-                            open_reader=open_gguf, writer=GgufWriter(), sniff=_is_gguf))
+                            open_reader=open_gguf, writer=GgufWriter(), sniff=_is_gguf,
+                            options=_OPTIONS, type_help=_TYPE_HELP,
+                            examples=("qconvert 'gptq->gguf' model-gptq/ model.gguf",
+                                      "qconvert 'hf->gguf' model/ model-q4_k_m.gguf --type q4_k_m --allow-requant",
+                                      "qconvert convert model-gptq/ model.gguf --to gguf --split-max-size 2G")))
