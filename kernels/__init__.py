@@ -31,11 +31,10 @@ def _triton_importable() -> bool:
 def kernel_backend(tensor: torch.Tensor) -> str:
     """"triton" or "torch" for a tensor on its device, honouring QCONVERT_KERNELS."""
     mode = os.environ.get("QCONVERT_KERNELS", "auto").lower()
-    if mode == "torch" or not _triton_importable():
+    # a CPU tensor in auto mode never needs Triton: decided before importing it (half a second a process)
+    if mode == "torch" or (mode != "triton" and not tensor.is_cuda):
         return "torch"
-    if mode == "triton" or tensor.is_cuda:
-        return "triton"
-    return "torch"
+    return "triton" if _triton_importable() else "torch"
 
 
 def dequantize_grid(grid, dtype: torch.dtype = torch.float32) -> torch.Tensor:
