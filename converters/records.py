@@ -36,7 +36,10 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
-__all__ = ["GridParams", "PackedCodes", "Grid", "Dense", "TensorRecord", "ModelSource", "describe_record"]
+from ..kernels.packings import packing
+
+__all__ = ["GridParams", "PackedCodes", "Grid", "Dense", "TensorRecord", "ModelSource", "describe_record",
+           "describe_grid", "RotatedForm", "FourBitView", "QqqLayer"]
 
 
 @dataclass(frozen=True)
@@ -114,28 +117,28 @@ class GridParams:
 @dataclass(frozen=True)
 class PackedCodes:
     """Codes as the source stores them, kept so that a writer that knows the packing can move words
-    instead of unpacking codes (GPTQ 4-bit -> Q4_0). `layout` names the packing:
-    "gptq-rows": int32 [in*bits/32, out], codes LSB-first along input channels;
-    "ggml:<TYPE>" (e.g. "ggml:Q4_K"): uint8 [out, row_bytes], the GGUF blocks of each row as stored
-    (the grid's codes come unpacked alongside; a GGUF writer of the same type copies these bytes)."""
+    instead of unpacking codes (GPTQ 4-bit -> Q4_0). `layout` names a packing registered in
+    kernels/packings.py: "gptq-rows" (int32 [in*bits/32, out], codes LSB-first along input channels),
+    "ggml:<TYPE>" (uint8 [out, row_bytes], a row's GGUF blocks as stored: the codes come unpacked
+    alongside, and a GGUF writer of the same type copies these bytes)."""
 
     words: torch.Tensor
     bits: int
     layout: str
 
     def unpack(self) -> torch.Tensor:
-        from ..kernels.bitpack import unpack_rows
-
-        if self.layout != "gptq-rows":
-            raise ValueError(f"unknown packing {self.layout!r}")
-        return unpack_rows(self.words, self.bits).T.contiguous()
+        unpack = packing(self.layout).unpack
+        if unpack is None:
+            raise ValueError(f"{self.layout} words are not unpacked here (the reader gives the codes)")
+        return unpack(self.words, self.bits)
 
     def take_rows(self, index) -> "PackedCodes":
-        """Select output rows (a slice or an index tensor): the words' columns for "gptq-rows", their
-        rows for the row-major "ggml:" block layouts."""
-        if self.layout.startswith("ggml:"):
-            return PackedCodes(self.words[index], self.bits, self.layout)
-        return PackedCodes(self.words[:, index], self.bits, self.layout)
+        """Select output rows (a slice or an index tensor), as the packing lays them out."""
+        return PackedCodes(packing(self.layout).take_rows(self.words, index), self.bits, self.layout)
+
+    @property
+    def in_features(self) -> int:
+        return packing(self.layout).in_features(self.words, self.bits)
 
 
 class Grid:
@@ -163,7 +166,7 @@ class Grid:
     def shape(self) -> tuple[int, int]:
         if self._codes is not None:
             return tuple(self._codes.shape)  # type: ignore[return-value]
-        return (self.params.scales.shape[0], self.packed.words.shape[0] * 32 // self.packed.bits)
+        return (self.params.scales.shape[0], self.packed.in_features)
 
     def _take_rows(self, index, params: GridParams) -> "Grid":
         codes = None if self._codes is None else self._codes[index]
@@ -175,6 +178,14 @@ class Grid:
 
     def row_slice(self, start: int, stop: int) -> "Grid":
         return self._take_rows(slice(start, stop), self.params.row_slice(start, stop))
+
+    @classmethod
+    def rtn(cls, w: torch.Tensor, bits: int, group_size: int, sym: bool) -> "Grid":
+        """Round-to-nearest onto an integer grid (kernels/rtn.py, GPTQ's min/max range rule)."""
+        from ..kernels.rtn import quantize_rtn
+
+        scales, zeros, codes, gs = quantize_rtn(w, bits, group_size, sym)
+        return cls(GridParams(bits=bits, group_size=gs, scales=scales, zeros=zeros), codes)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         from ..kernels import dequantize_grid
@@ -199,12 +210,41 @@ class Dense:
         return Dense(self.tensor[start:stop])
 
 
+@dataclass(frozen=True)
+class RotatedForm:
+    """The stored form behind a lossy stand-in: a rotated GPTQ down_proj's grid, which a target that carries
+    the rotation itself (GPTQ output, `rotation` in its config) keeps instead of the folded float weights."""
+
+    load: Callable[[], "Grid"]
+    params: GridParams
+    rotation: str  # gptqmodel's name of the transform ("hadamard")
+
+
+@dataclass(frozen=True)
+class FourBitView:
+    """A source's own 4-bit grid of a tensor it stores otherwise (QQQ's grouped layers: codes with the group
+    scale before its int8 rounding), for a target asked for 4-bit groups of `group_size`."""
+
+    group_size: int
+    load: Callable[[], "Grid"]
+
+
+@dataclass(frozen=True)
+class QqqLayer:
+    """Where a QQQ reader's layer came from, so that a QQQ writer of the same layout copies its words."""
+
+    prefix: str
+    mode: str  # "channel" | "grouped"
+    group_size: int
+
+
 @dataclass
 class TensorRecord:
     """One logical tensor of a source model, loaded lazily.
 
     `params` is set for quantized tensors (so the planner can decide without loading codes);
-    `load()` returns `Dense` or `Grid` and may read from disk each time it is called.
+    `load()` returns `Dense` or `Grid` and may read from disk each time it is called. The typed fields
+    after `source_file` are what a reader knows beyond the values, for writers that can use it.
     """
 
     name: str
@@ -213,24 +253,50 @@ class TensorRecord:
     load: Callable[[], Dense | Grid]
     params: GridParams | None = None
     source_file: str = ""
-    notes: dict = field(default_factory=dict)
+    source_name: str = ""  # the tensor's own name in the source file, when it differs (GGUF "blk.0.attn_q.weight")
+    native_type: str | None = None  # the source's packed type a writer of the same type copies ("Q4_K")
+    source_groups: tuple[int, ...] = ()  # the group size(s) the source stored it with (HQQ axis 0), tried first
+    layer_flags: dict = field(default_factory=dict)  # format -> a layer's own flags a writer of that format carries
+    lossy_standin: str = ""  # why these values are a stand-in that leaves the source's grid (see run.py)
+    rotated: RotatedForm | None = None
+    four_bit_view: FourBitView | None = None
+    qqq_layer: QqqLayer | None = None
 
     @property
     def is_grid(self) -> bool:
         return self.params is not None
 
 
+def describe_grid(p: GridParams, in_features: int) -> str:
+    """"4-bit g128 sym", "4-bit per-channel asym act-order": a grid's scheme in a few words."""
+    sym = "sym" if p.symmetric else ("asym" if p.integer_zeros else "float-zero")
+    group = "per-channel" if p.n_groups == 1 else f"g{p.group_size}"
+    act = "" if p.contiguous_groups(in_features) else " act-order"
+    axis = "" if p.axis == 1 else f" axis {p.axis}"
+    return f"{p.bits}-bit {group} {sym}{act}{axis}"
+
+
 def describe_record(rec: "TensorRecord") -> str:
     """"4-bit g128 sym", "float16": what a record holds, for plans and reports."""
     if rec.params is None:
         return rec.dtype
-    from .align import describe_grid
-
     return describe_grid(rec.params, rec.shape[-1])
 
 
 class ModelSource(Protocol):
-    """What a reader returns: config, tokenizer files and a lazy stream of tensor records."""
+    """What a reader returns: config, tokenizer files and a lazy stream of tensor records.
+
+    Optional capabilities a source may offer, which writers look up by name (`getattr(source, name, None)`)
+    and do without when absent -- every one is listed here, and nothing else is asked of a source:
+    - `ignored_files: dict[str, str]`: weight files beside the model that are not part of it, with why;
+    - `write_gguf_tokenizer(writer)`: copy its own `tokenizer.ggml.*` keys into a gguf.GGUFWriter (a GGUF
+      source: the tokenizer travels verbatim instead of being rebuilt from tokenizer files);
+    - `container: str`: the file form it was read from when a format has several (hqq: "safetensors" or
+      "qmodel"), so that a writer of that format keeps it;
+    - `group_size: int`: a QQQ source's group size, the QQQ writer's default target group.
+    Writers keep their own state in the per-conversion object `for_conversion(source, options)` returns,
+    never on the source.
+    """
 
     path: Path
     format_name: str

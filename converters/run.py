@@ -177,10 +177,10 @@ def _not_in_layout(name: str, layout: Layout, n_layers: int | None) -> str:
 
 def _mark_standin(rec, plan: TensorPlan) -> TensorPlan:
     """A source may yield a float stand-in for a quantized tensor whose own form the target cannot hold
-    (a rotated GPTQ down_proj with its online transform folded in): `notes["lossy_standin"]` says why.
+    (a rotated GPTQ down_proj with its online transform folded in): `rec.lossy_standin` says why.
     Storing the stand-in loses the source's grid, so the plan is `requantize` whatever the target type,
     unless the writer kept the source's own form (`info["keeps_source_form"]`)."""
-    why = rec.notes.get("lossy_standin")
+    why = rec.lossy_standin
     if why and plan.verdict in (EXACT, NEAR_EXACT) and not plan.info.get("keeps_source_form"):
         plan.verdict, plan.reason = REQUANTIZE, f"{why} (stored as: {plan.reason})" if plan.reason else why
     return plan
@@ -295,6 +295,11 @@ def convert(src_format: str, src_path: Path, dst_format: str, out_path: Path | N
     if out_path is not None and not dry_run and Path(out_path).exists() and not force:
         raise QConvertError("output exists; pass --force to replace it", path=out_path)
     source = open_source(src_format, src_path, options)
+    # a writer that decides something once per model (the GGUF architecture, the QQQ target group) gives a
+    # fresh object holding it for this conversion: nothing is stored on the source or the shared writer
+    begin = getattr(writer, "for_conversion", None)
+    if begin is not None:
+        writer = begin(source, options)
     plans = plan_conversion(source, writer, options, progress)
     report = Report(source.format_name, target.name, str(src_path), None if dry_run else str(out_path),
                     dry_run=dry_run, ignored_files=dict(getattr(source, "ignored_files", None) or {}))

@@ -7,9 +7,9 @@ optional `bias`. W = scales[g_idx] * (q - z). v2 stores the true zero point z; v
 v1 decode: 2/4/8-bit words get the constant 0x55555555 / 0x11111111 / 0x01010101 added as whole
 int32 words (wrapping), because gptqmodel's writer subtracted it as whole words and a zero point of 0
 borrowed from its neighbour field; adding per field would decode the neighbour one too low. 3-bit zeros
-are converted field by field (gptqmodel does the same). See shared spec gptq_qqq.md section 1.3.
+are converted field by field (gptqmodel 7.6 does the same: utils/model.py, convert_gptq_v1_to_v2_format_module).
 
-Rotation (`"rotation": "hadamard" | "random"`, shared spec section 4): gptqmodel folds an exact Hadamard
+Rotation (`"rotation": "hadamard" | "random"`, gptqmodel 7.6's quantization/rotation/): gptqmodel folds an exact Hadamard
 into every `mlp.down_proj` and re-applies it to the activation at run time (everything else a rotation
 does is already plain weights). Reading folds it into the weight, W_plain = W_q M^T (kernels/hadamard.py),
 and yields that float tensor; runners mark it `requantize` (the target does not hold the rotated grid),
@@ -29,15 +29,15 @@ from typing import Iterator
 import torch
 
 from .. import __version__
-from ..converters.align import EXACT, REFUSED, REQUANTIZE, Verdict, check_grid_to_float, describe_grid
+from ..converters.align import (EXACT, REFUSED, REQUANTIZE, Decision, TargetScheme, check, check_grid_to_float,
+                                describe_grid)
 from ..converters.errors import BadInput, QConvertError
 from ..converters.plan import Options, TensorPlan
-from ..converters.records import Dense, Grid, GridParams, PackedCodes, TensorRecord
+from ..converters.records import Dense, Grid, GridParams, PackedCodes, RotatedForm, TensorRecord
 from ..converters.validate import REQUIRED, ConfigView
 from ..converters.registry import FormatEntry, register_format
 from ..kernels.bitpack import SUPPORTED_PACK_BITS, chunk_geometry, pack_rows, unpack_rows
 from ..kernels.hadamard import UnsupportedHadamard, fold_online_hadamard, require_foldable
-from ..kernels.rtn import quantize_rtn
 from .model_shapes import ModelShapes
 from .safetensors_dir import CheckpointDir, ShardWriter, copy_side_files, quantization_config_of, read_json, write_json
 
@@ -319,12 +319,12 @@ class GptqSource:
                            tensor=qweight_name)
         return Grid(params, packed=PackedCodes(qweight, params.bits, "gptq-rows"))
 
-    # -- rotation (shared spec gptq_qqq.md section 4) -----------------------------------------------
+    # -- rotation (gptqmodel 7.6: quantization/rotation/rotation.py) ---------------------------------
     def _folded_record(self, prefix: str, shard: str) -> TensorRecord:
         """A down_proj of a rotated checkpoint: gptqmodel re-applies a Hadamard M to its input at run time
         (y = W_q (x M)), so the weight that means the same thing without that step is W_q M^T, a float
         tensor off the grid. It is yielded as that Dense tensor (what every target sees), with the stored
-        grid kept in `notes` for a target that carries the rotation itself (GPTQ / GPTQ-v2 output)."""
+        grid kept as `rotated` for a target that carries the rotation itself (GPTQ / GPTQ-v2 output)."""
         params, shape, qweight_name = self._params(prefix)
         try:
             require_foldable(shape[1])
@@ -336,9 +336,8 @@ class GptqSource:
                    f"leaves the {params.bits}-bit grid")
         return TensorRecord(f"{prefix}.weight", shape, "float32",
                             lambda p=prefix: Dense(fold_online_hadamard(self._load_grid(p).dequantize(torch.float32))),
-                            source_file=shard,
-                            notes={"lossy_standin": standin, "rotation": self.rotation, "rotated_params": params,
-                                   "rotated_grid": lambda p=prefix: self._load_grid(p)})
+                            source_file=shard, lossy_standin=standin,
+                            rotated=RotatedForm(lambda p=prefix: self._load_grid(p), params, self.rotation))
 
     # -- the ModelSource interface ----------------------------------------------------------------
     def records(self) -> Iterator[TensorRecord]:
@@ -402,6 +401,14 @@ def open_gptq(path: Path, **_: object) -> GptqSource:
 # ---------------------------------------------------------------------------------------------------
 # Writer
 
+# the GPTQ target schemes (the alignment checker's view of what each writer stores): packed 2/3/4/8-bit codes
+# along the input features, integer zero points, fp16 scales, any group size, act-order index. v1 is
+# written symmetric only (gptqmodel 7.6 loads asymmetric v1 only from files it wrote itself, which
+# borrow one from the stored zero); v2 stores the zero point as it is.
+GPTQ_SCHEMES = {
+    "v1": TargetScheme("gptq", "gptq", zero="none", scale="fp16", act_order=True, code_bits=SUPPORTED_PACK_BITS),
+    "v2": TargetScheme("gptq-v2", "gptq", zero="int", scale="fp16", act_order=True, code_bits=SUPPORTED_PACK_BITS),
+}
 _TYPE_RE = re.compile(r"^(?:gptq:)?(?:b|q)?(?P<bits>[2348])(?:bit)?[-_:]?g(?P<group>-?\d+)(?P<asym>a|-asym)?$")
 
 
@@ -423,7 +430,7 @@ class GptqWriter:
         self.name = "gptq-v2" if convention == "v2" else "gptq"
 
     def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
-        if rec.notes.get("rotated_grid") is not None:
+        if rec.rotated is not None:
             return self._plan_rotated(rec, options, source)
         explicit = options.explicit_type(rec.name) or options.type
         if rec.is_grid:
@@ -447,13 +454,13 @@ class GptqWriter:
                     return self._asym_v1_refusal(rec, src, explicit)
                 if not same:
                     info = {"scheme": want}
-                    view = rec.notes.get("four_bit_view")  # a source's own 4-bit form of the tensor (QQQ grouped)
-                    if view is not None and want.bits == 4 and want.sym and want.group_size == view[0]:
-                        info["grid_view"] = view[1]
+                    view = rec.four_bit_view  # a source's own 4-bit form of the tensor (QQQ grouped)
+                    if view is not None and want.bits == 4 and want.sym and want.group_size == view.group_size:
+                        info["grid_view"] = view.load
                     return TensorPlan(rec.name, rec.shape, src, explicit, REQUANTIZE, "type differs from the source grid"
                                       + ("; the source's own 4-bit codes are kept" if "grid_view" in info else ""),
-                                      alternative=self._aligned_type(p, rec.shape[1]), out_name=rec.name, info=info)
-            v = self._check_grid(p)
+                                      alternative=self._aligned_type(p, rec.shape), out_name=rec.name, info=info)
+            v = self._check_grid(p, rec.shape)
             target = f"gptq {p.bits}-bit g{p.group_size}" if p.n_groups > 1 else f"gptq {p.bits}-bit per-channel"
             if v.verdict == REFUSED and self.convention == "v1" and not p.symmetric and p.integer_zeros:
                 return TensorPlan(rec.name, rec.shape, src, target, REFUSED, v.reason,
@@ -476,12 +483,12 @@ class GptqWriter:
     def _plan_rotated(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
         """A rotated down_proj: GPTQ carries the rotation itself, so the stored (rotated) grid is planned as
         any grid and the `rotation` key goes into the output config; gptqmodel re-applies the transform."""
-        p = rec.notes["rotated_params"]
-        grid_rec = TensorRecord(rec.name, rec.shape, "grid", rec.notes["rotated_grid"], params=p)
+        rot = rec.rotated
+        grid_rec = TensorRecord(rec.name, rec.shape, "grid", rot.load, params=rot.params)
         plan = self.plan_tensor(grid_rec, options, source)
-        plan.source = f"{plan.source} rotated ({rec.notes['rotation']})"
+        plan.source = f"{plan.source} rotated ({rot.rotation})"
         plan.target = f"{plan.target} + online Hadamard (rotation kept)"
-        plan.info.update(keeps_source_form=True, rotated_grid=rec.notes["rotated_grid"], rotation=rec.notes["rotation"])
+        plan.info.update(keeps_source_form=True, rotated_grid=rot.load, rotation=rot.rotation)
         return plan
 
     def _asym_v1_refusal(self, rec: TensorRecord, src: str, explicit: str) -> TensorPlan:
@@ -489,23 +496,14 @@ class GptqWriter:
                           "asymmetric GPTQ is written as v2: gptqmodel loads asymmetric v1 only from its own files",
                           alternative=f"gptq-v2 output: qconvert 'SRC->gptq-v2' --type {explicit}", out_name=rec.name)
 
-    def _aligned_type(self, p: GridParams, in_features: int) -> str:
+    def _aligned_type(self, p: GridParams, shape: tuple[int, ...]) -> str:
         """The advice when `--type` asks for another grid than the source's: without `--type` every tensor
         keeps its own grid, which is exact when GPTQ holds it (one `--type` may not fit every tensor: a
         g128 checkpoint's 128-wide rows are single groups); "" when it does not hold it."""
-        return "no --type (every tensor keeps its own grid: exact)" if self._check_grid(p).verdict == EXACT else ""
+        return "no --type (every tensor keeps its own grid: exact)" if self._check_grid(p, shape).verdict == EXACT else ""
 
-    def _check_grid(self, p: GridParams) -> Verdict:
-        if p.axis != 1 or not p.integer_zeros or p.bits not in SUPPORTED_PACK_BITS:
-            return Verdict(REQUANTIZE, "GPTQ holds integer zero points at 2/3/4/8 bits only")
-        if p.scales.dtype != torch.float16:
-            from ..converters.align import fp16_exact
-            if not fp16_exact(p.scales):
-                return Verdict(REQUANTIZE, "scales are not representable in fp16")
-        if self.convention == "v1" and not p.symmetric:
-            return Verdict(REFUSED, "asymmetric v1 cannot store a zero point of 0 without borrowing, and gptqmodel "
-                                    "loads asymmetric v1 only from its own files")
-        return Verdict(EXACT, "codes, zeros and fp16 scales kept")
+    def _check_grid(self, p: GridParams, shape: tuple[int, ...]) -> Decision:
+        return check(p, shape, GPTQ_SCHEMES[self.convention])
 
     def check_model(self, source, plans, options) -> None:
         return None
@@ -537,7 +535,7 @@ class GptqSession:
         elif plan.verdict == REQUANTIZE:
             scheme = plan.info["scheme"]
             w = item.dequantize(torch.float32)
-            item = Grid(*quantize_rtn(w, scheme.bits, scheme.group_size, scheme.sym))
+            item = Grid.rtn(w, scheme.bits, scheme.group_size, scheme.sym)
         if isinstance(item, Grid):
             prefix = plan.name[: -len(".weight")] if plan.name.endswith(".weight") else plan.name
             self._add_grid(prefix, item)
@@ -611,9 +609,19 @@ def _sniff(convention: str):
     return sniff
 
 
+# the --type vocabulary as parse_gptq_type reads it; v1 output refuses asymmetric grids (see _asym_v1_refusal)
+_GPTQ_TYPE_HELP = (f"BITSgGROUP, bits {', '.join(map(str, SUPPORTED_PACK_BITS))}, group -1 for per-channel: "
+                   "4g128, 4g32, 8g-1; {asym}; without --type each grid keeps its own")
+
 register_format(FormatEntry("gptq", aliases=("gptq-v1", "autogptq"),
                             description="GPTQ checkpoint, v1 zero-point convention (stored zero = z - 1)",
-                            open_reader=open_gptq, writer=GptqWriter("v1"), sniff=_sniff("v1")))
+                            open_reader=open_gptq, writer=GptqWriter("v1"), sniff=_sniff("v1"),
+                            type_help=_GPTQ_TYPE_HELP.format(asym="symmetric only (asymmetric output is gptq-v2)"),
+                            examples=("qconvert 'gguf->gptq' model-q4_0.gguf model-gptq/",
+                                      "qconvert 'hf->gptq' model/ model-gptq/ --type 4g128 --allow-requant")))
 register_format(FormatEntry("gptq-v2", aliases=("gptqv2",),
                             description="GPTQ checkpoint, v2 convention (true zero points)",
-                            open_reader=open_gptq, writer=GptqWriter("v2"), sniff=_sniff("v2")))
+                            open_reader=open_gptq, writer=GptqWriter("v2"), sniff=_sniff("v2"),
+                            type_help=_GPTQ_TYPE_HELP.format(asym="a trailing a is asymmetric: 4g32a"),
+                            examples=("qconvert 'gptq->gptq-v2' model-gptq/ model-gptq-v2/",
+                                      "qconvert 'hf->gptq-v2' model/ model-gptq-v2/ --type 4g32a --allow-requant")))

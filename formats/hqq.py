@@ -3,7 +3,7 @@
 An HQQ linear is self-describing: packed codes `W_q`, a float `scale` (already inverted) and a float
 `zero` per group, and its own nbits / group_size / axis / packing / compute dtype, so a model may mix
 settings layer by layer. W = (q - zero) * scale, computed by hqq in the layer's compute dtype. Three
-containers hold the same per-layer state (shared spec hqq.md section 3):
+containers hold the same per-layer state (hqq 0.2.8's `HQQLinear.state_dict`, hqq/core/quantize.py):
 
 * transformers `save_pretrained` (also hqq's `save_to_safetensors`): safetensors, 19 flat tensors per layer
   `<module>.W_q`, `.scale`, `.zero`, ... (20 with `.bias`); ints, bools, strings and dtypes encoded as
@@ -38,7 +38,8 @@ from typing import Iterator
 
 import torch
 
-from ..converters.align import EXACT, REFUSED, REQUANTIZE, describe_grid
+from ..converters.align import (EXACT, REFUSED, REQUANTIZE, Decision, TargetScheme, check, describe_grid,
+                                register_family)
 from ..converters.errors import BadInput, QConvertError
 from ..converters.plan import Options, TensorPlan
 from ..converters.records import Dense, Grid, GridParams, TensorRecord
@@ -119,13 +120,6 @@ def axis0_params(bits: int, shape: tuple[int, int], scales: torch.Tensor, zeros:
     """records.py's axis-0 grid from the expanded [p, in] scales and zeros: R = p, group_size = out / p."""
     return GridParams(bits=bits, group_size=shape[0] // scales.shape[0], scales=scales, zeros=zeros, axis=0,
                       compute_dtype=compute_dtype)
-
-
-def axis0_source_group(rec_or_notes) -> tuple[int, ...]:
-    """The hqq group size an axis-0 record was stored with (readers note it), to store it again."""
-    notes = getattr(rec_or_notes, "notes", rec_or_notes) or {}
-    g = notes.get("axis0_group_size")
-    return (g,) if isinstance(g, int) and g > 0 else ()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -307,12 +301,11 @@ def _check_codes(layer: HqqLayer, codes: torch.Tensor, where: Path, prefix: str)
 
 
 def _grid_record(prefix: str, layer: HqqLayer, load_layer, source_file: str) -> TensorRecord:
-    notes = {"hqq": {"packing": layer.packing, "view_as_float": layer.view_as_float,
+    flags = {"hqq": {"packing": layer.packing, "view_as_float": layer.view_as_float,
                      "nbits": layer.nbits_stored, **layer.flags}}
-    if layer.axis == 0:
-        notes["axis0_group_size"] = layer.group_size
     return TensorRecord(f"{prefix}.weight", layer.shape, "grid", load_layer, params=layer.params(),
-                        source_file=source_file, notes=notes)
+                        source_file=source_file, layer_flags=flags,
+                        source_groups=(layer.group_size,) if layer.axis == 0 else ())
 
 
 # model types whose every decoder layer has these modules (transformers' Llama, Mistral, Qwen2, Qwen3): a
@@ -811,25 +804,33 @@ def _source_scheme(p: GridParams, shape: tuple[int, int], prefer: tuple[int, ...
     return HqqScheme(p.bits, p.group_size, p.axis)
 
 
-def _grid_as_hqq(p: GridParams, shape: tuple[int, int], prefer: tuple[int, ...] = ()) -> tuple[str, str]:
-    """(verdict, reason) for storing a grid as hqq without requantizing."""
-    if p.bits not in _SUPPORTED_BITS:
-        return REQUANTIZE, f"{p.bits}-bit codes have no hqq packing"
+def _grid_as_hqq(p, shape: tuple[int, int], s: TargetScheme, native=None, prefer: tuple[int, ...] = ()) -> Decision:
+    """The alignment checker's "hqq" family: can hqq store this grid as it is (its own scheme kept)?"""
+    if not isinstance(p, GridParams):
+        return Decision(REQUANTIZE, "dense weights quantized with hqq's rule (no calibration)")
+    if p.bits not in s.code_bits:
+        return Decision(REQUANTIZE, f"{p.bits}-bit codes have no hqq packing")
     if p.mins is not None:
-        return REQUANTIZE, "min-form grids (W = s*q + m) have no exact hqq zero point"
+        return Decision(REQUANTIZE, "min-form grids (W = s*q + m) have no exact hqq zero point")
     if p.axis not in (0, 1) or (p.axis == 1 and not p.contiguous_groups(shape[1])):
-        return REQUANTIZE, "act-order groups are not hqq groups"
+        return Decision(REQUANTIZE, "act-order groups are not hqq groups")
     if p.axis == 0 and p.row_idx is not None:
-        return REQUANTIZE, "reordered axis-0 rows are not hqq groups"
+        return Decision(REQUANTIZE, "reordered axis-0 rows are not hqq groups")
     if p.axis == 0 and _axis0_layout(p, shape, prefer) is None:
-        return REFUSED, (f"no hqq axis-0 group size gives these {tuple(p.scales.shape)} scales with "
-                         f"{packing_for_bits(p.bits).name} packing")
+        return Decision(REFUSED, f"no hqq axis-0 group size gives these {tuple(p.scales.shape)} scales with "
+                                 f"{packing_for_bits(p.bits).name} packing")
     why = _scheme_fits(_source_scheme(p, shape, prefer), shape)
     if why:
-        return REFUSED, why
+        return Decision(REFUSED, why)
     if not torch.is_floating_point(p.zeros) and not bool((p.zeros.abs() <= 256).all()):
-        return REQUANTIZE, "zero points are not exact in the compute dtype"
-    return EXACT, "codes, scales and zeros kept"
+        return Decision(REQUANTIZE, "zero points are not exact in the compute dtype")
+    return Decision(EXACT, "codes, scales and zeros kept", keeps_codes=True)
+
+
+register_family("hqq", _grid_as_hqq)
+# the hqq target that keeps a grid's own scheme (bits, group, axis): float zero points, meta in the compute
+# dtype, hqq's packings (kernels/hqq.py PACKINGS)
+HQQ_KEEP = TargetScheme("hqq", "hqq", zero="float", scale="source", code_bits=tuple(_SUPPORTED_BITS))
 
 
 class HqqWriter:
@@ -848,20 +849,21 @@ class HqqWriter:
         if rec.is_grid:
             p = rec.params
             src = describe_grid(p, rec.shape[1])
-            prefer = axis0_source_group(rec)
+            prefer = tuple(g for g in rec.source_groups if g > 0)  # the hqq group it was stored with
             own = _source_scheme(p, rec.shape, prefer)
             same = scheme is None or scheme == own
-            verdict, reason = _grid_as_hqq(p, rec.shape, prefer) if same else (REQUANTIZE, "scheme differs from the source grid")
+            kept = check(p, rec.shape, HQQ_KEEP, prefer_groups=prefer)
+            verdict, reason = (kept.verdict, kept.reason) if same else (REQUANTIZE, "scheme differs from the source grid")
             if verdict == EXACT:
                 return TensorPlan(rec.name, rec.shape, src, own.label(), EXACT, reason, out_name=rec.name,
-                                  info={"kind": "grid", "hqq": rec.notes.get("hqq", {}), "axis0_group_size": prefer})
+                                  info={"kind": "grid", "hqq": rec.layer_flags.get("hqq", {}), "axis0_group_size": prefer})
             want = scheme or HqqScheme(p.bits if p.bits in _SUPPORTED_BITS else 4,
                                        p.group_size if p.axis == 1 else 64, 1)
             why = _scheme_fits(want, rec.shape)
             if why:
                 return TensorPlan(rec.name, rec.shape, src, want.label(), REFUSED, why, out_name=rec.name)
             alt = ""
-            if not same and _grid_as_hqq(p, rec.shape, prefer)[0] == EXACT:
+            if not same and kept.verdict == EXACT:
                 alt = f"--type {own.bits}g{own.group_size}a{own.axis} (exact)"
             return TensorPlan(rec.name, rec.shape, src, want.label(), REQUANTIZE,
                               reason + "; quantized again with hqq's rule", alternative=alt, out_name=rec.name,
@@ -1068,4 +1070,11 @@ class HqqSession:
 register_format(FormatEntry("hqq", aliases=("hqq-lib",),
                             description="HQQ: transformers safetensors (19 keys per layer) or hqq qmodel.pt "
                                         "(also the <=0.1.8 W_q/meta layout); any bits/group/axis per layer",
-                            open_reader=open_hqq, writer=HqqWriter(), sniff=sniff_hqq))
+                            open_reader=open_hqq, writer=HqqWriter(), sniff=sniff_hqq,
+                            # the --type vocabulary as parse_hqq_type reads it
+                            type_help="a container (safetensors, qmodel) and/or a scheme BITSgGROUP[aAXIS], bits "
+                                      f"{', '.join(map(str, _SUPPORTED_BITS))}, axis 1 (default) or 0: 4g64, 4g64a0, "
+                                      "qmodel:3g64a1; without a scheme each grid keeps its own, without a container "
+                                      "the source's (else safetensors)",
+                            examples=("qconvert 'gptq->hqq' model-gptq/ model-hqq/",
+                                      "qconvert 'hf->hqq' model/ model-hqq/ --type qmodel:4g64 --allow-requant")))

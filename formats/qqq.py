@@ -1,6 +1,6 @@
 """QQQ checkpoints (gptqmodel `method/format: "qqq"`, and the QQQ repo's own `wbits` configs): W4A8.
 
-Per quantized linear `<prefix>` (shared spec gptq_qqq.md section 3):
+Per quantized linear `<prefix>` (the buffers of gptqmodel 7.6's QQQ layer, nn_modules/qlinear/qqq.py):
 `B` int32 [in/16, out*2] (4-bit codes in Marlin-style permuted 16x16 tiles, kernels/qqq_perm.py),
 `s_channel` float32 [1, out] (permuted), `s_group` float16 [in/group, out] (permuted; grouped mode only),
 optional `bias`. No zero points, no g_idx: groups are contiguous. A layer is in *grouped* mode iff the
@@ -43,15 +43,15 @@ from typing import Iterator
 import torch
 
 from .. import __version__
-from ..converters.align import EXACT, REFUSED, REQUANTIZE, check_grid_to_float, describe_grid
+from ..converters.align import (EXACT, REFUSED, REQUANTIZE, Decision, TargetScheme, check, check_grid_to_float,
+                                describe_grid, register_family)
 from ..converters.errors import BadInput, QConvertError
 from ..converters.plan import Options, TensorPlan
-from ..converters.records import Dense, Grid, GridParams, TensorRecord
+from ..converters.records import Dense, FourBitView, Grid, GridParams, QqqLayer, TensorRecord
 from ..converters.registry import FormatEntry, register_format
 from ..converters.validate import ConfigView
 from ..kernels.qqq_perm import (CHANNEL_SCALE_PERM, GROUP_SCALE_PERM, check_qqq_dims, pack_qqq_codes,
                                 permute_chunks, unpack_qqq_codes, unpermute_chunks)
-from ..kernels.rtn import quantize_rtn
 from .gptq import config_bits
 from .model_shapes import ModelShapes
 from .safetensors_dir import CheckpointDir, ShardWriter, copy_side_files, quantization_config_of, read_json, write_json
@@ -231,11 +231,9 @@ class QqqSource:
         zeros = torch.full(scale.shape, 8, dtype=torch.int16)
         return Grid(GridParams(bits=4, group_size=self.group_size, scales=scale, zeros=zeros), codes=codes)
 
-    def _notes(self, prefix: str, mode: str) -> dict:
-        notes = {"qqq_prefix": prefix, "qqq_mode": mode, "qqq_group_size": self.group_size}
-        if mode == "grouped":  # (group size, loader) of the 4-bit view, for a target asked for 4-bit groups
-            notes["four_bit_view"] = (self.group_size, lambda p=prefix: self.four_bit_grid(p))
-        return notes
+    def _view(self, prefix: str, mode: str) -> FourBitView | None:
+        """The 4-bit view of a grouped layer, for a target asked for 4-bit groups of this size."""
+        return FourBitView(self.group_size, lambda p=prefix: self.four_bit_grid(p)) if mode == "grouped" else None
 
     def raw_module(self, prefix: str) -> dict[str, torch.Tensor]:
         """The stored tensors of one linear as they are (for a QQQ -> QQQ copy)."""
@@ -258,7 +256,8 @@ class QqqSource:
                     mode = _mode(self.group_size, shape[1])
                     yield TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p),
                                        params=params, source_file=shard,
-                                       notes=self._notes(prefix, mode))
+                                       qqq_layer=QqqLayer(prefix, mode, self.group_size),
+                                       four_bit_view=self._view(prefix, mode))
                 else:
                     self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard, self.ckpt.dtype(name))
                     yield self.ckpt.dense_record(name, shard)
@@ -331,23 +330,75 @@ def covering_channel_scale(s_g: torch.Tensor) -> torch.Tensor:
     return torch.where(s > 0, s, torch.full_like(s, tiny)).to(torch.float32)
 
 
+def _qqq_decision(src, shape, s: TargetScheme, native=None, prefer=()) -> Decision:
+    """The alignment checker's "qqq" family: QQQ's 4-bit symmetric codes in Marlin tiles with an fp16 channel
+    scale (s.group = in_features) or an int8 group scale under an fp16 channel scale. facts["how"] says how
+    the session writes it: copy (the source's own B words), channel, grouped (codes kept), rtn."""
+    out_features, in_features = shape
+    mode = "channel" if s.group == in_features else "grouped"
+    why = check_qqq_dims(in_features, out_features)  # Marlin's tiles
+    if why is None and mode == "grouped" and in_features % s.group:
+        why = f"in_features {in_features} is not a multiple of the group size {s.group}"
+    if why:
+        return Decision(REFUSED, why)
+    if native == "qqq":
+        return Decision(EXACT, "B words and scales copied", copied=True, keeps_codes=True, facts={"how": "copy"})
+    if not isinstance(src, GridParams):
+        return Decision(REQUANTIZE, f"dense {src} weights quantized to QQQ with round-to-nearest (no calibration)",
+                        facts={"how": "rtn"})
+    p = src
+    sym4 = p.bits == 4 and p.symmetric and p.axis == 1 and p.mins is None
+    regrouped = regroup(p, in_features, s.group) if sym4 else None
+    if regrouped is not None:
+        facts = {"how": mode, "params": regrouped}
+        if mode == "channel":
+            sc = regrouped.scales.to(torch.float32)
+            if torch.equal((sc / 16).to(torch.float16).to(torch.float32) * 16, sc):
+                return Decision(EXACT, "codes kept; s_channel = scale/16 exact in fp16", keeps_codes=True, facts=facts)
+            return Decision(REQUANTIZE, "scale/16 is not an fp16 value (gptqmodel runs s_channel in fp16)", facts=facts)
+        if exact_channel_scale(regrouped.scales.to(torch.float32)) is not None:
+            return Decision(EXACT, "codes kept; every group scale is an integer multiple of the channel scale",
+                            keeps_codes=True, facts=facts)
+        return Decision(REQUANTIZE, "codes kept; QQQ rounds (c-8)*s_group to int8 steps of a per-channel scale, "
+                                    "up to half a step per weight", keeps_codes=True, facts=facts)
+    return Decision(REQUANTIZE, f"{describe_grid(p, in_features)} is not QQQ's 4-bit symmetric "
+                                f"{'per-channel' if mode == 'channel' else f'g{s.group} contiguous'} grid; "
+                                "re-quantized (RTN)", facts={"how": "rtn"})
+
+
+register_family("qqq", _qqq_decision)
+
+
+def qqq_scheme(group: int, in_features: int) -> TargetScheme:
+    """QQQ's target for a layer: per-channel (group -1, or a group as wide as the row) or grouped."""
+    per_channel = _mode(group, in_features) == "channel"
+    return TargetScheme("qqq", "qqq", bits=4, group=in_features if per_channel else group, zero="none",
+                        scale="fp16" if per_channel else "int8 under fp16", offset=8)
+
+
 class QqqWriter:
     """Writes a QQQ checkpoint directory loadable by gptqmodel (backend qqq / qqq_torch)."""
 
     name = "qqq"
     output_is_file = False
 
+    def __init__(self, group: int | None = None):
+        self._target_group = group  # set by for_conversion
+
+    def for_conversion(self, source, options: Options) -> "QqqWriter":
+        """The writer for one conversion, holding the target group (--type, else the source's own)."""
+        if options.type:
+            group = _parse_qqq_type(options.type)
+        elif source.format_name == "qqq":
+            group = source.group_size
+        else:
+            group = -1 if int((source.quant_config or {}).get("group_size", 128) or 128) == -1 else 128
+        return QqqWriter(group)
+
     def _group(self, source, options: Options) -> int:
-        cached = getattr(source, "_qqq_target_group", None)
-        if cached is None:
-            if options.type:
-                cached = _parse_qqq_type(options.type)
-            elif source.format_name == "qqq":
-                cached = source.group_size
-            else:
-                cached = -1 if int((source.quant_config or {}).get("group_size", 128) or 128) == -1 else 128
-            source._qqq_target_group = cached
-        return cached
+        if self._target_group is None:
+            return self.for_conversion(source, options)._target_group
+        return self._target_group
 
     def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
         group = self._group(source, options)
@@ -364,46 +415,15 @@ class QqqWriter:
         mode = _mode(group, in_features)
         target = "qqq 4-bit " + ("per-channel" if mode == "channel" else f"g{group}")
         src = describe_grid(rec.params, in_features) if rec.is_grid else rec.dtype
-        why = check_qqq_dims(in_features, out_features)
-        if why is None and mode == "grouped" and in_features % group:
-            why = f"in_features {in_features} is not a multiple of the group size {group}"
-        if why:
-            return TensorPlan(rec.name, rec.shape, src, target, REFUSED, why, out_name=rec.name)
-        plan = TensorPlan(rec.name, rec.shape, src, target, REQUANTIZE, "", out_name=rec.name,
-                          info={"mode": mode, "group": group})
-        if not rec.is_grid:
-            plan.reason = f"dense {rec.dtype} weights quantized to QQQ with round-to-nearest (no calibration)"
-            plan.info["how"] = "rtn"
-            return plan
-        p = rec.params
-        if (rec.notes.get("qqq_prefix") and getattr(source, "format_name", "") == "qqq"
-                and rec.notes.get("qqq_mode") == mode and rec.notes.get("qqq_group_size") in (group, None)):
-            plan.verdict, plan.reason, plan.info["how"] = EXACT, "B words and scales copied", "copy"
-            return plan
-        sym4 = p.bits == 4 and p.symmetric and p.axis == 1 and p.mins is None
-        target_group = in_features if mode == "channel" else group
-        regrouped = regroup(p, in_features, target_group) if sym4 else None
-        if regrouped is not None:
-            plan.info["params"] = regrouped
-        if mode == "channel" and regrouped is not None:
-            s = regrouped.scales.to(torch.float32)
-            if torch.equal((s / 16).to(torch.float16).to(torch.float32) * 16, s):
-                plan.verdict, plan.reason, plan.info["how"] = EXACT, "codes kept; s_channel = scale/16 exact in fp16", "channel"
-                return plan
-            plan.reason, plan.info["how"] = "scale/16 is not an fp16 value (gptqmodel runs s_channel in fp16)", "channel"
-            return plan
-        if mode == "grouped" and regrouped is not None:
-            plan.info["how"] = "grouped"
-            if exact_channel_scale(regrouped.scales.to(torch.float32)) is not None:
-                plan.verdict, plan.reason = EXACT, "codes kept; every group scale is an integer multiple of the channel scale"
-            else:
-                plan.reason = ("codes kept; QQQ rounds (c-8)*s_group to int8 steps of a per-channel scale, "
-                               "up to half a step per weight")
-            return plan
-        plan.info["how"] = "rtn"
-        plan.reason = (f"{describe_grid(p, in_features)} is not QQQ's 4-bit symmetric "
-                       f"{'per-channel' if mode == 'channel' else f'g{group} contiguous'} grid; re-quantized (RTN)")
-        return plan
+        layer = rec.qqq_layer  # the source's own QQQ words, copied when the layout is the same
+        native = "qqq" if (layer is not None and layer.mode == mode and layer.group_size in (group, None)) else None
+        d = check(rec.params if rec.is_grid else rec.dtype, rec.shape, qqq_scheme(group, in_features), native=native)
+        if d.verdict == REFUSED:
+            return TensorPlan(rec.name, rec.shape, src, target, REFUSED, d.reason, out_name=rec.name)
+        info = {"mode": mode, "group": group, "how": d.facts["how"]}
+        if "params" in d.facts:
+            info["params"] = d.facts["params"]
+        return TensorPlan(rec.name, rec.shape, src, target, d.verdict, d.reason, out_name=rec.name, info=info)
 
     def check_model(self, source, plans, options) -> None:
         if not any(p.info.get("mode") for p in plans):
@@ -440,7 +460,7 @@ class QqqSession:
                 grid = Grid(plan.info["params"], codes=item.codes)
             if how == "rtn":
                 w = item.dequantize(torch.float32)
-                grid = Grid(*quantize_rtn(w, 4, -1 if mode == "channel" else self.group, True))
+                grid = Grid.rtn(w, 4, -1 if mode == "channel" else self.group, True)
             tensors = encode_module(grid, mode)
         for part, t in tensors.items():
             self.shards.put(f"{prefix}.{part}", t)
@@ -518,4 +538,9 @@ def _sniff(path: Path) -> bool:
 register_format(FormatEntry("qqq", aliases=("qqq-w4a8",),
                             description="QQQ W4A8 checkpoint (gptqmodel / QQQ repo): Marlin-tiled int4, per-channel "
                                         "and per-group scales",
-                            open_reader=open_qqq, writer=QqqWriter(), sniff=_sniff))
+                            open_reader=open_qqq, writer=QqqWriter(), sniff=_sniff,
+                            # the --type vocabulary as _parse_qqq_type reads it (QqqWriter._group's default)
+                            type_help="g128 or g-1 (per-channel): QQQ holds 4-bit symmetric weights; without --type "
+                                      "the source's group (128 unless the source is per-channel)",
+                            examples=("qconvert 'gptq->qqq' model-gptq-4bit-per-channel/ model-qqq/",
+                                      "qconvert 'hf->qqq' model/ model-qqq/ --type g128 --allow-requant")))

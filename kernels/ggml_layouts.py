@@ -1,7 +1,9 @@
 """The one table of per-type layout facts for ggml (GGUF) tensor types.
 
 Everything that asks "what does a Q4_1 block hold?" reads it from here: the GGUF writer and reader,
-the alignment checker and the codecs. Values follow ggml-common.h (see shared spec gguf.md section 2).
+the alignment checker and the codecs. Block sizes, bytes per block and type ids come from gguf-py
+(`GGML_QUANT_SIZES`, `GGMLQuantizationType`: llama.cpp's own Python package); the code layout (bits,
+offset, min) follows the block structs of ggml-common.h.
 
 A block of `block` consecutive elements along a row (ggml ne0 = HF in_features) takes `nbytes` bytes.
 Legacy types decode as `d * (q - offset)` (symmetric) or `d * q + m` (`has_min`), with one fp16 `d`
@@ -12,6 +14,8 @@ K types hold 256-element super-blocks with 6- or 8-bit sub-block scales.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 __all__ = ["BlockLayout", "LAYOUTS", "layout", "FLOAT_TYPES", "LEGACY_TYPES", "K_TYPES"]
 
@@ -43,20 +47,27 @@ class BlockLayout:
         return n // self.block * self.nbytes
 
 
+def _ggml(name: str, bits: int, **kw) -> BlockLayout:
+    """A layout whose type id, block size and block bytes are gguf-py's."""
+    qtype = GGMLQuantizationType[name]
+    block, nbytes = GGML_QUANT_SIZES[qtype]
+    return BlockLayout(name, int(qtype), block, nbytes, bits, **kw)
+
+
 _TABLE = (
-    BlockLayout("F32", 0, 1, 4, 32, kind="float"),
-    BlockLayout("F16", 1, 1, 2, 16, kind="float"),
-    BlockLayout("BF16", 30, 1, 2, 16, kind="float"),
-    BlockLayout("Q4_0", 2, 32, 18, 4, offset=8),
-    BlockLayout("Q4_1", 3, 32, 20, 4, has_min=True),
-    BlockLayout("Q5_0", 6, 32, 22, 5, offset=16),
-    BlockLayout("Q5_1", 7, 32, 24, 5, has_min=True),
-    BlockLayout("Q8_0", 8, 32, 34, 8, signed_codes=True),
-    BlockLayout("Q2_K", 10, 256, 84, 2, has_min=True, kind="k", sub_block=16),
-    BlockLayout("Q3_K", 11, 256, 110, 3, offset=4, kind="k", sub_block=16),
-    BlockLayout("Q4_K", 12, 256, 144, 4, has_min=True, kind="k", sub_block=32),
-    BlockLayout("Q5_K", 13, 256, 176, 5, has_min=True, kind="k", sub_block=32),
-    BlockLayout("Q6_K", 14, 256, 210, 6, offset=32, kind="k", sub_block=16),
+    _ggml("F32", 32, kind="float"),
+    _ggml("F16", 16, kind="float"),
+    _ggml("BF16", 16, kind="float"),
+    _ggml("Q4_0", 4, offset=8),
+    _ggml("Q4_1", 4, has_min=True),
+    _ggml("Q5_0", 5, offset=16),
+    _ggml("Q5_1", 5, has_min=True),
+    _ggml("Q8_0", 8, signed_codes=True),
+    _ggml("Q2_K", 2, has_min=True, kind="k", sub_block=16),
+    _ggml("Q3_K", 3, offset=4, kind="k", sub_block=16),
+    _ggml("Q4_K", 4, has_min=True, kind="k", sub_block=32),
+    _ggml("Q5_K", 5, has_min=True, kind="k", sub_block=32),
+    _ggml("Q6_K", 6, offset=32, kind="k", sub_block=16),
 )
 
 LAYOUTS: dict[str, BlockLayout] = {t.name: t for t in _TABLE}

@@ -12,9 +12,9 @@ __all__ = ["quantize_rtn"]
 
 
 def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool):
-    """float [out, in] -> (GridParams, codes uint8 [out, in]); group_size -1 = one group per row."""
-    from ..converters.records import GridParams  # records are plain dataclasses; no cycle at import time
-
+    """float [out, in] -> (scales fp16 [out, n_groups], integer zeros int16 [out, n_groups], codes uint8
+    [out, in], the group size used); group_size -1 = one group per row. The caller makes the grid of it
+    (GridParams(bits, group, scales, zeros)): kernels import nothing above them."""
     out_features, in_features = w.shape
     gs = in_features if group_size <= 0 else group_size
     if in_features % gs:
@@ -36,5 +36,4 @@ def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool):
     else:
         zero = torch.round(-xmin / s).clamp(0, maxq)
     q = torch.clamp(torch.round(x / s[..., None]) + zero[..., None], 0, maxq)
-    params = GridParams(bits=bits, group_size=gs, scales=scale, zeros=zero.to(torch.int16))
-    return params, q.to(torch.uint8).reshape(out_features, in_features)
+    return scale, zero.to(torch.int16), q.to(torch.uint8).reshape(out_features, in_features), gs

@@ -36,8 +36,8 @@ ARCHS = ("llama", "qwen2", "qwen3")
 LLAMA_TYPES = {"q4_0": 2, "q8_0": 7, "q4_k_m": 15, "q6_k": 18, "q2_k": 10, "q3_k_m": 12, "q5_k_m": 17,
                "q4_1": 3, "q5_0": 8, "q5_1": 9, "f16": 1, "bf16": 32, "iq4_nl": 25}
 OTHER_TYPES = {"q4_0": 2}
-LOGIT_TOLERANCE = 0.05  # spec gguf.md section 4: quantized weights, of the logit range
-F32_LOGIT_TOLERANCE = 1e-4  # spec: F32 GGUF vs transformers (F32 KV cache)
+LOGIT_TOLERANCE = 0.05  # quantized weights, as a fraction of the logit range
+F32_LOGIT_TOLERANCE = 1e-4  # F32 GGUF vs transformers (F32 KV cache)
 PROMPT = fixtures.prompt_ids()
 
 
@@ -100,7 +100,7 @@ def _cases():
 
 def _reference(src: GgufSource, rec) -> np.ndarray:
     """gguf-py's dequantization of the record's GGUF tensor, in HF layout (llama Q/K un-permuted)."""
-    t = next(t for r in src.readers for t in r.tensors if t.name == rec.notes["gguf_name"])
+    t = next(t for r in src.readers for t in r.tensors if t.name == rec.source_name)
     want = np.asarray(gguf_dequant(t), dtype=np.float32).reshape(rec.shape)
     perm = qk_row_permutation(rec.name, src.config, src.arch)
     return want if perm is None else want[inverse_permutation(perm).numpy()]
@@ -117,8 +117,8 @@ def test_reader_equals_gguf_py(made, arch, qtype):
         got = item.dequantize(torch.float32).numpy()
         want = _reference(src, rec)
         assert got.shape == want.shape, rec.name
-        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"{rec.name} ({rec.notes['ggml_type']})"
-        ggml_type = rec.notes["ggml_type"]
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"{rec.name} ({rec.native_type})"
+        ggml_type = rec.native_type
         seen.add(ggml_type)
         if ggml_type in GRID_TYPES:
             assert rec.is_grid and item.packed.layout == f"ggml:{ggml_type}", rec.name

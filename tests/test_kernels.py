@@ -14,7 +14,6 @@ from qconvert.kernels.bitpack import pack_rows, unpack_rows
 from qconvert.kernels.ggml_layouts import LEGACY_TYPES, layout
 from qconvert.kernels.ggml_legacy import decode_blocks, pack_blocks, quantize_blocks, repack_grid
 from qconvert.kernels.gptq_q4_0 import gptq4_to_q4_0, q4_0_to_gptq4
-from qconvert.kernels.rtn import quantize_rtn
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
@@ -27,7 +26,7 @@ def test_pack_unpack_round_trip(bits):
 
 
 def test_three_bit_layout_matches_gptq_words():
-    """3-bit symmetric v1 zeros store 3 in every field: the spec's words 0xdb6db6db, 0xb6db6db6, 0x6db6db6d."""
+    """3-bit symmetric v1 zeros store 3 in every field: the words 0xdb6db6db, 0xb6db6db6, 0x6db6db6d."""
     words = pack_rows(torch.full((32, 1), 3, dtype=torch.uint8), 3).view(-1).tolist()
     assert [w & 0xFFFFFFFF for w in words] == [0xDB6DB6DB, 0xB6DB6DB6, 0x6DB6DB6D]
 
@@ -67,8 +66,7 @@ def test_legacy_decoder_equals_gguf_py(name):
 def _grid(bits, group, sym, rows=64, cols=256, seed=1):
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn((rows, cols), generator=gen) * 0.02
-    params, codes = quantize_rtn(w, bits, group, sym)
-    return Grid(params, codes)
+    return Grid.rtn(w, bits, group, sym)
 
 
 @pytest.mark.parametrize("name,bits,sym", [("Q4_0", 4, True), ("Q8_0", 8, True), ("Q5_0", 4, True),

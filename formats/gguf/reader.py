@@ -439,7 +439,7 @@ class GgufSource:
                                path=path, tensor=t.name)
             params = self._grid_parts(t, type_name, path, inv, with_codes=False)[0]
             return TensorRecord(name, shape, "grid", lambda: self._grid(t, type_name, path, inv), params=params,
-                                source_file=where, notes={"ggml_type": type_name, "gguf_name": t.name})
+                                source_file=where, native_type=type_name, source_name=t.name)
         if type_name in _FLOAT or type_name == "BF16":
             dtype = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}[type_name]
         elif type_name in _INTEGER:
@@ -450,7 +450,7 @@ class GgufSource:
             raise BadInput(f"ggml type {type_name} cannot be decoded (gguf-py has no dequantizer for it)",
                            path=path, tensor=t.name)
         return TensorRecord(name, shape, dtype, lambda: self._dense(t, type_name, shape, inv), source_file=where,
-                            notes={"ggml_type": type_name, "gguf_name": t.name})
+                            native_type=type_name, source_name=t.name)
 
     def _dense(self, t, type_name: str, shape: tuple[int, ...], inv) -> Dense:
         data = np.asarray(t.data)

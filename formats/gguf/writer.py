@@ -28,8 +28,7 @@ import gguf
 import numpy as np
 import torch
 
-from ...converters.align import (EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Verdict, check_dense_to_float,
-                                 check_grid_to_blocks, check_grid_to_float, describe_grid)
+from ...converters.align import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, best_aligned, check, describe_grid
 from ...converters.errors import BadInput, QConvertError
 from ...converters.plan import BitIdentical, Options, TensorPlan, unknown_type
 from ...converters.records import Dense, Grid, TensorRecord
@@ -40,6 +39,7 @@ from .kencode import QUANTIZERS, QuantHow, encode_quantized
 from .metadata import add_model_metadata, check_writer_config, config_json_path, layer_count, rope_freqs_tensor
 from .names import gguf_arch, gguf_tensor_name, inverse_permutation, qk_row_permutation
 from .presets import PRESETS, ModelFacts, preset_of, preset_type, quantized_by_llama_cpp
+from .schemes import ALIGNED_CANDIDATES, GGUF_SCHEMES, default_grid_type, k_fallback
 
 __all__ = ["GgufWriter", "best_aligned_type", "default_grid_type", "FILE_TYPES"]
 
@@ -48,13 +48,7 @@ FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q
               "Q3_K": 12, "Q4_K": 15, "Q5_K": 17, "Q6_K": 18, "BF16": 32}
 # tensors a checkpoint may carry that llama.cpp recomputes itself
 _DROPPED = re.compile(r"rotary_emb\.inv_freq$")
-# aligned candidates, cheapest first: the checker's first exact (else near-exact) one is the suggestion
-_CANDIDATES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "F32")
-_WRITABLE = tuple(LAYOUTS)
-# llama-quantize's fallback when a row is not a whole number of 256-element K blocks; for a grid the
-# variant with a block min is taken when the grid's zero points are not the symmetric mid code
-_K_FALLBACK = {"Q2_K": ("Q4_0", "Q4_1"), "Q3_K": ("Q4_0", "Q4_1"), "Q4_K": ("Q5_0", "Q5_1"),
-               "Q5_K": ("Q5_1", "Q5_1"), "Q6_K": ("Q8_0", "Q8_0")}
+_WRITABLE = tuple(GGUF_SCHEMES)
 
 
 def _kquants():
@@ -65,64 +59,10 @@ def _kquants():
     return kquants
 
 
-def default_grid_type(p) -> str:
-    """The type whose bit width matches the source grid; whether it aligns is the checker's job."""
-    if p.bits == 4:
-        return "Q4_0" if p.symmetric else "Q4_1"
-    if p.bits == 8:
-        return "Q8_0"
-    if p.bits == 3:
-        return "Q3_K"
-    if p.bits <= 2:
-        return "Q2_K"
-    return "Q5_K" if p.bits == 5 else "Q6_K"
-
-
-def _check(p, shape, target: str) -> Verdict:
-    lay = LAYOUTS[target]
-    if lay.kind == "float":
-        return check_grid_to_float(p, target)
-    if lay.kind == "k":
-        kept = _check_kept_codes(p, shape, target)
-        if kept is not None:
-            return kept
-    return check_grid_to_blocks(p, shape, lay)
-
-
-def _check_kept_codes(p, shape, target: str) -> Verdict | None:
-    """Grid -> Q4_K/Q5_K: how many 256-super-blocks can hold the grid's codes and scales exactly
-    (kernels/kquant_grid.py); None when no block can (then the generic K verdict applies)."""
-    from ...kernels.kquant_grid import plan_kept_blocks
-
-    fit = plan_kept_blocks(p, shape, target)
-    if fit is None:
-        return None
-    kept, total = int(fit[0].sum()), int(fit[0].size)
-    if kept == total:
-        return Verdict(EXACT, f"{kept} of {total} blocks kept their codes ({target}'s 6-bit sub-block scales "
-                              "hold the grid's scales exactly)")
-    return Verdict(REQUANTIZE, f"{kept} of {total} blocks kept their codes; the other {total - kept} are "
-                               f"requantized with {target}'s quantizer")
-
-
 def best_aligned_type(p, shape) -> tuple[str, str] | None:
     """(type, verdict) of the cheapest type that holds the grid exactly, else near-exactly."""
-    verdicts = [(t, _check(p, shape, t).verdict) for t in _CANDIDATES]
-    for wanted in (EXACT, NEAR_EXACT):
-        for t, v in verdicts:
-            if v == wanted:
-                return t, v
-    return None
-
-
-def _k_fallback(target: str, shape, params) -> tuple[str, str]:
-    """Swap a K type for llama-quantize's legacy fallback when the rows do not fill 256-blocks."""
-    lay = LAYOUTS[target]
-    if lay.kind != "k" or shape[-1] % lay.block == 0:
-        return target, ""
-    symmetric_choice, with_min = _K_FALLBACK[target]
-    chosen = symmetric_choice if params is None or params.symmetric else with_min
-    return chosen, f"{target} needs rows of {lay.block} (these have {shape[-1]}), fallback {chosen}: "
+    best = best_aligned(p, shape, ALIGNED_CANDIDATES)
+    return (best[0].name, best[1].verdict) if best else None
 
 
 def _parse_type(text: str) -> str:
@@ -155,15 +95,6 @@ def _choose_type(explicit, options: Options, source, out_name: str, shape, defau
     if options.type and preset is None and quantize_dense:
         return _parse_type(options.type), ""
     return default, ""
-
-
-def _dense_verdict(dtype: str, shape, target: str) -> Verdict:
-    lay = LAYOUTS[target]
-    if lay.kind == "float":
-        return check_dense_to_float(dtype, target)
-    if shape[-1] % lay.block:
-        return Verdict(REFUSED, f"rows of {shape[-1]} are not a whole number of {lay.block}-blocks")
-    return Verdict(REQUANTIZE, f"dense {dtype} weights quantized with {target}'s quantizer")
 
 
 _IMATRIX_CACHE: dict = {}
@@ -220,13 +151,18 @@ class GgufWriter:
     name = "gguf"
     output_is_file = True
 
+    def __init__(self, arch: tuple[str, int] | None = None):
+        self._arch_of_source = arch  # set by for_conversion: (GGUF architecture, layer count) of this model
+
+    def for_conversion(self, source, options: Options) -> "GgufWriter":
+        """The writer for one conversion, holding the model's architecture (read once from config.json)."""
+        where = config_json_path(source)
+        return GgufWriter((gguf_arch(source.config, where), layer_count(source.config, where)))
+
     def _arch(self, source) -> tuple[str, int]:
-        cached = getattr(source, "_gguf_arch", None)
-        if cached is None:
-            where = config_json_path(source)
-            cached = (gguf_arch(source.config, where), layer_count(source.config, where))
-            source._gguf_arch = cached
-        return cached
+        if self._arch_of_source is None:  # called without for_conversion (a direct plan_tensor call)
+            return self.for_conversion(source, Options())._arch_of_source
+        return self._arch_of_source
 
     def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
         arch, n_layers = self._arch(source)
@@ -245,12 +181,10 @@ class GgufWriter:
             p = rec.params
             # a GGUF source's grid keeps its own ggml type unless a type is asked for
             target, rule_note = _choose_type(explicit, options, source, out_name, rec.shape,
-                                             rec.notes.get("ggml_type") or default_grid_type(p), True)
+                                             rec.native_type or default_grid_type(p), True)
             target = _parse_type(target)
-            target, fallback_note = _k_fallback(target, rec.shape, p)
-            v = _check(p, rec.shape, target)
-            if rec.notes.get("ggml_type") == target:
-                v = Verdict(EXACT, f"{target} blocks copied byte for byte")
+            target, fallback_note = k_fallback(target, rec.shape, p)
+            v = check(p, rec.shape, GGUF_SCHEMES[target], native=rec.native_type)
             src = describe_grid(p, rec.shape[1])
         else:
             src = rec.dtype
@@ -260,15 +194,14 @@ class GgufWriter:
             else:
                 target, rule_note = _choose_type(explicit, options, source, out_name, rec.shape, keep_float,
                                                  not source.quant_config and len(rec.shape) == 2)
-            target, fallback_note = _k_fallback(target, rec.shape, None)
-            v = _dense_verdict(rec.dtype, rec.shape, target)
+            target, fallback_note = k_fallback(target, rec.shape, None)
+            v = check(rec.dtype, rec.shape, GGUF_SCHEMES[target])
         plan = TensorPlan(rec.name, rec.shape, src, target, v.verdict, rule_note + fallback_note + v.reason,
                           out_name=out_name)
         preset = preset_of(options.type)
         if preset is not None:
             plan.info["file_type"] = preset.file_type  # general.file_type names the preset, not a tensor type
-        _attach_quant(plan, options, keep_codes=rec.is_grid and "blocks kept their codes" in v.reason
-                      and not v.reason.startswith("0 of"))
+        _attach_quant(plan, options, keep_codes=bool(v.kept_blocks))
         if v.verdict in (REQUANTIZE, REFUSED) and rec.is_grid:
             best = best_aligned_type(rec.params, rec.shape)
             if best:
@@ -316,8 +249,8 @@ def _settle_tied_embedding(source, plans: list[TensorPlan], options: Options) ->
         if options.explicit_type(p.name) or source.quant_config:
             continue
         target, rule = preset_type(preset, p.out_name, p.shape, _model_facts(source, tied))
-        target, fallback_note = _k_fallback(target, p.shape, None)
-        v = _dense_verdict(p.source, p.shape, target)
+        target, fallback_note = k_fallback(target, p.shape, None)
+        v = check(p.source, p.shape, GGUF_SCHEMES[target])
         plans[i] = TensorPlan(p.name, p.shape, p.source, target, v.verdict, f"[{rule}] " + fallback_note + v.reason,
                               out_name=p.out_name, info={"file_type": preset.file_type})
         _attach_quant(plans[i], options, keep_codes=False)

@@ -417,24 +417,24 @@ class UqffSource:
         return shape
 
     def describe_layer(self, key: str) -> tuple[tuple[int, ...], GridParams | None, str, dict]:
-        """(shape, grid params or None, dtype label, notes) from the small tensors only."""
+        """(shape, grid params or None, dtype label, typed TensorRecord fields) from the small tensors only."""
         fam = self.family(key)
         if fam == "gguf":
             shape = self._shape(key)
             name = GGML_NAME_OF_ID[self._meta_int(key, "weight.dtype", GGML_NAME_OF_ID, "ggml type id")]
-            notes = {"uqff_family": fam, "ggml_type": name}
+            notes = {"native_type": name}
             if name in LAYOUTS and LAYOUTS[name].kind != "float":
                 return shape, self._load_gguf(key, shape, name).params, "grid", notes
             return shape, None, "float32" if name not in LAYOUTS else {"F32": "float32", "F16": "float16",
                                                                        "BF16": "bfloat16"}[name], notes
-        notes = {"uqff_family": fam}
+        notes = {}
         if fam in ("hqq", "afq"):
             params, shape = self._load_hqq(key, False) if fam == "hqq" else self._load_afq(key, False)
             if fam == "hqq":  # the stored group size and flags, so that a HQQ / UQFF writer stores the same layout
-                notes["axis0_group_size"] = self._meta_int(key, "weight.group_size", range(1, 1 << 32), "group size")
-                notes["uqff_hqq"] = {k: self._meta_int(key, f"weight.{k}", range(0, 1 << 32), k)
-                                     for k in ("optimization_steps", "round_zeros", "channel_wise")
-                                     if f"weight.{k}" in self.layers[key]}
+                notes["source_groups"] = (self._meta_int(key, "weight.group_size", range(1, 1 << 32), "group size"),)
+                notes["layer_flags"] = {"uqff": {k: self._meta_int(key, f"weight.{k}", range(0, 1 << 32), k)
+                                               for k in ("optimization_steps", "round_zeros", "channel_wise")
+                                               if f"weight.{k}" in self.layers[key]}}
             return shape, params, "grid", notes
         dtype, wshape = self.shards.meta(self.layers[key]["weight"])
         if fam != "f8q8" and (len(wshape) != 2 or min(wshape) < 1):
@@ -622,7 +622,7 @@ class UqffSource:
             path = self.shards.location[self.layers[key]["weight"]]
             self._check_shape(f"{key}.weight", shape, path)
             yield TensorRecord(f"{key}.weight", shape, dtype, lambda k=key: self.load_layer(k), params=params,
-                               source_file=path.name, notes=notes)
+                               source_file=path.name, **notes)
             if key in self.biases:
                 rec = self._dense_record(self.shards, self.biases[key])
                 if rec.shape != (shape[0],):

@@ -33,8 +33,7 @@ import numpy as np
 import torch
 
 from ... import __version__
-from ...converters.align import (EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Verdict, check_dense_to_float,
-                                 check_grid_to_blocks, check_grid_to_float, describe_grid)
+from ...converters.align import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Decision, check, describe_grid
 from ...converters.errors import QConvertError
 from ...converters.plan import BitIdentical, Options, TensorPlan, unknown_type
 from ...converters.records import Dense, Grid, GridParams, TensorRecord
@@ -42,7 +41,8 @@ from ...kernels.ggml_layouts import LAYOUTS
 from ...kernels.hqq import axis0_compact, axis0_expand
 from ..safetensors_dir import copy_side_files, write_json
 from .reader import _without_quantization_config
-from .layout import (AFQ_GROUPS, FP8_DTYPE_CODE, GGML_TYPE_IDS, K_FALLBACK, MAJOR, TAG, UQFF_TYPES,
+from .schemes import REQUANT_DEFAULT, candidates_for_bits, scheme_for
+from .layout import (FP8_DTYPE_CODE, GGML_TYPE_IDS, MAJOR, TAG, UQFF_TYPES,
                      UqffType, decode_f8q8, decode_mxfp4, encode_f8q8, encode_fp8, encode_mxfp4, hqq_halves_pack,
                      pack_afq)
 
@@ -53,10 +53,6 @@ MAX_SHARD_BYTES = 10 * 1024**3  # mistral.rs' MAX_UQFF_SIZE_BYTES (a soft cap be
 _LAYER = re.compile(r"(?:_proj|^lm_head|embed_tokens)\.weight$")
 _LAYER_BIAS = re.compile(r"_proj\.bias$")
 _EMBEDDING = re.compile(r"embed_tokens\.weight$")
-# aligned candidates per source bit width, cheapest first; the first exact (else near-exact) one is chosen
-_CANDIDATES = {2: ("afq2",), 3: ("afq3",), 4: ("q4_0", "afq4", "hqq4", "q4_1"), 5: ("q5_0", "afq6", "q5_1"),
-               6: ("afq6",), 8: ("q8_0", "afq8", "hqq8")}
-_REQUANT_DEFAULT = {2: "afq2", 3: "afq3", 4: "afq4", 5: "afq6", 6: "afq6", 8: "afq8"}
 _TYPE_OF_GGML = {t.ggml: t.name for t in UQFF_TYPES.values() if t.ggml}
 _ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.uint8: "U8",
              torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.uint32: "U32",
@@ -72,97 +68,37 @@ def parse_uqff_type(text: str) -> UqffType:
     return UQFF_TYPES[key]
 
 
-def _afq_group(source_group: int, in_features: int) -> int | None:
-    """The largest AFQ group (128/64/32) that tiles the source's groups and the row."""
-    for g in AFQ_GROUPS:
-        if source_group % g == 0 and in_features % g == 0:
-            return g
-    return None
+# -- the checker's verdict, in the facts the session needs ------------------------------------------------
+def check_target(t: UqffType, rec: TensorRecord) -> tuple[Decision, dict]:
+    """(decision, facts the session needs) for storing `rec` as UQFF type `t` (converters/align.check)."""
+    scheme, note = scheme_for(t, rec.shape[-1])
+    d = check(rec.params if rec.params is not None else rec.dtype, rec.shape, scheme,
+              native=rec.native_type, prefer_groups=rec.source_groups)
+    info: dict = {}
+    if scheme.family == "ggml":
+        if d.verdict == REFUSED and not d.copied:
+            return d.with_reason(prefix=note), info
+        info["ggml"] = scheme.name
+        if d.kept_blocks:  # Q4_K/Q5_K blocks that hold the grid keep its codes, as in the GGUF writer
+            from ..gguf.kencode import QuantHow
 
-
-# -- the checker: can a UQFF type hold this tensor, and how ----------------------------------------------
-def check_target(t: UqffType, rec: TensorRecord) -> tuple[Verdict, dict]:
-    """(verdict, facts the session needs) for storing `rec` as UQFF type `t`."""
-    shape = rec.shape
-    in_features = shape[-1]
-    p = rec.params
-    if t.family == "unquant":
-        target = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}[t.unquant_dtype]
-        v = check_grid_to_float(p, target) if p is not None else check_dense_to_float(rec.dtype, target)
-        # mistral.rs multiplies an Unquant layer in its stored dtype (no cast): it must be the run's dtype
-        return Verdict(v.verdict, v.reason + f"; load with dtype {target.lower()} in mistral.rs"), {}
-    if t.family == "gguf":
-        name = t.ggml
-        note = ""
-        if LAYOUTS[name].kind == "k" and in_features % 256:
-            name, note = K_FALLBACK[name], f"{t.ggml} needs rows of 256, mistral.rs' fallback {K_FALLBACK[name]}: "
-        lay = LAYOUTS[name]
-        if in_features % lay.block:
-            return Verdict(REFUSED, f"rows of {in_features} are not whole {name} blocks of {lay.block}"), {}
-        info = {"ggml": name}
-        if rec.notes.get("ggml_type") == name:
-            return Verdict(EXACT, note + f"{name} blocks copied byte for byte"), info
-        if p is None:
-            return Verdict(REQUANTIZE, note + f"dense {rec.dtype} weights quantized with {name}'s quantizer"), info
-        v = check_grid_to_blocks(p, shape, lay)
-        return Verdict(v.verdict, note + v.reason), info
-    if t.family == "hqq":
-        gs = t.group_size
-        layout = None
-        if p is not None and p.axis == 0 and p.row_idx is None and p.bits <= t.bits:
-            # the compact [1, M] meta of an hqq layout of this grid, the source's own group size first
-            prefer = rec.notes.get("axis0_group_size")
-            layout = axis0_compact(p.scales, p.zeros, tuple(shape), t.bits, (prefer,) if isinstance(prefer, int) else ())
-        if layout is not None:
-            store = p.compute_dtype if p.compute_dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
-            info = {"aligned": True, "group_size": layout[0], "meta_dtype": store,
-                    "hqq_flags": dict(rec.notes.get("uqff_hqq") or {})}
-            if store == p.scales.dtype or (torch.equal(p.scales.to(store).to(p.scales.dtype), p.scales)
-                                           and torch.equal(p.zeros.to(store).to(p.zeros.dtype), p.zeros)):
-                return Verdict(EXACT, f"codes, scales and zeros kept (axis 0, group {layout[0]}, "
-                                      f"{str(store)[6:]})"), info
-            return Verdict(NEAR_EXACT, f"codes kept; scales and zeros round to {str(store)[6:]}"), info
-        if shape[0] * in_features % gs:  # hqq's W.reshape(gs, -1): the element count must divide (not the rows)
-            return Verdict(REFUSED, f"the {shape[0]}x{in_features} weight is not whole HQQ axis-0 groups of {gs}"), {}
-        why = ("HQQ axis-1 groups run along the input features; mistral.rs' HQQ holds axis 0 only"
-               if p is not None and p.axis == 1 and p.zeros.is_floating_point() and p.mins is None
-               else "mistral.rs' HQQ groups run down strided output rows (axis 0)" if p is not None
-               else f"dense {rec.dtype} weights quantized with HQQ (axis 0, group {gs})")
-        return Verdict(REQUANTIZE, why), {"group_size": gs}
-    if t.family == "afq":
-        if p is not None and p.axis == 1 and p.contiguous_groups(in_features) and p.bits <= t.bits:
-            g = _afq_group(p.group_size, in_features)
-            if g is not None:
-                info = {"aligned": True, "group_size": g}
-                if p.compute_dtype != torch.float32:
-                    return Verdict(NEAR_EXACT, f"codes kept; the source dequantizes in {str(p.compute_dtype)[6:]}, "
-                                               "AFQ in float32"), info
-                if p.mins is not None:
-                    return Verdict(EXACT, f"codes, scales and mins kept in float32 (group {g})"), info
-                if p.integer_zeros:
-                    return Verdict(NEAR_EXACT, f"codes and scales kept; bias = -scale*zero in float32 (group {g})"), info
-                return Verdict(NEAR_EXACT, f"codes kept; the float zero point becomes bias = -scale*zero (group {g})"), info
-        g = 64 if in_features % 64 == 0 else 32 if in_features % 32 == 0 else None
-        if g is None:
-            return Verdict(REFUSED, f"rows of {in_features} are not whole AFQ groups of 32"), {}
-        why = "dense weights quantized with AFQ's affine rule" if p is None else \
-            "the grid's groups (act-order, axis 0 or size) or bits do not map onto AFQ groups"
-        return Verdict(REQUANTIZE, why + f" (group {g})"), {"group_size": g}
-    # fp8, f8q8, mxfp4: float codebooks, never a grid's
-    if t.family == "mxfp4" and in_features % 32:
-        return Verdict(REFUSED, f"rows of {in_features} are not whole MXFP4 blocks of 32"), {}
-    return Verdict(REQUANTIZE, f"{t.name} has no integer grid; weights are quantized with mistral.rs' {t.name} rule"), {}
+            info["quant"] = QuantHow(keep_codes=True)
+    elif d.group_size is not None:
+        info["group_size"] = d.group_size
+        if d.keeps_codes:
+            info["aligned"] = True
+        if scheme.family == "hqq-axis0" and d.keeps_codes:
+            info.update(meta_dtype=d.meta_dtype, hqq_flags=dict(rec.layer_flags.get("uqff", {})))
+    return d.with_reason(prefix=note), info
 
 
 def _best_aligned(rec: TensorRecord) -> tuple[str, str] | None:
     """(type, verdict) of the cheapest type that holds the grid exactly, else near-exactly."""
     p = rec.params
-    names = [n for b in sorted(_CANDIDATES) if b >= p.bits for n in _CANDIDATES[b]]
-    verdicts = [(n, check_target(UQFF_TYPES[n], rec)[0].verdict) for n in dict.fromkeys(names)]
     for wanted in (EXACT, NEAR_EXACT):
-        for n, v in verdicts:
-            if v == wanted:
-                return n, v
+        for name in candidates_for_bits(p.bits):
+            if check_target(UQFF_TYPES[name], rec)[0].verdict == wanted:
+                return name, wanted
     return None
 
 
@@ -191,11 +127,11 @@ class UqffWriter:
             return TensorPlan(rec.name, rec.shape, src, "?", REFUSED, "UQFF layers are 2-D here (no stacked experts)")
         if wanted:
             t = parse_uqff_type(wanted)
-        elif rec.notes.get("ggml_type") in _TYPE_OF_GGML:
-            t = UQFF_TYPES[_TYPE_OF_GGML[rec.notes["ggml_type"]]]
+        elif rec.native_type in _TYPE_OF_GGML:
+            t = UQFF_TYPES[_TYPE_OF_GGML[rec.native_type]]
         else:
             best = _best_aligned(rec)
-            t = UQFF_TYPES[best[0] if best else _REQUANT_DEFAULT.get(p.bits, "afq4")]
+            t = UQFF_TYPES[best[0] if best else REQUANT_DEFAULT.get(p.bits, "afq4")]
         v, info = check_target(t, rec)
         target = f"{t.name}" + (f" ({info['ggml']})" if info.get("ggml") and info["ggml"] != t.ggml else "")
         plan = TensorPlan(rec.name, rec.shape, src, target, v.verdict, v.reason, out_name=rec.name,
@@ -339,7 +275,7 @@ class UqffSession:
         from ..gguf.writer import encode_tensor
 
         name = plan.info["ggml"]
-        data, decoded = encode_tensor(LAYOUTS[name], plan.verdict, item)
+        data, decoded = encode_tensor(LAYOUTS[name], plan.verdict, item, plan.info.get("quant"))
         tensors = {"": torch.from_numpy(np.ascontiguousarray(data).reshape(-1)).to(torch.uint8),
                    "weight.format": _u8(TAG["gguf"]), "weight.dtype": _u32(GGML_TYPE_IDS[name]),
                    "weight.shape": _u32(list(plan.shape))}
