@@ -54,6 +54,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from . import kquant_fused
 from .ggml_layouts import K_TYPES as _LAYOUT_K_TYPES
@@ -84,8 +85,7 @@ __all__ = [
 QK_K = 256
 K_TYPES = _LAYOUT_K_TYPES  # "Q2_K" .. "Q6_K", the weight formats
 # Q8_K is llama.cpp's activation format (fp32 d, 256 int8, 16 int16 sums); not a weight layout.
-BLOCK_BYTES = {**{t: LAYOUTS[t].nbytes for t in K_TYPES}, "Q8_K": 292}
-assert BLOCK_BYTES == {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q8_K": 292}
+BLOCK_BYTES = {**{t: LAYOUTS[t].nbytes for t in K_TYPES}, "Q8_K": GGML_QUANT_SIZES[GGMLQuantizationType.Q8_K][1]}
 
 F32 = np.float32
 _MAGIC = F32(12582912.0)  # 1.5 * 2**23, C's nearest_int constant

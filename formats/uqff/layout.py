@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from ...kernels.bitpack import pack_rows, unpack_rows
 
@@ -48,8 +49,10 @@ SUFFIXES = {
 }
 FP8_DTYPE_CODE = 9  # F8E4M3 in UQFF's dtype code table
 # ggml type ids used in `weight.dtype` of tag 0 (names as kernels.ggml_layouts spells them)
-GGML_TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q8_1": 9,
-                 "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "Q8_K": 15, "BF16": 30}
+# the ggml types a UQFF GGUF-block layer may hold, with gguf-py's type ids
+GGML_TYPE_IDS = {name: int(GGMLQuantizationType[name]) for name in (
+    "F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K",
+    "BF16")}
 GGML_NAME_OF_ID = {v: k for k, v in GGML_TYPE_IDS.items()}
 # the two ggml types kernels.ggml_layouts does not hold (no GGUF writer target); decoded here by hand
 EXTRA_BLOCKS = {"Q8_1": (32, 36), "Q8_K": (256, 292)}  # (elements, bytes); Q8_1 is 36 bytes in candle
