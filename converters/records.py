@@ -236,6 +236,7 @@ class QqqLayer:
     prefix: str
     mode: str  # "channel" | "grouped"
     group_size: int
+    load_words: Callable[[], dict]  # the module's stored tensors (B, s_channel, s_group...), as they are
 
 
 @dataclass

@@ -256,7 +256,8 @@ class QqqSource:
                     mode = _mode(self.group_size, shape[1])
                     yield TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p),
                                        params=params, source_file=shard,
-                                       qqq_layer=QqqLayer(prefix, mode, self.group_size),
+                                       qqq_layer=QqqLayer(prefix, mode, self.group_size,
+                                                          lambda p=prefix: self.raw_module(p)),
                                        four_bit_view=self._view(prefix, mode))
                 else:
                     self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard, self.ckpt.dtype(name))
@@ -421,6 +422,8 @@ class QqqWriter:
         if d.verdict == REFUSED:
             return TensorPlan(rec.name, rec.shape, src, target, REFUSED, d.reason, out_name=rec.name)
         info = {"mode": mode, "group": group, "how": d.facts["how"]}
+        if d.copied:
+            info["words"] = layer.load_words
         if "params" in d.facts:
             info["params"] = d.facts["params"]
         return TensorPlan(rec.name, rec.shape, src, target, d.verdict, d.reason, out_name=rec.name, info=info)
@@ -452,7 +455,7 @@ class QqqSession:
         prefix = plan.name[: -len(".weight")]
         mode = plan.info["mode"]
         if how == "copy":
-            raw = self.source.raw_module(prefix)
+            raw = plan.info["words"]()
             tensors = {k: v for k, v in raw.items() if k in _PARTS}
         else:
             grid = item
