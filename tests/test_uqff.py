@@ -262,7 +262,8 @@ def test_gptq_to_uqff_loads_in_mistralrs(fx, tmp_path, jinja, variant, type_, ex
     run_cli(*args)
     report = json.loads((tmp_path / "r.json").read_text())
     layers = [t for t in report["tensors"] if t["name"].endswith("_proj.weight")]
-    assert {t["target"] for t in layers} == {expect}
+    # "q4k (Q4_1)": a row that is not whole 256-blocks takes mistral.rs' fallback type (its grid fits exactly too)
+    assert {t["target"].split(" (")[0] for t in layers} == {expect}
     assert all(t["verdict"] == "exact" and t["max_abs_err"] == 0.0 for t in report["tensors"]), report["summary"]
     raw = _raw(out)
     assert int(raw["uqff.version.minor"]) == 0  # no Unquant layer, no embedding layer: UQFF 1.0
