@@ -39,7 +39,8 @@ from ..converters.registry import FormatEntry, register_format
 from ..kernels.bitpack import SUPPORTED_PACK_BITS, chunk_geometry, pack_rows, unpack_rows
 from ..kernels.hadamard import UnsupportedHadamard, fold_online_hadamard, require_foldable
 from .model_shapes import ModelShapes
-from .safetensors_dir import CheckpointDir, ShardWriter, copy_side_files, quantization_config_of, read_json, write_json
+from .safetensors_dir import (CheckpointDir, CheckpointSource, ShardWriter, copy_side_files, quantization_config_of,
+                              read_json, write_json)
 
 __all__ = ["GptqSource", "GptqWriter", "open_gptq", "V1_WORD_OFFSET"]
 
@@ -197,7 +198,7 @@ def encode_zeros(zeros: torch.Tensor, bits: int, convention: str) -> torch.Tenso
     return words
 
 
-class GptqSource:
+class GptqSource(CheckpointSource):
     """A GPTQ checkpoint directory, read lazily tensor by tensor."""
 
     def __init__(self, path: Path, expect: str | None = None):
@@ -356,14 +357,6 @@ class GptqSource:
                 else:
                     self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard, self.ckpt.dtype(name))
                     yield self.ckpt.dense_record(name, shard)
-
-    def side_files(self) -> dict[str, Path]:
-        return self.ckpt.side_files()
-
-    @property
-    def ignored_files(self) -> dict[str, str]:
-        """Weight files in the folder that are not part of the model, with why (CheckpointDir.ignored)."""
-        return self.ckpt.ignored
 
     def describe(self) -> dict:
         qc = self.quant_config

@@ -18,7 +18,8 @@ from ..converters.plan import Options, TensorPlan, unknown_type
 from ..converters.records import Dense, Grid, TensorRecord
 from ..converters.registry import FormatEntry, register_format
 from .model_shapes import ModelShapes
-from .safetensors_dir import CheckpointDir, ShardWriter, copy_side_files, quantization_config_of, read_json, write_json
+from .safetensors_dir import (CheckpointDir, CheckpointSource, ShardWriter, copy_side_files, quantization_config_of,
+                              read_json, write_json)
 
 __all__ = ["HfSource", "HfWriter"]
 
@@ -26,7 +27,7 @@ HF_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _TORCH_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-class HfSource:
+class HfSource(CheckpointSource):
     format_name = "hf"
 
     def __init__(self, path: Path):
@@ -45,14 +46,6 @@ class HfSource:
             for name in self.ckpt.keys(shard):
                 self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard, self.ckpt.dtype(name))
                 yield self.ckpt.dense_record(name, shard)
-
-    def side_files(self) -> dict[str, Path]:
-        return self.ckpt.side_files()
-
-    @property
-    def ignored_files(self) -> dict[str, str]:
-        """Weight files in the folder that are not part of the model, with why (CheckpointDir.ignored)."""
-        return self.ckpt.ignored
 
     def describe(self) -> dict:
         dtypes = sorted({self.ckpt.dtype(n) for n in self.ckpt.location})

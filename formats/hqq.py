@@ -46,7 +46,8 @@ from ..converters.records import Dense, Grid, GridParams, TensorRecord
 from ..converters.registry import FormatEntry, register_format
 from ..kernels.hqq import (PACKINGS, axis0_compact, axis0_expand, codes_to_grouped, grouped_shape, pack_hqq,
                            packing_for_bits, quantize_hqq, unpack_hqq)
-from .safetensors_dir import SIDE_FILES, CheckpointDir, ShardWriter, copy_side_files, read_json, write_json
+from .safetensors_dir import (CheckpointDir, CheckpointSource, SIDE_FILES, ShardWriter, copy_side_files, read_json,
+                              write_json)
 
 __all__ = ["HqqLayer", "HqqSafetensorsSource", "HqqPickleSource", "HqqWriter", "open_hqq", "DTYPE_NAMES"]
 
@@ -362,7 +363,7 @@ def _quantization_config(cfg: dict, where: Path) -> dict:
     return dict(ConfigView(cfg, where).view("quantization_config").data)
 
 
-class HqqSafetensorsSource:
+class HqqSafetensorsSource(CheckpointSource):
     """A transformers (or hqq save_to_safetensors) HQQ directory: flat `<module>.<key>` tensors."""
 
     format_name = "hqq"
@@ -444,14 +445,6 @@ class HqqSafetensorsSource:
                     yield _grid_record(prefix, self.layer(prefix), lambda p=prefix: self._load_grid(p), shard)
                 else:
                     yield self.ckpt.dense_record(name, shard)
-
-    def side_files(self) -> dict[str, Path]:
-        return self.ckpt.side_files()
-
-    @property
-    def ignored_files(self) -> dict[str, str]:
-        """Weight files in the folder that are not part of the model, with why (CheckpointDir.ignored)."""
-        return self.ckpt.ignored
 
     def describe(self) -> dict:
         layers = {p: self.layer(p) for p in self.modules}

@@ -54,7 +54,8 @@ from ..kernels.qqq_perm import (CHANNEL_SCALE_PERM, GROUP_SCALE_PERM, check_qqq_
                                 permute_chunks, unpack_qqq_codes, unpermute_chunks)
 from .gptq import config_bits
 from .model_shapes import ModelShapes
-from .safetensors_dir import CheckpointDir, ShardWriter, copy_side_files, quantization_config_of, read_json, write_json
+from .safetensors_dir import (CheckpointDir, CheckpointSource, ShardWriter, copy_side_files, quantization_config_of,
+                              read_json, write_json)
 
 __all__ = ["QqqSource", "QqqWriter", "qqq_runtime_grid", "qqq_group_size"]
 
@@ -116,7 +117,7 @@ def qqq_runtime_grid(codes4: torch.Tensor, s_channel_true: torch.Tensor, s_group
     return Grid(params, codes=(w8 + 128).to(torch.uint8))
 
 
-class QqqSource:
+class QqqSource(CheckpointSource):
     """A QQQ checkpoint directory, read lazily tensor by tensor."""
 
     format_name = "qqq"
@@ -262,14 +263,6 @@ class QqqSource:
                 else:
                     self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard, self.ckpt.dtype(name))
                     yield self.ckpt.dense_record(name, shard)
-
-    def side_files(self) -> dict[str, Path]:
-        return self.ckpt.side_files()
-
-    @property
-    def ignored_files(self) -> dict[str, str]:
-        """Weight files in the folder that are not part of the model, with why (CheckpointDir.ignored)."""
-        return self.ckpt.ignored
 
     def describe(self) -> dict:
         modes: dict[str, int] = {}

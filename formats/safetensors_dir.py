@@ -20,7 +20,7 @@ from ..converters.validate import json_kind, read_json as _read_json
 from .safetensors_header import Descriptors, SafetensorsHeader, read_header, read_tensor
 from ..converters.records import Dense, TensorRecord
 
-__all__ = ["CheckpointDir", "read_json", "SIDE_FILES", "dtype_name", "weight_files_ignored", "WEIGHT_SUFFIXES"]
+__all__ = ["CheckpointDir", "CheckpointSource", "read_json", "SIDE_FILES", "dtype_name", "weight_files_ignored", "WEIGHT_SUFFIXES"]
 
 # Files a converted model carries along when the target format keeps them next to its weights.
 SIDE_FILES = (
@@ -445,3 +445,18 @@ def quantization_config_of(path: Path) -> dict | None:
         except BadInput:
             return None
     return qc if isinstance(qc, dict) else None  # not an object: for the reader to refuse, naming the key
+
+
+class CheckpointSource:
+    """What every reader of a safetensors checkpoint folder shares: its `ckpt` (a CheckpointDir) gives the
+    side files to carry and the weight files it ignores (ModelSource's optional `ignored_files`)."""
+
+    ckpt: CheckpointDir
+
+    def side_files(self) -> dict[str, Path]:
+        return self.ckpt.side_files()
+
+    @property
+    def ignored_files(self) -> dict[str, str]:
+        """Weight files in the folder that are not part of the model, with why (CheckpointDir.ignored)."""
+        return self.ckpt.ignored
