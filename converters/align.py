@@ -31,16 +31,24 @@ from ..kernels.ggml_layouts import LAYOUTS, BlockLayout
 from .records import GridParams, describe_grid
 
 __all__ = ["EXACT", "NEAR_EXACT", "REQUANTIZE", "REFUSED", "VERDICTS", "Verdict", "Decision", "TargetScheme",
-           "FAMILIES", "check", "best_aligned", "register_family", "ggml_scheme", "float_scheme", "check_grid_to_blocks",
+           "FAMILIES", "check", "decide", "best_aligned", "register_family", "ggml_scheme", "float_scheme", "check_grid_to_blocks",
            "check_dense_to_float", "check_grid_to_float", "fp16_exact", "describe_grid"]
 
-EXACT = "exact"
-NEAR_EXACT = "near-exact"
-REQUANTIZE = "requantize"
-REFUSED = "refused"
-VERDICTS = (EXACT, NEAR_EXACT, REQUANTIZE, REFUSED)
+class Verdict:
+    """The four verdicts, as plans, reports and their JSON carry them (plain strings, best first)."""
+
+    EXACT = "exact"
+    NEAR_EXACT = "near-exact"
+    REQUANTIZE = "requantize"
+    REFUSED = "refused"
+    ALL = (EXACT, NEAR_EXACT, REQUANTIZE, REFUSED)
+
+
+EXACT, NEAR_EXACT, REQUANTIZE, REFUSED = Verdict.ALL
+VERDICTS = Verdict.ALL
 
 _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_LAYOUT_OF_ID = {lay.ggml_type: lay for lay in LAYOUTS.values()}
 
 # how the checker reads a scheme: one handler per family (_HANDLERS at the end; formats may add theirs)
 FAMILIES = ("float", "ggml", "gptq", "afq", "hqq-axis0", "codebook")
@@ -82,7 +90,8 @@ class TargetScheme:
 
     @property
     def layout(self) -> BlockLayout:
-        return LAYOUTS[self.name]
+        """The ggml block layout of a "ggml" scheme (found by type id: the scheme's name is its format's)."""
+        return _LAYOUT_OF_ID[self.ggml_type]
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,8 @@ class Decision:
     meta_dtype: torch.dtype | None = None  # HQQ axis 0: the dtype scales and zeros are stored in
     keeps_codes: bool = False  # the target is written from the source's codes (not requantized)
     facts: dict = field(default_factory=dict)  # anything else a handler measured (read-only by convention)
+    fallback: str = ""  # the type stored instead of the one asked for (a K type on rows of no whole 256-blocks)
+    alternative: tuple[str, str] | None = None  # (scheme, verdict) that would hold the grid, when this does not
 
     @property
     def lossless(self) -> bool:
@@ -107,9 +118,6 @@ class Decision:
     def with_reason(self, prefix: str = "", suffix: str = "") -> "Decision":
         return replace(self, reason=prefix + self.reason + suffix)
 
-
-# kept as the name the plan code uses for a bare (verdict, reason)
-Verdict = Decision
 
 Source = Union[GridParams, str]  # a grid's parameters, or a dense tensor's torch dtype name ("float16")
 
@@ -236,14 +244,14 @@ def _kept_k_blocks(p: GridParams, shape, name: str) -> Decision | None:
 
 def _ggml(src: Source, shape, s: TargetScheme, native, prefer_groups=()) -> Decision:
     lay = s.layout
-    if native == s.name:
-        return Decision(EXACT, f"{s.name} blocks copied byte for byte", copied=True, keeps_codes=True)
+    if native == lay.name:
+        return Decision(EXACT, f"{lay.name} blocks copied byte for byte", copied=True, keeps_codes=True)
     if not isinstance(src, GridParams):
         if shape[-1] % lay.block:
             return Decision(REFUSED, f"rows of {shape[-1]} are not a whole number of {lay.name} blocks of {lay.block}")
-        return Decision(REQUANTIZE, f"dense {src} weights quantized with {s.name}'s quantizer")
+        return Decision(REQUANTIZE, f"dense {src} weights quantized with {lay.name}'s quantizer")
     if lay.kind == "k" and shape[-1] % lay.block == 0:
-        kept = _kept_k_blocks(src, shape, s.name)
+        kept = _kept_k_blocks(src, shape, lay.name)
         if kept is not None:
             return kept
     return check_grid_to_blocks(src, shape, lay)
@@ -353,6 +361,20 @@ def check(source: Source, shape: tuple[int, ...], scheme: TargetScheme, *, nativ
     d = _HANDLERS[scheme.family](source, shape, scheme, native, tuple(prefer_groups))
     d = replace(d, scheme=scheme.name)
     return d.with_reason(suffix=scheme.note) if scheme.note else d
+
+
+def decide(source: Source, shape: tuple[int, ...], scheme: TargetScheme, candidates: Iterable[TargetScheme] = (),
+           *, native: str | None = None, prefer_groups: tuple[int, ...] = (), fallback: str = "") -> Decision:
+    """check(), and for a grid the target cannot hold as it is (requantize, refused) the cheapest of
+    `candidates` that can: the aligned alternative a refusal proposes."""
+    d = check(source, shape, scheme, native=native, prefer_groups=prefer_groups)
+    if fallback:
+        d = replace(d, fallback=fallback)
+    if d.verdict in (REQUANTIZE, REFUSED) and isinstance(source, GridParams) and candidates:
+        best = best_aligned(source, shape, candidates, native=native, prefer_groups=prefer_groups)
+        if best is not None:
+            d = replace(d, alternative=(best[0].name, best[1].verdict))
+    return d
 
 
 def best_aligned(source: GridParams, shape: tuple[int, ...], schemes: Iterable[TargetScheme], *,

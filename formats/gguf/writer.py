@@ -28,7 +28,7 @@ import gguf
 import numpy as np
 import torch
 
-from ...converters.align import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, best_aligned, check, describe_grid
+from ...converters.align import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, best_aligned, check, decide, describe_grid
 from ...converters.errors import BadInput, QConvertError
 from ...converters.plan import BitIdentical, Options, TensorPlan, unknown_type
 from ...converters.records import Dense, Grid, TensorRecord
@@ -182,9 +182,10 @@ class GgufWriter:
             # a GGUF source's grid keeps its own ggml type unless a type is asked for
             target, rule_note = _choose_type(explicit, options, source, out_name, rec.shape,
                                              rec.native_type or default_grid_type(p), True)
-            target = _parse_type(target)
-            target, fallback_note = k_fallback(target, rec.shape, p)
-            v = check(p, rec.shape, GGUF_SCHEMES[target], native=rec.native_type)
+            asked = _parse_type(target)
+            target, fallback_note = k_fallback(asked, rec.shape, p)
+            v = decide(p, rec.shape, GGUF_SCHEMES[target], ALIGNED_CANDIDATES, native=rec.native_type,
+                       fallback=target if target != asked else "")
             src = describe_grid(p, rec.shape[1])
         else:
             src = rec.dtype
@@ -202,10 +203,8 @@ class GgufWriter:
         if preset is not None:
             plan.info["file_type"] = preset.file_type  # general.file_type names the preset, not a tensor type
         _attach_quant(plan, options, keep_codes=bool(v.kept_blocks))
-        if v.verdict in (REQUANTIZE, REFUSED) and rec.is_grid:
-            best = best_aligned_type(rec.params, rec.shape)
-            if best:
-                plan.alternative = f"--type {best[0].lower()} ({best[1]})"
+        if v.alternative:
+            plan.alternative = f"--type {v.alternative[0].lower()} ({v.alternative[1]})"
         if LAYOUTS[target].kind == "k" and v.verdict == REQUANTIZE and _kquants() is None:
             plan.verdict, plan.reason = REFUSED, f"the {target} quantizer is not available in this build"
         return plan

@@ -22,7 +22,7 @@ def _scheme(t: UqffType) -> TargetScheme:
         # mistral.rs multiplies an Unquant layer in its stored dtype (no cast): it must be the run's dtype
         return float_scheme(name, note=f"; load with dtype {name.lower()} in mistral.rs", scheme_name=t.name)
     if t.family == "gguf":
-        return ggml_scheme(t.ggml, scheme_name=t.ggml)
+        return ggml_scheme(t.ggml, scheme_name=t.name)
     if t.family == "afq":  # scale and bias per group, float32 as our writer stores them
         return TargetScheme(t.name, "afq", bits=t.bits, group=t.group_size, zero="min", scale="fp32",
                             groups=AFQ_GROUPS, code_bits=AFQ_BITS)
@@ -53,6 +53,6 @@ def scheme_for(t: UqffType, in_features: int) -> tuple[TargetScheme, str]:
     s = UQFF_SCHEMES[t.name]
     if t.family == "gguf" and LAYOUTS[t.ggml].kind == "k" and in_features % 256:
         fb = K_FALLBACK[t.ggml]
-        return ggml_scheme(fb), f"{t.ggml} needs rows of 256, mistral.rs' fallback {fb}: "
+        return ggml_scheme(fb, scheme_name=t.name), f"{t.ggml} needs rows of 256, mistral.rs' fallback {fb}: "
     return s, ""
 

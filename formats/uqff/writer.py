@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ... import __version__
-from ...converters.align import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Decision, check, describe_grid
+from ...converters.align import EXACT, REFUSED, REQUANTIZE, Decision, best_aligned, check, describe_grid
 from ...converters.errors import QConvertError
 from ...converters.plan import BitIdentical, Options, TensorPlan, unknown_type
 from ...converters.records import Dense, Grid, GridParams, TensorRecord
@@ -78,7 +78,7 @@ def check_target(t: UqffType, rec: TensorRecord) -> tuple[Decision, dict]:
     if scheme.family == "ggml":
         if d.verdict == REFUSED and not d.copied:
             return d.with_reason(prefix=note), info
-        info["ggml"] = scheme.name
+        info["ggml"] = scheme.layout.name
         if d.kept_blocks:  # Q4_K/Q5_K blocks that hold the grid keep its codes, as in the GGUF writer
             from ..gguf.kencode import QuantHow
 
@@ -94,12 +94,9 @@ def check_target(t: UqffType, rec: TensorRecord) -> tuple[Decision, dict]:
 
 def _best_aligned(rec: TensorRecord) -> tuple[str, str] | None:
     """(type, verdict) of the cheapest type that holds the grid exactly, else near-exactly."""
-    p = rec.params
-    for wanted in (EXACT, NEAR_EXACT):
-        for name in candidates_for_bits(p.bits):
-            if check_target(UQFF_TYPES[name], rec)[0].verdict == wanted:
-                return name, wanted
-    return None
+    schemes = [scheme_for(UQFF_TYPES[n], rec.shape[-1])[0] for n in candidates_for_bits(rec.params.bits)]
+    best = best_aligned(rec.params, rec.shape, schemes, native=rec.native_type, prefer_groups=rec.source_groups)
+    return (best[0].name, best[1].verdict) if best else None
 
 
 class UqffWriter:

@@ -169,3 +169,19 @@ def test_the_gguf_writer_reads_kept_blocks_from_the_decision_not_its_text():
     writer = GgufWriter(("llama", 1))
     plan = writer.plan_tensor(rec, Options(type="q4_k"), source=type("S", (), {"config": {}, "quant_config": {}})())
     assert plan.verdict == EXACT and plan.info["quant"].keep_codes
+
+
+def test_decide_names_the_aligned_alternative_and_the_fallback():
+    from qconvert.converters.align import decide
+
+    d = decide(grid(bits=8), (8, 64), GGUF_SCHEMES["Q4_0"], ALIGNED_CANDIDATES)
+    assert d.verdict == REQUANTIZE and d.alternative == ("Q8_0", EXACT)
+    assert decide(grid(), (8, 64), GGUF_SCHEMES["Q4_0"], ALIGNED_CANDIDATES).alternative is None  # it aligns
+    assert decide(grid(), (8, 64), GGUF_SCHEMES["Q4_1"], fallback="Q4_1").fallback == "Q4_1"
+
+
+def test_a_uqff_scheme_is_named_as_mistral_rs_names_it_and_checked_as_its_ggml_blocks():
+    s = UQFF_SCHEMES["q4_0"]
+    assert (s.name, s.layout.name) == ("q4_0", "Q4_0")
+    assert check(grid(), (8, 64), s).verdict == EXACT
+    assert check(grid(), (8, 64), s, native="Q4_0").copied
