@@ -325,6 +325,29 @@ def inspect_command(path, fmt, as_json):
         click.echo(f"{k}: {json.dumps(v) if isinstance(v, (dict, list)) else v}")
 
 
+@cli.command("batch")
+@click.argument("manifest", type=click.Path(path_type=Path))
+@click.option("--workers", type=int, default=None, help="parallel jobs (default: what the cores and memory allow)")
+@click.option("--report", "report_dir", type=click.Path(path_type=Path),
+              help="where batch.json, batch.md and the resume markers go (default: batch-report/ beside the manifest)")
+@click.option("--dry-run", is_flag=True, help="list every job and whether it would run or is done; write nothing")
+@click.option("--force", is_flag=True, help="replace outputs that exist but were not completed by this batch")
+def batch_command(manifest, workers, report_dir, dry_run, force):
+    """Run the conversions a manifest lists (jobs and/or a matrix); resumable: done jobs are skipped."""
+    from .batch import default_workers, load_manifest, run_batch
+
+    jobs = load_manifest(manifest)
+    report_dir = report_dir or Path(manifest).parent / "batch-report"
+    results = run_batch(jobs, report_dir, workers or default_workers(), dry_run=dry_run, force=force,
+                        progress=sys.stderr.isatty())
+    for r in results:
+        click.echo(f"{r.status:<8} {r.pair:<16} {r.src} -> {r.out}" + (f": {r.error}" if r.error else ""))
+    counts = {s: sum(r.status == s for r in results) for s in ("done", "skipped", "failed", "planned")}
+    click.echo(", ".join(f"{v} {k}" for k, v in counts.items() if v) + f"; report: {Path(report_dir) / 'batch.md'}")
+    if counts["failed"]:
+        raise click.exceptions.Exit(1)
+
+
 @cli.command("verify")
 @click.argument("src_path", type=click.Path(path_type=Path))
 @click.argument("out_path", type=click.Path(path_type=Path))

@@ -1,0 +1,12 @@
+#!/usr/bin/env python
+"""Batch conversion from a manifest: a thin wrapper of `qconvert batch` (converters/batch.py).
+
+    python scripts/batch_convert.py MANIFEST [--workers N] [--report DIR] [--dry-run] [--force]
+"""
+
+import sys
+
+from qconvert.converters.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["batch", *sys.argv[1:]]))

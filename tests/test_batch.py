@@ -1,0 +1,147 @@
+"""`qconvert batch`: a manifest's matrix run by two workers, isolated failures, byte-identical outputs,
+resuming (skip what is done, rerun what was deleted or interrupted by kill -9), and bad manifests."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import run_cli
+
+VARIANTS = ("v1_b4_g32_sym", "v2_b4_g32_sym", "v1_b8_g128_sym", "v1_b4_g32_sym_act")
+
+
+def _tree_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for p in files:
+        h.update(p.name.encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture
+def batch_dir(fx, tmp_path):
+    src = tmp_path / "src"
+    for v in VARIANTS:
+        shutil.copytree(fx["variants"][v]["ckpt"], src / v)
+    bad = src / VARIANTS[-1] / "model.safetensors"  # one source truncated
+    os.truncate(bad, bad.stat().st_size // 2)
+    (tmp_path / "m.yaml").write_text(
+        "matrix:\n"
+        f"  sources: [{', '.join('src/' + v for v in VARIANTS)}]\n"
+        "  targets:\n"
+        "    - {to: gguf, out: 'out/{name}.gguf'}\n"
+        "    - {to: hf, out: 'out/{name}-hf', options: [--type, f32]}\n")
+    return tmp_path
+
+
+def _batch(d: Path, *args, check_rc=None):
+    proc = subprocess.run([sys.executable, "-m", "qconvert", "batch", str(d / "m.yaml"), "--workers", "2", *args],
+                          capture_output=True, text=True)
+    if check_rc is not None:
+        assert proc.returncode == check_rc, proc.stdout + proc.stderr
+    return proc
+
+
+def _report(d: Path) -> dict:
+    return json.loads((d / "batch-report" / "batch.json").read_text())
+
+
+def test_a_matrix_with_a_bad_source_runs_the_rest_byte_identical_and_resumes(batch_dir, tmp_path):
+    d = batch_dir
+    t0 = time.monotonic()
+    _batch(d, check_rc=1)
+    first_seconds = time.monotonic() - t0
+    rep = _report(d)
+    assert rep["counts"] == {"done": 6, "skipped": 0, "failed": 2, "planned": 0}
+    failed = [j for j in rep["jobs"] if j["status"] == "failed"]
+    assert {Path(j["src"]).name for j in failed} == {VARIANTS[-1]}
+    for j in failed:  # the single command's one-line error, naming the truncated file
+        assert j["error"].startswith("qconvert: error:") and "model.safetensors" in j["error"]
+        assert "\n" not in j["error"] and "truncated" in j["error"]
+        assert not Path(j["out"]).exists()
+    # every good output equals the single command's, byte for byte
+    for j in (j for j in rep["jobs"] if j["status"] == "done"):
+        pair = "gptq-v2->" if j["src"].endswith("v2_b4_g32_sym") else "gptq->"
+        single = tmp_path / "single" / Path(j["out"]).name
+        single.parent.mkdir(exist_ok=True)
+        run_cli(pair + j["pair"].split("->")[1], j["src"], single, *j["options"], "--quiet")
+        assert _tree_hash(Path(j["out"])) == _tree_hash(single), j["out"]
+        assert j["verdicts"]["exact"] == 21 and j["max_abs_err"] == 0.0 and j["bytes"] > 0
+    md = (d / "batch-report" / "batch.md").read_text()
+    assert md.startswith("# qconvert batch (6 done, 2 failed)") and md.count("| failed |") == 2
+
+    # a re-run skips the six (the failed two run again and fail again)
+    t0 = time.monotonic()
+    _batch(d, check_rc=1)
+    print(f"first run {first_seconds:.1f} s, re-run {time.monotonic() - t0:.1f} s")  # measured, not asserted
+    assert _report(d)["counts"] == {"done": 0, "skipped": 6, "failed": 2, "planned": 0}
+
+    # after deleting one output, exactly that job runs again, with the same bytes
+    victim = Path(next(j["out"] for j in rep["jobs"] if j["status"] == "done" and j["out"].endswith(".gguf")))
+    before = _tree_hash(victim)
+    victim.unlink()
+    _batch(d, check_rc=1)
+    again = _report(d)
+    assert [j["out"] for j in again["jobs"] if j["status"] == "done"] == [str(victim)]
+    assert _tree_hash(victim) == before
+
+
+def test_kill_9_midway_then_a_rerun_finishes_with_the_same_bytes(batch_dir):
+    d = batch_dir
+    proc = subprocess.Popen([sys.executable, "-m", "qconvert", "batch", str(d / "m.yaml"), "--workers", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    done_dir = d / "batch-report" / "done"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(done_dir.glob("*.json"))) < 2:  # some done, some not
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    finished_before = len(list(done_dir.glob("*.json")))
+    assert 0 < finished_before < 6
+    _batch(d, check_rc=1)
+    rep = _report(d)
+    assert rep["counts"]["skipped"] == finished_before and rep["counts"]["done"] == 6 - finished_before
+    # the same bytes as an uninterrupted batch into another folder
+    fresh = d / "fresh"
+    fresh.mkdir()
+    shutil.copytree(d / "src", fresh / "src")
+    shutil.copy(d / "m.yaml", fresh / "m.yaml")
+    _batch(fresh, check_rc=1)
+    for j in rep["jobs"]:
+        if j["status"] != "failed":
+            assert _tree_hash(Path(j["out"])) == _tree_hash(fresh / Path(j["out"]).relative_to(d)), j["out"]
+    assert not [p for p in (d / "out").rglob("*") if ".qconvert-tmp-" in p.name]
+
+
+def test_dry_run_plans_every_job_with_its_verdicts_and_writes_nothing(batch_dir):
+    proc = _batch(batch_dir, "--dry-run", check_rc=1)  # the truncated source fails its plan as it would its run
+    lines = proc.stdout.splitlines()
+    assert sum(ln.startswith("planned") for ln in lines) == 6 and sum(ln.startswith("failed") for ln in lines) == 2
+    assert not (batch_dir / "out").exists() and not list((batch_dir / "batch-report" / "done").iterdir())
+    planned = [j for j in _report(batch_dir)["jobs"] if j["status"] == "planned"]
+    assert all(j["verdicts"]["exact"] == 21 for j in planned)
+
+
+@pytest.mark.parametrize("text,why", [
+    ("jobs: [{src: a}]", "jobs[0] needs src, pair and out"),
+    ("matrix: {sources: [a], targets: [{to: gguf, out: x.gguf}]}", "has no {name}"),
+    ("jobs: [{src: a, pair: 'gptq', out: b}]", "is not SRC->DST"),
+    ("- just a list", "expected a mapping with `jobs` and/or `matrix`"),
+    ("jobs: [{src: a, pair: gptq->gguf, out: o.gguf}, {src: b, pair: gptq->gguf, out: o.gguf}]", "two jobs write"),
+    ("{unclosed", "not valid YAML"),
+])
+def test_a_bad_manifest_is_one_line_and_exit_2(tmp_path, text, why):
+    (tmp_path / "m.yaml").write_text(text)
+    proc = _batch(tmp_path, check_rc=2)
+    assert proc.stderr.startswith("qconvert: error:") and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert why in proc.stderr and "m.yaml" in proc.stderr
