@@ -46,6 +46,8 @@ from ..converters.records import Dense, Grid, GridParams, TensorRecord
 from ..converters.registry import FormatEntry, register_format
 from ..kernels.hqq import (PACKINGS, axis0_compact, axis0_expand, codes_to_grouped, grouped_shape, pack_hqq,
                            packing_for_bits, quantize_hqq, unpack_hqq)
+from .model_shapes import ModelShapes
+from .safetensors_header import TORCH_DTYPES
 from .safetensors_dir import (CheckpointDir, CheckpointSource, SIDE_FILES, ShardWriter, copy_side_files, read_json,
                               write_json)
 
@@ -57,6 +59,7 @@ DTYPE_NAMES = {"torch.float16": torch.float16, "torch.bfloat16": torch.bfloat16,
                "torch.uint8": torch.uint8, "torch.int32": torch.int32}
 _COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 8)
+_SAFETENSORS_TAG = {getattr(torch, name): tag for tag, name in TORCH_DTYPES.items() if hasattr(torch, name)}
 # the per-layer keys of HQQLinear.state_dict() (hqq 0.2.8); bias is optional
 LAYER_KEYS = ("W_q", "nbits", "group_size", "shape", "scale", "zero", "axis", "packing", "unpack_view_dtype",
               "view_as_float", "quant_scale", "quant_zero", "compute_dtype", "offload_meta", "encoded_state_dict",
@@ -400,6 +403,7 @@ class HqqSafetensorsSource(CheckpointSource):
             if key in _HQQ_ONLY_KEYS and prefix not in self.modules:
                 raise BadInput(f"HQQ layer {key} without its {prefix}.W_q", path=self.ckpt.file_of(name), tensor=name)
         _check_complete(self.config, {f"{m}.weight" for m in self.modules} | set(self.ckpt.location), self.path)
+        self.shapes = ModelShapes(self.config, self.path / "config.json")  # the dense tensors against config.json
         for prefix, parts in self.modules.items():
             if "bias" in parts:
                 shape = tuple(self.ckpt.shape(parts["bias"]))
@@ -444,6 +448,7 @@ class HqqSafetensorsSource(CheckpointSource):
                 if key == "W_q":
                     yield _grid_record(prefix, self.layer(prefix), lambda p=prefix: self._load_grid(p), shard)
                 else:
+                    self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard, self.ckpt.dtype(name))
                     yield self.ckpt.dense_record(name, shard)
 
     def describe(self) -> dict:
@@ -659,6 +664,7 @@ class HqqPickleSource:
         names = {f"{m}.weight" for m in self._layers}
         names |= {f"{m}.{k}" if m else str(k) for m, state in self.weights.items() if m not in self._layers for k in state}
         _check_complete(self.config, names, self.file)
+        self.shapes = ModelShapes(self.config, self.path / "config.json")
 
     def _decode(self, module: str, state: dict) -> HqqLayer:
         values = dict(state)
@@ -690,6 +696,7 @@ class HqqPickleSource:
         t = value.data if isinstance(value, torch.nn.Parameter) else value
         if not isinstance(t, torch.Tensor):
             raise BadInput(f"expected a tensor, found {type(t).__name__}", path=self.file, tensor=name)
+        self.shapes.check_dense(name, tuple(t.shape), self.file, _SAFETENSORS_TAG.get(t.dtype))
         return TensorRecord(name, tuple(t.shape), str(t.dtype)[6:], lambda t=t: Dense(t), source_file=self.file.name)
 
     def side_files(self) -> dict[str, Path]:

@@ -1977,8 +1977,13 @@ def _git_head() -> str:
 
 def replay(args) -> int:
     text = args.replay
-    if Path(text).exists():
-        text = Path(text).read_text().strip().splitlines()[0]
+    if Path(text).exists():  # a kept case.json (indented) or a findings .jsonl (its first line)
+        whole = Path(text).read_text().strip()
+        try:
+            json.loads(whole)
+            text = whole
+        except json.JSONDecodeError:
+            text = whole.splitlines()[0]
     case = json.loads(text)
     reader = case["reader"]
     args.seed = case.get("master_seed", args.seed)

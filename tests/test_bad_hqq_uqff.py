@@ -504,3 +504,22 @@ def test_header_shape_claims_more_than_the_data(ufx, tmp_path):
     blob += b" " * ((-len(blob)) % 8)
     shard.write_bytes(len(blob).to_bytes(8, "little") + blob + data[8 + n:])
     expect_user_error("uqff->hf", src, tmp_path, "hqq4-0.uqff", "cannot read safetensors file")
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda t: t.__setitem__("model.layers.0.post_attention_layernorm.weight",
+                             t["model.layers.0.post_attention_layernorm.weight"][None]),
+     "shape (1, 128) does not match config.json: expected (128,) from hidden_size"),
+    (lambda t: t.__setitem__("lm_head.weight", t["lm_head.weight"].reshape(256, 256)),
+     "does not match config.json: expected (512, 128) from vocab_size, hidden_size"),
+    (lambda t: t.__setitem__("model.layers.1.input_layernorm.weight",
+                             t["model.layers.1.input_layernorm.weight"].view(torch.int32)),
+     "is an integer type, but this is a norm weight"),
+])
+def test_hqq_dense_tensors_are_checked_against_the_config(hqq_root, tmp_path, edit, needle):
+    """Fuzz findings (10,000-case run): the HQQ readers passed norms and heads of a wrong shape through
+    (the conversion wrote them; GPTQ/QQQ/HF readers refuse them) and an integer-typed norm was refused only
+    by the writer, without naming the file."""
+    src = _copy(HQQ_ROOT / "b4_g64_ax1" / "tf", tmp_path / "m")
+    _edit(src / "model.safetensors", edit)
+    expect_user_error("hqq->hf", src, tmp_path, "model.safetensors", needle)
