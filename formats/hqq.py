@@ -500,7 +500,7 @@ def _check_torch_zip(path: Path) -> None:
     except FileNotFoundError:
         raise BadInput("file not found", path=path) from None
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, OverflowError) as e:
-        raise BadInput(f"not a readable zip file ({type(e).__name__})", path=path) from None
+        raise BadInput(f"not a readable zip file ({_zip_problem(e)})", path=path) from None
     pickles = [m for m in members if _PICKLE.match(m.filename)]
     if len(pickles) != 1:
         raise BadInput(f"expected one <archive>/data.pkl in the torch zip, found {len(pickles)}", path=path)
@@ -601,6 +601,19 @@ def _pickled_storages(path: Path, info: zipfile.ZipInfo) -> list[tuple[str, str,
     return found
 
 
+def _zip_problem(e: Exception) -> str:
+    """Why zipfile could not read a torch.save archive, in our words (its exception names are not for users)."""
+    if isinstance(e, UnicodeDecodeError):
+        return "a member name is not valid text: the directory is damaged"
+    if isinstance(e, zipfile.BadZipFile):
+        return "its directory is damaged or missing"
+    if isinstance(e, (EOFError, OverflowError)):
+        return "it ends before its directory says"
+    if isinstance(e, OSError):
+        return e.strerror or "an I/O error"
+    return "a value in its directory is out of range"
+
+
 def load_qmodel(path: Path) -> dict:
     """torch.load with weights_only=True (tensors, numbers, strings, dtypes, torch.Size only), memory-mapped
     (so no storage is read, and a storage claiming more bytes than the file holds fails in torch);
@@ -625,6 +638,12 @@ def load_qmodel(path: Path) -> dict:
         raise BadInput("corrupt torch file: data.pkl or the storages it names do not decode", path=path) from None
     if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in data.items()):
         raise BadInput("expected a dict {module name: {key: value}} (hqq save_quantized layout)", path=path)
+    # a pickle may mark a tensor requires_grad (hqq's files do not): weights are read as plain data, so that
+    # reading a scalar of it does not warn about autograd
+    for state in data.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                state[key] = value.detach()
     return data
 
 

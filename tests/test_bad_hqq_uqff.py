@@ -523,3 +523,31 @@ def test_hqq_dense_tensors_are_checked_against_the_config(hqq_root, tmp_path, ed
     src = _copy(HQQ_ROOT / "b4_g64_ax1" / "tf", tmp_path / "m")
     _edit(src / "model.safetensors", edit)
     expect_user_error("hqq->hf", src, tmp_path, "model.safetensors", needle)
+
+
+def test_qmodel_with_a_damaged_member_name_is_refused_in_our_words(tmp_path):
+    """Fuzz finding (hqq-pt): a flipped byte in a UTF-8 member name made zipfile raise UnicodeDecodeError, and
+    the line quoted that class name."""
+    import zipfile
+
+    src = _copy(HQQ_ROOT / "b4_g64_ax1" / "lib", tmp_path / "m")
+    with zipfile.ZipFile(src / "qmodel.pt", "w") as z:
+        z.writestr("archive/d\u00e9ta.pkl", b"x")  # a non-ASCII name: stored as UTF-8 with the flag set
+    raw = bytearray((src / "qmodel.pt").read_bytes())
+    raw[:] = raw.replace("\u00e9".encode(), b"\xff\xfe")  # in the local and the central header
+    (src / "qmodel.pt").write_bytes(bytes(raw))
+    err = expect_user_error("hqq->hf", src, tmp_path, "qmodel.pt", "not a readable zip file",
+                            "a member name is not valid text")
+    assert "Error" not in err
+
+
+def test_a_qmodel_tensor_marked_requires_grad_converts_without_warnings(tmp_path):
+    """Fuzz finding (hqq-pt): a pickle that marks a scale requires_grad made reading its scalars warn about
+    autograd after a successful conversion."""
+    src = _copy(HQQ_ROOT / "b4_g64_ax1" / "lib", tmp_path / "m")
+    weights = torch.load(str(src / "qmodel.pt"), weights_only=True, map_location="cpu")
+    layer = next(m for m in weights if "W_q" in weights[m])
+    weights[layer]["scale"] = weights[layer]["scale"].clone().requires_grad_(True)
+    torch.save(weights, str(src / "qmodel.pt"))
+    proc = run_cli("hqq->hf", src, tmp_path / "out", "--type", "f32", "--quiet")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
