@@ -659,7 +659,16 @@ def m_st_scalar(rng, ctx):
     # a header-like value (hqq's nbits/shape/packing..., UQFF's tags and version) is structure; an element of
     # a small weight tensor (a qzeros of 4x8) is data
     ctx.structural = count <= 4 or name.rpartition(".")[2] in _META_SUFFIXES
-    return f"safetensors {ctx.rel(f)}: element {i} of small tensor {name} ({dt}{info['shape']}) -> {value!r}"
+    same = ""
+    if name.endswith(".weight.dtype") and fmt not in "fd" and f"{name[:-len('.dtype')]}.shape" in h:
+        # a UQFF GGUF-block layer's ggml type changed to one of the same size (Q4_K <-> Q4_0 <-> IQ4_NL): its
+        # blocks then mean other values, undetectable like flipped data (see m_gguf_tensor_raw)
+        sh = h[f"{name[:-len('.dtype')]}.shape"]
+        o, _ = sh["data_offsets"]
+        dims = list(struct.unpack_from(f"<{(sh['data_offsets'][1] - o) // 4}I", b, 8 + n + o))[::-1]
+        if _gguf_nbytes(dims, value) is not None and _gguf_nbytes(dims, value) == _gguf_nbytes(dims, old):
+            ctx.structural, same = False, " (same size)"
+    return f"safetensors {ctx.rel(f)}: element {i} of small tensor {name} ({dt}{info['shape']}) -> {value!r}{same}"
 
 
 # -- GGUF edits -------------------------------------------------------------------------------------------------
