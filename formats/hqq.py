@@ -47,7 +47,7 @@ from ..converters.registry import FormatEntry, register_format
 from ..kernels.hqq import (PACKINGS, axis0_compact, axis0_expand, codes_to_grouped, grouped_shape, pack_hqq,
                            packing_for_bits, quantize_hqq, unpack_hqq)
 from .model_shapes import ModelShapes
-from .safetensors_header import TORCH_DTYPES
+from .safetensors_header import safetensors_tag
 from .safetensors_dir import (CheckpointDir, CheckpointSource, SIDE_FILES, ShardWriter, copy_side_files, read_json,
                               write_json)
 
@@ -59,7 +59,6 @@ DTYPE_NAMES = {"torch.float16": torch.float16, "torch.bfloat16": torch.bfloat16,
                "torch.uint8": torch.uint8, "torch.int32": torch.int32}
 _COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 8)
-_SAFETENSORS_TAG = {getattr(torch, name): tag for tag, name in TORCH_DTYPES.items() if hasattr(torch, name)}
 # the per-layer keys of HQQLinear.state_dict() (hqq 0.2.8); bias is optional
 LAYER_KEYS = ("W_q", "nbits", "group_size", "shape", "scale", "zero", "axis", "packing", "unpack_view_dtype",
               "view_as_float", "quant_scale", "quant_zero", "compute_dtype", "offload_meta", "encoded_state_dict",
@@ -715,7 +714,7 @@ class HqqPickleSource:
         t = value.data if isinstance(value, torch.nn.Parameter) else value
         if not isinstance(t, torch.Tensor):
             raise BadInput(f"expected a tensor, found {type(t).__name__}", path=self.file, tensor=name)
-        self.shapes.check_dense(name, tuple(t.shape), self.file, _SAFETENSORS_TAG.get(t.dtype))
+        self.shapes.check_dense(name, tuple(t.shape), self.file, safetensors_tag(t.dtype))
         return TensorRecord(name, tuple(t.shape), str(t.dtype)[6:], lambda t=t: Dense(t), source_file=self.file.name)
 
     def side_files(self) -> dict[str, Path]:

@@ -20,7 +20,8 @@ from ..converters.validate import json_kind, read_json as _read_json
 from .safetensors_header import Descriptors, SafetensorsHeader, read_header, read_tensor
 from ..converters.records import Dense, TensorRecord
 
-__all__ = ["CheckpointDir", "CheckpointSource", "read_json", "SIDE_FILES", "dtype_name", "weight_files_ignored", "WEIGHT_SUFFIXES"]
+__all__ = ["CheckpointDir", "CheckpointSource", "read_json", "SIDE_FILES", "dtype_name", "weight_files_ignored",
+           "WEIGHT_SUFFIXES"]
 
 # Files a converted model carries along when the target format keeps them next to its weights.
 SIDE_FILES = (

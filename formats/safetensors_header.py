@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..converters.errors import BadInput
 
-__all__ = ["TensorEntry", "SafetensorsHeader", "read_header", "read_tensor", "Descriptors", "DTYPE_BITS", "TORCH_DTYPES"]
+__all__ = ["TensorEntry", "SafetensorsHeader", "read_header", "read_tensor", "Descriptors", "safetensors_tag", "DTYPE_BITS", "TORCH_DTYPES"]
 
 # bits per element of every dtype the safetensors format defines (sub-byte types pack along the last axis)
 DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16,
@@ -32,6 +32,14 @@ TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "b
                 "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U16": "uint16",
                 "U32": "uint32", "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
                 "F8_E8M0": "float8_e8m0fnu", "C64": "complex64"}
+
+
+def safetensors_tag(dtype) -> str | None:
+    """The safetensors dtype tag of a torch dtype (the inverse of TORCH_DTYPES), None when it has none."""
+    return _TAG_OF_TORCH_NAME.get(str(dtype).removeprefix("torch."))
+
+
+_TAG_OF_TORCH_NAME = {name: tag for tag, name in TORCH_DTYPES.items()}
 
 
 @dataclass(frozen=True)

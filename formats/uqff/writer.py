@@ -40,6 +40,7 @@ from ...converters.records import Dense, Grid, GridParams, TensorRecord
 from ...kernels.ggml_layouts import LAYOUTS
 from ...kernels.hqq import axis0_compact, axis0_expand
 from ..safetensors_dir import copy_side_files, write_json
+from ..safetensors_header import safetensors_tag
 from .reader import _without_quantization_config
 from .schemes import REQUANT_DEFAULT, candidates_for_bits, scheme_for
 from .layout import (FP8_DTYPE_CODE, GGML_TYPE_IDS, MAJOR, TAG, UQFF_TYPES,
@@ -54,9 +55,6 @@ _LAYER = re.compile(r"(?:_proj|^lm_head|embed_tokens)\.weight$")
 _LAYER_BIAS = re.compile(r"_proj\.bias$")
 _EMBEDDING = re.compile(r"embed_tokens\.weight$")
 _TYPE_OF_GGML = {t.ggml: t.name for t in UQFF_TYPES.values() if t.ggml}
-_ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.uint8: "U8",
-             torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.uint32: "U32",
-             torch.float64: "F64", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3"}
 
 
 def parse_uqff_type(text: str) -> UqffType:
@@ -183,7 +181,10 @@ class _SafetensorsStream:
         t = tensor.detach().contiguous().cpu()
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
         self.data.write(raw)
-        self.header[name] = {"dtype": _ST_DTYPE[t.dtype], "shape": list(t.shape),
+        tag = safetensors_tag(t.dtype)
+        if tag is None:
+            raise ValueError(f"{name}: no safetensors dtype for {t.dtype}")
+        self.header[name] = {"dtype": tag, "shape": list(t.shape),
                              "data_offsets": [self.offset, self.offset + len(raw)]}
         self.offset += len(raw)
 
