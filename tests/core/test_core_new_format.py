@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import fixtures
 from qconvert.converters import registry
 from qconvert.converters.align import EXACT, REQUANTIZE, Decision, TargetScheme, check, register_family
 from qconvert.converters.cli import main
@@ -31,7 +32,6 @@ from qconvert.converters.errors import BadInput
 from qconvert.converters.plan import TensorPlan
 from qconvert.converters.records import Dense, Grid, GridParams, TensorRecord, describe_record
 
-FIXTURE_BASE = Path(__file__).resolve().parent.parent / "_fixtures" / "base"  # a dense HF llama (tests/fixtures.py)
 WEIGHTS = "weights.safetensors"
 
 
@@ -173,7 +173,8 @@ def _run(capsys, *args) -> tuple[int, str, str]:
 
 def test_a_format_added_through_the_public_api_converts_both_ways(rowint8, tmp_path, capsys):
     base = tmp_path / "base"
-    shutil.copytree(FIXTURE_BASE, base)
+    # a dense HF llama, built on first use in a clean checkout (tests/fixtures.py)
+    shutil.copytree(fixtures.ensure_base(fixtures.DEFAULT_ROOT, "base"), base)
     # dense -> rowint8: the checker says requantize, so it is refused without --allow-requant
     rc, out, err = _run(capsys, "hf->rowint8", base, tmp_path / "r8")
     assert rc == 2 and err.startswith("qconvert: error: refused:") and "dense weights rounded to int8 per row" in err
