@@ -175,6 +175,7 @@ def test_a_format_added_through_the_public_api_converts_both_ways(rowint8, tmp_p
     base = tmp_path / "base"
     # a dense HF llama, built on first use in a clean checkout (tests/fixtures.py)
     shutil.copytree(fixtures.ensure_base(fixtures.DEFAULT_ROOT, "base"), base)
+    capsys.readouterr()  # building the fixture prints transformers' progress bars; they are not ours
     # dense -> rowint8: the checker says requantize, so it is refused without --allow-requant
     rc, out, err = _run(capsys, "hf->rowint8", base, tmp_path / "r8")
     assert rc == 2 and err.startswith("qconvert: error: refused:") and "dense weights rounded to int8 per row" in err
