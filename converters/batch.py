@@ -1,6 +1,6 @@
 """Batch conversion: a manifest of jobs run by worker processes, resumable, each job isolated.
 
-    qconvert batch MANIFEST [--workers N] [--report DIR] [--dry-run]
+    qconvert batch MANIFEST [--workers N] [--report DIR] [--dry-run] [--force] [--ray [ADDRESS]]
 
 The manifest (YAML or JSON) holds `jobs` (each `src`, `pair` such as "gptq->gguf", `out`, `options`: a list of
 CLI arguments) and/or a `matrix` (`sources`: folders or files; `targets`: entries with `to`, `options` and an
@@ -14,6 +14,11 @@ the others go on. A job is skipped when its output exists and the marker beside 
 options and qconvert version completed it; outputs are written atomically by each command, so a batch
 killed midway (kill -9 included) resumes by running exactly the jobs without a marker.
 
+With `--ray`, each job is one Ray task (a local Ray started for the batch, or a cluster joined at ADDRESS) that
+runs the same `qconvert` process on whichever node Ray picks, so the bytes are the local workers'. The nodes
+read sources and write outputs and per-job reports at the paths the driver gives, hence a filesystem shared
+at the same path on every node; the driver alone writes the markers and the batch reports.
+
 Exit status: 0 when every job is done or skipped, 1 when any failed, 2 for a bad manifest.
 """
 
@@ -21,11 +26,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import math
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,7 +42,7 @@ from pathlib import Path
 from .. import __version__
 from .errors import QConvertError
 
-__all__ = ["BatchJob", "JobResult", "load_manifest", "run_batch", "default_workers"]
+__all__ = ["BatchJob", "JobResult", "load_manifest", "run_batch", "default_workers", "job_memory_bytes"]
 
 _PAIR = re.compile(r"^(?P<src>[A-Za-z0-9_.\-]+?)(?:->|:|=>)(?P<dst>[A-Za-z0-9_.\-]+)$")
 
@@ -206,12 +215,15 @@ def _summarize(report_path: Path) -> tuple[dict, float | None, float | None]:
     return rep["summary"]["verdicts"], rep["summary"]["max_abs_err"], rms
 
 
-def _run_job(job: BatchJob, report_dir: Path, key: str, force: bool, dry_run: bool = False) -> JobResult:
+def _run_job(job: BatchJob, report_dir: Path, key: str, force: bool, dry_run: bool = False,
+             env_overrides: dict[str, str] | None = None) -> JobResult:
+    """One job's `qconvert` process, on this machine or (as a Ray task) on a node; `env_overrides` carries the
+    driver's QCONVERT_* settings to a node whose environment is not the driver's."""
     res = JobResult(str(job.src), job.pair, str(job.out), "failed", options=list(job.options))
     (report_dir / "jobs").mkdir(parents=True, exist_ok=True)
     report = report_dir / "jobs" / f"{key}.json"
     t0 = time.monotonic()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **(env_overrides or {}), "PYTHONUNBUFFERED": "1"}
     argv = [sys.executable, "-m", "qconvert", *job.argv(report)] + (["--force"] if force else []) + \
         (["--dry-run"] if dry_run else [])
     proc = subprocess.run(argv, capture_output=True, text=True, env=env)
@@ -226,22 +238,191 @@ def _run_job(job: BatchJob, report_dir: Path, key: str, force: bool, dry_run: bo
     return res
 
 
-def run_batch(jobs: list[BatchJob], report_dir: Path, workers: int, dry_run: bool = False, force: bool = False,
-              progress: bool = True) -> list[JobResult]:
+class _LocalJobs:
+    """Jobs run by threads of this process, each waiting on its job's `qconvert` process."""
+
+    def __init__(self, workers: int | None):
+        self.in_flight = max(1, workers or default_workers())
+
+    def run(self, job: BatchJob, report_dir: Path, key: str, force: bool, dry_run: bool) -> JobResult:
+        return _run_job(job, report_dir, key, force, dry_run)
+
+    def close(self) -> None:
+        pass
+
+
+def _ray_module():
+    try:
+        import ray
+    except ImportError:
+        raise QConvertError('--ray needs ray (pip install "qconvert[batch]")') from None
+    return ray
+
+
+class _RayJobs:
+    """Jobs run as Ray tasks: the same `_run_job` on a node, one task per job declaring one CPU and the memory
+    its conversion needs; at most `workers` (default: the cluster's CPUs) in flight."""
+
+    def __init__(self, address: str | None, workers: int | None):
+        ray = self._ray = _ray_module()
+        quiet = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+        try:
+            with _stderr_held() as held:
+                if address:
+                    _check_reachable(address)
+                    ray.init(address=address, **quiet)
+                else:
+                    # "local", not None: ray.init(None) would join a cluster it finds through RAY_ADDRESS or the
+                    # last `ray start` on this machine; without an address the user asked for a Ray of the batch's
+                    # own. Only job results (a few KB each) travel through its object store.
+                    ray.init(address="local", object_store_memory=_LOCAL_OBJECT_STORE_BYTES, **quiet)
+        except Exception as e:  # ConnectionError, a timeout, a version mismatch: Ray's first line says which
+            where = f"cannot join the Ray cluster at {address}" if address else "cannot start a local Ray"
+            hint = "; the cluster wants its token: set RAY_AUTH_MODE=token and put the head's ~/.ray/auth_token " \
+                   "here (or set RAY_AUTH_TOKEN)" if "InvalidAuthToken" in held.text else ""
+            raise QConvertError(f"--ray: {where} ({_first_line(e)}){hint}") from None
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        self.largest_node_memory = max((int(n["Resources"].get("memory", 0)) for n in nodes), default=0)
+        self.in_flight = max(1, workers or int(ray.cluster_resources().get("CPU", 1)))
+        # max_retries=0: a job whose node died is reported failed, as a crashed local job is, and the next run
+        # of the batch resumes it; a retry could find the output its first attempt had already renamed in place
+        self._task = ray.remote(num_cpus=1, max_retries=0)(_run_job)
+        self._env = {k: v for k, v in os.environ.items() if k.startswith("QCONVERT_")}
+        _format_name("gguf")  # loads the format registry now: the job threads would race to load it
+
+    def run(self, job: BatchJob, report_dir: Path, key: str, force: bool, dry_run: bool) -> JobResult:
+        need = job_memory_bytes(job.src, job.target)
+        if need > self.largest_node_memory:  # Ray would wait forever for a node that can take it
+            return _failed(job, f"qconvert: error: {job.src}: needs about {need / (1 << 30):.1f} GiB of memory "
+                                f"(estimated from its largest tensor), more than any Ray node has "
+                                f"({self.largest_node_memory / (1 << 30):.1f} GiB)")
+        ref = self._task.options(memory=need).remote(job, report_dir, key, force, dry_run, self._env)
+        try:
+            return self._ray.get(ref)
+        except self._ray.exceptions.RayError as e:  # the task, its worker or its node died (OOM kill included)
+            return _failed(job, f"qconvert: error: {job.src}: the Ray task failed ({_first_line(e)})")
+
+    def close(self) -> None:
+        self._ray.shutdown()  # stops the local Ray this batch started; from a cluster, only disconnects
+
+
+_LOCAL_OBJECT_STORE_BYTES = 256 << 20
+
+
+class _HeldStderr:
+    text = ""
+
+
+@contextmanager
+def _stderr_held():
+    """File descriptor 2 sent to a temporary file while Ray connects: its C++ client writes a line a second
+    there while it retries (a wrong token, a head still starting); what it wrote is kept as `.text`."""
+    held = _HeldStderr()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield held
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            held.text = sink.read().decode(errors="replace")
+
+
+def _check_reachable(address: str) -> None:
+    """Fail in seconds on a HOST:PORT nothing listens at: ray.init retries such an address for many minutes."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():  # "auto", or a form Ray resolves itself
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+    except OSError as e:
+        raise ConnectionError(f"nothing answers at {host}:{port}: {e.strerror or type(e).__name__}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
+def _failed(job: BatchJob, error: str) -> JobResult:
+    return JobResult(str(job.src), job.pair, str(job.out), "failed", error=error, options=list(job.options))
+
+
+# Ray's `memory=` for a job: what its `qconvert` process holds at its peak, from peaks measured (getrusage) on
+# synthetic GPTQ models whose largest tensor held 11M, 45M and 90M values: the interpreter, torch and the formats'
+# code (about 250 MB), plus per value of the largest tensor (it is converted at once) about 29 bytes when
+# requantizing (Q8_0, Q4_K_M), 11-13 when dequantizing to hf, 4.4 for an exact GGUF repack; the writers that
+# write safetensors folders also hold one output shard (ShardWriter: up to 2 GiB; the output is float32 at most),
+# the GGUF and UQFF writers stream.
+_JOB_BASE_MEMORY = 512 << 20
+_PEAK_BYTES_PER_VALUE = 32
+_SHARD_BUFFER_BYTES = 2 << 30
+_STREAMING_TARGETS = frozenset({"gguf", "uqff"})
+
+
+def job_memory_bytes(src: Path, target: str) -> int:
+    """About what one job converting `src` to the format `target` holds at its peak (see above)."""
+    values = [v for p in _files(src) for v in _tensor_values(p)]
+    need = _JOB_BASE_MEMORY + _PEAK_BYTES_PER_VALUE * max(values, default=0)
+    if _format_name(target) not in _STREAMING_TARGETS:
+        need += min(_SHARD_BUFFER_BYTES, 4 * sum(values))
+    return need
+
+
+def _format_name(name: str) -> str:
+    """The canonical name of a format or alias ("llama.cpp" -> "gguf"); an unknown one is returned as given."""
+    from .registry import get_format  # imports torch and the formats: paid once, by a Ray batch's driver
+
+    try:
+        return get_format(name).name
+    except QConvertError:
+        return name
+
+
+def _tensor_values(path: Path) -> list[int]:
+    """The number of values of each tensor of a file, from its header where one is read cheaply (safetensors,
+    GGUF). Integer tensors are taken as packed 4-bit codes, 2 values a byte (GPTQ, HQQ, QQQ pack 32-bit words;
+    4 bits is the densest packing in common use). Any other file, or one whose header does not read (the job
+    will say why), counts as one tensor of 16-bit values: its largest tensor is no bigger."""
+    from ..formats.safetensors_header import DTYPE_BITS, read_header
+
+    try:
+        if path.suffix == ".safetensors":
+            return [(t.end - t.begin) * 8 // (4 if t.dtype[0] in "IU" else DTYPE_BITS[t.dtype])
+                    for t in read_header(path).tensors.values()]
+        if path.suffix == ".gguf":
+            from ..formats.gguf.reader import scan_header
+
+            return [math.prod(t.dims) for t in scan_header(path).tensors]
+    except QConvertError:
+        pass
+    return [path.stat().st_size // 2]
+
+
+def run_batch(jobs: list[BatchJob], report_dir: Path, workers: int | None, dry_run: bool = False, force: bool = False,
+              progress: bool = True, use_ray: bool = False, ray_address: str | None = None) -> list[JobResult]:
     """Run (or with dry_run, plan: each command with --dry-run) every job not already done; `force` replaces outputs a job finds in its
-    way (without it such a job fails as the single command would: "output exists")."""
+    way (without it such a job fails as the single command would: "output exists"). `workers` caps the jobs in
+    flight (None: what the machine, or with `use_ray` the Ray cluster at `ray_address` or a local one, allows)."""
     from tqdm import tqdm
 
-    report_dir = Path(report_dir)
+    # absolute: a Ray task runs in a working directory of its own, on a node that sees the paths the driver does
+    report_dir = Path(report_dir).resolve()
+    if use_ray:
+        _ray_module()  # refused before anything is hashed or written
     (report_dir / "done").mkdir(parents=True, exist_ok=True)
     cache: dict = {}
     results: list[JobResult | None] = [None] * len(jobs)
     todo = []
     for i, job in enumerate(jobs):
         if not job.src.exists():
-            results[i] = JobResult(str(job.src), job.pair, str(job.out), "failed",
-                                   error=f"qconvert: error: {job.src}: no such file or directory",
-                                   options=list(job.options))
+            results[i] = _failed(job, f"qconvert: error: {job.src}: no such file or directory")
             continue
         key = job_key(job, source_digest(job.src, cache))
         marker = report_dir / "done" / f"{key}.json"
@@ -254,18 +435,23 @@ def run_batch(jobs: list[BatchJob], report_dir: Path, workers: int, dry_run: boo
 
     def work(item):
         i, job, key, marker = item
-        res = _run_job(job, report_dir, key, force, dry_run)
+        res = runner.run(job, report_dir, key, force, dry_run)
         if res.status == "done":  # the marker last: a job killed before it runs again
             tmp = marker.with_suffix(".tmp")
             tmp.write_text(json.dumps(asdict(res)))
             tmp.replace(marker)
         return i, res
 
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool, \
-            tqdm(total=len(todo), desc="Jobs", unit="job", disable=not progress or not todo) as bar:
-        for i, res in pool.map(work, todo):
-            results[i] = res
-            bar.update(1)
+    if todo:  # a batch with every job done starts no Ray
+        runner = _RayJobs(ray_address, workers) if use_ray else _LocalJobs(workers)
+        try:
+            with ThreadPoolExecutor(max_workers=runner.in_flight) as pool, \
+                    tqdm(total=len(todo), desc="Jobs", unit="job", disable=not progress) as bar:
+                for i, res in pool.map(work, todo):
+                    results[i] = res
+                    bar.update(1)
+        finally:
+            runner.close()
     final = [r for r in results if r is not None]
     write_reports(report_dir, final)
     return final

@@ -332,14 +332,17 @@ def inspect_command(path, fmt, as_json):
               help="where batch.json, batch.md and the resume markers go (default: batch-report/ beside the manifest)")
 @click.option("--dry-run", is_flag=True, help="list every job and whether it would run or is done; write nothing")
 @click.option("--force", is_flag=True, help="replace outputs that exist but were not completed by this batch")
-def batch_command(manifest, workers, report_dir, dry_run, force):
+@click.option("--ray", "ray_address", is_flag=False, flag_value="", default=None, metavar="[ADDRESS]",
+              help="run each job as a Ray task: on a local Ray started for the batch, or on the cluster at ADDRESS "
+                   "(HOST:PORT; the paths must be shared by every node)")
+def batch_command(manifest, workers, report_dir, dry_run, force, ray_address):
     """Run the conversions a manifest lists (jobs and/or a matrix); resumable: done jobs are skipped."""
-    from .batch import default_workers, load_manifest, run_batch
+    from .batch import load_manifest, run_batch
 
     jobs = load_manifest(manifest)
     report_dir = report_dir or Path(manifest).parent / "batch-report"
-    results = run_batch(jobs, report_dir, workers or default_workers(), dry_run=dry_run, force=force,
-                        progress=sys.stderr.isatty())
+    results = run_batch(jobs, report_dir, workers, dry_run=dry_run, force=force, progress=sys.stderr.isatty(),
+                        use_ray=ray_address is not None, ray_address=ray_address or None)
     for r in results:
         click.echo(f"{r.status:<8} {r.pair:<16} {r.src} -> {r.out}" + (f": {r.error}" if r.error else ""))
     counts = {s: sum(r.status == s for r in results) for s in ("done", "skipped", "failed", "planned")}
@@ -356,12 +359,34 @@ def batch_command(manifest, workers, report_dir, dry_run, force):
 @click.option("--report", "report_path", type=click.Path(path_type=Path), help="write the JSON report")
 @click.option("--strict", is_flag=True, help="exit 3 unless every tensor is present and exact")
 @click.option("--quiet", is_flag=True, help="print only the summary line")
-def verify_command(src_path, out_path, src_format, out_format, report_path, strict, quiet):
-    """Re-read OUT and measure every tensor against SRC's dequantization (both read from disk)."""
+@click.option("--logits", is_flag=True,
+              help="also run SRC and OUT in their runtimes (transformers, gptqmodel, llama.cpp) on the same tokens: "
+                   "KL divergence, top-1 agreement, perplexity")
+@click.option("--prompts", "prompts_path", type=click.Path(path_type=Path),
+              help="with --logits: a text file of prompts separated by blank lines (default: a bundled text)")
+@click.option("--max-tokens", type=click.IntRange(2, 1 << 16), default=128, show_default=True,
+              help="with --logits: tokens per prompt")
+def verify_command(src_path, out_path, src_format, out_format, report_path, strict, quiet, logits, prompts_path,
+                   max_tokens):
+    """Re-read OUT and measure every tensor against SRC's dequantization (both read from disk); with --logits,
+    compare the two models' predictions too."""
     from .run import verify
 
+    if prompts_path is not None and not logits:
+        raise QConvertError("--prompts is for --logits")
+    if logits:
+        from .quality import compare_logits, read_prompts
+
+        prompts = read_prompts(prompts_path)  # a bad prompts file fails before any model is read
     report = verify(src_path, out_path, src_format, out_format, progress=sys.stderr.isatty())
+    if logits:
+        src_fmt = get_format(src_format).name if src_format else detect_format(src_path)
+        out_fmt = get_format(out_format).name if out_format else detect_format(out_path)
+        quality = compare_logits(src_fmt, src_path, out_fmt, out_path, prompts, max_tokens)
+        report.logits = quality.as_dict()
     _print_plan(report, quiet)
+    if logits:
+        click.echo(quality.line())
     if report_path:
         report.write_json(report_path)
     if strict and any(r.plan.verdict != "exact" for r in report.results):

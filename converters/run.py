@@ -50,6 +50,7 @@ class Report:
     seconds: float = 0.0
     dry_run: bool = False
     ignored_files: dict = field(default_factory=dict)  # files beside the source that are not part of the model
+    logits: dict | None = None  # `verify --logits`: quality.LogitReport.as_dict()
 
     def summary(self) -> dict:
         plans = [r.plan for r in self.results]
@@ -61,7 +62,8 @@ class Report:
     def as_dict(self) -> dict:
         return {"source": {"format": self.source_format, "path": self.source_path, "ignored_files": self.ignored_files},
                 "target": {"format": self.target_format, "path": self.output_path},
-                "tensors": [r.as_dict() for r in self.results], "summary": self.summary()}
+                "tensors": [r.as_dict() for r in self.results], "summary": self.summary(),
+                **({"logits": self.logits} if self.logits is not None else {})}
 
     def write_json(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.as_dict(), indent=2) + "\n")

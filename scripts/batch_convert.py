@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Batch conversion from a manifest: a thin wrapper of `qconvert batch` (converters/batch.py).
 
-    python scripts/batch_convert.py MANIFEST [--workers N] [--report DIR] [--dry-run] [--force]
+    python scripts/batch_convert.py MANIFEST [--workers N] [--report DIR] [--dry-run] [--force] [--ray [ADDRESS]]
 """
 
 import sys

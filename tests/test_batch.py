@@ -1,5 +1,7 @@
 """`qconvert batch`: a manifest's matrix run by two workers, isolated failures, byte-identical outputs,
-resuming (skip what is done, rerun what was deleted or interrupted by kill -9), and bad manifests."""
+resuming (skip what is done, rerun what was deleted or interrupted by kill -9), bad manifests, and `--ray`
+(a local Ray: the same bytes and failures as the local workers, a job too big for any node refused, the
+one-line refusal without ray)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -145,3 +148,62 @@ def test_a_bad_manifest_is_one_line_and_exit_2(tmp_path, text, why):
     proc = _batch(tmp_path, check_rc=2)
     assert proc.stderr.startswith("qconvert: error:") and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert why in proc.stderr and "m.yaml" in proc.stderr
+
+
+def _without_paths(error: str, root: Path) -> str:
+    return error.replace(str(root), "ROOT")
+
+
+def test_ray_gives_the_local_workers_bytes_and_failures(batch_dir, tmp_path_factory):
+    local = _batch(batch_dir, check_rc=1)
+    on_ray = tmp_path_factory.mktemp("on-ray")  # the same matrix into a fresh folder
+    shutil.copytree(batch_dir / "src", on_ray / "src")
+    shutil.copy(batch_dir / "m.yaml", on_ray / "m.yaml")
+    ray = _batch(on_ray, "--ray", check_rc=1)  # no address: a local Ray started for this batch
+    assert ray.stderr == local.stderr, ray.stderr  # nothing of Ray's own on the terminal
+    local_rep, ray_rep = _report(batch_dir), _report(on_ray)
+    assert ray_rep["counts"] == local_rep["counts"] == {"done": 6, "skipped": 0, "failed": 2, "planned": 0}
+    for mine, theirs in zip(local_rep["jobs"], ray_rep["jobs"], strict=True):
+        assert Path(theirs["out"]).relative_to(on_ray) == Path(mine["out"]).relative_to(batch_dir)
+        assert theirs["status"] == mine["status"], theirs
+        assert _without_paths(theirs["error"], on_ray) == _without_paths(mine["error"], batch_dir)
+        for k in ("bytes", "verdicts", "max_abs_err", "rms_err"):
+            assert theirs[k] == mine[k], (k, theirs)
+        if mine["status"] == "done":
+            assert _tree_hash(Path(theirs["out"])) == _tree_hash(Path(mine["out"])), theirs["out"]
+        else:
+            assert "truncated" in theirs["error"] and not Path(theirs["out"]).exists()
+    # each done job's own report (written on the node) and marker (by the driver), where the local run has them
+    for kind in ("jobs", "done"):
+        assert len(list((on_ray / "batch-report" / kind).glob("*.json"))) == 6 == \
+            len(list((batch_dir / "batch-report" / kind).glob("*.json")))
+
+
+def test_ray_fails_a_job_needing_more_memory_than_any_node_instead_of_waiting(tmp_path):
+    # an int32 tensor (taken as packed 4-bit codes: 8 values a word, 32 bytes of peak memory each) whose
+    # conversion would need more memory than this machine has, in a sparse file: none of it is ever converted
+    words = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (8 * 32) + 1
+    header = json.dumps({"model.embed_tokens.weight": {"dtype": "I32", "shape": [words],
+                                                       "data_offsets": [0, 4 * words]}}).encode()
+    src = tmp_path / "huge"
+    src.mkdir()
+    with open(src / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + 4 * words)
+    (tmp_path / "m.yaml").write_text("jobs: [{src: huge, pair: hf->gguf, out: huge.gguf}]\n")
+    proc = _batch(tmp_path, "--ray", check_rc=1)
+    [job] = _report(tmp_path)["jobs"]
+    assert job["status"] == "failed" and job["error"].startswith(f"qconvert: error: {src}: needs about ")
+    assert "more than any Ray node has" in job["error"] and "\n" not in job["error"], job["error"]
+    assert not (tmp_path / "huge.gguf").exists() and not list((tmp_path / "batch-report").glob("jobs/*"))
+    assert job["error"] in proc.stdout and proc.stderr == ""
+
+
+def test_ray_without_ray_installed_is_one_line_and_exit_2(batch_dir):
+    blocked = "import sys; sys.modules['ray'] = None; from qconvert.converters.cli import main; " \
+              "sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.run([sys.executable, "-c", blocked, "batch", str(batch_dir / "m.yaml"), "--ray"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr == 'qconvert: error: --ray needs ray (pip install "qconvert[batch]")\n'
+    assert not (batch_dir / "out").exists() and not (batch_dir / "batch-report").exists()

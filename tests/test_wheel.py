@@ -88,7 +88,8 @@ def test_wheel_holds_every_subpackage_and_nothing_else(built):
     dist_info = [n for n in names if ".dist-info/" in n]
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in dist_info)
     data = [n for n in names if not n.endswith(".py") and ".dist-info/" not in n]
-    assert data == ["qconvert/py.typed"], data
+    # the bundled text `verify --logits` scores when no prompts are given
+    assert sorted(data) == ["qconvert/converters/verify_text.txt", "qconvert/py.typed"], data
     assert not [n for n in names if any(bad in n for bad in NOT_SHIPPED)]
     meta = zipfile.ZipFile(built["wheel"]).read(next(n for n in dist_info if n.endswith("METADATA"))).decode()
     assert "License-Expression: MIT" in meta and "License-File: LICENSE" in meta
@@ -145,6 +146,9 @@ def test_fresh_venv_imports_the_wheel_not_the_checkout(fresh):
     assert str(fresh["main_site"]) in info["path"]  # third-party packages come from the test environment
     assert not info["editable"] and not [f for f in info["finders"] if "Editable" in f], info
     assert (Path(info["file"]).parent / "py.typed").is_file()
+    text = _in_fresh(fresh, fresh["py"], "-c", "from qconvert.converters.quality import bundled_text; "
+                                               "print(bundled_text().split()[:3])").stdout
+    assert text.strip() == "['The', 'river', 'town']"  # verify --logits' default text, read from the wheel
 
 
 def test_fresh_venv_lists_and_converts_every_format(fresh, fx, tmp_path):
