@@ -1,6 +1,7 @@
 """Batch conversion: a manifest of jobs run by worker processes, resumable, each job isolated.
 
     qconvert batch MANIFEST [--workers N] [--report DIR] [--dry-run] [--force] [--ray [ADDRESS]]
+                            [--verify [--max-kl X]]
 
 The manifest (YAML or JSON) holds `jobs` (each `src`, `pair` such as "gptq->gguf", `out`, `options`: a list of
 CLI arguments) and/or a `matrix` (`sources`: folders or files; `targets`: entries with `to`, `options` and an
@@ -19,7 +20,11 @@ runs the same `qconvert` process on whichever node Ray picks, so the bytes are t
 read sources and write outputs and per-job reports at the paths the driver gives, hence a filesystem shared
 at the same path on every node; the driver alone writes the markers and the batch reports.
 
-Exit status: 0 when every job is done or skipped, 1 when any failed, 2 for a bad manifest.
+With `--verify`, each converted job is measured by a second process, `qconvert verify SRC OUT --logits`
+(its report in REPORT/verify/<job key>.json); the figures go into the job's result and marker.
+
+Exit status: 0 when every job is done or skipped, 1 when any failed (or failed its quality gate), 2 for a bad
+manifest.
 """
 
 from __future__ import annotations
@@ -78,6 +83,18 @@ class JobResult:
     max_abs_err: float | None = None
     rms_err: float | None = None
     options: list[str] = field(default_factory=list)
+    # `--verify`: `qconvert verify SRC OUT --logits` of the job's output (quality.LogitReport's figures)
+    verify: str = ""  # "" not asked | "measured" | the one-line error that stopped it | "above --max-kl ..."
+    kl_mean: float | None = None
+    kl_max: float | None = None
+    top1_agreement: float | None = None
+    ppl_source: float | None = None
+    ppl_output: float | None = None
+    gate: str = ""  # `--max-kl X`: "passed", or why not ("KL mean 0.16 above --max-kl 0.05"); set per run
+
+    @property
+    def verify_failed(self) -> bool:
+        return bool(self.verify) and self.verify != "measured" or self.gate.startswith("failed")
 
 
 # -- the manifest ---------------------------------------------------------------------------------------------
@@ -215,27 +232,57 @@ def _summarize(report_path: Path) -> tuple[dict, float | None, float | None]:
     return rep["summary"]["verdicts"], rep["summary"]["max_abs_err"], rms
 
 
+def _error_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("qconvert: error:")]
+    return lines[0] if lines else (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+
+
 def _run_job(job: BatchJob, report_dir: Path, key: str, force: bool, dry_run: bool = False,
-             env_overrides: dict[str, str] | None = None) -> JobResult:
+             env_overrides: dict[str, str] | None = None, verify: bool = False,
+             converted: JobResult | None = None) -> JobResult:
     """One job's `qconvert` process, on this machine or (as a Ray task) on a node; `env_overrides` carries the
-    driver's QCONVERT_* settings to a node whose environment is not the driver's."""
-    res = JobResult(str(job.src), job.pair, str(job.out), "failed", options=list(job.options))
+    driver's QCONVERT_* settings to a node whose environment is not the driver's. With `verify`, a second
+    process, `qconvert verify SRC OUT --logits`, measures the output in its runtime; given `converted` (a job done
+    by an earlier run without --verify), only that runs."""
     (report_dir / "jobs").mkdir(parents=True, exist_ok=True)
-    report = report_dir / "jobs" / f"{key}.json"
-    t0 = time.monotonic()
     env = {**os.environ, **(env_overrides or {}), "PYTHONUNBUFFERED": "1"}
-    argv = [sys.executable, "-m", "qconvert", *job.argv(report)] + (["--force"] if force else []) + \
-        (["--dry-run"] if dry_run else [])
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env)
-    res.seconds = round(time.monotonic() - t0, 3)
-    if proc.returncode != 0:
-        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("qconvert: error:")]
-        res.error = lines[0] if lines else (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-        return res
-    res.status = "planned" if dry_run else "done"
-    res.bytes = 0 if dry_run else _out_bytes(job.out)
-    res.verdicts, res.max_abs_err, res.rms_err = _summarize(report)
+    if converted is None:
+        res = JobResult(str(job.src), job.pair, str(job.out), "failed", options=list(job.options))
+        report = report_dir / "jobs" / f"{key}.json"
+        t0 = time.monotonic()
+        argv = [sys.executable, "-m", "qconvert", *job.argv(report)] + (["--force"] if force else []) + \
+            (["--dry-run"] if dry_run else [])
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env)
+        res.seconds = round(time.monotonic() - t0, 3)
+        if proc.returncode != 0:
+            res.error = _error_line(proc)
+            return res
+        res.status = "planned" if dry_run else "done"
+        res.bytes = 0 if dry_run else _out_bytes(job.out)
+        res.verdicts, res.max_abs_err, res.rms_err = _summarize(report)
+    else:
+        res = converted
+    if verify and not dry_run:
+        (report_dir / "verify").mkdir(exist_ok=True)
+        _verify_job(job, report_dir / "verify" / f"{key}.json", env, res)
     return res
+
+
+def _verify_job(job: BatchJob, report: Path, env: dict, res: JobResult) -> None:
+    """The quality gate of one converted job, in its own process (two models, one after the other, in the
+    runtimes that own their formats); its figures, or the one-line error that stopped it, go into `res`."""
+    t0 = time.monotonic()
+    argv = [sys.executable, "-m", "qconvert", "verify", str(job.src), str(job.out), "--logits", "--quiet",
+            "--report", str(report)]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env)
+    res.seconds = round(res.seconds + time.monotonic() - t0, 3)
+    if proc.returncode != 0:
+        res.verify = _error_line(proc)
+        return
+    logits = json.loads(report.read_text())["logits"]
+    res.verify = "measured"
+    for k in ("kl_mean", "kl_max", "top1_agreement", "ppl_source", "ppl_output"):
+        setattr(res, k, logits[k])
 
 
 class _LocalJobs:
@@ -244,8 +291,9 @@ class _LocalJobs:
     def __init__(self, workers: int | None):
         self.in_flight = max(1, workers or default_workers())
 
-    def run(self, job: BatchJob, report_dir: Path, key: str, force: bool, dry_run: bool) -> JobResult:
-        return _run_job(job, report_dir, key, force, dry_run)
+    def run(self, job: BatchJob, report_dir: Path, key: str, force: bool, dry_run: bool, verify: bool = False,
+            converted: JobResult | None = None) -> JobResult:
+        return _run_job(job, report_dir, key, force, dry_run, verify=verify, converted=converted)
 
     def close(self) -> None:
         pass
@@ -290,13 +338,15 @@ class _RayJobs:
         self._env = {k: v for k, v in os.environ.items() if k.startswith("QCONVERT_")}
         _format_name("gguf")  # loads the format registry now: the job threads would race to load it
 
-    def run(self, job: BatchJob, report_dir: Path, key: str, force: bool, dry_run: bool) -> JobResult:
+    def run(self, job: BatchJob, report_dir: Path, key: str, force: bool, dry_run: bool, verify: bool = False,
+            converted: JobResult | None = None) -> JobResult:
         need = job_memory_bytes(job.src, job.target)
         if need > self.largest_node_memory:  # Ray would wait forever for a node that can take it
             return _failed(job, f"qconvert: error: {job.src}: needs about {need / (1 << 30):.1f} GiB of memory "
                                 f"(estimated from its largest tensor), more than any Ray node has "
                                 f"({self.largest_node_memory / (1 << 30):.1f} GiB)")
-        ref = self._task.options(memory=need).remote(job, report_dir, key, force, dry_run, self._env)
+        ref = self._task.options(memory=need).remote(job, report_dir, key, force, dry_run, self._env, verify,
+                                                     converted)
         try:
             return self._ray.get(ref)
         except self._ray.exceptions.RayError as e:  # the task, its worker or its node died (OOM kill included)
@@ -406,10 +456,15 @@ def _tensor_values(path: Path) -> list[int]:
 
 
 def run_batch(jobs: list[BatchJob], report_dir: Path, workers: int | None, dry_run: bool = False, force: bool = False,
-              progress: bool = True, use_ray: bool = False, ray_address: str | None = None) -> list[JobResult]:
+              progress: bool = True, use_ray: bool = False, ray_address: str | None = None, verify: bool = False,
+              max_kl: float | None = None) -> list[JobResult]:
     """Run (or with dry_run, plan: each command with --dry-run) every job not already done; `force` replaces outputs a job finds in its
     way (without it such a job fails as the single command would: "output exists"). `workers` caps the jobs in
-    flight (None: what the machine, or with `use_ray` the Ray cluster at `ray_address` or a local one, allows)."""
+    flight (None: what the machine, or with `use_ray` the Ray cluster at `ray_address` or a local one, allows).
+
+    `verify` adds the quality gate to every job: `qconvert verify SRC OUT --logits` after the conversion, and for a
+    job an earlier run completed without a measurement, the measurement alone (the output is not converted
+    again). `max_kl` judges each measured job by its mean KL; it is applied to every run's results afresh."""
     from tqdm import tqdm
 
     # absolute: a Ray task runs in a working directory of its own, on a node that sees the paths the driver does
@@ -429,14 +484,17 @@ def run_batch(jobs: list[BatchJob], report_dir: Path, workers: int | None, dry_r
         if marker.is_file() and job.out.exists():
             done = JobResult(**json.loads(marker.read_text()))
             done.status, done.seconds = "skipped", 0.0
-            results[i] = done
+            if verify and not dry_run and done.verify != "measured":  # measure it; the conversion stays
+                todo.append((i, job, key, marker, done))
+            else:
+                results[i] = done
         else:
-            todo.append((i, job, key, marker))
+            todo.append((i, job, key, marker, None))
 
     def work(item):
-        i, job, key, marker = item
-        res = runner.run(job, report_dir, key, force, dry_run)
-        if res.status == "done":  # the marker last: a job killed before it runs again
+        i, job, key, marker, converted = item
+        res = runner.run(job, report_dir, key, force, dry_run, verify, converted)
+        if res.status in ("done", "skipped"):  # the marker last: a job killed before it runs again
             tmp = marker.with_suffix(".tmp")
             tmp.write_text(json.dumps(asdict(res)))
             tmp.replace(marker)
@@ -453,21 +511,41 @@ def run_batch(jobs: list[BatchJob], report_dir: Path, workers: int | None, dry_r
         finally:
             runner.close()
     final = [r for r in results if r is not None]
+    for r in final:
+        r.gate = "" if max_kl is None or r.verify != "measured" else \
+            "passed" if r.kl_mean <= max_kl else f"failed: KL mean {r.kl_mean:.4g} above --max-kl {max_kl:g}"
     write_reports(report_dir, final)
     return final
 
 
 def write_reports(report_dir: Path, results: list[JobResult]) -> None:
+    """REPORT/batch.json (every field of every job), REPORT/batch.md (the table a person reads) and
+    REPORT/batch.png (per-layer error of every job, and KL where measured; converters/batch_plot.py)."""
+    from .batch_plot import INSTALL_HINT, load_job_reports, matplotlib_available, plot_layer_errors
+
     counts = {s: sum(r.status == s for r in results) for s in ("done", "skipped", "failed", "planned")}
+    counts["verify failed"] = sum(r.verify_failed for r in results)
     (report_dir / "batch.json").write_text(json.dumps({"qconvert": __version__, "counts": counts,
                                                        "jobs": [asdict(r) for r in results]}, indent=2) + "\n")
-    rows = ["| src | pair | out | status | seconds | bytes | verdicts | max abs err | rms err | error |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    measured = any(r.verify for r in results)
+    head = ["src", "pair", "out", "status", "seconds", "bytes", "verdicts", "max abs err", "rms err"] + \
+        (["KL mean", "KL max", "top-1", "ppl src / out", "quality"] if measured else []) + ["error"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def num(v, fmt=".3g"):
+        return "-" if v is None else format(v, fmt)
+
     for r in results:
         verdicts = ", ".join(f"{v} {k}" for k, v in r.verdicts.items() if v)
-        err = "-" if r.max_abs_err is None else f"{r.max_abs_err:.3g}"
-        rms = "-" if r.rms_err is None else f"{r.rms_err:.3g}"
-        rows.append(f"| {r.src} | {r.pair} | {r.out} | {r.status} | {r.seconds} | {r.bytes} | {verdicts} | {err} | "
-                    f"{rms} | {r.error.replace('|', '/')} |")
+        cells = [r.src, r.pair, r.out, r.status, str(r.seconds), str(r.bytes), verdicts, num(r.max_abs_err),
+                 num(r.rms_err)]
+        if measured:
+            quality = r.gate or r.verify or "-"
+            cells += [num(r.kl_mean), num(r.kl_max), num(r.top1_agreement, ".4f"),
+                      f"{num(r.ppl_source, '.5g')} / {num(r.ppl_output, '.5g')}", quality]
+        rows.append("| " + " | ".join(c.replace("|", "/") for c in cells + [r.error]) + " |")
     summary = ", ".join(f"{v} {k}" for k, v in counts.items() if v)
-    (report_dir / "batch.md").write_text(f"# qconvert batch ({summary})\n\n" + "\n".join(rows) + "\n")
+    png = plot_layer_errors(results, load_job_reports(report_dir), report_dir / "batch.png")
+    figure = "![per-layer RMS error of every job](batch.png)" if png else \
+        INSTALL_HINT if not matplotlib_available() else "the per-layer error plot was not written (see the warning)"
+    (report_dir / "batch.md").write_text(f"# qconvert batch ({summary})\n\n" + "\n".join(rows) + f"\n\n{figure}\n")

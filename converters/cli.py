@@ -335,19 +335,30 @@ def inspect_command(path, fmt, as_json):
 @click.option("--ray", "ray_address", is_flag=False, flag_value="", default=None, metavar="[ADDRESS]",
               help="run each job as a Ray task: on a local Ray started for the batch, or on the cluster at ADDRESS "
                    "(HOST:PORT; the paths must be shared by every node)")
-def batch_command(manifest, workers, report_dir, dry_run, force, ray_address):
+@click.option("--verify", is_flag=True,
+              help="the quality gate: after each conversion, `qconvert verify SRC OUT --logits` (KL, top-1, perplexity)")
+@click.option("--max-kl", type=click.FloatRange(min=0), default=None,
+              help="with --verify: a job whose mean KL is above this fails the gate (exit 1)")
+def batch_command(manifest, workers, report_dir, dry_run, force, ray_address, verify, max_kl):
     """Run the conversions a manifest lists (jobs and/or a matrix); resumable: done jobs are skipped."""
     from .batch import load_manifest, run_batch
 
+    if max_kl is not None and not verify:
+        raise QConvertError("--max-kl is for --verify")
     jobs = load_manifest(manifest)
     report_dir = report_dir or Path(manifest).parent / "batch-report"
     results = run_batch(jobs, report_dir, workers, dry_run=dry_run, force=force, progress=sys.stderr.isatty(),
-                        use_ray=ray_address is not None, ray_address=ray_address or None)
+                        use_ray=ray_address is not None, ray_address=ray_address or None, verify=verify,
+                        max_kl=max_kl)
     for r in results:
-        click.echo(f"{r.status:<8} {r.pair:<16} {r.src} -> {r.out}" + (f": {r.error}" if r.error else ""))
+        quality = "" if not r.verify else \
+            f"; {r.verify}" if r.verify != "measured" else \
+            f"; KL mean {r.kl_mean:.4g}, top-1 {r.top1_agreement:.4f}" + (f", {r.gate}" if r.gate else "")
+        click.echo(f"{r.status:<8} {r.pair:<16} {r.src} -> {r.out}" + (f": {r.error}" if r.error else "") + quality)
     counts = {s: sum(r.status == s for r in results) for s in ("done", "skipped", "failed", "planned")}
+    counts["verify failed"] = sum(r.verify_failed for r in results)
     click.echo(", ".join(f"{v} {k}" for k, v in counts.items() if v) + f"; report: {Path(report_dir) / 'batch.md'}")
-    if counts["failed"]:
+    if counts["failed"] or counts["verify failed"]:
         raise click.exceptions.Exit(1)
 
 

@@ -65,7 +65,7 @@ def test_a_matrix_with_a_bad_source_runs_the_rest_byte_identical_and_resumes(bat
     _batch(d, check_rc=1)
     first_seconds = time.monotonic() - t0
     rep = _report(d)
-    assert rep["counts"] == {"done": 6, "skipped": 0, "failed": 2, "planned": 0}
+    assert rep["counts"] == {"done": 6, "skipped": 0, "failed": 2, "planned": 0, "verify failed": 0}
     failed = [j for j in rep["jobs"] if j["status"] == "failed"]
     assert {Path(j["src"]).name for j in failed} == {VARIANTS[-1]}
     for j in failed:  # the single command's one-line error, naming the truncated file
@@ -87,7 +87,7 @@ def test_a_matrix_with_a_bad_source_runs_the_rest_byte_identical_and_resumes(bat
     t0 = time.monotonic()
     _batch(d, check_rc=1)
     print(f"first run {first_seconds:.1f} s, re-run {time.monotonic() - t0:.1f} s")  # measured, not asserted
-    assert _report(d)["counts"] == {"done": 0, "skipped": 6, "failed": 2, "planned": 0}
+    assert _report(d)["counts"] == {"done": 0, "skipped": 6, "failed": 2, "planned": 0, "verify failed": 0}
 
     # after deleting one output, exactly that job runs again, with the same bytes
     victim = Path(next(j["out"] for j in rep["jobs"] if j["status"] == "done" and j["out"].endswith(".gguf")))
@@ -162,7 +162,7 @@ def test_ray_gives_the_local_workers_bytes_and_failures(batch_dir, tmp_path_fact
     ray = _batch(on_ray, "--ray", check_rc=1)  # no address: a local Ray started for this batch
     assert ray.stderr == local.stderr, ray.stderr  # nothing of Ray's own on the terminal
     local_rep, ray_rep = _report(batch_dir), _report(on_ray)
-    assert ray_rep["counts"] == local_rep["counts"] == {"done": 6, "skipped": 0, "failed": 2, "planned": 0}
+    assert ray_rep["counts"] == local_rep["counts"] == {"done": 6, "skipped": 0, "failed": 2, "planned": 0, "verify failed": 0}
     for mine, theirs in zip(local_rep["jobs"], ray_rep["jobs"], strict=True):
         assert Path(theirs["out"]).relative_to(on_ray) == Path(mine["out"]).relative_to(batch_dir)
         assert theirs["status"] == mine["status"], theirs
@@ -207,3 +207,47 @@ def test_ray_without_ray_installed_is_one_line_and_exit_2(batch_dir):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr == 'qconvert: error: --ray needs ray (pip install "qconvert[batch]")\n'
     assert not (batch_dir / "out").exists() and not (batch_dir / "batch-report").exists()
+
+
+def test_verify_adds_the_quality_gate_and_resumes_without_converting_again(fx, tmp_path):
+    """`batch --verify`: every job's output measured in its runtime (the single `verify --logits` figures),
+    a runtime that cannot run a format is that job's one-line verify failure (exit 1), `--max-kl` judges
+    each measured job, and a batch whose conversions were done without --verify is measured without
+    converting again; batch.md holds the figures and the per-layer plot."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by scripts/run_tests.sh")
+    src = tmp_path / "src" / "a"
+    shutil.copytree(fx["variants"]["v1_b4_g128_sym"]["ckpt"], src)
+    (tmp_path / "m.yaml").write_text(
+        "matrix:\n  sources: [src/a]\n  targets:\n"
+        "    - {to: gguf, out: 'out/{name}.gguf', options: [--type, q4_0]}\n"
+        "    - {to: gptq-v2, out: 'out/{name}-v2'}\n"
+        "    - {to: uqff, out: 'out/{name}-uqff'}\n")
+    _batch(tmp_path, check_rc=0)  # converted, not measured
+    mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "out").rglob("*") if p.is_file()}
+    proc = _batch(tmp_path, "--verify", "--max-kl", "0.01", check_rc=1)
+    rep = _report(tmp_path)
+    assert rep["counts"] == {"done": 0, "skipped": 3, "failed": 0, "planned": 0, "verify failed": 1}
+    assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes  # measured, not converted again
+    jobs = {Path(j["out"]).name: j for j in rep["jobs"]}
+    v2, gg, uq = jobs["a-v2"], jobs["a.gguf"], jobs["a-uqff"]
+    assert v2["verify"] == "measured" and v2["kl_mean"] == 0.0 and v2["top1_agreement"] == 1.0
+    assert v2["gate"] == "passed" and v2["ppl_source"] == v2["ppl_output"]
+    assert uq["verify"].startswith("qconvert: error:") and "cannot run a UQFF model" in uq["verify"]
+    assert uq["gate"] == "" and uq["kl_mean"] is None
+    # the figures are the single command's
+    run_cli("verify", src, gg["out"], "--logits", "--quiet", "--report", tmp_path / "single.json")
+    single = json.loads((tmp_path / "single.json").read_text())["logits"]
+    assert gg["verify"] == "measured" and gg["gate"] == "passed"
+    assert {k: gg[k] for k in single if k in gg} == {k: single[k] for k in single if k in gg}
+    assert 0 < gg["kl_mean"] < 0.01 and "KL mean" in proc.stdout
+    md = (tmp_path / "batch-report" / "batch.md").read_text()
+    assert "| KL mean |" in md and "![per-layer RMS error of every job](batch.png)" in md
+    assert (tmp_path / "batch-report" / "batch.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a tighter gate fails the GGUF job on the stored figures, without measuring again
+    proc = _batch(tmp_path, "--verify", "--max-kl", "0", check_rc=1)
+    jobs = {Path(j["out"]).name: j for j in _report(tmp_path)["jobs"]}
+    assert jobs["a.gguf"]["gate"].startswith("failed: KL mean") and jobs["a-v2"]["gate"] == "passed"
+    assert jobs["a.gguf"]["seconds"] == 0.0  # skipped and not measured again: the marker holds the figures
+    assert _report(tmp_path)["counts"]["verify failed"] == 2
+    proc = run_cli("batch", tmp_path / "m.yaml", "--max-kl", "0.1", check_rc=2)
+    assert proc.stderr.strip() == "qconvert: error: --max-kl is for --verify"
