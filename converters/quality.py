@@ -92,28 +92,34 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
-class TransformersRuntime:
-    """A Hugging Face checkpoint (dense; HQQ through its transformers integration, which needs hqq) in
-    transformers, float32 on the CPU: float32 activations add no rounding of their own to the comparison."""
+def _loaded(loader: str, what: str, path: Path, load: Callable):
+    """`load()`, with a failure turned into one line naming the file and the loader's own first words."""
+    try:
+        return load()
+    except Exception as e:
+        raise QConvertError(f"{loader} cannot load {what} ({_first_line(e)})", path=path) from None
+
+
+class _TorchRuntime:
+    """A Hugging Face folder run by torch: its tokenizer from transformers, the model from `load_model`."""
+
+    loader = "transformers"
 
     def __init__(self, path: Path, fmt: str):
-        _require("transformers", "transformers", fmt)
-        if fmt == "hqq":
-            _require("hqq", "hqq", fmt)
+        self.require(fmt)
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        self.name = f"transformers {_version('transformers')}"
         self._torch = torch
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(path))
-        except Exception as e:
-            raise QConvertError(f"transformers cannot load the tokenizer ({_first_line(e)})", path=path) from None
-        try:
-            self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, device_map="cpu")
-        except Exception as e:
-            raise QConvertError(f"transformers cannot load the model ({_first_line(e)})", path=path) from None
+        self.tokenizer = _loaded("transformers", "the tokenizer", path, lambda: AutoTokenizer.from_pretrained(str(path)))
+        self.model = _loaded(self.loader, "the model", path, lambda: self.load_model(path, fmt))
         self.model.eval()
+
+    def require(self, fmt: str) -> None:
+        _require("transformers", "transformers", fmt)
+
+    def load_model(self, path: Path, fmt: str):
+        raise NotImplementedError
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
@@ -127,32 +133,40 @@ class TransformersRuntime:
         del self.model
 
 
-class GptqmodelRuntime(TransformersRuntime):
+class TransformersRuntime(_TorchRuntime):
+    """A Hugging Face checkpoint (dense; HQQ through its transformers integration, which needs hqq) in
+    transformers, float32 on the CPU: float32 activations add no rounding of their own to the comparison."""
+
+    def require(self, fmt: str) -> None:
+        super().require(fmt)
+        if fmt == "hqq":
+            _require("hqq", "hqq", fmt)
+
+    def load_model(self, path: Path, fmt: str):
+        from transformers import AutoModelForCausalLM
+
+        self.name = f"transformers {_version('transformers')}"
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=self._torch.float32, device_map="cpu")
+
+
+class GptqmodelRuntime(_TorchRuntime):
     """GPTQ (v1 and v2) and QQQ in gptqmodel, their producer's own loader. transformers loads only GPTQ v1 (a
     gptq_v2 checkpoint fails its shape check), so both conventions run here, in the one kernel, where an exact
     v1 <-> v2 conversion gives the same logits. gptqmodel's CPU kernels (torch, qqq_torch) compute in fp16."""
 
+    loader = "gptqmodel"
     BACKENDS = {"gptq": "torch", "gptq-v2": "torch", "qqq": "qqq_torch"}
 
-    def __init__(self, path: Path, fmt: str):
+    def require(self, fmt: str) -> None:
         _require("gptqmodel", "gptqmodel", fmt)
-        _require("transformers", "transformers", fmt)
-        import torch
+        super().require(fmt)
+
+    def load_model(self, path: Path, fmt: str):
         from gptqmodel import GPTQModel
-        from transformers import AutoTokenizer
 
         backend = self.BACKENDS[fmt]
         self.name = f"gptqmodel {_version('gptqmodel')} ({backend}, fp16)"
-        self._torch = torch
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(path))
-        except Exception as e:
-            raise QConvertError(f"transformers cannot load the tokenizer ({_first_line(e)})", path=path) from None
-        try:
-            self.model = GPTQModel.load(str(path), backend=backend, device="cpu", dtype=torch.float16).model
-        except Exception as e:
-            raise QConvertError(f"gptqmodel cannot load the model ({_first_line(e)})", path=path) from None
-        self.model.eval()
+        return GPTQModel.load(str(path), backend=backend, device="cpu", dtype=self._torch.float16).model
 
 
 class LlamaCppRuntime:
@@ -164,11 +178,9 @@ class LlamaCppRuntime:
 
         self.name = f"llama.cpp (llama-cpp-python {_version('llama-cpp-python')})"
         self._path, self._n_ctx = path, n_ctx
-        try:
-            self.llm = Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, verbose=False,
-                             type_k=0, type_v=0, n_threads=max(1, min(8, _cores())))
-        except Exception as e:
-            raise QConvertError(f"llama.cpp cannot load the model ({_first_line(e)})", path=path) from None
+        self.llm = _loaded("llama.cpp", "the model", path, lambda: Llama(
+            str(path), n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, verbose=False, type_k=0, type_v=0,
+            n_threads=max(1, min(8, _cores()))))
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=False))
