@@ -119,11 +119,9 @@ def test_a_runtime_that_is_not_installed_is_refused_naming_the_package(wide_gguf
     assert "llama-cpp-python, which is not installed (pip install llama-cpp-python)" in line
 
 
-def test_uqff_and_bad_prompts_are_one_line_refusals(fx, tmp_path):
+def test_bad_prompts_are_one_line_refusals(fx, tmp_path):
     src = fx["variants"]["v1_b4_g128_sym"]["ckpt"]
     run_cli("gptq->uqff", src, tmp_path / "u", "--quiet")
-    line = _one_line_error(run_cli("verify", src, tmp_path / "u", "--logits", check_rc=None))
-    assert "cannot run a UQFF model" in line and "mistral.rs" in line
     (tmp_path / "empty.txt").write_text("\n\n  \n")
     line = _one_line_error(run_cli("verify", src, tmp_path / "u", "--logits", "--prompts", tmp_path / "empty.txt",
                                    check_rc=None))
@@ -131,3 +129,161 @@ def test_uqff_and_bad_prompts_are_one_line_refusals(fx, tmp_path):
     line = _one_line_error(run_cli("verify", src, tmp_path / "u", "--prompts", tmp_path / "empty.txt",
                                    check_rc=None))
     assert "--prompts is for --logits" in line
+
+
+# -- UQFF: mistral.rs, by teacher forcing on prefixes, top-K ---------------------------------------------------
+@pytest.fixture(scope="module")
+def wide_uqffs(tmp_path_factory):
+    """The dense f32 Llama 256 wide that mistral.rs runs (tests/fixtures_uqff.py) and our hf -> uqff outputs
+    of it: q8_0, q4_0, q2k (requantized) and f32 (inline Unquant layers: the same weights)."""
+    pytest.importorskip("mistralrs", reason="mistralrs==0.9.5 is installed by scripts/test_env.d/30-mistralrs.sh")
+    import fixtures_uqff as FU
+
+    src = FU.ensure_uqff_fixtures()["wide"]
+    d = tmp_path_factory.mktemp("wide_uqff")
+    outs = {}
+    for t in ("q8_0", "q4_0", "q2k", "f32"):
+        outs[t] = d / t
+        run_cli("hf->uqff", src, outs[t], "--type", t, "--allow-requant", "--quiet")
+    return src, outs
+
+
+def test_uqff_kl_grows_with_the_quantization_loss_over_mistralrs_top_k(wide_uqffs, tmp_path):
+    src, outs = wide_uqffs
+    figures = {}
+    for t in ("q8_0", "q4_0", "q2k"):
+        report, proc = _verify(src, outs[t], tmp_path / f"{t}.json")
+        lg = report["logits"]
+        assert lg["source_runtime"].startswith("transformers ") and lg["output_runtime"].startswith("mistral.rs")
+        # mistral.rs returns all 512 log-probs when asked for them: the full-vocabulary figures
+        assert lg["support"] == "full vocabulary", lg["support"]
+        # every prefix of the bundled text round-trips through mistral.rs' tokenizer: all 128 positions compared
+        assert lg["positions_skipped"] == 0 and lg["tokens"] == 128, lg
+        assert "logits over 128 tokens" in proc.stdout and "all log-probs of 1 generated token" in proc.stdout
+        figures[t] = lg
+    kl = [figures[t]["kl_mean"] for t in ("q8_0", "q4_0", "q2k")]
+    assert 0 < kl[0] < kl[1] < kl[2], kl
+    assert figures["q8_0"]["top1_agreement"] > figures["q2k"]["top1_agreement"]
+    assert len({figures[t]["ppl_source"] for t in figures}) == 1
+    for lg in figures.values():
+        assert lg["kl_max"] >= lg["kl_mean"] and 0 <= lg["top1_agreement"] <= 1 and lg["ppl_output"] > 1
+        assert lg["ppl_source_unscored"] == lg["ppl_output_unscored"] == 0
+
+
+def test_a_top_k_of_mistralrs_estimates_kl_and_keeps_top1_exact(wide_uqffs):
+    """Asked for its top-20 only, mistral.rs gives the same top-1 agreement as with its whole vocabulary, a
+    KL over the top-20 (both sides renormalised) of the same order, and no perplexity where a true next
+    token falls outside the 20."""
+    from qconvert.converters import quality
+
+    src, outs = wide_uqffs
+    full = quality.compare_logits("hf", src, "uqff", outs["q4_0"], [quality.bundled_text()])
+    quality.register_runtime("uqff", lambda p, f: quality.MistralRsRuntime(p, f, top_k=20))
+    try:
+        top = quality.compare_logits("hf", src, "uqff", outs["q4_0"], [quality.bundled_text()])
+    finally:
+        quality.register_runtime("uqff", quality.MistralRsRuntime)
+    assert full.support == "full vocabulary" and top.support == "top-20 of mistral.rs (output)"
+    assert top.tokens == full.tokens == 128 and top.top1_agreement == full.top1_agreement
+    assert 0 < top.kl_mean and 0.1 < top.kl_mean / full.kl_mean < 10, (top.kl_mean, full.kl_mean)
+    assert top.ppl_source == full.ppl_source
+    assert top.ppl_output_unscored > 0 and top.ppl_output is None  # 512 tokens, near-uniform: many outside
+    assert "n/a (true token outside the top-K at" in top.line()
+
+
+def test_an_exact_f32_uqff_has_kl_near_zero_in_mistralrs(wide_uqffs, tmp_path):
+    """Unquant F32 layers: the source's weights in mistral.rs' F32 CPU matmul; only float order differs."""
+    src, outs = wide_uqffs
+    report, _ = _verify(src, outs["f32"], tmp_path / "r.json")
+    lg = report["logits"]
+    assert lg["positions_skipped"] == 0 and lg["tokens"] == 128
+    # measured: KL max 3.1e-13 (mistral.rs' f32 log-probs against transformers' float64 log-softmax)
+    assert lg["kl_max"] < 1e-10 and lg["top1_agreement"] == 1.0, lg
+    np.testing.assert_allclose(lg["ppl_output"], lg["ppl_source"], rtol=1e-6)
+
+
+def test_mistralrs_top_k_equals_a_direct_mistralrs_call(wide_uqffs, tmp_path):
+    """The runtime's last position (the whole prompt) equals mistral.rs asked directly, in the tests' own
+    runner (tests/fixtures_uqff.py: its own subprocess, the model's chat template, top-3)."""
+    import fixtures_uqff as FU
+    from qconvert.converters.quality import MistralRsRuntime
+
+    out = wide_uqffs[1]["q4_0"]
+    direct = FU.mistralrs_logprobs(out, tmp_path / "lp.json", from_uqff="q4_0-0.uqff", steps=1)
+    runtime = MistralRsRuntime(out, "uqff")
+    try:
+        assert runtime.tokenize(FU.PROMPT_TEXT) == direct["ids"]
+        top = runtime.log_probs(direct["ids"])
+    finally:
+        runtime.close()
+    assert len(top.rows) == len(direct["ids"]) and all(r is not None for r in top.rows)
+    tokens, logprobs = top.rows[-1]
+    assert len(tokens) == 512 and np.all(np.diff(logprobs) <= 0)  # the whole vocabulary, most likely first
+    np.testing.assert_allclose(np.exp(logprobs).sum(), 1.0, atol=1e-6)
+    want = direct["steps"][0]
+    assert [int(t) for t in tokens[:3]] == [t for t, _ in want]
+    np.testing.assert_allclose(logprobs[:3], [lp for _, lp in want], atol=1e-5)
+
+
+def test_uqff_as_the_source_against_its_gguf_copy(wide_uqffs, tmp_path):
+    """uqff -> gguf copies the GGUF blocks: the source side is mistral.rs' top-K, the output llama.cpp."""
+    out = wide_uqffs[1]["q4_0"]
+    gguf = tmp_path / "m.gguf"
+    run_cli("uqff->gguf", out, gguf, "--quiet")
+    report, _ = _verify(out, gguf, tmp_path / "r.json")
+    lg = report["logits"]
+    assert lg["source_runtime"].startswith("mistral.rs") and lg["output_runtime"].startswith("llama.cpp")
+    assert lg["support"] == "full vocabulary" and lg["positions_skipped"] == 0
+    # the same Q4_0 blocks in two engines: their kernels' rounding only
+    assert lg["kl_mean"] < 1e-4 and lg["top1_agreement"] > 0.95, lg
+    assert lg["ppl_output_unscored"] == 0 and lg["ppl_output"] > 1
+
+
+def test_kl_on_shared_tokens_is_the_renormalised_kl_over_the_top_k():
+    """The estimator against torch: KL of the two distributions renormalised over the output's top-K; with
+    K = the vocabulary it is the full KL of kl_rows."""
+    from qconvert.converters.quality import kl_on_shared_tokens, kl_rows
+
+    gen = torch.Generator().manual_seed(3)
+    s = torch.log_softmax(torch.randn(64, generator=gen, dtype=torch.float64) * 2, -1)
+    o = torch.log_softmax(s + 0.3 * torch.randn(64, generator=gen, dtype=torch.float64), -1)
+    top = torch.topk(o, 20).indices
+    ps, qs = torch.log_softmax(s[top], -1), torch.log_softmax(o[top], -1)
+    want = float(torch.nn.functional.kl_div(qs, ps, log_target=True, reduction="sum"))
+    full = (np.arange(64), s.numpy())
+    got = kl_on_shared_tokens(full, (top.numpy(), o[top].numpy()))
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    np.testing.assert_allclose(kl_on_shared_tokens(full, (np.arange(64)[::-1].copy(), o.numpy()[::-1].copy())),
+                               kl_rows(s.numpy()[None], o.numpy()[None])[0], rtol=1e-12)
+    assert kl_on_shared_tokens((np.array([1, 2]), np.log([0.5, 0.5])), (np.array([3]), np.array([0.0]))) is None
+
+
+def test_a_uqff_mistralrs_cannot_run_is_a_one_line_refusal(wide_uqffs, tmp_path):
+    import shutil
+
+    from qconvert.converters.errors import QConvertError
+    from qconvert.converters.quality import MistralRsRuntime
+
+    src, outs = wide_uqffs
+    code = ("import sys; sys.modules['mistralrs'] = None; from qconvert.converters.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", code, "verify", str(src), str(outs["q4_0"]), "--logits"],
+                          capture_output=True, text=True)
+    assert "mistralrs, which is not installed (pip install mistralrs)" in _one_line_error(proc)
+    # what mistral.rs needs and the folder lacks is named; the user's folder is left as it is
+    norope = tmp_path / "norope"
+    shutil.copytree(outs["q4_0"], norope)
+    cfg = json.loads((norope / "config.json").read_text())
+    del cfg["rope_theta"]
+    (norope / "config.json").write_text(json.dumps(cfg))
+    line = _one_line_error(run_cli("verify", src, norope, "--logits", check_rc=None))
+    assert "config.json" in line and "needs a top-level rope_theta" in line
+    assert "rope_theta" not in json.loads((norope / "config.json").read_text())
+    # mistral.rs failing inside its own process: its error, in one line, and qconvert still standing
+    broken = tmp_path / "broken"
+    shutil.copytree(outs["q4_0"], broken)
+    shard = broken / "q4_0-0.uqff"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(QConvertError, match=r"mistral\.rs cannot load the model \(exit \d+: .+\)") as err:
+        MistralRsRuntime(broken, "uqff")
+    assert "\n" not in str(err.value)
