@@ -371,7 +371,7 @@ def batch_command(manifest, workers, report_dir, dry_run, force, ray_address, ve
 @click.option("--strict", is_flag=True, help="exit 3 unless every tensor is present and exact")
 @click.option("--quiet", is_flag=True, help="print only the summary line")
 @click.option("--logits", is_flag=True,
-              help="also run SRC and OUT in their runtimes (transformers, gptqmodel, llama.cpp) on the same tokens: "
+              help="also run SRC and OUT in their runtimes (transformers, gptqmodel, llama.cpp, mistral.rs) on the same tokens: "
                    "KL divergence, top-1 agreement, perplexity")
 @click.option("--prompts", "prompts_path", type=click.Path(path_type=Path),
               help="with --logits: a text file of prompts separated by blank lines (default: a bundled text)")

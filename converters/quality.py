@@ -4,7 +4,8 @@
 
 Weights can be exact while a model is not (a tokenizer or a norm convention lost on the way), and a
 requantized model's per-tensor error does not say how much its predictions moved. This runs both models:
-transformers for dense and HQQ checkpoints, gptqmodel for GPTQ and QQQ, llama.cpp (llama-cpp-python) for GGUF.
+transformers for dense and HQQ checkpoints, gptqmodel for GPTQ and QQQ, llama.cpp (llama-cpp-python) for GGUF,
+mistral.rs for UQFF.
 The source's runtime tokenizes each prompt; the same ids go to both, so a tokenizer difference cannot hide
 in the numbers. Per position it compares the next-token distributions as llama.cpp's `perplexity
 --kl-divergence` does: KL(source || output), and whether the most likely token is the same; and it reports

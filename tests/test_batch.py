@@ -211,29 +211,37 @@ def test_ray_without_ray_installed_is_one_line_and_exit_2(batch_dir):
 
 def test_verify_adds_the_quality_gate_and_resumes_without_converting_again(fx, tmp_path):
     """`batch --verify`: every job's output measured in its runtime (the single `verify --logits` figures),
-    a runtime that cannot run a format is that job's one-line verify failure (exit 1), `--max-kl` judges
+    a runtime that is not installed (hqq: it lives in its own environment, scripts/test_env.d/20-hqq.sh) is
+    that job's one-line verify failure (exit 1), `--max-kl` judges
     each measured job, and a batch whose conversions were done without --verify is measured without
     converting again; batch.md holds the figures and the per-layer plot."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by scripts/run_tests.sh")
+    pytest.importorskip("mistralrs", reason="mistralrs==0.9.5 is installed by scripts/test_env.d/30-mistralrs.sh")
+    import importlib.util
+
+    assert importlib.util.find_spec("hqq") is None, "hqq belongs in .venvs/hqq (its transformers pin conflicts)"
     src = tmp_path / "src" / "a"
     shutil.copytree(fx["variants"]["v1_b4_g128_sym"]["ckpt"], src)
     (tmp_path / "m.yaml").write_text(
         "matrix:\n  sources: [src/a]\n  targets:\n"
         "    - {to: gguf, out: 'out/{name}.gguf', options: [--type, q4_0]}\n"
         "    - {to: gptq-v2, out: 'out/{name}-v2'}\n"
-        "    - {to: uqff, out: 'out/{name}-uqff'}\n")
+        "    - {to: uqff, out: 'out/{name}-uqff'}\n"
+        "    - {to: hqq, out: 'out/{name}-hqq'}\n")
     _batch(tmp_path, check_rc=0)  # converted, not measured
     mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "out").rglob("*") if p.is_file()}
     proc = _batch(tmp_path, "--verify", "--max-kl", "0.01", check_rc=1)
     rep = _report(tmp_path)
-    assert rep["counts"] == {"done": 0, "skipped": 3, "failed": 0, "planned": 0, "verify failed": 1}
+    assert rep["counts"] == {"done": 0, "skipped": 4, "failed": 0, "planned": 0, "verify failed": 1}
     assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes  # measured, not converted again
     jobs = {Path(j["out"]).name: j for j in rep["jobs"]}
-    v2, gg, uq = jobs["a-v2"], jobs["a.gguf"], jobs["a-uqff"]
+    v2, gg, uq, hq = jobs["a-v2"], jobs["a.gguf"], jobs["a-uqff"], jobs["a-hqq"]
     assert v2["verify"] == "measured" and v2["kl_mean"] == 0.0 and v2["top1_agreement"] == 1.0
     assert v2["gate"] == "passed" and v2["ppl_source"] == v2["ppl_output"]
-    assert uq["verify"].startswith("qconvert: error:") and "cannot run a UQFF model" in uq["verify"]
-    assert uq["gate"] == "" and uq["kl_mean"] is None
+    assert uq["verify"] == "measured" and uq["gate"] == "passed" and uq["kl_mean"] < 1e-3  # mistral.rs, exact codes
+    assert hq["verify"] == ("qconvert: error: verify --logits runs hqq models with hqq, which is not installed "
+                            "(pip install hqq)")
+    assert hq["gate"] == "" and hq["kl_mean"] is None
     # the figures are the single command's
     run_cli("verify", src, gg["out"], "--logits", "--quiet", "--report", tmp_path / "single.json")
     single = json.loads((tmp_path / "single.json").read_text())["logits"]
@@ -248,6 +256,7 @@ def test_verify_adds_the_quality_gate_and_resumes_without_converting_again(fx, t
     jobs = {Path(j["out"]).name: j for j in _report(tmp_path)["jobs"]}
     assert jobs["a.gguf"]["gate"].startswith("failed: KL mean") and jobs["a-v2"]["gate"] == "passed"
     assert jobs["a.gguf"]["seconds"] == 0.0  # skipped and not measured again: the marker holds the figures
-    assert _report(tmp_path)["counts"]["verify failed"] == 2
+    assert jobs["a-uqff"]["gate"].startswith("failed: KL mean")  # mistral.rs f32 against gptqmodel's fp16
+    assert _report(tmp_path)["counts"]["verify failed"] == 3  # the GGUF, the UQFF and the unmeasured hqq
     proc = run_cli("batch", tmp_path / "m.yaml", "--max-kl", "0.1", check_rc=2)
     assert proc.stderr.strip() == "qconvert: error: --max-kl is for --verify"
