@@ -39,6 +39,17 @@ def _verify(src, out, report, *args):
     return json.loads(report.read_text()), proc
 
 
+def _assert_loss_grows(figures: dict, types: tuple[str, str, str]) -> None:
+    """KL grows with the quantization loss of `types` (lightest first), top-1 agreement falls, and the source's
+    perplexity is the same number in every report (the same model, text and runtime)."""
+    kl = [figures[t]["kl_mean"] for t in types]
+    assert 0 < kl[0] < kl[1] < kl[2], kl
+    assert figures[types[0]]["top1_agreement"] > figures[types[-1]]["top1_agreement"]
+    assert len({f["ppl_source"] for f in figures.values()}) == 1
+    for lg in figures.values():
+        assert lg["kl_max"] >= lg["kl_mean"] and 0 <= lg["top1_agreement"] <= 1 and lg["ppl_output"] > 1
+
+
 def test_kl_grows_with_the_quantization_loss(wide_ggufs, tmp_path):
     src, outs = wide_ggufs
     figures = {}
@@ -49,13 +60,7 @@ def test_kl_grows_with_the_quantization_loss(wide_ggufs, tmp_path):
         assert lg["prompts"] == 1 and lg["tokens"] == 128  # the bundled text, cut at --max-tokens' default
         assert "logits over 128 tokens" in proc.stdout and "top-1 agreement" in proc.stdout
         figures[t] = lg
-    kl = [figures[t]["kl_mean"] for t in ("q8_0", "q4_0", "q2_k")]
-    assert 0 < kl[0] < kl[1] < kl[2], kl
-    assert figures["q8_0"]["top1_agreement"] > figures["q2_k"]["top1_agreement"]
-    # the source's perplexity is the same number in every report (the same model, text and runtime)
-    assert len({figures[t]["ppl_source"] for t in figures}) == 1
-    for lg in figures.values():
-        assert lg["kl_max"] >= lg["kl_mean"] and 0 <= lg["top1_agreement"] <= 1 and lg["ppl_output"] > 1
+    _assert_loss_grows(figures, ("q8_0", "q4_0", "q2_k"))
 
 
 def test_figures_equal_an_independent_computation(wide_ggufs, tmp_path):
@@ -161,12 +166,8 @@ def test_uqff_kl_grows_with_the_quantization_loss_over_mistralrs_top_k(wide_uqff
         assert lg["positions_skipped"] == 0 and lg["tokens"] == 128, lg
         assert "logits over 128 tokens" in proc.stdout and "all log-probs of 1 generated token" in proc.stdout
         figures[t] = lg
-    kl = [figures[t]["kl_mean"] for t in ("q8_0", "q4_0", "q2k")]
-    assert 0 < kl[0] < kl[1] < kl[2], kl
-    assert figures["q8_0"]["top1_agreement"] > figures["q2k"]["top1_agreement"]
-    assert len({figures[t]["ppl_source"] for t in figures}) == 1
+    _assert_loss_grows(figures, ("q8_0", "q4_0", "q2k"))
     for lg in figures.values():
-        assert lg["kl_max"] >= lg["kl_mean"] and 0 <= lg["top1_agreement"] <= 1 and lg["ppl_output"] > 1
         assert lg["ppl_source_unscored"] == lg["ppl_output_unscored"] == 0
 
 
