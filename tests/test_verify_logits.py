@@ -114,13 +114,17 @@ def _one_line_error(proc) -> str:
     return err[-1]
 
 
+def _verify_logits_without(module: str, src, out) -> subprocess.CompletedProcess:
+    """`qconvert verify SRC OUT --logits` in a process where `module` cannot be imported (as if not installed)."""
+    code = (f"import sys; sys.modules[{module!r}] = None; from qconvert.converters.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    return subprocess.run([sys.executable, "-c", code, "verify", str(src), str(out), "--logits"],
+                          capture_output=True, text=True)
+
+
 def test_a_runtime_that_is_not_installed_is_refused_naming_the_package(wide_ggufs, tmp_path):
     src, outs = wide_ggufs
-    code = ("import sys; sys.modules['llama_cpp'] = None; from qconvert.converters.cli import main; "
-            "sys.exit(main(sys.argv[1:]))")
-    proc = subprocess.run([sys.executable, "-c", code, "verify", str(src), str(outs["q8_0"]), "--logits"],
-                          capture_output=True, text=True)
-    line = _one_line_error(proc)
+    line = _one_line_error(_verify_logits_without("llama_cpp", src, outs["q8_0"]))
     assert "llama-cpp-python, which is not installed (pip install llama-cpp-python)" in line
 
 
@@ -266,10 +270,7 @@ def test_a_uqff_mistralrs_cannot_run_is_a_one_line_refusal(wide_uqffs, tmp_path)
     from qconvert.converters.quality import MistralRsRuntime
 
     src, outs = wide_uqffs
-    code = ("import sys; sys.modules['mistralrs'] = None; from qconvert.converters.cli import main; "
-            "sys.exit(main(sys.argv[1:]))")
-    proc = subprocess.run([sys.executable, "-c", code, "verify", str(src), str(outs["q4_0"]), "--logits"],
-                          capture_output=True, text=True)
+    proc = _verify_logits_without("mistralrs", src, outs["q4_0"])
     assert "mistralrs, which is not installed (pip install mistralrs)" in _one_line_error(proc)
     # what mistral.rs needs and the folder lacks is named; the user's folder is left as it is
     norope = tmp_path / "norope"
