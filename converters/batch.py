@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .. import __version__
+from ..kernels import usable_cpus
 from .errors import QConvertError
 
 __all__ = ["BatchJob", "JobResult", "load_manifest", "run_batch", "default_workers", "job_memory_bytes"]
@@ -213,7 +214,7 @@ def _out_bytes(out: Path) -> int:
 def default_workers() -> int:
     """What the machine allows: one worker per core, at most one per 4 GB of memory (a conversion streams,
     but its largest tensors and the writer's buffers are held)."""
-    cores = _cores()
+    cores = usable_cpus()
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
@@ -297,16 +298,12 @@ def job_threads(cores: int, in_flight: int) -> dict[str, str]:
     return {v: share for v in _THREAD_VARIABLES if v not in os.environ}
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 class _LocalJobs:
     """Jobs run by threads of this process, each waiting on its job's `qconvert` process."""
 
     def __init__(self, workers: int | None):
         self.in_flight = max(1, workers or default_workers())
-        self._env = job_threads(_cores(), self.in_flight)
+        self._env = job_threads(usable_cpus(), self.in_flight)
 
     def run(self, job: BatchJob, report_dir: Path, key: str, force: bool, dry_run: bool, verify: bool = False,
             converted: JobResult | None = None) -> JobResult:
@@ -536,13 +533,19 @@ def run_batch(jobs: list[BatchJob], report_dir: Path, workers: int | None, dry_r
     return final
 
 
+def job_counts(results: list[JobResult]) -> dict[str, int]:
+    """Jobs per status, and those whose quality gate failed (`--verify`): batch.json's and the CLI's summary."""
+    counts = {s: sum(r.status == s for r in results) for s in ("done", "skipped", "failed", "planned")}
+    counts["verify failed"] = sum(r.verify_failed for r in results)
+    return counts
+
+
 def write_reports(report_dir: Path, results: list[JobResult]) -> None:
     """REPORT/batch.json (every field of every job), REPORT/batch.md (the table a person reads) and
     REPORT/batch.png (per-layer error of every job, and KL where measured; converters/batch_plot.py)."""
     from .batch_plot import INSTALL_HINT, load_job_reports, matplotlib_available, plot_layer_errors
 
-    counts = {s: sum(r.status == s for r in results) for s in ("done", "skipped", "failed", "planned")}
-    counts["verify failed"] = sum(r.verify_failed for r in results)
+    counts = job_counts(results)
     (report_dir / "batch.json").write_text(json.dumps({"qconvert": __version__, "counts": counts,
                                                        "jobs": [asdict(r) for r in results]}, indent=2) + "\n")
     measured = any(r.verify for r in results)

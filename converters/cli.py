@@ -341,7 +341,7 @@ def inspect_command(path, fmt, as_json):
               help="with --verify: a job whose mean KL is above this fails the gate (exit 1)")
 def batch_command(manifest, workers, report_dir, dry_run, force, ray_address, verify, max_kl):
     """Run the conversions a manifest lists (jobs and/or a matrix); resumable: done jobs are skipped."""
-    from .batch import load_manifest, run_batch
+    from .batch import job_counts, load_manifest, run_batch
 
     if max_kl is not None and not verify:
         raise QConvertError("--max-kl is for --verify")
@@ -355,8 +355,7 @@ def batch_command(manifest, workers, report_dir, dry_run, force, ray_address, ve
             f"; {r.verify}" if r.verify != "measured" else \
             f"; KL mean {r.kl_mean:.4g}, top-1 {r.top1_agreement:.4f}" + (f", {r.gate}" if r.gate else "")
         click.echo(f"{r.status:<8} {r.pair:<16} {r.src} -> {r.out}" + (f": {r.error}" if r.error else "") + quality)
-    counts = {s: sum(r.status == s for r in results) for s in ("done", "skipped", "failed", "planned")}
-    counts["verify failed"] = sum(r.verify_failed for r in results)
+    counts = job_counts(results)
     click.echo(", ".join(f"{v} {k}" for k, v in counts.items() if v) + f"; report: {Path(report_dir) / 'batch.md'}")
     if counts["failed"] or counts["verify failed"]:
         raise click.exceptions.Exit(1)

@@ -45,6 +45,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from ..kernels import usable_cpus
 from .errors import QConvertError
 
 __all__ = ["LogitReport", "Runtime", "TopK", "register_runtime", "runtime_for", "compare_logits", "read_prompts",
@@ -211,7 +212,7 @@ class LlamaCppRuntime:
         self._path, self._n_ctx = path, n_ctx
         self.llm = _loaded("llama.cpp", "the model", path, lambda: Llama(
             str(path), n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, verbose=False, type_k=0, type_v=0,
-            n_threads=max(1, min(8, _cores()))))
+            n_threads=max(1, min(8, usable_cpus()))))
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=False))
@@ -413,10 +414,6 @@ def _installed(package: str) -> bool:
     if package in sys.modules:
         return sys.modules[package] is not None
     return importlib.util.find_spec(package) is not None
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _first_line(e: BaseException) -> str:

@@ -16,7 +16,13 @@ import torch
 
 from .dequant import dequantize_axis0_torch, dequantize_grid_torch
 
-__all__ = ["dequantize_grid", "kernel_backend"]
+__all__ = ["dequantize_grid", "kernel_backend", "usable_cpus"]
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask on Linux, else every CPU): what thread pools
+    and worker counts are sized to."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 @lru_cache(maxsize=1)

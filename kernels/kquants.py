@@ -56,7 +56,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from . import kquant_fused
+from . import kquant_fused, usable_cpus
 from .ggml_layouts import K_TYPES as _LAYOUT_K_TYPES
 from .ggml_layouts import LAYOUTS
 
@@ -1037,11 +1037,7 @@ def default_threads() -> int:
     env = os.environ.get("QCONVERT_THREADS")
     if env:
         return max(1, int(env))
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        n = os.cpu_count() or 1
-    return max(1, min(8, n))
+    return max(1, min(8, usable_cpus()))
 
 
 def quantize_k(x: np.ndarray, type_name, imatrix=None, threads: int | None = None) -> np.ndarray:
