@@ -23,6 +23,7 @@ import numpy as np
 
 from ...converters.errors import BadInput, QConvertError
 from ...converters.validate import ConfigView
+from .archs import arch_by_name
 from .names import SUPPORTED_ARCHS, head_dim, layer_index
 
 __all__ = [
@@ -55,17 +56,21 @@ def _require(config: Mapping, key: str) -> Any:
     return value
 
 
-def rope_parameters(config: Mapping) -> dict:
+def rope_parameters(config: Mapping, layer_type: str = "full_attention") -> dict:
     """Rope settings as one dict: ``rope_theta`` (always present), ``rope_type`` ("default",
     "linear", "yarn", "llama3", "dynamic", ...) and the scaling fields (``factor``,
-    ``original_max_position_embeddings``, ``low_freq_factor``, ...), from either config layout."""
+    ``original_max_position_embeddings``, ``low_freq_factor``, ...), from either config layout.
+    ``layer_type``: which layers' settings, for models whose local and global layers rotate differently
+    (Gemma 3: "sliding_attention" has its own base, transformers 4 called it ``rope_local_base_freq``)."""
     out: dict = {}
     params = config.get("rope_parameters")
     if isinstance(params, Mapping):
         # transformers 5: one dict (a dict of dicts keyed by layer type for hybrid models)
         if params and all(isinstance(v, Mapping) for v in params.values()):
-            params = params.get("full_attention") or next(iter(params.values()))
+            params = params.get(layer_type) or params.get("full_attention") or next(iter(params.values()))
         out.update(params)
+    if layer_type == "sliding_attention" and "rope_theta" not in out and config.get("rope_local_base_freq"):
+        out["rope_theta"] = config["rope_local_base_freq"]
     scaling = config.get("rope_scaling")
     if isinstance(scaling, Mapping):
         for k, v in scaling.items():
@@ -125,7 +130,8 @@ def add_model_metadata(writer: gguf.GGUFWriter, config: Mapping, arch: str, *, f
     ``general.file_type`` (a :class:`gguf.LlamaFileType` value), ``general.quantization_version``
     and ``general.name``. Tokenizer keys are written by ``tokenizer.add_tokenizer``; a llama-3 rope
     needs the caller to add ``rope_freqs.weight`` = :func:`rope_freqs_tensor` (F32)."""
-    if arch not in SUPPORTED_ARCHS:
+    spec = arch_by_name(arch)
+    if spec is None:
         raise QConvertError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}")
     if getattr(writer, "arch", arch) != arch:
         raise ValueError(f"writer was opened for arch {writer.arch!r}, metadata is for {arch!r}")
@@ -155,6 +161,9 @@ def add_model_metadata(writer: gguf.GGUFWriter, config: Mapping, arch: str, *, f
         writer.add_rope_dimension_count(hd)
 
     _add_rope_scaling(writer, rp)
+    spec.extra_metadata(writer, config)
+    for caveat in spec.caveats(config):
+        logger.warning("%s; the GGUF runs as llama.cpp's %s does", caveat, arch)
 
     writer.add_file_type(int(file_type))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -213,8 +222,6 @@ def _add_rope_scaling(writer: gguf.GGUFWriter, rp: Mapping) -> None:
 # --------------------------------------------------------------------------------------------------
 # GGUF -> config.json
 # --------------------------------------------------------------------------------------------------
-_HF_CLASS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-             "qwen3": ("Qwen3ForCausalLM", "qwen3")}
 
 
 def field_values(fields: Any) -> dict[str, Any]:
@@ -248,7 +255,7 @@ def config_from_gguf(fields: Any, tensor_names: Iterable[str] | None = None, *, 
         tensor_names = [t.name for t in fields.tensors]
     kv = field_values(fields)
     arch = kv.get("general.architecture")
-    if not isinstance(arch, str) or arch not in _HF_CLASS:
+    if not isinstance(arch, str) or arch_by_name(arch) is None:
         raise QConvertError(f"GGUF architecture {arch!r:.60} cannot be turned into a config.json; "
                             f"supported: {', '.join(SUPPORTED_ARCHS)}", path=path)
     cv = _typed(kv, path)
@@ -281,7 +288,8 @@ def config_from_gguf(fields: Any, tensor_names: Iterable[str] | None = None, *, 
     n_vocab = len(tokens) if tokens else get("vocab_size", lo=1, hi=MAX_VOCAB)
     if n_vocab is None:
         raise BadInput("GGUF metadata has neither tokenizer.ggml.tokens nor a vocab_size", path=path)
-    cls, model_type = _HF_CLASS[arch]
+    spec = arch_by_name(arch)
+    cls, model_type = spec.hf_class, spec.model_type
     cfg: dict[str, Any] = {
         "architectures": [cls],
         "model_type": model_type,
@@ -308,6 +316,7 @@ def config_from_gguf(fields: Any, tensor_names: Iterable[str] | None = None, *, 
         cfg["attention_bias"] = bool(names and "blk.0.attn_q.bias" in names)
     if arch in ("qwen2", "qwen3"):
         cfg["use_sliding_window"] = False
+    _ARCH_CONFIG.get(arch, lambda cfg, get, names: None)(cfg, get, names)
 
     stype = cv.str(f"{arch}.rope.scaling.type", default=None)
     if stype in ("linear", "yarn"):
@@ -332,14 +341,102 @@ def config_from_gguf(fields: Any, tensor_names: Iterable[str] | None = None, *, 
     return cfg
 
 
+def _moe_config(cfg: dict, get, names) -> None:
+    """The routed-expert fields every MoE family shares (transformers 5 names the count num_local_experts,
+    as Mixtral always did, and still reads num_experts from older Qwen-MoE configs)."""
+    n_expert = get("expert_count", lo=1, hi=1 << 16)
+    if n_expert is None:
+        return
+    cfg["num_local_experts"] = n_expert
+    cfg["num_experts_per_tok"] = get("expert_used_count", required=True, lo=1, hi=n_expert)
+    ff_exp = get("expert_feed_forward_length", lo=1, hi=MAX_WIDTH)
+    if ff_exp is not None:
+        cfg["moe_intermediate_size"] = ff_exp
+
+
+def _llama_config(cfg: dict, get, names) -> None:
+    if get("expert_count") is not None:  # llama with experts is Mixtral
+        cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral", sliding_window=None)
+        cfg.pop("attention_bias", None)
+        cfg.pop("mlp_bias", None)
+        _moe_config(cfg, get, names)
+
+
+def _qwen2moe_config(cfg: dict, get, names) -> None:
+    _moe_config(cfg, get, names)
+    shared = get("expert_shared_feed_forward_length", lo=1, hi=MAX_WIDTH)
+    cfg.update(num_experts=cfg["num_local_experts"], shared_expert_intermediate_size=shared or 0,
+               norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=True,
+               use_sliding_window=False)
+
+
+def _qwen3moe_config(cfg: dict, get, names) -> None:
+    _moe_config(cfg, get, names)
+    # llama.cpp's qwen3moe renormalises the top-k weights (build_moe_ffn norm_w), as Qwen3-MoE's configs ask
+    cfg.update(num_experts=cfg["num_local_experts"], norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+               use_sliding_window=False, attention_bias=bool(names and "blk.0.attn_q.bias" in names))
+
+
+def _gemma_config(cfg: dict, get, names, pattern: int) -> None:
+    """Gemma 2 / 3: gelu-tanh FFN, the embedding as the output, attention scaled by 1/sqrt(head_dim) (what
+    llama.cpp does for every size but 27B), local layers in llama.cpp's fixed pattern: gemma2 alternates
+    (every 2nd layer global), gemma3 has 5 local then 1 global."""
+    n = cfg["num_hidden_layers"]
+    window = get("attention.sliding_window", lo=0)
+    cfg.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=cfg["head_dim"],
+               tie_word_embeddings=True, sliding_window=window,
+               layer_types=["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)])
+    cfg.pop("hidden_act", None)
+    final = get("final_logit_softcapping", kind="float")
+    cfg["final_logit_softcapping"] = final
+
+
+def _gemma2_config(cfg: dict, get, names) -> None:
+    _gemma_config(cfg, get, names, 2)
+    cfg["attn_logit_softcapping"] = get("attn_logit_softcapping", kind="float")
+
+
+def _gemma3_config(cfg: dict, get, names) -> None:
+    _gemma_config(cfg, get, names, 6)
+    local = get("rope.freq_base_swa", kind="float", lo=1e-30)
+    full = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+    if "rope_scaling" in cfg:
+        full.update(cfg.pop("rope_scaling"))
+    cfg["rope_parameters"] = {"full_attention": full,
+                              "sliding_attention": {"rope_type": "default", "rope_theta": local or 10000.0}}
+
+
+def _phi3_config(cfg: dict, get, names) -> None:
+    rope_dims = get("rope.dimension_count", lo=1, hi=MAX_WIDTH)
+    if rope_dims is not None and rope_dims != cfg["head_dim"]:
+        cfg["partial_rotary_factor"] = rope_dims / cfg["head_dim"]
+    cfg["original_max_position_embeddings"] = get("rope.scaling.original_context_length",
+                                                  cfg["max_position_embeddings"], lo=1)
+    window = get("attention.sliding_window", 0, lo=0)
+    cfg["sliding_window"] = window or None  # zero: Phi-4, no window
+    cfg.setdefault("pad_token_id", None)
+
+
+_ARCH_CONFIG = {"llama": _llama_config, "qwen2moe": _qwen2moe_config, "qwen3moe": _qwen3moe_config,
+                "gemma2": _gemma2_config, "gemma3": _gemma3_config, "phi3": _phi3_config}
+
+
 # --------------------------------------------------------------------------------------------------
 # the metadata against the tensors (both directions)
 # --------------------------------------------------------------------------------------------------
 _BLOCK_RE = re.compile(r"^blk\.(0|[1-9][0-9]*)\.")
-# per layer, the tensors llama.cpp's llama / qwen2 / qwen3 loaders require (biases are optional)
-_REQUIRED_BLOCK = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
-                   "ffn_down")
-_REQUIRED_BLOCK_EXTRA = {"qwen3": ("attn_q_norm", "attn_k_norm")}
+# per layer of a MoE model, the routed FFN llama.cpp's loaders require in place of the dense one
+_MOE_BLOCK = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def _required_block(arch: str, layer_names: set[str]) -> tuple[str, ...]:
+    """The tensors llama.cpp's loader for `arch` requires in a layer (biases are optional). A MoE model's
+    layer is routed when it holds any routed tensor (DeepSeek and Qwen-MoE may keep dense layers)."""
+    spec = arch_by_name(arch)
+    has_routed = any(n in layer_names for n in _MOE_BLOCK)
+    has_dense = any(n in layer_names for n in spec.dense_ffn)
+    routed = has_routed or (spec.moe and not has_dense)
+    return spec.norms + spec.attention + spec.block_extra + (_MOE_BLOCK if routed else spec.dense_ffn)
 
 
 def _expected_shapes(cfg: Mapping, keys: Mapping[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -381,8 +478,49 @@ def _expected_shapes(cfg: Mapping, keys: Mapping[str, str]) -> dict[str, tuple[t
         "ffn_up.bias": ((f,), says("intermediate_size")),
         "ffn_down.bias": ((e,), says("hidden_size")),
         "rope_freqs.weight": ((hd // 2,), says("head_dim")),
+        "post_attention_norm.weight": ((e,), says("hidden_size")),
+        "post_ffw_norm.weight": ((e,), says("hidden_size")),
     }
+    if cfg.get("_arch") == "phi3":  # fused projections: q, k, v rows in one, gate and up rows in one
+        out["attn_qkv.weight"] = ((q + 2 * kvr, e), says(*heads, "num_key_value_heads"))
+        out["ffn_up.weight"] = ((2 * f, e), says(*ffn))
+        del out["ffn_gate.weight"]
+    n_exp, f_exp = cfg.get("_n_expert"), cfg.get("_expert_ff")
+    if n_exp and f_exp:
+        exp = ("_n_expert", "_expert_ff", "hidden_size")
+        out["ffn_gate_inp.weight"] = ((n_exp, e), says("_n_expert", "hidden_size"))
+        out["ffn_gate_exps.weight"] = ((n_exp, f_exp, e), says(*exp))
+        out["ffn_up_exps.weight"] = ((n_exp, f_exp, e), says(*exp))
+        out["ffn_down_exps.weight"] = ((n_exp, e, f_exp), says(*exp))
+    f_sh = cfg.get("_shared_ff")
+    if f_sh:
+        out["ffn_gate_shexp.weight"] = ((f_sh, e), says("_shared_ff", "hidden_size"))
+        out["ffn_up_shexp.weight"] = ((f_sh, e), says("_shared_ff", "hidden_size"))
+        out["ffn_down_shexp.weight"] = ((e, f_sh), says("_shared_ff", "hidden_size"))
     return out
+
+
+_EXPERT_KEYS = (("_n_expert", ("num_local_experts", "num_experts", "n_routed_experts"), "expert_count"),
+                ("_expert_ff", ("moe_intermediate_size",), "expert_feed_forward_length"),
+                ("_shared_ff", ("shared_expert_intermediate_size",), "expert_shared_feed_forward_length"))
+
+
+def _expert_facts(config: Mapping, arch: str, cv: ConfigView, label) -> tuple[dict, dict]:
+    """The sizes the expert tensors' shapes follow from (the routed experts, their FFN width, the shared
+    expert's), as `_expected_shapes` reads them, and the key each came from (`label(config key)`, for
+    the messages). Mixtral's experts are intermediate_size wide."""
+    facts: dict = {"_arch": arch}
+    keys: dict = {}
+    for fact, config_keys, _ in _EXPERT_KEYS:
+        for k in config_keys:
+            if config.get(k) is not None:
+                facts[fact] = cv.int(k, lo=0, hi=MAX_WIDTH)
+                keys[fact] = label(k)
+                break
+    if facts.get("_n_expert") and not facts.get("_expert_ff"):
+        facts["_expert_ff"] = int(config["intermediate_size"])
+        keys["_expert_ff"] = label("intermediate_size")
+    return facts, keys
 
 
 def _layers_present(names: Iterable[str], path_of, label) -> int:
@@ -413,9 +551,13 @@ def _check_against(cfg: Mapping, shapes: Mapping[str, tuple[int, ...]], keys: Ma
         raise BadInput(f"{layers_key} is {n_layers} but the {what} hold {present} layers ({span})",
                        path=path_of(None))
     required = ["token_embd.weight", "output_norm.weight"]
-    per_layer = _REQUIRED_BLOCK + _REQUIRED_BLOCK_EXTRA.get(arch, ())
+    in_layer: dict[int, set[str]] = {}
+    for name in shapes:
+        m = _BLOCK_RE.match(name)
+        if m:
+            in_layer.setdefault(int(m.group(1)), set()).add(name[m.end():].rsplit(".", 1)[0])
     for i in range(n_layers):  # bounded: n_layers equals the layers the tensors name
-        required += [f"blk.{i}.{b}.weight" for b in per_layer]
+        required += [f"blk.{i}.{b}.weight" for b in _required_block(arch, in_layer.get(i, set()))]
     for name in required:
         if name not in shapes:
             raise BadInput("required tensor is missing (" + (f"{arch} needs it in each of the {n_layers} layers)"
@@ -447,6 +589,11 @@ def check_gguf_tensors(cfg: Mapping, arch: str, shapes: Mapping[str, tuple[int, 
             "num_attention_heads": f"{arch}.attention.head_count",
             "num_key_value_heads": f"{arch}.attention.head_count_kv", "num_hidden_layers": f"{arch}.block_count"}
     keys = dict(keys, _value_head_dim=f"{arch}.attention.value_length")
+    metadata_key = {hf: f"{arch}.{g}" for _, hfs, g in _EXPERT_KEYS for hf in hfs}
+    metadata_key["intermediate_size"] = f"{arch}.feed_forward_length"
+    facts, fact_keys = _expert_facts(cfg, arch, ConfigView(dict(cfg), path), lambda k: metadata_key.get(k, k))
+    cfg = {**cfg, **facts}
+    keys.update(fact_keys)
     where = where or {}
     _check_against(cfg, shapes, keys, arch, lambda n: where.get(n, path) if n else path, lambda n: n,
                    f"metadata {arch}.block_count", "tensors")
@@ -542,6 +689,8 @@ def check_writer_config(config: Mapping, arch: str, shapes: Mapping[str, tuple[i
             for name in ("low_freq_factor", "high_freq_factor", "extrapolation_factor", "attention_factor",
                          "attn_factor", "beta_fast", "beta_slow"):
                 g.float(name, default=None, lo=-_FLOAT32_MAX, hi=_FLOAT32_MAX)
+    facts, names_of_keys = _expert_facts(config, arch, cv, lambda k: k)
+    cfg.update(facts)
     emb = shapes.get("token_embd.weight")
     if cfg["vocab_size"] is None:
         cfg["vocab_size"] = emb[0] if emb else 0
@@ -551,6 +700,7 @@ def check_writer_config(config: Mapping, arch: str, shapes: Mapping[str, tuple[i
             raise BadInput(f"num_hidden_layers is {cfg['num_hidden_layers']} but the checkpoint has tensors of "
                            f"layer {layer} ({name})", path=path)
     keys = {k: k for k in cfg}
+    keys.update(names_of_keys)
     names = names or {}
     _check_against(cfg, shapes, keys, arch, lambda n: path, lambda n: names.get(n, n), "num_hidden_layers",
                    "checkpoint's tensors")

@@ -21,6 +21,7 @@ import gguf
 import torch
 
 from ...converters.errors import BadInput, QConvertError
+from .archs import ARCHS, arch_by_name, arch_for_config, expert_name, supported_classes
 
 __all__ = [
     "SUPPORTED_ARCHS",
@@ -31,66 +32,35 @@ __all__ = [
     "qk_row_permutation",
     "inverse_permutation",
     "head_dim",
+    "expert_of",
+    "expert_member",
+    "is_expert_stack",
 ]
 
-# HF ``architectures`` entry -> llama.cpp architecture string.
-_ARCH_BY_CLASS: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-# HF ``model_type`` -> llama.cpp architecture string (used when ``architectures`` is absent).
-_ARCH_BY_MODEL_TYPE: dict[str, str] = {
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-}
-SUPPORTED_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3")
-
-_GGUF_ARCH_ENUM: dict[str, gguf.MODEL_ARCH] = {
-    "llama": gguf.MODEL_ARCH.LLAMA,
-    "qwen2": gguf.MODEL_ARCH.QWEN2,
-    "qwen3": gguf.MODEL_ARCH.QWEN3,
-}
+SUPPORTED_ARCHS: tuple[str, ...] = tuple(ARCHS)
 
 
 def _supported_list() -> str:
-    return ", ".join(sorted(_ARCH_BY_CLASS)) + f" (model_type {', '.join(sorted(_ARCH_BY_MODEL_TYPE))})"
+    return ", ".join(supported_classes())
 
 
 def gguf_arch(config: Mapping, path: object | None = None) -> str:
-    """The llama.cpp architecture string ("llama", "qwen2", "qwen3") for an HF config.json dict.
+    """The llama.cpp architecture string ("llama", "qwen2moe", "gemma3", ...) for an HF config.json dict.
 
     ``architectures[0]`` decides; ``model_type`` is the fallback. Anything else raises
     :class:`QConvertError` naming the architecture and the supported ones.
     """
-    archs = config.get("architectures") or []
-    if isinstance(archs, str):
-        archs = [archs]
-    if not isinstance(archs, list):  # an object or a number: named in the refusal below
-        archs = [archs]
-    for a in archs:
-        if isinstance(a, str) and a in _ARCH_BY_CLASS:
-            return _ARCH_BY_CLASS[a]
-    if not archs:
-        mt = config.get("model_type")
-        if isinstance(mt, str) and mt in _ARCH_BY_MODEL_TYPE:
-            return _ARCH_BY_MODEL_TYPE[mt]
-        what = f"model_type {mt!r}" if mt else "no architectures/model_type in config.json"
-    else:
-        what = f"architecture {', '.join(map(str, archs))}"
-    raise QConvertError(f"{what} is not supported for GGUF output; supported: {_supported_list()}", path=path)
+    arch, what = arch_for_config(config)
+    if arch is None:
+        raise QConvertError(f"{what} is not supported for GGUF output; supported: {_supported_list()}", path=path)
+    return arch.name
 
 
 def _arch_enum(arch: str) -> gguf.MODEL_ARCH:
-    try:
-        return _GGUF_ARCH_ENUM[arch]
-    except KeyError:
-        raise QConvertError(
-            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}"
-        ) from None
+    spec = arch_by_name(arch)
+    if spec is None:
+        raise QConvertError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}")
+    return spec.enum
 
 
 # tensor types gguf maps but llama.cpp does not load for these arches (an extra tensor makes the load
@@ -126,22 +96,51 @@ def layer_index(name: str) -> int | None:
 def gguf_tensor_name(hf_name: str, arch: str, n_layers: int) -> str | None:
     """GGUF name of an HF tensor (``model.layers.3.self_attn.q_proj.weight`` ->
     ``blk.3.attn_q.weight``); ``None`` when the name has no GGUF counterpart for ``arch``
-    (e.g. ``rotary_emb.inv_freq``, GPTQ ``qweight``/``scales``, a layer >= ``n_layers``)."""
+    (e.g. ``rotary_emb.inv_freq``, GPTQ ``qweight``/``scales``, a layer >= ``n_layers``).
+    One expert of a MoE layer names the stacked tensor it goes into
+    (``model.layers.3.mlp.experts.5.up_proj.weight`` -> ``blk.3.ffn_up_exps.weight``; see
+    :func:`expert_of`)."""
+    member = expert_name(hf_name)
+    if member is not None:
+        hf_name = member[0]
     base, layer = _split_index(hf_name)
     if layer is not None and layer >= int(n_layers):
         return None
     found = _name_map(arch).get_type_and_name(base, try_suffixes=(".weight", ".bias"))
     if found is None or found[0] in _NOT_LOADED:
         return None
+    if (member is not None) != (found[0] in _EXPERT_TENSORS):
+        return None  # an indexed expert outside the stacked tensors, or a stack name without its index
     name = found[1]
     if layer is None:
         return None if name.startswith("blk.") else name
     return f"blk.{layer}." + name[len("blk.0."):] if name.startswith("blk.0.") else None
 
 
-# HF module names used by llama / mistral / qwen2 / qwen3 checkpoints (transformers naming).
+# the GGUF tensors that stack one HF tensor per expert (experts outermost: ggml ne[2])
+_EXPERT_TENSORS = {gguf.MODEL_TENSOR.FFN_GATE_EXP, gguf.MODEL_TENSOR.FFN_UP_EXP, gguf.MODEL_TENSOR.FFN_DOWN_EXP}
+
+
+def expert_of(hf_name: str) -> int | None:
+    """The expert index of one expert's tensor (``...experts.5.up_proj.weight`` -> 5), else None."""
+    member = expert_name(hf_name)
+    return None if member is None else member[1]
+
+
+def expert_member(stacked_hf_name: str, index: int) -> str:
+    """The HF name of expert ``index`` of a stacked tensor's HF name
+    (``model.layers.3.mlp.experts.up_proj.weight``, 5 -> ``model.layers.3.mlp.experts.5.up_proj.weight``)."""
+    head, sep, tail = stacked_hf_name.rpartition(".experts.")
+    if not sep:
+        raise ValueError(f"{stacked_hf_name} is not a stacked expert tensor name")
+    return f"{head}.experts.{index}.{tail}"
+
+
+# HF module names per block, in the order the inverse map prefers them (transformers naming). Several HF
+# names map to one GGUF name across families (Mixtral's block_sparse_moe.experts.w1 and Qwen's
+# mlp.experts.gate_proj are both ffn_gate_exps): each architecture lists the ones its HF class uses.
 _HF_GLOBAL = ("model.embed_tokens", "model.norm", "lm_head")
-_HF_BLOCK = (
+_HF_DENSE_BLOCK = (
     "input_layernorm",
     "post_attention_layernorm",
     "self_attn.q_proj",
@@ -154,14 +153,30 @@ _HF_BLOCK = (
     "mlp.up_proj",
     "mlp.down_proj",
 )
+_HF_MIXTRAL_MOE = ("block_sparse_moe.gate", "block_sparse_moe.experts.w1", "block_sparse_moe.experts.w2",
+                   "block_sparse_moe.experts.w3")
+_HF_QWEN_MOE = ("mlp.gate", "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj",
+                "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj",
+                "mlp.shared_expert_gate")
+_HF_BLOCK_BY_ARCH = {
+    "llama": _HF_DENSE_BLOCK + _HF_MIXTRAL_MOE,
+    "qwen2moe": _HF_DENSE_BLOCK + _HF_QWEN_MOE,
+    "qwen3moe": _HF_DENSE_BLOCK + _HF_QWEN_MOE,
+    "gemma2": _HF_DENSE_BLOCK + ("pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    "gemma3": _HF_DENSE_BLOCK + ("pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    "phi3": ("input_layernorm", "post_attention_layernorm", "self_attn.qkv_proj", "self_attn.o_proj",
+             "mlp.gate_up_proj", "mlp.down_proj"),
+}
 
 
-@lru_cache(maxsize=8)
+@lru_cache(maxsize=16)
 def _inverse_map(arch: str) -> dict[str, str]:
-    """GGUF base name -> HF module name, for the HF llama/qwen naming only (block 0 stands for every block)."""
+    """GGUF base name -> HF module name, for the HF naming of the architecture's class (block 0 stands
+    for every block)."""
     tmap = _name_map(arch)
     inv: dict[str, str] = {}
-    for hf in list(_HF_GLOBAL) + [f"model.layers.0.{m}" for m in _HF_BLOCK]:
+    block = _HF_BLOCK_BY_ARCH.get(arch, _HF_DENSE_BLOCK)
+    for hf in list(_HF_GLOBAL) + [f"model.layers.0.{m}" for m in block]:
         g = tmap.get_name(hf)
         if g is not None:
             inv.setdefault(g, hf)
@@ -171,7 +186,9 @@ def _inverse_map(arch: str) -> dict[str, str]:
 def hf_tensor_name(gguf_name: str, arch: str, n_layers: int) -> str | None:
     """HF tensor name of a GGUF tensor (``blk.3.attn_q.weight`` ->
     ``model.layers.3.self_attn.q_proj.weight``); ``None`` when it has no HF counterpart (e.g.
-    ``rope_freqs.weight``, a block >= ``n_layers``)."""
+    ``rope_freqs.weight``, a block >= ``n_layers``). A stacked expert tensor gives the stack's HF name
+    (``blk.3.ffn_up_exps.weight`` -> ``model.layers.3.mlp.experts.up_proj.weight``): each expert's own
+    name is :func:`expert_member`."""
     base, layer = _split_index(gguf_name)
     if layer is not None and layer >= int(n_layers):
         return None
@@ -189,6 +206,11 @@ def hf_tensor_name(gguf_name: str, arch: str, n_layers: int) -> str | None:
     if layer is None or not base.startswith("blk.0."):
         return None if layer is not None or hf.startswith("model.layers.") else hf
     return f"model.layers.{layer}." + hf[len("model.layers.0."):]
+
+
+def is_expert_stack(gguf_name: str) -> bool:
+    """Whether a GGUF tensor stacks one tensor per expert (``blk.N.ffn_{gate,up,down}_exps.weight``)."""
+    return bool(re.match(r"^blk\.\d+\.ffn_(gate|up|down)_exps\.weight$", gguf_name))
 
 
 def head_dim(config: Mapping) -> int:

@@ -44,7 +44,8 @@ from ...kernels.ggml_kblocks import K_ZERO_POINT, unpack_k_blocks
 from ...kernels.ggml_layouts import LAYOUTS
 from ...kernels.ggml_legacy import unpack_blocks
 from .metadata import check_gguf_tensors, config_from_gguf, field_values
-from .names import hf_tensor_name, inverse_permutation, qk_row_permutation
+from .archs import arch_by_name
+from .names import expert_member, hf_tensor_name, inverse_permutation, is_expert_stack, qk_row_permutation
 from .tokenizer import tokenizer_files_from_gguf
 
 __all__ = ["GgufSource", "GgufHeader", "open_gguf", "scan_header", "split_parts", "GRID_TYPES"]
@@ -384,6 +385,7 @@ class GgufSource:
         self.config = config_from_gguf(self.kv, names, path=self.path)
         self.arch = self.kv.get("general.architecture")
         self.n_layers = int(self.config["num_hidden_layers"])
+        self.norm_shift = arch_by_name(self.arch).norm_shift
         # every tensor checked against the metadata before any is read or any loop runs per layer
         check_gguf_tensors(self.config, self.arch, {t.name: tuple(int(d) for d in reversed(list(t.shape)))
                                                     for r in self.readers for t in r.tensors},
@@ -422,24 +424,38 @@ class GgufSource:
                                path=self.parts[0])
 
     # -- one tensor ----------------------------------------------------------------------------
-    def _record(self, path: Path, t) -> TensorRecord | None:
+    def _records(self, path: Path, t) -> Iterator[TensorRecord]:
+        """The records of one GGUF tensor: itself, or one per expert of a stacked expert tensor
+        (`blk.N.ffn_up_exps.weight` [n_expert, rows, cols] -> `...experts.<e>.up_proj.weight` each)."""
         if t.name in _DERIVED:
-            return None
+            return
         name = hf_tensor_name(t.name, self.arch, self.n_layers)
         if name is None:
             raise BadInput(f"GGUF tensor has no Hugging Face counterpart in arch {self.arch}", path=path, tensor=t.name)
         shape = tuple(int(d) for d in reversed(list(t.shape)))
+        if is_expert_stack(t.name):
+            if len(shape) != 3:
+                raise BadInput(f"stacked expert tensor of shape {list(shape)}: expected [experts, rows, columns]",
+                               path=path, tensor=t.name)
+            for e in range(shape[0]):  # bounded: check_gguf_tensors matched shape[0] with expert_count
+                yield self._record(path, t, expert_member(name, e), shape[1:], (e, shape[0]))
+            return
+        yield self._record(path, t, name, shape, None)
+
+    def _record(self, path: Path, t, name: str, shape: tuple[int, ...], expert: tuple[int, int] | None) -> TensorRecord:
+        """One record: tensor `t` whole, or rows of expert `expert = (index, count)` of a stack."""
         type_name = _type_name(t)
         perm = qk_row_permutation(name, self.config, self.arch)
         inv = None if perm is None else inverse_permutation(perm)
         where = str(path)
+        label = t.name if expert is None else f"{t.name}[expert {expert[0]}]"
         if type_name in GRID_TYPES:
             if len(shape) != 2:
                 raise BadInput(f"{type_name} tensor of shape {shape}: only 2-D block tensors are supported",
                                path=path, tensor=t.name)
-            params = self._grid_parts(t, type_name, path, inv, with_codes=False)[0]
-            return TensorRecord(name, shape, "grid", lambda: self._grid(t, type_name, path, inv), params=params,
-                                source_file=where, native_type=type_name, source_name=t.name)
+            params = self._grid_parts(t, type_name, path, inv, with_codes=False, expert=expert)[0]
+            return TensorRecord(name, shape, "grid", lambda: self._grid(t, type_name, path, inv, expert), params=params,
+                                source_file=where, native_type=type_name, source_name=label)
         if type_name in _FLOAT or type_name == "BF16":
             dtype = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}[type_name]
         elif type_name in _INTEGER:
@@ -449,11 +465,16 @@ class GgufSource:
         else:
             raise BadInput(f"ggml type {type_name} cannot be decoded (gguf-py has no dequantizer for it)",
                            path=path, tensor=t.name)
-        return TensorRecord(name, shape, dtype, lambda: self._dense(t, type_name, shape, inv), source_file=where,
-                            native_type=type_name, source_name=t.name)
+        shift = self.norm_shift if t.name.endswith("norm.weight") else 0.0
+        if shift and dtype != "float32":
+            dtype = "float32"  # w = stored - 1 is computed in float32
+        return TensorRecord(name, shape, dtype, lambda: self._dense(t, type_name, shape, inv, expert, shift),
+                            source_file=where, native_type=None if shift else type_name, source_name=label)
 
-    def _dense(self, t, type_name: str, shape: tuple[int, ...], inv) -> Dense:
+    def _dense(self, t, type_name: str, shape: tuple[int, ...], inv, expert=None, shift: float = 0.0) -> Dense:
         data = np.asarray(t.data)
+        if expert is not None:  # experts are outermost: expert e is the e-th of n equal slices
+            data = data.reshape(expert[1], -1)[expert[0]]
         if type_name in _FLOAT:
             x = torch.from_numpy(np.array(data, dtype=_FLOAT[type_name][0]))
         elif type_name == "BF16":
@@ -465,21 +486,27 @@ class GgufSource:
         x = x.reshape(shape)
         if inv is not None:
             x = x[inv].contiguous()
+        if shift:  # Gemma: the file holds 1 + w (llama.cpp multiplies by it), transformers keeps w
+            x = x.to(torch.float32) - shift
         return Dense(x)
 
-    def _grid(self, t, type_name: str, path: Path, inv) -> Grid:
-        params, codes, words = self._grid_parts(t, type_name, path, inv, with_codes=True)
+    def _grid(self, t, type_name: str, path: Path, inv, expert=None) -> Grid:
+        params, codes, words = self._grid_parts(t, type_name, path, inv, with_codes=True, expert=expert)
         return Grid(params, codes, PackedCodes(words, params.bits, f"ggml:{type_name}"))
 
-    def _grid_parts(self, t, type_name: str, path: Path, inv, with_codes: bool):
+    def _grid_parts(self, t, type_name: str, path: Path, inv, with_codes: bool, expert=None):
         """(GridParams, codes [out, in] uint8 or None, block bytes [out, row_bytes]) in HF row order;
-        without codes for planning, which reads only the parameters."""
+        without codes for planning, which reads only the parameters. `expert`: (index, count) of a
+        stacked tensor, whose rows are expert by expert."""
         lay = LAYOUTS[type_name]
         out_features, in_features = int(t.shape[1]), int(t.shape[0])
         if in_features % lay.block:
             raise BadInput(f"rows of {in_features} are not whole {type_name} blocks of {lay.block}", path=path,
                            tensor=t.name)
-        data = np.asarray(t.data).reshape(out_features, lay.row_bytes(in_features))
+        data = np.asarray(t.data)
+        if expert is not None:
+            data = data.reshape(expert[1], -1)[expert[0]]
+        data = data.reshape(out_features, lay.row_bytes(in_features))
         words = torch.from_numpy(np.array(data, dtype=np.uint8))
         if inv is not None:  # rows are whole blocks: permuting byte rows is exact
             words = words[inv].contiguous()
@@ -513,9 +540,7 @@ class GgufSource:
     def records(self) -> Iterator[TensorRecord]:
         for path, reader in zip(self.parts, self.readers):
             for t in reader.tensors:
-                rec = self._record(path, t)
-                if rec is not None:
-                    yield rec
+                yield from self._records(path, t)
 
     def side_files(self) -> dict[str, Path]:
         if self._tokenizer_dir is None:

@@ -22,6 +22,7 @@ rest is requantized. `--imatrix FILE` weighs the K quantizers as llama-quantize 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -30,6 +31,7 @@ import torch
 
 from ...converters.align import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, best_aligned, check, decide, describe_grid
 from ...converters.errors import BadInput, QConvertError
+from ...converters.validate import ConfigView
 from ...converters.plan import BitIdentical, Options, TensorPlan, unknown_type
 from ...converters.records import Dense, Grid, TensorRecord
 from ...kernels.ggml_layouts import LAYOUTS, BlockLayout
@@ -37,7 +39,8 @@ from ...kernels.ggml_legacy import decode_blocks, quantize_pack, repack_grid
 from ...kernels.gptq_q4_0 import gptq4_to_q4_0, q4_0_to_gptq4
 from .kencode import QUANTIZERS, QuantHow, encode_quantized
 from .metadata import add_model_metadata, check_writer_config, config_json_path, layer_count, rope_freqs_tensor
-from .names import gguf_arch, gguf_tensor_name, inverse_permutation, qk_row_permutation
+from .archs import arch_by_name, expert_count
+from .names import expert_of, gguf_arch, gguf_tensor_name, inverse_permutation, qk_row_permutation
 from .presets import PRESETS, ModelFacts, preset_of, preset_type, quantized_by_llama_cpp
 from .schemes import ALIGNED_CANDIDATES, GGUF_SCHEMES, default_grid_type, k_fallback
 
@@ -49,6 +52,25 @@ FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q
 # tensors a checkpoint may carry that llama.cpp recomputes itself
 _DROPPED = re.compile(r"rotary_emb\.inv_freq$")
 _WRITABLE = tuple(GGUF_SCHEMES)
+
+
+# tensors llama.cpp keeps in float32 whatever the file type (its converter and llama-quantize alike): the MoE
+# routers, and every tensor that is not a `.weight` (DeepSeek's router bias exp_probs_b.bias)
+_F32_ALWAYS = re.compile(r"(?:\.ffn_gate_inp(?:_shexp)?\.weight|\.exp_probs_b\.bias)$")
+
+
+def _always_f32(out_name: str) -> bool:
+    return bool(_F32_ALWAYS.search(out_name))
+
+
+def _expert_count(source) -> int:
+    n = expert_count(source.config)
+    if n is None:
+        raise BadInput("the checkpoint has expert tensors but config.json declares no expert count "
+                       "(num_local_experts / num_experts / n_routed_experts)", path=config_json_path(source))
+    return ConfigView(source.config, config_json_path(source)).int(
+        next(k for k in ("num_local_experts", "num_experts", "n_routed_experts") if source.config.get(k) is not None),
+        lo=1, hi=1 << 16)
 
 
 def _kquants():
@@ -169,10 +191,19 @@ class GgufWriter:
         if _DROPPED.search(rec.name):
             return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT, "recomputed by llama.cpp",
                               info={"drop": True})
+        spec = arch_by_name(arch)
+        if spec.tied_output_dropped and rec.name == "lm_head.weight":
+            # llama.cpp's Gemma runs the embedding as the output projection and has no output tensor
+            return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT,
+                              f"{arch} uses the token embedding as its output (llama.cpp loads no output.weight)",
+                              info={"drop": True})
         out_name = gguf_tensor_name(rec.name, arch, n_layers)
         if out_name is None:
             return TensorPlan(rec.name, rec.shape, rec.dtype, "?", REFUSED,
                               f"no GGUF tensor for it in arch {arch}; llama.cpp refuses extra tensors")
+        expert = expert_of(rec.name)
+        # the shape llama.cpp's rules see: a stacked expert tensor's, experts outermost
+        rule_shape = rec.shape if expert is None else (_expert_count(source), *rec.shape)
         explicit = options.explicit_type(rec.name)
         is_1d = len(rec.shape) == 1 or rec.name.endswith("norm.weight")
         fallback_note = ""
@@ -180,25 +211,30 @@ class GgufWriter:
         if rec.is_grid:
             p = rec.params
             # a GGUF source's grid keeps its own ggml type unless a type is asked for
-            target, rule_note = _choose_type(explicit, options, source, out_name, rec.shape,
+            target, rule_note = _choose_type(explicit, options, source, out_name, rule_shape,
                                              rec.native_type or default_grid_type(p), True)
             asked = _parse_type(target)
-            target, fallback_note = k_fallback(asked, rec.shape, p)
+            target, fallback_note = k_fallback(asked, rule_shape, p)
             v = decide(p, rec.shape, GGUF_SCHEMES[target], ALIGNED_CANDIDATES, native=rec.native_type,
                        fallback=target if target != asked else "")
             src = describe_grid(p, rec.shape[1])
         else:
             src = rec.dtype
             keep_float = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(rec.dtype, "F32")
-            if is_1d and not explicit:
+            if (is_1d or _always_f32(out_name)) and not explicit:
                 target = "F32"
             else:
-                target, rule_note = _choose_type(explicit, options, source, out_name, rec.shape, keep_float,
+                target, rule_note = _choose_type(explicit, options, source, out_name, rule_shape, keep_float,
                                                  not source.quant_config and len(rec.shape) == 2)
-            target, fallback_note = k_fallback(target, rec.shape, None)
+            target, fallback_note = k_fallback(target, rule_shape, None)
             v = check(rec.dtype, rec.shape, GGUF_SCHEMES[target])
+            if spec.norm_shift and out_name.endswith("norm.weight") and v.verdict == EXACT:
+                v = replace(v, verdict=NEAR_EXACT, reason=f"{v.reason}; stored as {spec.norm_shift:g} + w as "
+                            f"llama.cpp's {arch} reads its norms (the float32 addition rounds)")
         plan = TensorPlan(rec.name, rec.shape, src, target, v.verdict, rule_note + fallback_note + v.reason,
                           out_name=out_name)
+        if expert is not None:
+            plan.info["expert"] = expert
         preset = preset_of(options.type)
         if preset is not None:
             plan.info["file_type"] = preset.file_type  # general.file_type names the preset, not a tensor type
@@ -212,7 +248,10 @@ class GgufWriter:
     def check_model(self, source, plans, options) -> None:
         arch, _ = self._arch(source)
         kept = [p for p in plans if p.out_name and p.out_name != "?" and not p.info.get("drop")]
-        check_writer_config(source.config, arch, {p.out_name: tuple(p.shape) for p in kept},
+        shapes = {name: stack_shape(members) for name, members in
+                  gguf_tensors_in_order(kept, _expert_count(source) if any("expert" in p.info for p in kept) else 0,
+                                        config_json_path(source))}
+        check_writer_config(source.config, arch, shapes,
                             config_json_path(source), names={p.out_name: p.name for p in kept},
                             unmapped=[p.name for p in plans if not p.out_name])
         _settle_tied_embedding(source, plans, options)
@@ -231,6 +270,47 @@ class GgufWriter:
     def open(self, path: Path, source, plans: list[TensorPlan], options: Options) -> "GgufSession":
         return GgufSession(Path(path), source, plans, *self._arch(source),
                            split_max_size=int(options.extra.get("split_max_size") or 0))
+
+
+def gguf_tensors_in_order(plans: list[TensorPlan], n_experts: int, where: object = None
+                          ) -> list[tuple[str, list[TensorPlan]]]:
+    """The GGUF tensors the planned records make, as (GGUF name, the plans that fill it), in the order
+    their data can be written: a tensor is complete at its last record, so a stack of experts goes where
+    its last expert arrives (the records arrive in this order again when the data is written, and only
+    the experts of stacks not yet complete are held). A stack must hold each of the `n_experts` experts
+    once, all of one shape and one target type (BadInput naming the stack otherwise)."""
+    groups: dict[str, list[TensorPlan]] = {}
+    last: dict[str, int] = {}
+    for i, p in enumerate(plans):
+        groups.setdefault(p.out_name, []).append(p)
+        last[p.out_name] = i
+    for name, members in groups.items():
+        if "expert" not in members[0].info:
+            if len(members) > 1:
+                raise BadInput(f"{len(members)} tensors of the checkpoint map to {name} ({members[0].name}, "
+                               f"{members[1].name})", path=where, tensor=members[1].name)
+            continue
+        have = sorted(p.info["expert"] for p in members)
+        if have != list(range(n_experts)):
+            missing = sorted(set(range(n_experts)) - set(have))
+            dup = sorted({e for e in have if have.count(e) > 1})
+            what = (f"expert {missing[0]} is missing" if missing else
+                    f"expert {dup[0]} appears twice" if dup else f"expert {have[-1]} is beyond the count")
+            raise BadInput(f"config.json declares {n_experts} experts but {what} (stacked into {name})", path=where,
+                           tensor=members[0].name)
+        for p in members[1:]:
+            if tuple(p.shape) != tuple(members[0].shape) or p.target != members[0].target:
+                raise BadInput(f"expert {p.info['expert']} is {list(p.shape)} as {p.target} but expert "
+                               f"{members[0].info['expert']} is {list(members[0].shape)} as {members[0].target}: "
+                               f"one stacked tensor {name} holds them", path=where, tensor=p.name)
+        members.sort(key=lambda p: p.info["expert"])
+    return sorted(groups.items(), key=lambda item: last[item[0]])
+
+
+def stack_shape(members: list[TensorPlan]) -> tuple[int, ...]:
+    """The HF-order shape of the GGUF tensor `members` fill: one record's, or the experts' stacked."""
+    first = members[0]
+    return tuple(first.shape) if "expert" not in first.info else (len(members), *first.shape)
 
 
 def _settle_tied_embedding(source, plans: list[TensorPlan], options: Options) -> None:
@@ -291,13 +371,21 @@ class GgufSession:
         rope = rope_freqs_tensor(source.config)
         if rope is not None:
             self.extra.append(("rope_freqs.weight", rope.astype(np.float32)))
-        for p in kept:
-            lay = LAYOUTS[p.target]
-            rows = int(np.prod(p.shape[:-1])) if len(p.shape) > 1 else 1
-            nbytes = rows * lay.row_bytes(p.shape[-1])
-            byte_shape = [*p.shape[:-1], lay.row_bytes(p.shape[-1])]  # gguf-py converts bytes back to elements
-            w.add_tensor_info(p.out_name, byte_shape, np.dtype(np.uint8), nbytes,
+        self.norm_shift = arch_by_name(arch).norm_shift
+        n_experts = _expert_count(source) if any("expert" in p.info for p in kept) else 0
+        self.pending: dict[str, dict[int, np.ndarray]] = {}  # stacks of experts being filled: encoded bytes
+        self.stack_size: dict[str, int] = {}
+        for name, members in gguf_tensors_in_order(kept, n_experts, config_json_path(source)):
+            first = members[0]
+            lay = LAYOUTS[first.target]
+            shape = stack_shape(members)
+            rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+            nbytes = rows * lay.row_bytes(shape[-1])
+            byte_shape = [*shape[:-1], lay.row_bytes(shape[-1])]  # gguf-py converts bytes back to elements
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes,
                               raw_dtype=gguf.GGMLQuantizationType(lay.ggml_type))
+            if "expert" in first.info:
+                self.stack_size[name] = len(members)
         for name, arr in self.extra:
             w.add_tensor_info(name, list(arr.shape), arr.dtype, arr.nbytes)
         w.write_header_to_file()
@@ -311,13 +399,31 @@ class GgufSession:
         perm = qk_row_permutation(plan.name, self.source.config, self.arch)
         if perm is not None:
             item = item.permute_rows(perm) if isinstance(item, Grid) else Dense(item.tensor[perm])
+        shift = self.norm_shift if plan.out_name.endswith("norm.weight") else 0.0
+        if shift:  # Gemma: llama.cpp multiplies by the stored norm, transformers by 1 + w
+            item = Dense(item.dequantize(torch.float32) + shift)
         data, decoded = encode_tensor(lay, plan.verdict, item, plan.info.get("quant"))
-        self.writer.write_tensor_data(data.reshape(-1))
+        if shift:
+            decoded = decoded - shift
+        self._write(plan, data.reshape(-1))
         if perm is not None and not isinstance(decoded, BitIdentical):
             decoded = decoded[inverse_permutation(perm)]
         return decoded
 
+    def _write(self, plan: TensorPlan, data: np.ndarray) -> None:
+        """Append a tensor's bytes; an expert's wait until its stack is complete (then experts in order)."""
+        if "expert" not in plan.info:
+            self.writer.write_tensor_data(data)
+            return
+        stack = self.pending.setdefault(plan.out_name, {})
+        stack[plan.info["expert"]] = data
+        if len(stack) == self.stack_size[plan.out_name]:
+            del self.pending[plan.out_name]
+            self.writer.write_tensor_data(np.concatenate([stack[e] for e in range(len(stack))]))
+
     def close(self) -> None:
+        if self.pending:  # the plan guaranteed every expert; a source that changed under us is a bug
+            raise AssertionError(f"experts never arrived for {sorted(self.pending)}")
         for _, arr in self.extra:
             self.writer.write_tensor_data(arr)
         self.writer.close()

@@ -1,0 +1,213 @@
+"""The model families qconvert writes to GGUF and reads back: one record per llama.cpp architecture.
+
+Each `GgufArch` says which Hugging Face classes map to it, how its hyper-parameters become `{arch}.*`
+metadata (as llama.cpp's convert_hf_to_gguf.py writes them and its llama-model.cpp reads them), which
+tensors every layer must have, and its tensor quirks:
+
+- `permute_qk`: llama's q/k rows are reordered from HF's rotate-half rope to ggml's NORM rope (names.py);
+- `norm_shift`: Gemma's RMSNorm multiplies by `1 + w` while llama.cpp multiplies by the stored value,
+  so every `*norm.weight` is written as `w + 1` (and read back as `value - 1`);
+- experts: HF keeps one 2-D tensor per expert (`...experts.<e>.gate_proj.weight`), GGUF one 3-D tensor
+  per layer (`blk.N.ffn_gate_exps.weight`, experts outermost); the stacking is the writer's
+  (writer.GgufSession), the naming `expert_name` here.
+
+The names themselves come from gguf-py's `TensorNameMap` for the architecture (names.py).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import gguf
+
+__all__ = ["GgufArch", "ARCHS", "arch_by_name", "arch_for_config", "expert_name", "supported_classes"]
+
+MetadataHook = Callable[[gguf.GGUFWriter, Mapping], None]
+
+
+def _no_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class GgufArch:
+    name: str  # general.architecture
+    hf_classes: tuple[str, ...]  # config.json `architectures` entries that map here
+    model_types: tuple[str, ...]  # config.json `model_type` values that map here (no `architectures`)
+    hf_class: str  # the class gguf->hf writes
+    model_type: str
+    permute_qk: bool = False
+    norm_shift: float = 0.0
+    moe: bool = False  # has routed experts (ffn_*_exps)
+    # the architecture's own keys, after the ones every family shares (metadata.add_model_metadata)
+    extra_metadata: MetadataHook = _no_extra
+    # per layer, the tensors llama.cpp's loader requires besides the attention / FFN ones below
+    block_extra: tuple[str, ...] = ()
+    attention: tuple[str, ...] = ("attn_q", "attn_k", "attn_v", "attn_output")
+    norms: tuple[str, ...] = ("attn_norm", "ffn_norm")
+    dense_ffn: tuple[str, ...] = ("ffn_gate", "ffn_up", "ffn_down")
+    tied_output_dropped: bool = False  # llama.cpp's converter drops lm_head (Gemma: the embedding serves)
+    # what the config asks that llama.cpp's graph for this architecture does not do (it hard-codes it):
+    # a list of warnings for the user, the conversion goes on
+    caveats: Callable[[Mapping], list[str]] = field(default=lambda config: [], repr=False)
+
+    @property
+    def enum(self) -> gguf.MODEL_ARCH:
+        return _ENUM_BY_NAME[self.name]
+
+
+_ENUM_BY_NAME = {name: enum for enum, name in gguf.MODEL_ARCH_NAMES.items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# per-architecture metadata (the keys the shared writer does not know)
+# --------------------------------------------------------------------------------------------------
+def _expert_keys(writer: gguf.GGUFWriter, config: Mapping) -> None:
+    # transformers 5 calls Qwen-MoE's count num_local_experts as Mixtral's; older configs num_experts
+    if expert_count(config) is not None:
+        writer.add_expert_count(int(expert_count(config)))
+    if config.get("num_experts_per_tok") is not None:
+        writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+
+
+def _llama_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
+    # Mixtral: arch llama with experts (llama.cpp reads llama.expert_count to build the MoE FFN)
+    _expert_keys(writer, config)
+
+
+def _qwen_moe_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
+    _expert_keys(writer, config)
+    if config.get("moe_intermediate_size") is not None:
+        writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
+    if config.get("shared_expert_intermediate_size") is not None:
+        writer.add_expert_shared_feed_forward_length(int(config["shared_expert_intermediate_size"]))
+
+
+def _gemma2_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
+    # soft-capping of attention scores and of the final logits, and the sliding window of the local layers
+    # (llama.cpp's gemma2 alternates local and global layers, as transformers' Gemma2 does)
+    if config.get("attn_logit_softcapping") is not None:
+        writer.add_attn_logit_softcapping(float(config["attn_logit_softcapping"]))
+    if config.get("final_logit_softcapping") is not None:
+        writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
+    if config.get("sliding_window") is not None:
+        writer.add_sliding_window(int(config["sliding_window"]))
+
+
+def _gemma3_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
+    from .metadata import rope_parameters
+
+    if config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
+    if config.get("sliding_window_pattern") != 1 and config.get("sliding_window") is not None:
+        writer.add_sliding_window(int(config["sliding_window"]))
+    # the local layers rotate with their own base (transformers 5: rope_parameters.sliding_attention;
+    # transformers 4: rope_local_base_freq)
+    local = rope_parameters(config, layer_type="sliding_attention").get("rope_theta")
+    if local is not None:
+        writer.add_rope_freq_base_swa(float(local))
+
+
+def _phi3_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
+    from .metadata import rope_parameters
+
+    rp = rope_parameters(config)
+    n_embd, n_head = int(config["hidden_size"]), int(config["num_attention_heads"])
+    rot = float(rp.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) or 1.0)
+    writer.add_rope_dimension_count(int(rot * n_embd) // n_head)
+    orig = rp.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+    writer.add_rope_scaling_orig_ctx_len(int(orig or config["max_position_embeddings"]))
+    # Phi-4 has no sliding window; llama.cpp tells the two apart by a zero here
+    writer.add_sliding_window(int(config.get("sliding_window") or 0))
+
+
+def _qwen3moe_caveats(config: Mapping) -> list[str]:
+    # llama.cpp's qwen3moe graph always renormalises the chosen experts' weights (build_moe_ffn norm_w)
+    if config.get("norm_topk_prob") is False:
+        return ["norm_topk_prob is false but llama.cpp's qwen3moe always renormalises the top-k expert weights"]
+    return []
+
+
+def _gemma_caveats(config: Mapping) -> list[str]:
+    # llama.cpp scales Gemma attention by 1/sqrt(head_dim) (1/sqrt(hidden/heads) only for the 27B sizes);
+    # transformers by query_pre_attn_scalar ** -0.5
+    scalar, hd = config.get("query_pre_attn_scalar"), config.get("head_dim")
+    if scalar is not None and hd is not None and int(scalar) != int(hd):
+        return [f"query_pre_attn_scalar {scalar} differs from head_dim {hd}: llama.cpp scales attention by "
+                "1/sqrt(head_dim) here (its 27B rule aside)"]
+    return []
+
+
+ARCHS: dict[str, GgufArch] = {a.name: a for a in (
+    GgufArch("llama", ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"),
+             ("llama", "mistral", "mixtral"), "LlamaForCausalLM", "llama", permute_qk=True,
+             extra_metadata=_llama_extra),
+    GgufArch("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), "Qwen2ForCausalLM", "qwen2"),
+    GgufArch("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), "Qwen3ForCausalLM", "qwen3",
+             block_extra=("attn_q_norm", "attn_k_norm")),
+    GgufArch("qwen2moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), "Qwen2MoeForCausalLM", "qwen2_moe", moe=True,
+             extra_metadata=_qwen_moe_extra),
+    GgufArch("qwen3moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "Qwen3MoeForCausalLM", "qwen3_moe", moe=True,
+             extra_metadata=_qwen_moe_extra, block_extra=("attn_q_norm", "attn_k_norm"), caveats=_qwen3moe_caveats),
+    GgufArch("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), "Gemma2ForCausalLM", "gemma2", norm_shift=1.0,
+             extra_metadata=_gemma2_extra, norms=("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"),
+             tied_output_dropped=True, caveats=_gemma_caveats),
+    GgufArch("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), "Gemma3ForCausalLM", "gemma3_text",
+             norm_shift=1.0, extra_metadata=_gemma3_extra,
+             norms=("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"),
+             block_extra=("attn_q_norm", "attn_k_norm"), tied_output_dropped=True, caveats=_gemma_caveats),
+    GgufArch("phi3", ("Phi3ForCausalLM",), ("phi3",), "Phi3ForCausalLM", "phi3", extra_metadata=_phi3_extra,
+             attention=("attn_qkv", "attn_output"), dense_ffn=("ffn_up", "ffn_down")),
+)}
+
+
+def arch_by_name(name: str) -> GgufArch | None:
+    return ARCHS.get(name)
+
+
+def supported_classes() -> list[str]:
+    return sorted(c for a in ARCHS.values() for c in a.hf_classes)
+
+
+def arch_for_config(config: Mapping) -> tuple[GgufArch | None, str]:
+    """(the architecture of an HF config.json dict, or None; what the config names, for a refusal).
+    `architectures[0]` decides; `model_type` is the fallback when there is no `architectures`."""
+    archs = config.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    if not isinstance(archs, list):  # an object or a number: named in the refusal
+        archs = [archs]
+    for a in ARCHS.values():
+        if any(isinstance(c, str) and c in a.hf_classes for c in archs):
+            return a, ""
+    if not archs:
+        mt = config.get("model_type")
+        for a in ARCHS.values():
+            if isinstance(mt, str) and mt in a.model_types:
+                return a, ""
+        return None, f"model_type {mt!r}" if mt else "no architectures/model_type in config.json"
+    return None, f"architecture {', '.join(map(str, archs))}"
+
+
+# `...experts.<e>.<rest>`: one expert's tensor of a MoE layer (Mixtral's block_sparse_moe.experts.3.w1,
+# Qwen-MoE's mlp.experts.3.gate_proj); shared experts (`shared_expert.`, `shared_experts.`) do not match
+_EXPERT = re.compile(r"^(?P<head>.*\.experts)\.(?P<index>0|[1-9][0-9]*)\.(?P<tail>.+)$")
+
+
+def expert_name(hf_name: str) -> tuple[str, int] | None:
+    """(the name of the stacked tensor the expert belongs to, the expert's index), or None:
+    `model.layers.0.mlp.experts.3.up_proj.weight` -> (`model.layers.0.mlp.experts.up_proj.weight`, 3)."""
+    m = _EXPERT.match(hf_name)
+    if m is None:
+        return None
+    return f"{m['head']}.{m['tail']}", int(m["index"])
+
+
+def expert_count(config: Mapping) -> int | None:
+    """The routed experts per MoE layer config.json declares (Mixtral, Qwen-MoE, DeepSeek name it differently)."""
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if config.get(key) is not None:
+            return config[key]
+    return None
