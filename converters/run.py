@@ -76,9 +76,18 @@ def open_source(fmt: str, path: Path, options: Options | None = None):
     return entry.open_reader(Path(path), **((options.extra if options else {}) or {}))
 
 
+def writer_records(source, writer):
+    """The records a writer takes, in order: the source's, unless the writer's format splits some tensors
+    into several of its own (a writer's optional `adapt_records(records, source)`; GGUF's DeepSeek
+    kv_b_proj becomes the attn_k_b and attn_v_b llama.cpp loads). Planning and writing both read it, so
+    they see the same records in the same order."""
+    adapt = getattr(writer, "adapt_records", None)
+    return source.records() if adapt is None else adapt(source.records(), source)
+
+
 def plan_conversion(source, writer, options: Options, progress: bool = True) -> list[TensorPlan]:
     plans, names, files = [], [], {}
-    for rec in tqdm(source.records(), desc="Checking", unit="tensor", disable=not progress, leave=False):
+    for rec in tqdm(writer_records(source, writer), desc="Checking", unit="tensor", disable=not progress, leave=False):
         names.append(rec.name)
         files[rec.name] = rec.source_file
         plans.append(_mark_standin(rec, writer.plan_tensor(rec, options, source)))
@@ -316,7 +325,7 @@ def convert(src_format: str, src_path: Path, dst_format: str, out_path: Path | N
     with atomic_output(Path(out_path), writer.output_is_file, force, several) as tmp:
         session = writer.open(tmp, source, plans, options)
         bar = tqdm(total=len(plans), desc="Converting", unit="tensor", disable=not progress, leave=False)
-        for rec in source.records():
+        for rec in writer_records(source, writer):
             plan = by_name[rec.name]
             item = rec.load()
             decoded = session.add(plan, item)

@@ -49,6 +49,12 @@ class GgufArch:
     norms: tuple[str, ...] = ("attn_norm", "ffn_norm")
     dense_ffn: tuple[str, ...] = ("ffn_gate", "ffn_up", "ffn_down")
     tied_output_dropped: bool = False  # llama.cpp's converter drops lm_head (Gemma: the embedding serves)
+    # multi-head latent attention (DeepSeek): llama.cpp runs it as MQA over the compressed KV, so the shared
+    # keys write one KV head and no per-head key/value length (the architecture's own keys do)
+    mla: bool = False
+    # layers at or beyond num_hidden_layers that llama.cpp's loader ignores (DeepSeek-V3's multi-token
+    # prediction layer, model.layers.<num_hidden_layers>): dropped with a note instead of refused
+    drops_extra_layers: bool = False
     # what the config asks that llama.cpp's graph for this architecture does not do (it hard-codes it):
     # a list of warnings for the user, the conversion goes on
     caveats: Callable[[Mapping], list[str]] = field(default=lambda config: [], repr=False)
@@ -123,6 +129,55 @@ def _phi3_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
     writer.add_sliding_window(int(config.get("sliding_window") or 0))
 
 
+def _deepseek2_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
+    """DeepSeek-V2/V3 and Kimi-K2: the latent ranks, the head sizes after decompression, the dense lead
+    layers, routed and shared experts and the router's rules (llama.cpp's deepseek2 loader reads these)."""
+    from .metadata import rope_parameters
+
+    n_layers = int(config["num_hidden_layers"])
+    n_routed = config.get("n_routed_experts")
+    lead = config.get("first_k_dense_replace")
+    writer.add_leading_dense_block_count(int(lead if lead is not None else (0 if n_routed else n_layers)))
+    writer.add_vocab_size(int(config["vocab_size"]))
+    if config.get("q_lora_rank") is not None:
+        writer.add_q_lora_rank(int(config["q_lora_rank"]))
+    kv_lora, rope, nope, v = (int(config.get("kv_lora_rank", 512)), int(config["qk_rope_head_dim"]),
+                              int(config["qk_nope_head_dim"]), int(config["v_head_dim"]))
+    writer.add_kv_lora_rank(kv_lora)
+    # the attention llama.cpp computes is MQA over [latent, rope] keys and latent values ...
+    writer.add_key_length(kv_lora + rope)
+    writer.add_value_length(kv_lora)
+    # ... decompressed per head by attn_k_b / attn_v_b to the model's own head sizes
+    writer.add_key_length_mla(nope + rope)
+    writer.add_value_length_mla(v)
+    writer.add_expert_feed_forward_length(int(config.get("moe_intermediate_size") or config["intermediate_size"]))
+    if n_routed is not None:
+        writer.add_expert_count(int(n_routed))
+    if config.get("num_experts_per_tok") is not None:
+        writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+    writer.add_expert_shared_count(int(config.get("n_shared_experts") or 0))
+    if config.get("routed_scaling_factor") is not None:
+        writer.add_expert_weights_scale(float(config["routed_scaling_factor"]))
+    if config.get("norm_topk_prob"):
+        writer.add_expert_weights_norm(True)
+    if config.get("n_group") is not None:
+        writer.add_expert_group_count(int(config["n_group"]))
+    if config.get("topk_group") is not None:
+        writer.add_expert_group_used_count(int(config["topk_group"]))
+    # V3 routes by sigmoid scores (transformers' DeepseekV3 always does; its configs say scoring_func
+    # "sigmoid"); llama.cpp assumes V2's softmax when the key is absent
+    score = config.get("scoring_func") or ("sigmoid" if config.get("model_type") in ("deepseek_v3", "kimi_k2")
+                                           else None)
+    if score is not None:
+        writer.add_expert_gating_func({"sigmoid": gguf.ExpertGatingFuncType.SIGMOID,
+                                       "softmax": gguf.ExpertGatingFuncType.SOFTMAX}[score])
+    writer.add_rope_dimension_count(rope)
+    mscale_all = rope_parameters(config).get("mscale_all_dim")
+    if mscale_all is not None:
+        # llama.cpp's deepseek2 takes 0.1 * mscale_all_dim here (its converter's convention)
+        writer.add_rope_scaling_yarn_log_mul(0.1 * float(mscale_all))
+
+
 def _qwen3moe_caveats(config: Mapping) -> list[str]:
     # llama.cpp's qwen3moe graph always renormalises the chosen experts' weights (build_moe_ffn norm_w)
     if config.get("norm_topk_prob") is False:
@@ -158,6 +213,10 @@ ARCHS: dict[str, GgufArch] = {a.name: a for a in (
              norm_shift=1.0, extra_metadata=_gemma3_extra,
              norms=("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"),
              block_extra=("attn_q_norm", "attn_k_norm"), tied_output_dropped=True, caveats=_gemma_caveats),
+    GgufArch("deepseek2", ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "KimiK2ForCausalLM"),
+             ("deepseek_v3", "deepseek_v2", "kimi_k2"), "DeepseekV3ForCausalLM", "deepseek_v3", moe=True, mla=True,
+             extra_metadata=_deepseek2_extra, drops_extra_layers=True,
+             attention=("attn_kv_a_mqa", "attn_kv_a_norm", "attn_k_b", "attn_v_b", "attn_output")),
     GgufArch("phi3", ("Phi3ForCausalLM",), ("phi3",), "Phi3ForCausalLM", "phi3", extra_metadata=_phi3_extra,
              attention=("attn_qkv", "attn_output"), dense_ffn=("ffn_up", "ffn_down")),
 )}
@@ -211,3 +270,34 @@ def expert_count(config: Mapping) -> int | None:
         if config.get(key) is not None:
             return config[key]
     return None
+
+
+# --------------------------------------------------------------------------------------------------
+# DeepSeek's kv_b_proj: one HF tensor, two GGUF tensors
+# --------------------------------------------------------------------------------------------------
+_KV_B = re.compile(r"^(?P<head>.*\.self_attn\.)kv_b_proj\.weight$")
+
+
+def _mla_sizes(config: Mapping) -> tuple[int, int, int]:
+    return int(config["num_attention_heads"]), int(config["qk_nope_head_dim"]), int(config["v_head_dim"])
+
+
+def split_kv_b(kv_b, config: Mapping):
+    """kv_b_proj [heads * (nope + v), kv_lora] -> (k_b [heads, kv_lora, nope], v_b [heads, v, kv_lora]):
+    llama.cpp's MLA absorbs k_b into the query, so it wants each head's key rows transposed (its
+    deepseek2 loader: attn_k_b {nope, kv_lora, heads}, attn_v_b {kv_lora, v, heads} in ggml order)."""
+    n_head, nope, v = _mla_sizes(config)
+    per_head = kv_b.reshape(n_head, nope + v, kv_b.shape[-1])
+    return per_head[:, :nope].transpose(1, 2).contiguous(), per_head[:, nope:].contiguous()
+
+
+def merge_kv_b(k_b, v_b):
+    """The inverse of :func:`split_kv_b`."""
+    per_head = __import__("torch").cat([k_b.transpose(1, 2), v_b], dim=1)
+    return per_head.reshape(-1, per_head.shape[-1]).contiguous()
+
+
+def kv_b_parts(hf_name: str) -> tuple[str, str] | None:
+    """The HF-style names of the two halves a kv_b_proj becomes (k_b_proj, v_b_proj), else None."""
+    m = _KV_B.match(hf_name)
+    return None if m is None else (f"{m['head']}k_b_proj.weight", f"{m['head']}v_b_proj.weight")

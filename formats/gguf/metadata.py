@@ -149,10 +149,10 @@ def add_model_metadata(writer: gguf.GGUFWriter, config: Mapping, arch: str, *, f
     writer.add_block_count(int(_require(config, "num_hidden_layers")))
     writer.add_feed_forward_length(int(_require(config, "intermediate_size")))
     writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_kv)
+    writer.add_head_count_kv(1 if spec.mla else n_kv)
     writer.add_rope_freq_base(float(rp["rope_theta"]))
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps") or _DEFAULT_RMS_EPS))
-    if config.get("head_dim") or hd * n_head != n_embd:
+    if not spec.mla and (config.get("head_dim") or hd * n_head != n_embd):
         writer.add_key_length(hd)
         writer.add_value_length(hd)
     if arch == "llama":
@@ -481,6 +481,11 @@ def _expected_shapes(cfg: Mapping, keys: Mapping[str, str]) -> dict[str, tuple[t
         "post_attention_norm.weight": ((e,), says("hidden_size")),
         "post_ffw_norm.weight": ((e,), says("hidden_size")),
     }
+    spec = arch_by_name(cfg.get("_arch", ""))
+    if spec is not None and spec.mla:  # latent attention: its projections follow the lora ranks, not head_dim
+        for name in [n for n in out if n.startswith(("attn_q.", "attn_k.", "attn_v.", "attn_output.", "attn_q_norm",
+                                                       "attn_k_norm"))]:
+            del out[name]
     if cfg.get("_arch") == "phi3":  # fused projections: q, k, v rows in one, gate and up rows in one
         out["attn_qkv.weight"] = ((q + 2 * kvr, e), says(*heads, "num_key_value_heads"))
         out["ffn_up.weight"] = ((2 * f, e), says(*ffn))

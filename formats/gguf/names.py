@@ -103,6 +103,8 @@ def gguf_tensor_name(hf_name: str, arch: str, n_layers: int) -> str | None:
     member = expert_name(hf_name)
     if member is not None:
         hf_name = member[0]
+    # the router's score-correction bias (DeepSeek-V3) is a parameter named ..._bias, mapped as a .bias
+    hf_name = re.sub(r"\.e_score_correction_bias$", ".e_score_correction.bias", hf_name)
     base, layer = _split_index(hf_name)
     if layer is not None and layer >= int(n_layers):
         return None
@@ -158,7 +160,14 @@ _HF_MIXTRAL_MOE = ("block_sparse_moe.gate", "block_sparse_moe.experts.w1", "bloc
 _HF_QWEN_MOE = ("mlp.gate", "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj",
                 "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj",
                 "mlp.shared_expert_gate")
+_HF_DEEPSEEK = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.q_a_proj",
+                "self_attn.q_a_layernorm", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
+                "self_attn.kv_a_layernorm", "self_attn.kv_b_proj", "self_attn.k_b_proj", "self_attn.v_b_proj",
+                "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp.gate",
+                "mlp.gate.e_score_correction", "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj",
+                "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj")
 _HF_BLOCK_BY_ARCH = {
+    "deepseek2": _HF_DEEPSEEK,
     "llama": _HF_DENSE_BLOCK + _HF_MIXTRAL_MOE,
     "qwen2moe": _HF_DENSE_BLOCK + _HF_QWEN_MOE,
     "qwen3moe": _HF_DENSE_BLOCK + _HF_QWEN_MOE,
@@ -203,6 +212,7 @@ def hf_tensor_name(gguf_name: str, arch: str, n_layers: int) -> str | None:
         hf = inv.get(base)
     if hf is None:
         return None
+    hf = re.sub(r"\.e_score_correction\.bias$", ".e_score_correction_bias", hf)
     if layer is None or not base.startswith("blk.0."):
         return None if layer is not None or hf.startswith("model.layers.") else hf
     return f"model.layers.{layer}." + hf[len("model.layers.0."):]

@@ -39,8 +39,8 @@ from ...kernels.ggml_legacy import decode_blocks, quantize_pack, repack_grid
 from ...kernels.gptq_q4_0 import gptq4_to_q4_0, q4_0_to_gptq4
 from .kencode import QUANTIZERS, QuantHow, encode_quantized
 from .metadata import add_model_metadata, check_writer_config, config_json_path, layer_count, rope_freqs_tensor
-from .archs import arch_by_name, expert_count
-from .names import expert_of, gguf_arch, gguf_tensor_name, inverse_permutation, qk_row_permutation
+from .archs import arch_by_name, expert_count, kv_b_parts, split_kv_b
+from .names import expert_of, gguf_arch, layer_index, gguf_tensor_name, inverse_permutation, qk_row_permutation
 from .presets import PRESETS, ModelFacts, preset_of, preset_type, quantized_by_llama_cpp
 from .schemes import ALIGNED_CANDIDATES, GGUF_SCHEMES, default_grid_type, k_fallback
 
@@ -71,6 +71,34 @@ def _expert_count(source) -> int:
     return ConfigView(source.config, config_json_path(source)).int(
         next(k for k in ("num_local_experts", "num_experts", "n_routed_experts") if source.config.get(k) is not None),
         lo=1, hi=1 << 16)
+
+
+def _kv_b_records(rec: TensorRecord, parts: tuple[str, str], config, where) -> list[TensorRecord]:
+    """The two records a DeepSeek kv_b_proj becomes: k_b [heads, kv_lora, nope] and v_b [heads, v, kv_lora],
+    each loading the source tensor and splitting it (a grid is dequantized first: a transpose keeps no
+    grid, so these halves are dense, measured against the source's dequantization)."""
+    try:
+        n_head, nope, v = (int(config[k]) for k in ("num_attention_heads", "qk_nope_head_dim", "v_head_dim"))
+    except (KeyError, TypeError, ValueError):
+        raise BadInput("config.json lacks num_attention_heads / qk_nope_head_dim / v_head_dim, which split "
+                       "kv_b_proj for llama.cpp's MLA", path=where, tensor=rec.name) from None
+    rows, kv_lora = rec.shape
+    if rows != n_head * (nope + v):
+        raise BadInput(f"shape {list(rec.shape)} contradicts the config (num_attention_heads {n_head} x "
+                       f"(qk_nope_head_dim {nope} + v_head_dim {v}) rows)", path=where, tensor=rec.name)
+    dtype = rec.dtype if not rec.is_grid else "float32"
+
+    def half(i: int):
+        def load() -> Dense:
+            item = rec.load()
+            tensor = item.tensor if isinstance(item, Dense) else item.dequantize(torch.float32)
+            return Dense(split_kv_b(tensor, config)[i])
+        return load
+
+    shapes = ((n_head, kv_lora, nope), (n_head, v, kv_lora))
+    return [replace(rec, name=name, shape=shape, dtype=dtype, load=half(i), params=None, native_type=None,
+                    source_name=f"{rec.source_name or rec.name} ({'k' if i == 0 else 'v'} half)")
+            for i, (name, shape) in enumerate(zip(parts, shapes))]
 
 
 def _kquants():
@@ -186,6 +214,17 @@ class GgufWriter:
             return self.for_conversion(source, Options())._arch_of_source
         return self._arch_of_source
 
+    def adapt_records(self, records, source):
+        """The source's records with DeepSeek's kv_b_proj split into the k_b / v_b halves llama.cpp's MLA
+        loads (archs.split_kv_b); every other record passes as it is."""
+        arch, _ = self._arch(source)
+        for rec in records:
+            parts = kv_b_parts(rec.name) if arch_by_name(arch).mla else None
+            if parts is None:
+                yield rec
+                continue
+            yield from _kv_b_records(rec, parts, source.config, config_json_path(source))
+
     def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
         arch, n_layers = self._arch(source)
         if _DROPPED.search(rec.name):
@@ -198,6 +237,11 @@ class GgufWriter:
                               f"{arch} uses the token embedding as its output (llama.cpp loads no output.weight)",
                               info={"drop": True})
         out_name = gguf_tensor_name(rec.name, arch, n_layers)
+        layer = layer_index(rec.name)
+        if out_name is None and spec.drops_extra_layers and layer is not None and layer >= n_layers:
+            return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT,
+                              f"layer {layer} is beyond num_hidden_layers {n_layers} (multi-token prediction): "
+                              f"llama.cpp's {arch} does not load it", info={"drop": True})
         if out_name is None:
             return TensorPlan(rec.name, rec.shape, rec.dtype, "?", REFUSED,
                               f"no GGUF tensor for it in arch {arch}; llama.cpp refuses extra tensors")
@@ -225,7 +269,7 @@ class GgufWriter:
                 target = "F32"
             else:
                 target, rule_note = _choose_type(explicit, options, source, out_name, rule_shape, keep_float,
-                                                 not source.quant_config and len(rec.shape) == 2)
+                                                 not source.quant_config and len(rec.shape) >= 2)
             target, fallback_note = k_fallback(target, rule_shape, None)
             v = check(rec.dtype, rec.shape, GGUF_SCHEMES[target])
             if spec.norm_shift and out_name.endswith("norm.weight") and v.verdict == EXACT:
