@@ -316,7 +316,6 @@ def config_from_gguf(fields: Any, tensor_names: Iterable[str] | None = None, *, 
         cfg["attention_bias"] = bool(names and "blk.0.attn_q.bias" in names)
     if arch in ("qwen2", "qwen3"):
         cfg["use_sliding_window"] = False
-    _ARCH_CONFIG.get(arch, lambda cfg, get, names: None)(cfg, get, names)
 
     stype = cv.str(f"{arch}.rope.scaling.type", default=None)
     if stype in ("linear", "yarn"):
@@ -332,6 +331,8 @@ def config_from_gguf(fields: Any, tensor_names: Iterable[str] | None = None, *, 
                     scaling[hf] = get(key, kind=kind)
         cfg["rope_scaling"] = scaling
 
+    if arch in _ARCH_CONFIG:
+        _ARCH_CONFIG[arch](cfg, get, names, cv)
     for typ, key in (("bos", "tokenizer.ggml.bos_token_id"), ("eos", "tokenizer.ggml.eos_token_id"),
                      ("pad", "tokenizer.ggml.padding_token_id")):
         if key in kv:
@@ -341,7 +342,7 @@ def config_from_gguf(fields: Any, tensor_names: Iterable[str] | None = None, *, 
     return cfg
 
 
-def _moe_config(cfg: dict, get, names) -> None:
+def _moe_config(cfg: dict, get, names, cv) -> None:
     """The routed-expert fields every MoE family shares (transformers 5 names the count num_local_experts,
     as Mixtral always did, and still reads num_experts from older Qwen-MoE configs)."""
     n_expert = get("expert_count", lo=1, hi=1 << 16)
@@ -354,30 +355,30 @@ def _moe_config(cfg: dict, get, names) -> None:
         cfg["moe_intermediate_size"] = ff_exp
 
 
-def _llama_config(cfg: dict, get, names) -> None:
+def _llama_config(cfg: dict, get, names, cv) -> None:
     if get("expert_count") is not None:  # llama with experts is Mixtral
         cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral", sliding_window=None)
         cfg.pop("attention_bias", None)
         cfg.pop("mlp_bias", None)
-        _moe_config(cfg, get, names)
+        _moe_config(cfg, get, names, cv)
 
 
-def _qwen2moe_config(cfg: dict, get, names) -> None:
-    _moe_config(cfg, get, names)
+def _qwen2moe_config(cfg: dict, get, names, cv) -> None:
+    _moe_config(cfg, get, names, cv)
     shared = get("expert_shared_feed_forward_length", lo=1, hi=MAX_WIDTH)
     cfg.update(num_experts=cfg["num_local_experts"], shared_expert_intermediate_size=shared or 0,
                norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=True,
                use_sliding_window=False)
 
 
-def _qwen3moe_config(cfg: dict, get, names) -> None:
-    _moe_config(cfg, get, names)
+def _qwen3moe_config(cfg: dict, get, names, cv) -> None:
+    _moe_config(cfg, get, names, cv)
     # llama.cpp's qwen3moe renormalises the top-k weights (build_moe_ffn norm_w), as Qwen3-MoE's configs ask
     cfg.update(num_experts=cfg["num_local_experts"], norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                use_sliding_window=False, attention_bias=bool(names and "blk.0.attn_q.bias" in names))
 
 
-def _gemma_config(cfg: dict, get, names, pattern: int) -> None:
+def _gemma_config(cfg: dict, get, names, cv, pattern: int) -> None:
     """Gemma 2 / 3: gelu-tanh FFN, the embedding as the output, attention scaled by 1/sqrt(head_dim) (what
     llama.cpp does for every size but 27B), local layers in llama.cpp's fixed pattern: gemma2 alternates
     (every 2nd layer global), gemma3 has 5 local then 1 global."""
@@ -391,13 +392,13 @@ def _gemma_config(cfg: dict, get, names, pattern: int) -> None:
     cfg["final_logit_softcapping"] = final
 
 
-def _gemma2_config(cfg: dict, get, names) -> None:
-    _gemma_config(cfg, get, names, 2)
+def _gemma2_config(cfg: dict, get, names, cv) -> None:
+    _gemma_config(cfg, get, names, cv, 2)
     cfg["attn_logit_softcapping"] = get("attn_logit_softcapping", kind="float")
 
 
-def _gemma3_config(cfg: dict, get, names) -> None:
-    _gemma_config(cfg, get, names, 6)
+def _gemma3_config(cfg: dict, get, names, cv) -> None:
+    _gemma_config(cfg, get, names, cv, 6)
     local = get("rope.freq_base_swa", kind="float", lo=1e-30)
     full = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
     if "rope_scaling" in cfg:
@@ -406,7 +407,7 @@ def _gemma3_config(cfg: dict, get, names) -> None:
                               "sliding_attention": {"rope_type": "default", "rope_theta": local or 10000.0}}
 
 
-def _phi3_config(cfg: dict, get, names) -> None:
+def _phi3_config(cfg: dict, get, names, cv) -> None:
     rope_dims = get("rope.dimension_count", lo=1, hi=MAX_WIDTH)
     if rope_dims is not None and rope_dims != cfg["head_dim"]:
         cfg["partial_rotary_factor"] = rope_dims / cfg["head_dim"]
@@ -417,7 +418,36 @@ def _phi3_config(cfg: dict, get, names) -> None:
     cfg.setdefault("pad_token_id", None)
 
 
-_ARCH_CONFIG = {"llama": _llama_config, "qwen2moe": _qwen2moe_config, "qwen3moe": _qwen3moe_config,
+def _deepseek2_config(cfg: dict, get, names, cv) -> None:
+    """DeepSeek-V3's config from the MLA keys: llama.cpp's key/value lengths are the latent attention's
+    (kv_lora + rope, kv_lora over one KV head); the model's own head sizes are the *_mla lengths."""
+    kv_lora = get("attention.kv_lora_rank", required=True, lo=1, hi=MAX_WIDTH)
+    rope = get("rope.dimension_count", required=True, lo=1, hi=MAX_WIDTH)
+    k_mla = get("attention.key_length_mla", required=True, lo=rope + 1, hi=MAX_WIDTH)
+    cfg.pop("_value_head_dim", None)
+    n_layers = cfg["num_hidden_layers"]
+    n_expert = get("expert_count", lo=1, hi=1 << 16)
+    cfg.update(num_key_value_heads=cfg["num_attention_heads"], head_dim=rope, qk_rope_head_dim=rope,
+               qk_nope_head_dim=k_mla - rope, qk_head_dim=k_mla,
+               v_head_dim=get("attention.value_length_mla", required=True, lo=1, hi=MAX_WIDTH),
+               kv_lora_rank=kv_lora, q_lora_rank=get("attention.q_lora_rank", lo=1, hi=MAX_WIDTH),
+               first_k_dense_replace=get("leading_dense_block_count", 0, lo=0, hi=n_layers),
+               moe_intermediate_size=get("expert_feed_forward_length", required=True, lo=1, hi=MAX_WIDTH),
+               n_routed_experts=n_expert,
+               num_experts_per_tok=get("expert_used_count", required=n_expert is not None, lo=1, hi=n_expert or 1),
+               n_shared_experts=get("expert_shared_count", 0, lo=0, hi=1 << 16),
+               routed_scaling_factor=get("expert_weights_scale", 1.0, kind="float"),
+               norm_topk_prob=bool(cv.bool("deepseek2.expert_weights_norm", default=False)),
+               n_group=get("expert_group_count", 1, lo=1), topk_group=get("expert_group_used_count", 1, lo=1),
+               rope_interleave=True, attention_bias=False, topk_method="noaux_tc")
+    gating = get("expert_gating_func", lo=0, hi=3)
+    cfg["scoring_func"] = "softmax" if gating == int(gguf.ExpertGatingFuncType.SOFTMAX) else "sigmoid"
+    log_mul = get("rope.scaling.yarn_log_multiplier", kind="float")
+    if log_mul is not None and "rope_scaling" in cfg:  # llama.cpp's deepseek2 holds 0.1 * mscale_all_dim
+        cfg["rope_scaling"].update(mscale_all_dim=log_mul / 0.1, mscale=log_mul / 0.1)
+
+
+_ARCH_CONFIG = {"deepseek2": _deepseek2_config, "llama": _llama_config, "qwen2moe": _qwen2moe_config, "qwen3moe": _qwen3moe_config,
                 "gemma2": _gemma2_config, "gemma3": _gemma3_config, "phi3": _phi3_config}
 
 

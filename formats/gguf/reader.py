@@ -44,7 +44,7 @@ from ...kernels.ggml_kblocks import K_ZERO_POINT, unpack_k_blocks
 from ...kernels.ggml_layouts import LAYOUTS
 from ...kernels.ggml_legacy import unpack_blocks
 from .metadata import check_gguf_tensors, config_from_gguf, field_values
-from .archs import arch_by_name
+from .archs import arch_by_name, merge_kv_b
 from .names import expert_member, hf_tensor_name, inverse_permutation, is_expert_stack, qk_row_permutation
 from .tokenizer import tokenizer_files_from_gguf
 
@@ -57,6 +57,7 @@ _INTEGER = {"I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": tor
 GRID_TYPES = tuple(name for name, lay in LAYOUTS.items() if lay.kind != "float")
 # tensors llama.cpp derives from the config (the writer recomputes them): skipped, not refused
 _DERIVED = {"rope_freqs.weight"}
+_KV_B_HALF = re.compile(r"^blk\.(?P<block>0|[1-9][0-9]*)\.attn_(?P<half>[kv])_b\.weight$")
 
 
 def split_parts(path: Path) -> list[Path]:
@@ -386,6 +387,7 @@ class GgufSource:
         self.arch = self.kv.get("general.architecture")
         self.n_layers = int(self.config["num_hidden_layers"])
         self.norm_shift = arch_by_name(self.arch).norm_shift
+        self.mla = arch_by_name(self.arch).mla
         # every tensor checked against the metadata before any is read or any loop runs per layer
         check_gguf_tensors(self.config, self.arch, {t.name: tuple(int(d) for d in reversed(list(t.shape)))
                                                     for r in self.readers for t in r.tensors},
@@ -538,9 +540,44 @@ class GgufSource:
 
     # -- the ModelSource interface --------------------------------------------------------------
     def records(self) -> Iterator[TensorRecord]:
+        halves: dict[str, dict[str, tuple[Path, object]]] = {}  # DeepSeek's attn_k_b / attn_v_b waiting for the other
         for path, reader in zip(self.parts, self.readers):
             for t in reader.tensors:
-                yield from self._records(path, t)
+                m = _KV_B_HALF.match(t.name) if self.mla else None
+                if m is None:
+                    yield from self._records(path, t)
+                    continue
+                pair = halves.setdefault(m["block"], {})
+                pair[m["half"]] = (path, t)
+                if len(pair) == 2:
+                    del halves[m["block"]]
+                    yield self._kv_b_record(pair)
+        for block, pair in halves.items():
+            path, t = next(iter(pair.values()))
+            other = "attn_v_b" if "k" in pair else "attn_k_b"
+            raise BadInput(f"{t.name} without blk.{block}.{other}.weight (the two halves of kv_b_proj)", path=path,
+                           tensor=t.name)
+
+    def _kv_b_record(self, pair: dict) -> TensorRecord:
+        """kv_b_proj from llama.cpp's two MLA halves (archs.merge_kv_b): k_b [heads, kv_lora, nope] and
+        v_b [heads, v, kv_lora], each decoded to float32 by gguf-py."""
+        (k_path, k), (v_path, v) = pair["k"], pair["v"]
+        k_shape = tuple(int(d) for d in reversed(list(k.shape)))
+        v_shape = tuple(int(d) for d in reversed(list(v.shape)))
+        if len(k_shape) != 3 or len(v_shape) != 3 or k_shape[0] != v_shape[0] or k_shape[1] != v_shape[2]:
+            raise BadInput(f"MLA halves of shapes {list(k_shape)} and {list(v_shape)} do not make one kv_b_proj "
+                           "([heads, kv_lora, nope] and [heads, v, kv_lora])", path=v_path, tensor=v.name)
+        name = hf_tensor_name(k.name, self.arch, self.n_layers).replace(".k_b_proj.", ".kv_b_proj.")
+        shape = (k_shape[0] * (k_shape[2] + v_shape[1]), k_shape[1])
+
+        def load() -> Dense:
+            halves = [torch.from_numpy(np.array(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type),
+                                                  dtype=np.float32)).reshape(s)
+                      for t, s in ((k, k_shape), (v, v_shape))]
+            return Dense(merge_kv_b(*halves))
+
+        return TensorRecord(name, shape, "float32", load, source_file=str(k_path),
+                            source_name=f"{k.name} + {v.name}")
 
     def side_files(self) -> dict[str, Path]:
         if self._tokenizer_dir is None:

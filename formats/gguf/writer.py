@@ -21,7 +21,9 @@ rest is requantized. `--imatrix FILE` weighs the K quantizers as llama-quantize 
 
 from __future__ import annotations
 
+import os
 import re
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,7 +43,8 @@ from .kencode import QUANTIZERS, QuantHow, encode_quantized
 from .metadata import add_model_metadata, check_writer_config, config_json_path, layer_count, rope_freqs_tensor
 from .archs import arch_by_name, expert_count, kv_b_parts, split_kv_b
 from .names import expert_of, gguf_arch, layer_index, gguf_tensor_name, inverse_permutation, qk_row_permutation
-from .presets import PRESETS, ModelFacts, preset_of, preset_type, quantized_by_llama_cpp
+from .presets import (PRESETS, ModelFacts, model_facts_from_gguf_names, preset_of, preset_type,
+                      quantized_by_llama_cpp)
 from .schemes import ALIGNED_CANDIDATES, GGUF_SCHEMES, default_grid_type, k_fallback
 
 __all__ = ["GgufWriter", "best_aligned_type", "default_grid_type", "FILE_TYPES"]
@@ -123,16 +126,31 @@ def _parse_type(text: str) -> str:
     return key
 
 
-def _model_facts(source, tied: bool | None = None) -> ModelFacts:
-    cfg = source.config
-    heads = int(cfg.get("num_attention_heads") or 1)
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    if tied is None:  # until check_model sees whether an output.weight is planned
-        tied = bool(cfg.get("tie_word_embeddings", False))
-    return ModelFacts(int(cfg.get("num_hidden_layers", 0)), max(1, heads // max(1, kv_heads)), tied)
+def preset_facts(records, source, arch: str, n_layers: int, options: Options) -> ModelFacts:
+    """What llama-quantize's rules look at (presets.model_facts_from_gguf_names), from the GGUF tensors
+    these records will make: their names and shapes (experts stacked), the head counts as the GGUF
+    states them (MLA: one KV head) and the tensors --tensor-type fixes (left out of llama.cpp's counters).
+    Reads headers only: the records are not loaded."""
+    spec = arch_by_name(arch)
+    shapes: dict[str, tuple[int, ...]] = {}
+    manual = []
+    for rec in records:
+        if spec.tied_output_dropped and rec.name == "lm_head.weight":
+            continue
+        name = gguf_tensor_name(rec.name, arch, n_layers)
+        if name is None or _DROPPED.search(rec.name):
+            continue
+        shapes[name] = rec.shape if expert_of(rec.name) is None else (_expert_count(source), *rec.shape)
+        if options.explicit_type(rec.name):
+            manual.append(name)
+    cfg = ConfigView(source.config, config_json_path(source))
+    heads = cfg.int("num_attention_heads", lo=1, hi=1 << 14)
+    kv_heads = 1 if spec.mla else cfg.int("num_key_value_heads", default=heads, lo=1, hi=heads)
+    n_expert = _expert_count(source) if expert_count(source.config) is not None else 0
+    return model_facts_from_gguf_names(shapes, arch, n_layers, heads, kv_heads, n_expert, manual=manual)
 
 
-def _choose_type(explicit, options: Options, source, out_name: str, shape, default: str | None,
+def _choose_type(explicit, options: Options, facts: ModelFacts | None, out_name: str, shape, default: str | None,
                  quantize_dense: bool) -> tuple[str | None, str]:
     """The ggml type a tensor asks for, in order: --tensor-type, a preset's rule, --type, `default`.
     `quantize_dense`: whether --type applies to this (dense) tensor. -> (type or None, rule note)."""
@@ -140,7 +158,7 @@ def _choose_type(explicit, options: Options, source, out_name: str, shape, defau
         return _parse_type(explicit), ""
     preset = preset_of(options.type)
     if preset is not None and quantize_dense and quantized_by_llama_cpp(out_name, shape):
-        chosen, rule = preset_type(preset, out_name, shape, _model_facts(source))
+        chosen, rule = preset_type(preset, out_name, shape, facts)
         return chosen, f"[{rule}] "
     if options.type and preset is None and quantize_dense:
         return _parse_type(options.type), ""
@@ -201,13 +219,19 @@ class GgufWriter:
     name = "gguf"
     output_is_file = True
 
-    def __init__(self, arch: tuple[str, int] | None = None):
+    def __init__(self, arch: tuple[str, int] | None = None, facts: ModelFacts | None = None):
         self._arch_of_source = arch  # set by for_conversion: (GGUF architecture, layer count) of this model
+        self._facts = facts  # llama-quantize's view of the model, when --type names one of its mixes
 
     def for_conversion(self, source, options: Options) -> "GgufWriter":
         """The writer for one conversion, holding the model's architecture (read once from config.json)."""
         where = config_json_path(source)
-        return GgufWriter((gguf_arch(source.config, where), layer_count(source.config, where)))
+        writer = GgufWriter((gguf_arch(source.config, where), layer_count(source.config, where)))
+        if preset_of(options.type) is not None:
+            arch, n_layers = writer._arch_of_source
+            writer._facts = preset_facts(writer.adapt_records(source.records(), source), source, arch, n_layers,
+                                         options)
+        return writer
 
     def _arch(self, source) -> tuple[str, int]:
         if self._arch_of_source is None:  # called without for_conversion (a direct plan_tensor call)
@@ -245,6 +269,9 @@ class GgufWriter:
         if out_name is None:
             return TensorPlan(rec.name, rec.shape, rec.dtype, "?", REFUSED,
                               f"no GGUF tensor for it in arch {arch}; llama.cpp refuses extra tensors")
+        facts = self._facts
+        if facts is None and preset_of(options.type) is not None:  # a direct call, without for_conversion
+            facts = self.for_conversion(source, options)._facts
         expert = expert_of(rec.name)
         # the shape llama.cpp's rules see: a stacked expert tensor's, experts outermost
         rule_shape = rec.shape if expert is None else (_expert_count(source), *rec.shape)
@@ -255,7 +282,7 @@ class GgufWriter:
         if rec.is_grid:
             p = rec.params
             # a GGUF source's grid keeps its own ggml type unless a type is asked for
-            target, rule_note = _choose_type(explicit, options, source, out_name, rule_shape,
+            target, rule_note = _choose_type(explicit, options, facts, out_name, rule_shape,
                                              rec.native_type or default_grid_type(p), True)
             asked = _parse_type(target)
             target, fallback_note = k_fallback(asked, rule_shape, p)
@@ -268,7 +295,7 @@ class GgufWriter:
             if (is_1d or _always_f32(out_name)) and not explicit:
                 target = "F32"
             else:
-                target, rule_note = _choose_type(explicit, options, source, out_name, rule_shape, keep_float,
+                target, rule_note = _choose_type(explicit, options, facts, out_name, rule_shape, keep_float,
                                                  not source.quant_config and len(rec.shape) >= 2)
             target, fallback_note = k_fallback(target, rule_shape, None)
             v = check(rec.dtype, rec.shape, GGUF_SCHEMES[target])
@@ -298,7 +325,6 @@ class GgufWriter:
         check_writer_config(source.config, arch, shapes,
                             config_json_path(source), names={p.out_name: p.name for p in kept},
                             unmapped=[p.name for p in plans if not p.out_name])
-        _settle_tied_embedding(source, plans, options)
         # the tokenizer is checked by the session before writing; do it here too so dry runs see it
         arch, _ = self._arch(source)
         probe = gguf.GGUFWriter(path=None, arch=arch)
@@ -357,28 +383,6 @@ def stack_shape(members: list[TensorPlan]) -> tuple[int, ...]:
     return tuple(first.shape) if "expert" not in first.info else (len(members), *first.shape)
 
 
-def _settle_tied_embedding(source, plans: list[TensorPlan], options: Options) -> None:
-    """A preset gives token_embd the output rule when it doubles as the output (no output.weight in
-    the file, as llama-quantize decides); plan_tensor assumed config.json's tie_word_embeddings."""
-    preset = preset_of(options.type)
-    if preset is None:
-        return
-    tied = not any(p.out_name == "output.weight" for p in plans)
-    if tied == _model_facts(source).tied:
-        return
-    for i, p in enumerate(plans):
-        if p.out_name != "token_embd.weight" or p.source not in ("float32", "float16", "bfloat16"):
-            continue
-        if options.explicit_type(p.name) or source.quant_config:
-            continue
-        target, rule = preset_type(preset, p.out_name, p.shape, _model_facts(source, tied))
-        target, fallback_note = k_fallback(target, p.shape, None)
-        v = check(p.source, p.shape, GGUF_SCHEMES[target])
-        plans[i] = TensorPlan(p.name, p.shape, p.source, target, v.verdict, f"[{rule}] " + fallback_note + v.reason,
-                              out_name=p.out_name, info={"file_type": preset.file_type})
-        _attach_quant(plans[i], options, keep_codes=False)
-
-
 def _add_tokenizer(writer: gguf.GGUFWriter, source, n_vocab: int) -> None:
     """The tokenizer keys: copied verbatim from a GGUF source, else built from its tokenizer files."""
     copy = getattr(source, "write_gguf_tokenizer", None)
@@ -417,7 +421,8 @@ class GgufSession:
             self.extra.append(("rope_freqs.weight", rope.astype(np.float32)))
         self.norm_shift = arch_by_name(arch).norm_shift
         n_experts = _expert_count(source) if any("expert" in p.info for p in kept) else 0
-        self.pending: dict[str, dict[int, np.ndarray]] = {}  # stacks of experts being filled: encoded bytes
+        self.pending: dict[str, _ExpertSpill] = {}  # stacks of experts being filled
+        self.spill_dir = Path(path).parent
         self.stack_size: dict[str, int] = {}
         for name, members in gguf_tensors_in_order(kept, n_experts, config_json_path(source)):
             first = members[0]
@@ -455,22 +460,80 @@ class GgufSession:
         return decoded
 
     def _write(self, plan: TensorPlan, data: np.ndarray) -> None:
-        """Append a tensor's bytes; an expert's wait until its stack is complete (then experts in order)."""
+        """Append a tensor's bytes. An expert goes to its slot in a spill file until its stack is complete,
+        then the stack is copied into the GGUF in chunks: the experts of a layer arrive interleaved across
+        its three stacks (and may span shards), and holding them in memory would hold a layer."""
         if "expert" not in plan.info:
             self.writer.write_tensor_data(data)
             return
-        stack = self.pending.setdefault(plan.out_name, {})
-        stack[plan.info["expert"]] = data
-        if len(stack) == self.stack_size[plan.out_name]:
-            del self.pending[plan.out_name]
-            self.writer.write_tensor_data(np.concatenate([stack[e] for e in range(len(stack))]))
+        name = plan.out_name
+        if name not in self.pending:
+            self.pending[name] = _ExpertSpill(self.spill_dir, self.stack_size[name], data.nbytes)
+        spill = self.pending[name]
+        spill.put(plan.info["expert"], data)
+        if spill.complete:
+            del self.pending[name]
+            with spill:
+                _write_tensor_from_file(self.writer, spill.file, spill.nbytes)
 
     def close(self) -> None:
         if self.pending:  # the plan guaranteed every expert; a source that changed under us is a bug
+            for spill in self.pending.values():
+                spill.file.close()
             raise AssertionError(f"experts never arrived for {sorted(self.pending)}")
         for _, arr in self.extra:
             self.writer.write_tensor_data(arr)
         self.writer.close()
+
+
+class _ExpertSpill:
+    """One stacked expert tensor being filled: an anonymous temporary file (gone when closed, or when the
+    process ends) with a slot of `expert_bytes` per expert, written as the experts arrive in any order."""
+
+    def __init__(self, folder: Path, count: int, expert_bytes: int):
+        self.file = tempfile.TemporaryFile(dir=folder, prefix=".qconvert-experts-")
+        self.count, self.expert_bytes, self.nbytes = count, expert_bytes, count * expert_bytes
+        self.filled: set[int] = set()
+
+    def put(self, index: int, data: np.ndarray) -> None:
+        if data.nbytes != self.expert_bytes:  # the plan gave every expert one shape and type
+            raise AssertionError(f"expert {index} encodes to {data.nbytes} bytes, not {self.expert_bytes}")
+        os.pwrite(self.file.fileno(), np.ascontiguousarray(data).view(np.uint8).data, index * self.expert_bytes)
+        self.filled.add(index)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.filled) == self.count
+
+    def __enter__(self) -> "_ExpertSpill":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+
+
+_COPY_CHUNK = 16 << 20
+
+
+def _write_tensor_from_file(writer: gguf.GGUFWriter, f, nbytes: int) -> None:
+    """gguf-py's write_tensor_data for bytes held in a file: the next tensor info's data, padded to the
+    alignment before and after as gguf-py pads, copied in chunks (never the whole tensor in memory)."""
+    file_id = next(i for i, tensors in enumerate(writer.tensors) if tensors)
+    fout = writer.fout[file_id]
+    info = writer.tensors[file_id].pop(next(iter(writer.tensors[file_id])))
+    if info.nbytes != nbytes:
+        raise AssertionError(f"tensor info holds {info.nbytes} bytes, the stack {nbytes}")
+    writer.write_padding(fout, fout.tell())
+    f.seek(0)
+    left = nbytes
+    while left:
+        chunk = f.read(min(_COPY_CHUNK, left))
+        if not chunk:
+            raise AssertionError("the expert spill file ended early")
+        fout.write(chunk)
+        left -= len(chunk)
+    writer.write_padding(fout, nbytes)
+    writer.state = gguf.gguf_writer.WriterState.WEIGHTS
 
 
 def _gptq_words_to_q4_0(item: Grid):

@@ -1,0 +1,299 @@
+"""GGUF for the model families beyond llama / qwen2 / qwen3: mixtral, qwen2_moe, qwen3_moe, gemma2, gemma3,
+phi3 (Phi-4 style: byte-level BPE) and deepseek_v3, judged by llama.cpp itself:
+
+- `hf->gguf --type f32` of a tiny random model of each family gives the tensors (names, types, bytes) and
+  the model metadata that llama.cpp's own convert_hf_to_gguf.py writes for it (the llama-cpp-python sdist's
+  copy, scripts/llama_cpp_reference.py), and llama.cpp runs it within 0.05 of transformers' logits; for
+  DeepSeek-V3, where llama.cpp and transformers part on details, within 1e-3 of llama.cpp running the
+  converter's own file;
+- `--type q8_0` equals llama-quantize's Q8_0 of our F32 file, tensor by tensor, and runs with its logits;
+- `gguf->hf --type f32` of the F32 file loads in transformers as the source's class with its logits (1e-4);
+- gptqmodel-quantized Qwen3-MoE and Mixtral: `gptq->gguf` keeps every expert's codes (Q4_0, max error 0
+  against gptqmodel's dequantization, expert by expert) and llama.cpp runs the file;
+- a MoE whose experts span several shards converts within 2x the largest shard of memory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import fixtures_archs
+from helpers import gguf_tensors, llama_logits, run_cli
+
+llama_cpp = pytest.importorskip("llama_cpp")
+gguf = pytest.importorskip("gguf")
+
+ROOT = Path(__file__).parent / "_fixtures" / "archs"
+KINDS = fixtures_archs.KINDS
+PROMPT = fixtures_archs.arch_prompt()
+CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+           "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+           "deepseek_v3": "DeepseekV3ForCausalLM"}
+# metadata llama.cpp's converter does not write but we do: gemma2's rope base (the config's; llama.cpp's
+# default is the same 10000)
+EXTRA_KEYS = {"gemma2": {"gemma2.rope.freq_base"}}
+
+
+def _reference_module():
+    path = Path(__file__).resolve().parent.parent / "scripts" / "llama_cpp_reference.py"
+    spec = importlib.util.spec_from_file_location("llama_cpp_reference", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _cached(path: Path, build) -> Path:
+    done = path.with_name(path.name + ".done")
+    if not done.exists():
+        if path.is_dir():
+            shutil.rmtree(path)
+        path.unlink(missing_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        build(path)
+        done.write_text("ok")
+    return path
+
+
+def model_dir(kind: str) -> Path:
+    return _cached(ROOT / kind, lambda d: fixtures_archs.build_arch_model(d, kind))
+
+
+def ours_f32(kind: str) -> Path:
+    src = model_dir(kind)
+    return _cached(ROOT / f"{kind}-f32.gguf", lambda out: run_cli("hf->gguf", src, out, "--type", "f32"))
+
+
+def reference_f32(kind: str) -> Path:
+    ref = _reference_module()
+    try:
+        ref.llama_cpp_src()
+    except FileNotFoundError as e:
+        pytest.skip(f"llama.cpp's converter is not extracted: {e}")  # a failure under QCONVERT_REQUIRE_ORACLES
+    src = model_dir(kind)
+    # general.name must not say "phi3": llama.cpp then wants Phi-3's SentencePiece tokens (see the script)
+    return _cached(ROOT / f"{kind}-ref.gguf",
+                   lambda out: ref.convert_reference(src, out, model_name="tiny " + kind.replace("phi3", "phi-4")))
+
+
+def _model_keys(path: Path) -> dict:
+    r = gguf.GGUFReader(str(path))
+    return {k: f.contents() for k, f in r.fields.items() if not k.startswith(("GGUF.", "general.", "tokenizer."))}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_f32_is_what_llama_cpp_converter_writes_and_runs(kind):
+    ours, theirs = ours_f32(kind), reference_f32(kind)
+    a, b = gguf_tensors(ours), gguf_tensors(theirs)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert (a[name].tensor_type, list(a[name].shape)) == (b[name].tensor_type, list(b[name].shape)), name
+        assert bytes(a[name].data) == bytes(b[name].data), name
+    ka, kb = _model_keys(ours), _model_keys(theirs)
+    extra = EXTRA_KEYS.get(kind, set())
+    assert set(ka) - extra == set(kb)
+    for key in kb:
+        assert ka[key] == pytest.approx(kb[key]) if isinstance(kb[key], float) else ka[key] == kb[key], key
+    stacked = [n for n in a if n.endswith("_exps.weight")]
+    assert bool(stacked) == (kind in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"))
+
+    got = llama_logits(ours, PROMPT)
+    if kind == "deepseek_v3":
+        want = llama_logits(theirs, PROMPT)
+        assert np.abs(got - want).max() < 1e-3
+    else:
+        want = fixtures_archs.transformers_logits(model_dir(kind), PROMPT)
+        assert np.abs(got - want).max() < 0.05, float(np.abs(got - want).max())
+    assert want.std(axis=-1).min() > 0.3  # far from uniform: a wrong weight would show
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+
+
+def _llama_quantize(src: Path, dst: Path, ftype: int) -> Path:
+    import ctypes
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = 2
+    assert llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) == 0
+    return dst
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_q8_0_equals_llama_quantize(kind, tmp_path):
+    f32 = ours_f32(kind)
+    ours = tmp_path / "ours-q8_0.gguf"
+    run_cli("hf->gguf", model_dir(kind), ours, "--type", "q8_0", "--allow-requant")
+    theirs = _llama_quantize(f32, tmp_path / "llama-q8_0.gguf", 7)
+    a, b = gguf_tensors(ours), gguf_tensors(theirs)
+    assert sorted(a) == sorted(b)
+    kinds = set()
+    for name in a:
+        assert a[name].tensor_type == b[name].tensor_type, name
+        assert bytes(a[name].data) == bytes(b[name].data), name
+        kinds.add(a[name].tensor_type.name)
+    assert "Q8_0" in kinds
+    if kind in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"):  # routers stay F32, experts quantized
+        routers = [n for n in a if n.endswith("ffn_gate_inp.weight")]
+        assert routers and all(a[n].tensor_type.name == "F32" for n in routers)
+        assert all(a[n].tensor_type.name == "Q8_0" for n in a if n.endswith("_exps.weight"))
+    assert np.array_equal(llama_logits(ours, PROMPT), llama_logits(theirs, PROMPT))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gguf_to_hf_gives_back_the_source_class(kind, tmp_path):
+    out = tmp_path / "hf"
+    run_cli("gguf->hf", ours_f32(kind), out, "--type", "f32")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [CLASSES[kind]]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert type(model).__name__ == CLASSES[kind]
+    got = fixtures_archs.transformers_logits(out, PROMPT)
+    want = fixtures_archs.transformers_logits(model_dir(kind), PROMPT)
+    assert np.abs(got - want).max() < 1e-4, float(np.abs(got - want).max())
+
+
+# -- quantized MoE sources ----------------------------------------------------------------------------
+def _gguf_expert_rows(path: Path) -> dict[tuple[str, int], np.ndarray]:
+    """Each expert's dequantized [out, in] rows from the stacked GGUF tensors, by (GGUF name, expert)."""
+    r = gguf.GGUFReader(str(path))
+    out = {}
+    for t in r.tensors:
+        if not t.name.endswith("_exps.weight"):
+            continue
+        values = gguf.quants.dequantize(t.data, t.tensor_type)  # [experts, out, in]
+        for e in range(values.shape[0]):
+            out[(t.name, e)] = np.asarray(values[e], dtype=np.float32)
+    return out
+
+
+def _stack_slot(hf_name: str, arch: str) -> tuple[str, int]:
+    """Where an HF expert weight goes in a GGUF: (stacked tensor, expert index). gptqmodel saves Mixtral's
+    experts under Qwen-style names (mlp.experts.E.gate_proj), which map to the same stacks."""
+    from qconvert.formats.gguf.names import expert_of, gguf_tensor_name
+
+    return gguf_tensor_name(hf_name, arch, 1 << 10), expert_of(hf_name)
+
+
+def _gptqmodel_dequantization(ckpt: Path, dest: Path) -> dict:
+    """gptqmodel's own dequantization of every quantized linear (fixtures_moe.moe_gptq_reference), made in
+    a child process: loading a MoE with gptqmodel patches transformers for the rest of the process."""
+    code = ("import sys, torch; sys.path.insert(0, sys.argv[3]); import fixtures_moe; "
+            "torch.save(fixtures_moe.moe_gptq_reference(sys.argv[1]), sys.argv[2])")
+    proc = subprocess.run([sys.executable, "-c", code, str(ckpt), str(dest), str(Path(__file__).parent)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(dest)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_gptqmodel_moe_to_gguf_keeps_every_expert(kind, tmp_path):
+    import fixtures_moe
+
+    ckpt = fixtures_moe.ensure_moe_gptq(kind=kind)
+    out = tmp_path / "moe-q4_0.gguf"
+    report = tmp_path / "report.json"
+    run_cli("gptq->gguf", ckpt, out, "--report", report)
+    results = json.loads(report.read_text())["tensors"]
+    experts = [t for t in results if ".experts." in t["name"]]
+    assert len(experts) == 2 * 4 * 3  # 2 layers x 4 experts x gate/up/down
+    assert all(t["target"] == "Q4_0" and t["verdict"] == "exact" and t["max_abs_err"] == 0 for t in experts)
+
+    reference = _gptqmodel_dequantization(ckpt, tmp_path / "reference.pt")
+    rows = _gguf_expert_rows(out)
+    arch = gguf.GGUFReader(str(out)).fields["general.architecture"].contents()
+    slots = {_stack_slot(n, arch): n for n in reference if ".experts." in n}
+    assert set(rows) == set(slots)
+    for slot, values in rows.items():
+        # gptqmodel multiplies in fp16: equal once the exact fp32 product is rounded to fp16
+        want = reference[slots[slot]].to(torch.float16)
+        assert torch.equal(torch.from_numpy(values).to(torch.float16), want), slot
+
+    # llama.cpp runs it. The weights the file holds, read back (gguf->hf) and run by transformers, are what
+    # llama.cpp computes with them in F32 (1e-4); the Q4_0 file itself runs with llama.cpp's activation
+    # quantization (Q8_0 activations against Q4_0 weights), whose noise can flip a top-2 routing choice:
+    # judged on the mean and on top-1 agreement
+    hf = tmp_path / "hf"
+    run_cli("gguf->hf", out, hf, "--type", "f32")
+    f32 = tmp_path / "same-weights-f32.gguf"
+    run_cli("hf->gguf", hf, f32, "--type", "f32")
+    want = fixtures_archs.transformers_logits(hf, PROMPT)
+    assert np.abs(llama_logits(f32, PROMPT) - want).max() < 1e-4
+    # gptq->hf gives the same model: gptqmodel's Mixtral names (mlp.experts.E.gate_proj) are written under
+    # the names transformers' Mixtral loads (block_sparse_moe.experts.E.w1), else its experts stay random
+    direct = tmp_path / "gptq-hf"
+    run_cli("gptq->hf", ckpt, direct, "--type", "f32")
+    assert np.array_equal(fixtures_archs.transformers_logits(direct, PROMPT), want)
+    got = llama_logits(out, PROMPT)
+    assert np.abs(got - want).mean() < 0.05, float(np.abs(got - want).mean())
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+
+
+# -- memory: experts spread over several shards --------------------------------------------------------
+PROBE = textwrap.dedent("""
+    import json, resource, sys
+    from pathlib import Path
+    from qconvert.converters.plan import Options
+    from qconvert.converters.run import convert
+    src, out, warm = map(Path, sys.argv[1:4])
+    convert("hf", warm, "gguf", out.with_name("warmup.gguf"), Options(type="q8_0", allow_requant=True), progress=False)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report = convert("hf", src, "gguf", out, Options(type="q8_0", allow_requant=True), progress=False)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"base": base, "peak": peak, "verdicts": report.summary()["verdicts"]}))
+""")
+
+
+def _big_moe(out: Path) -> Path:
+    """A Qwen3-MoE with 32 experts of 512 x 1024 per layer (200 MB of fp32 experts a layer), saved in shards
+    of 48 MB so that every layer's experts span several shards."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, moe_intermediate_size=1024,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                         num_experts=32, num_local_experts=32, num_experts_per_tok=2, norm_topk_prob=True,
+                         max_position_embeddings=128)
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(cfg).save_pretrained(str(out), max_shard_size="48MB")
+    import fixtures
+
+    fixtures.build_tokenizer(out)
+    return out
+
+
+def _big_moe_in_a_child(out: Path) -> None:
+    code = "import sys; sys.path.insert(0, sys.argv[2]); import test_gguf_archs as t; t._big_moe(__import__('pathlib').Path(sys.argv[1]))"
+    proc = subprocess.run([sys.executable, "-c", code, str(out), str(Path(__file__).parent)], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_moe_experts_across_shards_stay_within_twice_the_largest_shard(tmp_path):
+    src = _cached(ROOT / "moe_sharded", _big_moe_in_a_child)
+    shards = sorted(src.glob("model-*.safetensors"))
+    assert len(shards) >= 6
+    with open(src / "model.safetensors.index.json") as f:
+        where = json.load(f)["weight_map"]
+    layer0 = {where[n] for n in where if n.startswith("model.layers.0.mlp.experts.")}
+    assert len(layer0) >= 2  # one layer's experts are spread over several shards
+    largest = max(p.stat().st_size for p in shards)
+    out = tmp_path / "out.gguf"
+    proc = subprocess.run([sys.executable, "-c", PROBE, str(src), str(out), str(model_dir("qwen3_moe"))],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    grown = result["peak"] - result["base"]
+    assert grown < 2 * largest, (grown / 1e6, largest / 1e6)
+    r = gguf.GGUFReader(str(out))
+    stacks = [t for t in r.tensors if t.name.endswith("_exps.weight")]
+    assert len(stacks) == 3 * 3 and all(list(t.shape)[-1] == 32 for t in stacks)
