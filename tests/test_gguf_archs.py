@@ -29,6 +29,7 @@ import torch
 
 import fixtures_archs
 from helpers import gguf_tensors, llama_logits, run_cli
+from test_gguf_presets import llama_quantize
 
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
@@ -90,6 +91,14 @@ def _model_keys(path: Path) -> dict:
     return {k: f.contents() for k, f in r.fields.items() if not k.startswith(("GGUF.", "general.", "tokenizer."))}
 
 
+def _assert_same_model_keys(ours: Path, theirs: Path, extra: set = frozenset()) -> None:
+    """The {arch}.* hyper-parameters of two GGUFs agree (floats as stored, FLOAT32), but for `extra` keys."""
+    ka, kb = _model_keys(ours), _model_keys(theirs)
+    assert set(ka) - set(extra) == set(kb)
+    for key in kb:
+        assert ka[key] == kb[key], (key, ka[key], kb[key])
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_f32_is_what_llama_cpp_converter_writes_and_runs(kind):
     ours, theirs = ours_f32(kind), reference_f32(kind)
@@ -98,11 +107,7 @@ def test_f32_is_what_llama_cpp_converter_writes_and_runs(kind):
     for name in a:
         assert (a[name].tensor_type, list(a[name].shape)) == (b[name].tensor_type, list(b[name].shape)), name
         assert bytes(a[name].data) == bytes(b[name].data), name
-    ka, kb = _model_keys(ours), _model_keys(theirs)
-    extra = EXTRA_KEYS.get(kind, set())
-    assert set(ka) - extra == set(kb)
-    for key in kb:
-        assert ka[key] == pytest.approx(kb[key]) if isinstance(kb[key], float) else ka[key] == kb[key], key
+    _assert_same_model_keys(ours, theirs, EXTRA_KEYS.get(kind, set()))
     stacked = [n for n in a if n.endswith("_exps.weight")]
     assert bool(stacked) == (kind in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"))
 
@@ -117,14 +122,14 @@ def test_f32_is_what_llama_cpp_converter_writes_and_runs(kind):
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
 
 
-def _llama_quantize(src: Path, dst: Path, ftype: int) -> Path:
-    import ctypes
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = ftype
-    params.nthread = 2
-    assert llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) == 0
-    return dst
+def _same_tensors(ours: Path, theirs: Path) -> set[str]:
+    """Both files hold the same tensors, each of the same ggml type and bytes; -> the types present."""
+    a, b = gguf_tensors(ours), gguf_tensors(theirs)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].tensor_type == b[name].tensor_type, name
+        assert bytes(a[name].data) == bytes(b[name].data), name
+    return {t.tensor_type.name for t in a.values()}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -132,15 +137,9 @@ def test_q8_0_equals_llama_quantize(kind, tmp_path):
     f32 = ours_f32(kind)
     ours = tmp_path / "ours-q8_0.gguf"
     run_cli("hf->gguf", model_dir(kind), ours, "--type", "q8_0", "--allow-requant")
-    theirs = _llama_quantize(f32, tmp_path / "llama-q8_0.gguf", 7)
-    a, b = gguf_tensors(ours), gguf_tensors(theirs)
-    assert sorted(a) == sorted(b)
-    kinds = set()
-    for name in a:
-        assert a[name].tensor_type == b[name].tensor_type, name
-        assert bytes(a[name].data) == bytes(b[name].data), name
-        kinds.add(a[name].tensor_type.name)
-    assert "Q8_0" in kinds
+    theirs = llama_quantize(f32, tmp_path / "llama-q8_0.gguf", 7)
+    assert "Q8_0" in _same_tensors(ours, theirs)
+    a = gguf_tensors(ours)
     if kind in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"):  # routers stay F32, experts quantized
         routers = [n for n in a if n.endswith("ffn_gate_inp.weight")]
         assert routers and all(a[n].tensor_type.name == "F32" for n in routers)
@@ -297,3 +296,56 @@ def test_moe_experts_across_shards_stay_within_twice_the_largest_shard(tmp_path)
     r = gguf.GGUFReader(str(out))
     stacks = [t for t in r.tensors if t.name.endswith("_exps.weight")]
     assert len(stacks) == 3 * 3 and all(list(t.shape)[-1] == 32 for t in stacks)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "deepseek_v3", "phi3", "gemma3"])
+def test_q4_k_m_equals_llama_quantize(kind, tmp_path):
+    """llama-quantize's Q4_K_M mix on the new families, end to end: every tensor's type and bytes as
+    llama_model_quantize gives from our F32 file (models 256 wide, so the K types apply; the expert,
+    MLA and fused-projection rules of formats/gguf/presets.py decide)."""
+    src = _cached(ROOT / f"{kind}-wide", lambda d: fixtures_archs.build_arch_model(d, kind, wide=True))
+    f32 = tmp_path / "f32.gguf"
+    run_cli("hf->gguf", src, f32, "--type", "f32")
+    ours = tmp_path / "ours-q4_k_m.gguf"
+    run_cli("hf->gguf", src, ours, "--type", "q4_k_m", "--allow-requant")
+    theirs = llama_quantize(f32, tmp_path / "llama-q4_k_m.gguf", 15)
+    assert {"Q4_K", "Q6_K"} <= _same_tensors(ours, theirs)
+    assert gguf.GGUFReader(str(ours)).fields["general.file_type"].contents() == 15
+
+
+def _phi3_longrope(out: Path) -> Path:
+    """Phi-3 with longrope (the 128k models' scaling): its long and short factor tables, context 1024 over an
+    original 256 (llama.cpp and transformers both take the short table within the original context)."""
+    fixtures_archs.build_arch_model(out, "phi3")
+    config = json.loads((out / "config.json").read_text())
+    gen = np.random.default_rng(3)
+    config.update(max_position_embeddings=1024, original_max_position_embeddings=256)
+    config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 250000.0, "partial_rotary_factor": 1.0,
+                                 "original_max_position_embeddings": 256,
+                                 "long_factor": [float(x) for x in 1 + 3 * gen.random(16)],
+                                 "short_factor": [float(x) for x in 1 + 0.5 * gen.random(16)]}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def test_phi3_longrope_factors_travel_both_ways(tmp_path):
+    src = _cached(ROOT / "phi3_longrope", _phi3_longrope)
+    ours = tmp_path / "ours.gguf"
+    run_cli("hf->gguf", src, ours, "--type", "f32")
+    ref = _reference_module()
+    try:
+        ref.llama_cpp_src()
+    except FileNotFoundError as e:
+        pytest.skip(f"llama.cpp's converter is not extracted: {e}")
+    theirs = ref.convert_reference(src, tmp_path / "ref.gguf", model_name="tiny phi-4")
+    a, b = gguf_tensors(ours), gguf_tensors(theirs)
+    assert sorted(a) == sorted(b) and {"rope_factors_long.weight", "rope_factors_short.weight"} <= set(a)
+    assert all(bytes(a[n].data) == bytes(b[n].data) for n in a)
+    _assert_same_model_keys(ours, theirs)
+    want = fixtures_archs.transformers_logits(src, PROMPT)
+    assert np.abs(llama_logits(ours, PROMPT) - want).max() < 0.05
+    back = tmp_path / "hf"
+    run_cli("gguf->hf", ours, back, "--type", "f32")
+    rope = json.loads((back / "config.json").read_text())["rope_scaling"]
+    assert rope["rope_type"] == "longrope" and len(rope["long_factor"]) == 16
+    assert np.abs(fixtures_archs.transformers_logits(back, PROMPT) - want).max() < 1e-4

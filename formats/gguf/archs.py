@@ -127,6 +127,10 @@ def _phi3_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
     writer.add_rope_scaling_orig_ctx_len(int(orig or config["max_position_embeddings"]))
     # Phi-4 has no sliding window; llama.cpp tells the two apart by a zero here
     writer.add_sliding_window(int(config.get("sliding_window") or 0))
+    if rp.get("rope_type") in ("longrope", "su"):  # the factor tables are tensors (metadata.rope_tensors)
+        from .metadata import longrope_attn_factor
+
+        writer.add_rope_scaling_attn_factors(longrope_attn_factor(config))
 
 
 def _deepseek2_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:

@@ -119,6 +119,34 @@ def rope_freqs_tensor(config: Mapping) -> np.ndarray | None:
     return np.asarray(factors, dtype=np.float32)
 
 
+def _phi3_rope_dims(config: Mapping) -> int:
+    """The dimensions Phi-3 rotates per head: partial_rotary_factor of hidden / heads (as llama.cpp's converter)."""
+    rp = rope_parameters(config)
+    rot = float(rp.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) or 1.0)
+    return int(rot * int(config["hidden_size"])) // int(config["num_attention_heads"])
+
+
+def longrope_attn_factor(config: Mapping) -> float:
+    """Phi-3's long-context attention scale, sqrt(1 + ln(scale) / ln(original context)) with scale the
+    context over the original (transformers' longrope default; llama.cpp's converter writes the same)."""
+    rp = rope_parameters(config)
+    orig = float(rp.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+                 or config["max_position_embeddings"])
+    scale = float(config["max_position_embeddings"]) / orig
+    return math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
+
+
+def rope_tensors(config: Mapping, arch: str) -> list[tuple[str, np.ndarray]]:
+    """The F32 tensors a rope scaling is stored as: llama-3's rope_freqs.weight, Phi-3's longrope
+    rope_factors_long / rope_factors_short.weight (the factor tables, one per rotated pair)."""
+    rp = rope_parameters(config)
+    if rp["rope_type"] in ("longrope", "su") and arch == "phi3":
+        return [("rope_factors_long.weight", np.asarray(rp["long_factor"], dtype=np.float32)),
+                ("rope_factors_short.weight", np.asarray(rp["short_factor"], dtype=np.float32))]
+    freqs = rope_freqs_tensor(config)
+    return [] if freqs is None else [("rope_freqs.weight", freqs.astype(np.float32))]
+
+
 def _default_name(config: Mapping) -> str:
     src = str(config.get("_name_or_path") or "").rstrip("/")
     return src.rsplit("/", 1)[-1] if src else "model"
@@ -208,8 +236,8 @@ def _add_rope_scaling(writer: gguf.GGUFWriter, rp: Mapping) -> None:
         if runtime:
             logger.warning("yarn rope settings that llama.cpp does not read from GGUF for this architecture; "
                            "run it with %s to match the source model", " ".join(runtime))
-    elif rtype == "llama3":
-        pass  # carried by the rope_freqs.weight tensor (rope_freqs_tensor)
+    elif rtype in ("llama3", "longrope", "su"):
+        pass  # carried by tensors: rope_freqs.weight, rope_factors_long/short.weight (rope_tensors)
     elif rtype == "dynamic":
         # dynamic NTK only changes rope beyond the trained context; llama.cpp has no equivalent
         logger.warning("rope_scaling type 'dynamic' is not representable in GGUF; written as plain rope "
@@ -653,9 +681,10 @@ def layer_count(config: Mapping, path: object) -> int:
 
 
 _ROPE_TYPES = ("default", "linear", "yarn", "llama3", "dynamic")
+_ARCH_ROPE_TYPES = {"phi3": ("longrope", "su")}  # llama.cpp's phi3 holds Phi-3's long/short factor tables
 
 
-def _check_rope(config: Mapping, path: object) -> None:
+def _check_rope(config: Mapping, path: object, arch: str = "") -> None:
     """The rope settings GGUF can hold (what _add_rope_scaling and rope_freqs_tensor write), checked
     before writing: a type GGUF cannot store, a scaling without its factor, llama3 frequencies that
     would divide by zero."""
@@ -666,9 +695,18 @@ def _check_rope(config: Mapping, path: object) -> None:
     where = "rope_parameters" if isinstance(config.get("rope_parameters"), Mapping) else "rope_scaling"
     r = ConfigView(rp, path, prefix=f"{where}.")
     rtype = rp["rope_type"]
-    if rtype not in _ROPE_TYPES:
+    allowed = _ROPE_TYPES + _ARCH_ROPE_TYPES.get(arch, ())
+    if rtype not in allowed:
         raise BadInput(f"{where} type {rtype!r} cannot be stored in GGUF for this architecture "
-                       "(supported: linear, yarn, llama3)", path=path)
+                       f"(supported: {', '.join(t for t in allowed if t not in ('default', 'dynamic'))})", path=path)
+    if rtype in ("longrope", "su"):
+        rope_dims = _phi3_rope_dims(config)
+        for key in ("long_factor", "short_factor"):
+            factors = rp.get(key)
+            if not isinstance(factors, list) or len(factors) != rope_dims // 2 or not all(
+                    isinstance(f, (int, float)) and not isinstance(f, bool) for f in factors):
+                raise BadInput(f"{where}.{key} must be a list of {rope_dims // 2} numbers (half the rotated "
+                               "dimensions)", path=path)
     r.float("rope_theta", lo=1e-30, hi=_FLOAT32_MAX)
     if rtype in ("linear", "yarn"):
         r.float("factor", lo=1e-30, hi=_FLOAT32_MAX)
@@ -708,7 +746,7 @@ def check_writer_config(config: Mapping, arch: str, shapes: Mapping[str, tuple[i
     cv.float("rms_norm_eps", default=None, lo=0.0, hi=1.0)
     cv.float("rope_theta", default=None, lo=1e-30, hi=_FLOAT32_MAX)
     cv.bool("tie_word_embeddings", default=None)
-    _check_rope(config, path)
+    _check_rope(config, path, arch)
     for key in ("rope_scaling", "rope_parameters"):
         sub = cv.view(key, default=None)
         if sub is None:

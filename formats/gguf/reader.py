@@ -56,7 +56,7 @@ _INTEGER = {"I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": tor
 # ggml types read as grids: the layout table's block types. Others gguf-py decodes become float32.
 GRID_TYPES = tuple(name for name, lay in LAYOUTS.items() if lay.kind != "float")
 # tensors llama.cpp derives from the config (the writer recomputes them): skipped, not refused
-_DERIVED = {"rope_freqs.weight"}
+_DERIVED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 _KV_B_HALF = re.compile(r"^blk\.(?P<block>0|[1-9][0-9]*)\.attn_(?P<half>[kv])_b\.weight$")
 
 
@@ -387,6 +387,7 @@ class GgufSource:
         self.arch = self.kv.get("general.architecture")
         self.n_layers = int(self.config["num_hidden_layers"])
         self.norm_shift = arch_by_name(self.arch).norm_shift
+        self._longrope_config(names)
         self.mla = arch_by_name(self.arch).mla
         # every tensor checked against the metadata before any is read or any loop runs per layer
         check_gguf_tensors(self.config, self.arch, {t.name: tuple(int(d) for d in reversed(list(t.shape)))
@@ -398,6 +399,27 @@ class GgufSource:
         self.quant_config: dict = ({"quant_method": "gguf", "file_type": self.kv.get("general.file_type"),
                                     "types": quantized} if quantized else {})
         self._tokenizer_dir: Path | None = None
+
+    def _longrope_config(self, names: list[str]) -> None:
+        """Phi-3's longrope: the factor tables are tensors in the GGUF and lists in config.json."""
+        if "rope_factors_long.weight" not in names:
+            return
+        tables = {t.name: t for r in self.readers for t in r.tensors if t.name.startswith("rope_factors_")}
+        if set(tables) != {"rope_factors_long.weight", "rope_factors_short.weight"}:
+            raise BadInput("rope_factors_long.weight without rope_factors_short.weight (longrope needs both)",
+                           path=self.path)
+        factors = {}
+        for key, name in (("long_factor", "rope_factors_long.weight"), ("short_factor", "rope_factors_short.weight")):
+            t = tables[name]
+            if _type_name(t) != "F32" or len(t.shape) != 1:
+                raise BadInput(f"{_type_name(t)} tensor of shape {list(t.shape)}: longrope factors are 1-D F32",
+                               path=self.path, tensor=name)
+            factors[key] = [float(x) for x in np.asarray(t.data, dtype=np.float32)]
+        scaling = {"rope_type": "longrope", **factors}
+        orig = self.config.get("original_max_position_embeddings")
+        if orig:
+            scaling["original_max_position_embeddings"] = orig
+        self.config["rope_scaling"] = scaling
 
     def _check_split(self) -> None:
         """Each part's split.no / split.count agree with its name (llama.cpp's gguf-split writes both, and

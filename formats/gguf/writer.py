@@ -40,7 +40,7 @@ from ...kernels.ggml_layouts import LAYOUTS, BlockLayout
 from ...kernels.ggml_legacy import decode_blocks, quantize_pack, repack_grid
 from ...kernels.gptq_q4_0 import gptq4_to_q4_0, q4_0_to_gptq4
 from .kencode import QUANTIZERS, QuantHow, encode_quantized
-from .metadata import add_model_metadata, check_writer_config, config_json_path, layer_count, rope_freqs_tensor
+from .metadata import add_model_metadata, check_writer_config, config_json_path, layer_count, rope_tensors
 from .archs import arch_by_name, expert_count, kv_b_parts, split_kv_b
 from .names import expert_of, gguf_arch, layer_index, gguf_tensor_name, inverse_permutation, qk_row_permutation
 from .presets import (PRESETS, ModelFacts, model_facts_from_gguf_names, preset_of, preset_type,
@@ -415,10 +415,7 @@ class GgufSession:
                            file_type=FILE_TYPES.get(dominant, 0) if preset_file_type is None else preset_file_type)
         n_vocab = next(p.shape[0] for p in kept if p.out_name == "token_embd.weight")
         _add_tokenizer(w, source, n_vocab)
-        self.extra = []
-        rope = rope_freqs_tensor(source.config)
-        if rope is not None:
-            self.extra.append(("rope_freqs.weight", rope.astype(np.float32)))
+        self.extra = rope_tensors(source.config, arch)
         self.norm_shift = arch_by_name(arch).norm_shift
         n_experts = _expert_count(source) if any("expert" in p.info for p in kept) else 0
         self.pending: dict[str, _ExpertSpill] = {}  # stacks of experts being filled
