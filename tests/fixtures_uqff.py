@@ -210,3 +210,153 @@ if __name__ == "__main__":
     for name, d in info["uqff"].items():
         print(name, sorted(p.name for p in d.iterdir()))
     print("failed:", info["failed"])
+
+
+# -- MoE: tiny Mixtral / Qwen3-MoE and what mistral.rs writes for them -------------------------------------
+MOE_ROOT = HERE / "_fixtures" / "uqff_moe"
+# transformers model_type -> mistral.rs Architecture
+MOE_ARCH = {"mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe"}
+MOE_EXPERTS = 4
+# ISQ types mistral.rs writes for the MoE models; q8_0 / q4_0 run on a CPU. afq4 is written (and its UQFF
+# loads) but mistral.rs 0.9.5's CPU AFQ expert matmul fails ("moe experts forward: non-contiguous lhs"), so
+# for afq4 only the files are kept, without log-probabilities.
+MOE_RUN_TYPES = ("q8_0", "q4_0")
+MOE_WRITE_ONLY_TYPES = ("afq4",)
+
+
+def mistralrs_moe_ready(model_dir: Path) -> None:
+    """mistralrs_ready, plus what mistral.rs' Qwen3-MoE config needs and transformers 5 no longer writes:
+    `num_experts` (transformers writes `num_local_experts`) and `max_window_layers` (no sliding window here)."""
+    mistralrs_ready(model_dir)
+    cfg_path = Path(model_dir) / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("model_type") == "qwen3_moe" and ("num_experts" not in cfg or "max_window_layers" not in cfg):
+        cfg.setdefault("num_experts", cfg["num_local_experts"])
+        cfg.setdefault("max_window_layers", cfg["num_hidden_layers"])
+        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def build_moe(out_dir: Path, kind: str, seed: int = 515) -> Path:
+    """A float32 MixtralForCausalLM / Qwen3MoeForCausalLM: hidden 256, expert FFN 512 (so a stacked
+    down_proj [E, 256, 512] is told apart from gate/up [E, 512, 256], and K types get rows of 256),
+    2 layers, 4 heads of 64, 2 kv heads, 4 experts, top-2, vocab 512. transformers 5.24 saves the experts
+    per expert (Mixtral: block_sparse_moe.experts.E.w1/w2/w3, Qwen3-MoE: mlp.experts.E.gate/up/down_proj)."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    fx = _fixtures_module()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    common = dict(vocab_size=fx.VOCAB_SIZE, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, max_position_embeddings=256, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=0, pad_token_id=None,
+                  num_experts_per_tok=2, dtype=torch.float32)
+    if kind == "mixtral":
+        config, cls = MixtralConfig(intermediate_size=512, num_local_experts=MOE_EXPERTS, **common), MixtralForCausalLM
+    elif kind == "qwen3_moe":
+        config = Qwen3MoeConfig(intermediate_size=512, moe_intermediate_size=512, num_experts=MOE_EXPERTS,
+                                decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, **common)
+        cls = Qwen3MoeForCausalLM
+    else:
+        raise ValueError(f"unknown MoE kind {kind!r}; known: {sorted(MOE_ARCH)}")
+    torch.manual_seed(seed)
+    model = cls(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            shape = tuple(p.shape)
+            if name.endswith("norm.weight"):
+                v = 1.0 + 0.2 * (torch.rand(shape, generator=gen) - 0.5)
+            elif "embed_tokens" in name:
+                v = torch.randn(shape, generator=gen)
+            else:  # linears, fused 3-D experts and the router: 1/sqrt(fan_in), the last dim
+                v = torch.randn(shape, generator=gen) / shape[-1] ** 0.5
+            p.copy_(v)
+    model.save_pretrained(str(out), safe_serialization=True)
+    fx.build_tokenizer(out)
+    mistralrs_moe_ready(out)
+    return out
+
+
+_WRITE_ONLY_RUNNER = r'''
+import json, os, sys
+os.environ["MISTRALRS_CPU_KV_F32"] = "1"
+os.environ["HF_HUB_OFFLINE"] = "1"
+from mistralrs import Runner, Which, Architecture, ModelDType
+a = json.loads(sys.argv[1])
+which = dict(model_id=a["model"], arch=getattr(Architecture, a["arch"]), dtype=ModelDType.F32)
+runner_kw = dict(token_source="none", no_paged_attn=True)
+if a.get("write_uqff"):
+    which["write_uqff"] = a["write_uqff"]
+    runner_kw["in_situ_quant"] = a["isq"]
+if a.get("from_uqff"):
+    which["from_uqff"] = a["from_uqff"]
+Runner(which=Which.Plain(**which), **runner_kw)
+with open(a["out"], "w") as f:
+    json.dump({"loaded": True}, f)
+'''
+
+
+def mistralrs_load_only(model_dir: Path, out_json: Path, *, from_uqff=None, write_uqff=None, isq=None,
+                        arch: str = "Llama", timeout: int = 600) -> None:
+    """Build a mistral.rs Runner (loading a UQFF, or quantizing in situ and writing one) without running a
+    request; raises with mistral.rs's message when it cannot load."""
+    args = {"model": str(model_dir), "out": str(out_json), "from_uqff": from_uqff, "write_uqff": write_uqff,
+            "isq": isq, "arch": arch}
+    proc = subprocess.run([sys.executable, "-c", _WRITE_ONLY_RUNNER, json.dumps(args)], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "RUST_LOG": "error"})
+    if proc.returncode != 0 or not Path(out_json).exists():
+        lines = (proc.stderr + proc.stdout).strip().splitlines()
+        errors = [ln.strip() for ln in lines if "Error" in ln and "::bt" not in ln and "candle_core" not in ln]
+        raise RuntimeError(f"mistral.rs failed (exit {proc.returncode}): " + " | ".join(errors[:3] or lines[-5:]))
+
+
+def _write_moe_one(root: Path, kind: str, isq: str) -> Path:
+    d = root / f"{kind}-{isq}"
+    if (d / ".done").exists():
+        return d
+    if d.exists():
+        import shutil
+
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    arch = MOE_ARCH[kind]
+    if isq in MOE_WRITE_ONLY_TYPES:
+        mistralrs_load_only(root / kind, d / "mistralrs_loaded.json", write_uqff=str(d / f"{isq}.uqff"), isq=isq,
+                            arch=arch)
+    else:
+        mistralrs_logprobs(root / kind, d / "mistralrs_logprobs.json", write_uqff=str(d / f"{isq}.uqff"), isq=isq,
+                           arch=arch)
+    (d / ".done").write_text(json.dumps({"model": kind, "isq": isq}))
+    return d
+
+
+def ensure_moe_uqff_fixtures(root: Path = MOE_ROOT) -> dict:
+    """Build (once) the tiny MoE models and mistral.rs' own UQFFs of them; return
+    {"models": {kind: dir}, "uqff": {"mixtral-q8_0": dir, ...}, "plain": {kind: logprobs of the unquantized
+    model in mistral.rs}, "failed": {name: message}}."""
+    import fcntl
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        models, made, plain, failed = {}, {}, {}, {}
+        for kind in MOE_ARCH:
+            if not (root / kind / ".done").exists():
+                build_moe(root / kind, kind)
+                (root / kind / ".done").write_text("ok")
+            models[kind] = root / kind
+            plain_json = root / f"{kind}-plain.json"
+            try:
+                if not plain_json.exists():
+                    mistralrs_logprobs(root / kind, plain_json, arch=MOE_ARCH[kind])
+                plain[kind] = json.loads(plain_json.read_text())
+            except Exception as e:  # reported by the tests, never silently skipped
+                failed[f"{kind}-plain"] = str(e)
+            for isq in MOE_RUN_TYPES + MOE_WRITE_ONLY_TYPES:
+                try:
+                    made[f"{kind}-{isq}"] = _write_moe_one(root, kind, isq)
+                except Exception as e:
+                    failed[f"{kind}-{isq}"] = str(e)
+    return {"root": root, "models": models, "uqff": made, "plain": plain, "failed": failed}

@@ -349,3 +349,29 @@ def test_phi3_longrope_factors_travel_both_ways(tmp_path):
     rope = json.loads((back / "config.json").read_text())["rope_scaling"]
     assert rope["rope_type"] == "longrope" and len(rope["long_factor"]) == 16
     assert np.abs(fixtures_archs.transformers_logits(back, PROMPT) - want).max() < 1e-4
+
+
+def test_moe_gguf_back_to_gptq_loads_in_gptqmodel(tmp_path):
+    """The experts split back out of the stacks: gptq -> gguf -> gptq of gptqmodel's Qwen3-MoE loads in
+    gptqmodel with the original checkpoint's logits exactly (the Q4_0 blocks hold the GPTQ words)."""
+    import fixtures_moe
+
+    ckpt = fixtures_moe.ensure_moe_gptq(kind="qwen3_moe")
+    run_cli("gptq->gguf", ckpt, tmp_path / "moe.gguf")
+    run_cli("gguf->gptq", tmp_path / "moe.gguf", tmp_path / "gptq")
+    code = textwrap.dedent("""
+        import sys, torch
+        sys.path.insert(0, sys.argv[3])
+        import fixtures, fixtures_archs
+        ids = torch.tensor([fixtures_archs.arch_prompt()])
+        logits = []
+        for d in sys.argv[1:3]:
+            with torch.no_grad():
+                logits.append(fixtures._load_quantized(d)(ids).logits[0].float())
+        print(float((logits[0] - logits[1]).abs().max()), float(logits[0].std()))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code, str(ckpt), str(tmp_path / "gptq"), str(Path(__file__).parent)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    diff, spread = map(float, proc.stdout.strip().splitlines()[-1].split())
+    assert diff == 0.0 and spread > 0.3

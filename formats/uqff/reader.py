@@ -9,6 +9,12 @@ or UQFF writer of the same type copies blocks), HQQ as axis-0 grids, AFQ as min-
 zero points when the biases provably sit on the integer grid), FP8 / F8Q8 / MXFP4 / Unquant as `Dense`
 float tensors decoded as mistral.rs decodes them. `<key>.bias` and the residual tensors are `Dense`.
 Shards are opened lazily and one layer is read at a time.
+
+Stacked experts (`<block>.experts.{gate,up,down}_proj`, weight `[E, out, in]`, formats/uqff/moe.py) are read
+as E per-expert 2-D layers under the names transformers saves (`<block>.experts.<e>.gate_proj.weight`,
+Mixtral's `experts.<e>.w1.weight`): each expert's tensors are views of the stacked ones (its slab of the
+stacked weight and metadata, the shared scalars as they are), so every family's decoding runs unchanged on
+them; the stacked layer being read is kept in memory until the next one is asked for.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from ...kernels.hqq import axis0_expand
 from ..model_shapes import ModelShapes, layer_index
 from ..safetensors_dir import SIDE_FILES, read_json
 from ..safetensors_header import Descriptors, read_header, read_tensor
+from .moe import STACKABLE_FAMILIES, canonical_expert_name, expected_shape, layer_weights, moe_model
 from .layout import (AFQ_BITS, AFQ_GROUPS, EXTRA_BLOCKS, FAMILY_OF_TAG, FP8_DTYPE_CODE, GGML_NAME_OF_ID, MAJOR,
                      READER_MINOR, decode_f8q8, decode_mxfp4, decode_q8_1, decode_q8_k, hqq_halves_unpack,
                      unpack_afq)
@@ -146,6 +153,8 @@ class _Shards:
         # each header checked in our own words first (formats/safetensors_header.py); names sorted, as
         # safe_open lists them
         self.headers = {shard: read_header(shard) for shard in shards}
+        self.views: dict[str, tuple[str, str, int, int]] = {}  # view -> (stacked tensor, how, expert, experts)
+        self._stack_layer, self._stack_tensors = None, {}  # the stacked layer being read, its tensors
         for shard in shards:
             for name in sorted(self.headers[shard].tensors):
                 if name in self.location and not name.startswith("uqff.version."):
@@ -159,14 +168,43 @@ class _Shards:
         return name in self.location
 
     def get(self, name: str) -> torch.Tensor:
+        if name in self.views:
+            return self._view(name)
         shard = self.location.get(name)
         if shard is None:
             raise BadInput("tensor not found in any shard", path=self.shards[0], tensor=name)
         return read_tensor(self.headers[shard], name, self._fds.fd(shard))
 
     def meta(self, name: str) -> tuple[str, list[int]]:
+        if name in self.views:
+            real, how, _, experts = self.views[name]
+            dtype, shape = self.meta(real)
+            return dtype, _view_shape(how, shape, experts)
         entry = self.headers[self.location[name]].tensors[name]
         return entry.dtype, list(entry.shape)
+
+    # -- one expert's view of a stacked layer's tensor ---------------------------------------------------
+    def add_view(self, name: str, real: str, how: str, expert: int, experts: int) -> None:
+        """`name` reads as expert `expert`'s part of `real`: "stack" its slab [expert] of a [E, ...] tensor,
+        "bytes" its 1/E run of a 1-D byte tensor (GGUF blocks, expert-major), "shape" the stacked
+        weight.shape [E, out, in] without E."""
+        self.views[name] = (real, how, expert, experts)
+        self.location[name] = self.location[real]
+
+    def _view(self, name: str) -> torch.Tensor:
+        real, how, e, experts = self.views[name]
+        layer = real.partition(".weight")[0]
+        if self._stack_layer != layer:  # one stacked layer's tensors are held, read once for all its experts
+            self._stack_layer, self._stack_tensors = layer, {}
+        if real not in self._stack_tensors:
+            self._stack_tensors[real] = self.get(real)
+        t = self._stack_tensors[real]
+        if how == "stack":
+            return t[e]
+        if how == "bytes":
+            k = t.numel() // experts
+            return t[e * k:(e + 1) * k]
+        return t[1:]
 
     def version_values(self) -> tuple[int, int, int] | None:
         """The version tensors; every shard that carries them must agree (mistral.rs' rule)."""
@@ -191,15 +229,26 @@ class _Shards:
         return found
 
 
+def _view_shape(how: str, shape: list[int], experts: int) -> list[int]:
+    if how == "stack":
+        return list(shape[1:])
+    if how == "bytes":
+        return [shape[0] // experts]
+    return [shape[0] - 1]
+
+
 _INT_TAGS = ("U8", "U16", "U32", "I8", "I16", "I32", "I64")
 _FLOAT_TAGS = ("F32", "F16", "BF16", "F64")
 _MAX_DIM = 1 << 24
+_MAX_EXPERTS = 1 << 14  # released MoE models have up to a few hundred experts per layer
 _FP8_MAX_SCALE = 65504.0 / 448.0
 _NUMBERED = re.compile(r"^model-\d+-of-\d+\.safetensors$")
 _PICKLED = re.compile(r"^pytorch_model.*\.(bin|pt|pth)$")
 # model types whose every layer has these tensors (transformers' Llama, Mistral, Qwen2, Qwen3): for them a
 # missing one is refused by name
 _COMPLETE_CHECKED = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
+_STACK_KEY = re.compile(r"^(?P<block>.+)\.experts\.(?P<proj>gate_proj|up_proj|down_proj)$")
 _PER_LAYER = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
               "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -264,8 +313,72 @@ class UqffSource:
         if not self.layers:
             raise BadInput("no UQFF layers in this set (no <key>.weight.format tensors): nothing to read",
                            path=self.shard_paths[0])
+        self._expand_stacks()
         self.residual = self._residual()
         self._check_complete()
+
+    # -- stacked experts ----------------------------------------------------------------------------------
+    def _stack_size(self, key: str) -> int | None:
+        """E for a stacked `[E, out, in]` layer (GGUF: a 3-long weight.shape; other families: a 3-D weight),
+        None for a 2-D one."""
+        parts = self.layers[key]
+        if "weight.shape" in parts and self.shards.meta(parts["weight.shape"])[1] == [3]:
+            return int(self._part(key, "weight.shape")[0])
+        dims = self.shards.meta(parts["weight"])[1]
+        return int(dims[0]) if len(dims) == 3 else None
+
+    def _expand_stacks(self) -> None:
+        """Each stacked experts layer becomes E per-expert layers of views (see the module docstring)."""
+        moe = moe_model(self.config)
+        expanded: dict[str, dict[str, str]] = {}
+        for key, parts in self.layers.items():
+            experts = self._stack_size(key)
+            if experts is None:
+                expanded[key] = parts
+                continue
+            fam = self.family(key)
+            m = _STACK_KEY.match(key)
+            if not m:
+                raise self._bad(key, "a 3-D layer that is not a stacked experts projection "
+                                     "(<block>.experts.gate_proj / up_proj / down_proj)")
+            if fam not in STACKABLE_FAMILIES:
+                raise self._bad(key, f"stacked experts stored as {fam}: mistral.rs loads stacked layers only as GGUF "
+                                     "blocks, AFQ or unquantized")
+            if not 1 <= experts <= _MAX_EXPERTS:
+                raise self._bad(key, f"{experts} stacked experts; expected 1..{_MAX_EXPERTS}", "weight.shape")
+            hf_proj = (moe.hf_names if moe is not None else {})
+            views = {suffix: self._view_kind(key, fam, suffix, real, experts) for suffix, real in parts.items()}
+            bias = self.biases.pop(key, None)
+            for e in range(experts):
+                vkey = f"{m['block']}.experts.{e}.{hf_proj.get(m['proj'], m['proj'])}"
+                expanded[vkey] = {}
+                for suffix, real in parts.items():
+                    if views[suffix] is None:
+                        expanded[vkey][suffix] = real  # a scalar all experts share
+                    else:
+                        self.shards.add_view(f"{vkey}.{suffix}", real, views[suffix], e, experts)
+                        expanded[vkey][suffix] = f"{vkey}.{suffix}"
+                if bias is not None:
+                    if self.shards.meta(bias)[1][:1] != [experts]:
+                        raise BadInput(f"bias of a stacked layer must be [{experts}, out]", path=self.shards.location[bias],
+                                       tensor=bias)
+                    self.shards.add_view(f"{vkey}.bias", bias, "stack", e, experts)
+                    self.biases[vkey] = f"{vkey}.bias"
+        self.layers = expanded
+
+    def _view_kind(self, key: str, fam: str, suffix: str, real: str, experts: int) -> str | None:
+        dtype, shape = self.shards.meta(real)
+        if suffix == "weight.shape":
+            return "shape"
+        if len(shape) == 0 or shape == [1]:
+            return None
+        if fam == "gguf" and suffix == "weight":
+            if len(shape) != 1 or shape[0] % experts:
+                raise self._bad(key, f"stacked GGUF weight of shape {shape[:4]} is not {experts} experts' blocks")
+            return "bytes"
+        if shape[0] != experts:
+            raise self._bad(key, f"{suffix} of shape {shape[:4]} does not stack {experts} experts", suffix)
+        return "stack"
 
     # -- container checks -------------------------------------------------------------------------------
     def _check_version(self) -> None:
@@ -328,7 +441,12 @@ class UqffSource:
             raise BadInput("holds no tensors: the model's norms are missing", path=self._residual_file(None))
         sh = self.shapes
         model_type = self.config.get("model_type")
-        if not isinstance(model_type, str) or model_type not in _COMPLETE_CHECKED or not sh.layers:
+        moe = moe_model(self.config)
+        if moe is not None and sh.layers and layer_weights(self.config, moe, 0) is not None:
+            per_layer = lambda i: layer_weights(self.config, moe, i)  # noqa: E731  (Mixtral, Qwen3-MoE)
+        elif isinstance(model_type, str) and model_type in _COMPLETE_CHECKED and sh.layers:
+            per_layer = lambda i: _PER_LAYER  # noqa: E731
+        else:
             return
         want = ["model.norm.weight"]
         if "model.embed_tokens.weight" not in have and not (sh.tie and "lm_head.weight" in have):
@@ -336,8 +454,10 @@ class UqffSource:
         if not sh.tie:
             want.append("lm_head.weight")
         for i in range(sh.layers):
-            want += [f"model.layers.{i}.{n}.weight" for n in _PER_LAYER]
-        missing = [n for n in want if n not in have]
+            want += [f"model.layers.{i}.{n}.weight" for n in per_layer(i)]
+        if moe is not None:  # Mixtral's experts may be spelled w1/w3/w2 or gate/up/down_proj
+            have = {canonical_expert_name(n) for n in have}
+        missing = [n for n in want if (canonical_expert_name(n) if moe is not None else n) not in have]
         if missing:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise BadInput(f"{len(missing)} tensor(s) the model needs (config.json: {sh.layers} layers) are in "
@@ -412,8 +532,8 @@ class UqffSource:
         if any(not 1 <= x <= _MAX_DIM for x in shape):
             raise self._bad(key, f"weight shape {list(shape)}: every size must be 1..{_MAX_DIM}", "weight.shape")
         if len(shape) != 2:
-            raise self._bad(key, f"weight shape {list(shape)}: only 2-D layers are supported (stacked experts "
-                                 "are not)", "weight.shape")
+            raise self._bad(key, f"weight shape {list(shape)}: only 2-D layers and [E, out, in] stacked experts "
+                                 "are supported", "weight.shape")
         return shape
 
     def describe_layer(self, key: str) -> tuple[tuple[int, ...], GridParams | None, str, dict]:
@@ -615,6 +735,14 @@ class UqffSource:
             raise BadInput(f"layer {i} is beyond config.json's num_hidden_layers {self.shapes.layers}", path=where,
                            tensor=name)
         self.shapes.check_dense(name, tuple(shape), where)
+        moe = moe_model(self.config)
+        want = expected_shape(self.config, moe, name) if moe is not None else None
+        if want is not None and tuple(shape) != want[0]:
+            raise BadInput(f"shape {tuple(shape)} does not match config.json: expected {want[0]} from {want[1]}",
+                           path=where, tensor=name)
+        slot = _EXPERT_INDEX.search(name)
+        if moe is not None and moe.num_experts and slot and int(slot[1]) >= moe.num_experts:
+            raise BadInput(f"expert {slot[1]} is beyond config.json's {moe.num_experts} experts", path=where, tensor=name)
 
     def records(self) -> Iterator[TensorRecord]:
         for key in self.layers:

@@ -19,6 +19,13 @@ layers (`--type f32/f16/bf16`) are multiplied in their stored dtype without a ca
 Requantizing (only with --allow-requant) uses each family's rule: ggml's reference quantizers (kernels),
 HQQ's (kernels.hqq, axis 0, 10 steps, as mistral.rs' ISQ), MLX's affine min/max, and mistral.rs' FP8 / F8Q8 /
 MXFP4 scale rules (layout.py); the bytes need not equal mistral.rs' own quantizer's, the decode does.
+
+MoE models (moe.py): the per-expert records of a projection become one stacked `<block>.experts.<proj>` layer
+`[E, out, in]` as mistral.rs writes it (Mixtral under its `block_sparse_moe` names, its router a layer like any
+linear; Qwen3-MoE's router dense in the residual). Each expert is encoded as a 2-D layer (GPTQ codes kept where
+they align) and its decoded values returned; its encoded tensors wait in the session until the stack's last
+expert arrives, so one layer's experts are held at most. A stack has one type (GGUF blocks, AFQ or Unquant:
+mistral.rs refuses stacked HQQ / FP8 / F8Q8).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from ..safetensors_dir import copy_side_files, write_json
 from ..safetensors_header import safetensors_tag
 from .reader import _without_quantization_config
 from .schemes import REQUANT_DEFAULT, candidates_for_bits, scheme_for
+from .moe import STACKABLE_FAMILIES, ExpertStacks, StackedTensor, expert_slot, mistralrs_moe_config, moe_model
 from .layout import (FP8_DTYPE_CODE, GGML_TYPE_IDS, MAJOR, TAG, UQFF_TYPES,
                      UqffType, decode_f8q8, decode_mxfp4, encode_f8q8, encode_fp8, encode_mxfp4, hqq_halves_pack,
                      pack_afq)
@@ -90,9 +98,12 @@ def check_target(t: UqffType, rec: TensorRecord) -> tuple[Decision, dict]:
     return d.with_reason(prefix=note), info
 
 
-def _best_aligned(rec: TensorRecord) -> tuple[str, str] | None:
-    """(type, verdict) of the cheapest type that holds the grid exactly, else near-exactly."""
-    schemes = [scheme_for(UQFF_TYPES[n], rec.shape[-1])[0] for n in candidates_for_bits(rec.params.bits)]
+def _best_aligned(rec: TensorRecord, stacked: bool = False) -> tuple[str, str] | None:
+    """(type, verdict) of the cheapest type that holds the grid exactly, else near-exactly; for an expert of
+    a stacked layer only among the families mistral.rs loads stacked."""
+    names = [n for n in candidates_for_bits(rec.params.bits)
+             if not stacked or UQFF_TYPES[n].family in STACKABLE_FAMILIES]
+    schemes = [scheme_for(UQFF_TYPES[n], rec.shape[-1])[0] for n in names]
     best = best_aligned(rec.params, rec.shape, schemes, native=rec.native_type, prefer_groups=rec.source_groups)
     return (best[0].name, best[1].verdict) if best else None
 
@@ -102,43 +113,61 @@ class UqffWriter:
     output_is_file = False
 
     def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
+        moe = moe_model(getattr(source, "config", None) or {})
+        slot = expert_slot(rec.name, moe)
+        out_name = moe.out_name(rec.name) if moe else rec.name
         explicit = options.explicit_type(rec.name)
         if rec.is_grid:
-            return self._plan_layer(rec, explicit or options.type)
-        is_layer = len(rec.shape) == 2 and _LAYER.search(rec.name)
+            return self._plan_layer(rec, explicit or options.type, slot, out_name)
+        is_layer = len(rec.shape) == 2 and (_LAYER.search(rec.name) or (slot is not None and slot.part == "weight")
+                                            or (moe is not None and moe.router_is_layer and moe.is_router(rec.name)))
         wanted = explicit or (options.type if not source.quant_config else None)
         if is_layer and wanted:
-            return self._plan_layer(rec, wanted)
+            return self._plan_layer(rec, wanted, slot, out_name)
         if rec.dtype not in ("float32", "float16", "bfloat16") and rec.dtype not in ("int32", "int64", "uint8"):
             return TensorPlan(rec.name, rec.shape, rec.dtype, "residual", REFUSED, f"dtype {rec.dtype} not supported")
         bias = bool(_LAYER_BIAS.search(rec.name))
-        return TensorPlan(rec.name, rec.shape, rec.dtype, rec.dtype, EXACT, "copied", out_name=rec.name,
-                          info={"where": "residual", "bias_of": rec.name[: -len(".bias")] if bias else None})
+        info = {"where": "residual", "bias_of": rec.name[: -len(".bias")] if bias else None}
+        if slot is not None:  # a dense expert (its stack is checked whole in check_model)
+            info["stack"], info["expert"] = slot.stack, slot.expert
+            info["expert_part"] = slot.part
+        return TensorPlan(rec.name, rec.shape, rec.dtype, rec.dtype, EXACT, "copied", out_name=out_name, info=info)
 
-    def _plan_layer(self, rec: TensorRecord, wanted: str | None) -> TensorPlan:
+    def _plan_layer(self, rec: TensorRecord, wanted: str | None, slot=None, out_name: str | None = None) -> TensorPlan:
         p = rec.params
         src = describe_grid(p, rec.shape[1]) if p is not None else rec.dtype
+        stacked = slot is not None
         if len(rec.shape) != 2:
-            return TensorPlan(rec.name, rec.shape, src, "?", REFUSED, "UQFF layers are 2-D here (no stacked experts)")
+            return TensorPlan(rec.name, rec.shape, src, "?", REFUSED, "UQFF layers are read from 2-D records here (one "
+                              "record per expert)")
         if wanted:
             t = parse_uqff_type(wanted)
         elif rec.native_type in _TYPE_OF_GGML:
             t = UQFF_TYPES[_TYPE_OF_GGML[rec.native_type]]
         else:
-            best = _best_aligned(rec)
+            best = _best_aligned(rec, stacked)
             t = UQFF_TYPES[best[0] if best else REQUANT_DEFAULT.get(p.bits, "afq4")]
         v, info = check_target(t, rec)
         target = f"{t.name}" + (f" ({info['ggml']})" if info.get("ggml") and info["ggml"] != t.ggml else "")
-        plan = TensorPlan(rec.name, rec.shape, src, target, v.verdict, v.reason, out_name=rec.name,
+        plan = TensorPlan(rec.name, rec.shape, src, target, v.verdict, v.reason, out_name=out_name or rec.name,
                           info={"where": "uqff", "type": t.name, **info})
-        if v.verdict in (REQUANTIZE, REFUSED) and p is not None:
-            best = _best_aligned(rec)
+        if stacked:
+            plan.out_name = f"{slot.stack}.weight"
+            plan.info.update(where="uqff-expert", stack=slot.stack, expert=slot.expert)
+            if t.family not in STACKABLE_FAMILIES:
+                # mistralrs-quant's UQFF reader: "does not support stacked expert gather" for HQQ / FP8 / F8Q8
+                plan.verdict, plan.reason = REFUSED, (f"experts are stacked into one layer per projection, and "
+                                                      f"mistral.rs loads stacks only as GGUF blocks, AFQ or "
+                                                      f"unquantized, not {t.name}")
+        if plan.verdict in (REQUANTIZE, REFUSED) and p is not None:
+            best = _best_aligned(rec, stacked)
             if best:
                 plan.alternative = f"--type {best[0]} ({best[1]})"
         return plan
 
     def check_model(self, source, plans: list[TensorPlan], options: Options) -> None:
-        layers = {p.name[: -len(".weight")] for p in plans if p.info.get("where") == "uqff"}
+        _check_stacks(plans, moe_model(getattr(source, "config", None) or {}), source.path)
+        layers = {p.name[: -len(".weight")] for p in plans if p.info.get("where") in ("uqff", "uqff-expert")}
         for p in plans:  # a layer's bias travels with it in the .uqff (its presence is the "has bias" flag)
             if p.info.get("bias_of") in layers:
                 p.info["where"] = "uqff-bias"
@@ -154,9 +183,46 @@ class UqffWriter:
         return UqffSession(Path(path), source, plans, max_bytes)
 
 
+def _check_stacks(plans: list[TensorPlan], moe, path) -> None:
+    """Every stacked expert layer must be whole and uniform before a byte is written: experts 0..E-1 all
+    stored as UQFF (none left dense), one type, one shape, one group size; and no expert biases (stacked
+    [E, out] biases are not written here)."""
+    stacks: dict[str, list[TensorPlan]] = {}
+    for p in plans:
+        if p.info.get("stack"):
+            stacks.setdefault(p.info["stack"], []).append(p)
+    for key, members in stacks.items():
+        weights = [p for p in members if p.info.get("expert_part", "weight") == "weight"]
+        stored = [p for p in weights if p.info["where"] == "uqff-expert"]
+        if not stored:
+            continue  # dense experts stay per-expert tensors in the residual (mistral.rs stacks them itself)
+        if len(stored) != len(weights):
+            dense = next(p for p in weights if p.info["where"] != "uqff-expert")
+            raise QConvertError(f"an expert of {key} would stay dense while the others are stored as "
+                                f"{stored[0].info['type']}: mistral.rs loads the experts of a projection as one "
+                                "stacked layer; give them all one --tensor-type", tensor=dense.name)
+        biases = [p for p in members if p.info.get("expert_part") == "bias"]
+        if biases:
+            raise QConvertError("expert biases are not supported in stacked UQFF expert layers here",
+                                tensor=biases[0].name)
+        experts = sorted(p.info["expert"] for p in stored)
+        n = moe.num_experts if moe is not None and moe.num_experts else len(experts)
+        if experts != list(range(n)):
+            missing = sorted(set(range(n)) - set(experts))
+            raise QConvertError(f"{key} needs experts 0..{n - 1} (config.json: {n} experts); "
+                                f"{'missing ' + str(missing[:4]) if missing else 'found ' + str(experts[-1])}",
+                                path=path, tensor=stored[0].name)
+        facts = {(p.info["type"], p.info.get("ggml"), p.info.get("group_size"), tuple(p.shape)) for p in stored}
+        if len(facts) > 1:
+            shown = ", ".join(sorted({f"{t} {list(s)}" for t, _, _, s in facts}))
+            raise QConvertError(f"the experts of {key} would be stored differently ({shown}); a stacked layer has "
+                                "one type and shape: pass --type (or one --tensor-type for the experts)",
+                                tensor=stored[0].name)
+
+
 def uqff_minor(plans: list[TensorPlan]) -> int:
     """The lowest 1.x minor that covers the layers: 1.2 stores token embeddings as layers, 1.1 Unquant."""
-    layers = [p for p in plans if p.info.get("where") == "uqff"]
+    layers = [p for p in plans if p.info.get("where") in ("uqff", "uqff-expert")]
     if any(_EMBEDDING.search(p.name) for p in layers):
         return 2
     if any(UQFF_TYPES[p.info["type"]].family == "unquant" for p in layers):
@@ -175,18 +241,24 @@ class _SafetensorsStream:
         self.header: dict = {}
         self.offset = 0
 
-    def put(self, name: str, tensor: torch.Tensor) -> None:
+    def put(self, name: str, tensor: torch.Tensor | StackedTensor) -> None:
         if name in self.header:
             raise ValueError(f"duplicate tensor {name}")
-        t = tensor.detach().contiguous().cpu()
-        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        self.data.write(raw)
-        tag = safetensors_tag(t.dtype)
+        if isinstance(tensor, StackedTensor):  # stacked experts: the parts' bytes back to back
+            dtype, shape, size = tensor.dtype, tensor.shape, 0
+            for raw in tensor.raw_parts():
+                self.data.write(raw)
+                size += len(raw)
+        else:
+            t = tensor.detach().contiguous().cpu()
+            raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            self.data.write(raw)
+            dtype, shape, size = t.dtype, tuple(t.shape), len(raw)
+        tag = safetensors_tag(dtype)
         if tag is None:
-            raise ValueError(f"{name}: no safetensors dtype for {t.dtype}")
-        self.header[name] = {"dtype": tag, "shape": list(t.shape),
-                             "data_offsets": [self.offset, self.offset + len(raw)]}
-        self.offset += len(raw)
+            raise ValueError(f"{name}: no safetensors dtype for {dtype}")
+        self.header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [self.offset, self.offset + size]}
+        self.offset += size
 
     def close(self) -> None:
         self.data.close()
@@ -220,7 +292,8 @@ class _ShardSet:
         self.shards.append(self.current)
 
     def put_layer(self, tensors: dict[str, torch.Tensor]) -> None:
-        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        size = sum(t.nbytes if isinstance(t, StackedTensor) else t.numel() * t.element_size()
+                   for t in tensors.values())
         if self.current.offset and self.current.offset + size > self.max_bytes:
             self._new_shard()
         for name, t in tensors.items():
@@ -243,9 +316,14 @@ class UqffSession:
     def __init__(self, path: Path, source, plans: list[TensorPlan], max_bytes: int):
         self.path, self.source = path, source
         counts: dict[str, int] = {}
+        stacks: dict[str, tuple[int, str]] = {}
         for p in plans:
-            if p.info.get("where") == "uqff":
+            if p.info.get("where") in ("uqff", "uqff-expert"):
                 counts[p.info["type"]] = counts.get(p.info["type"], 0) + 1
+            if p.info.get("where") == "uqff-expert":
+                n = stacks.get(p.info["stack"], (0, ""))[0]
+                stacks[p.info["stack"]] = (n + 1, UQFF_TYPES[p.info["type"]].family)
+        self.stacks = ExpertStacks(stacks)  # check_model made each stack whole: experts 0..n-1, one type
         self.stem = max(counts, key=counts.get) if counts else "model"
         minor = uqff_minor(plans)
         self.shards = _ShardSet(path, self.stem, max_bytes, minor)
@@ -264,8 +342,15 @@ class UqffSession:
             self.shards.put_layer({plan.out_name: bias})
             return bias
         t = UQFF_TYPES[plan.info["type"]]
-        key = plan.name[: -len(".weight")]
         tensors, decoded = getattr(self, f"_encode_{t.family}")(t, plan, item)
+        if where == "uqff-expert":
+            # one expert of a stacked layer: held encoded until the stack's last expert arrives
+            key = plan.info["stack"]
+            tensors = self.stacks.add(key, plan.info["expert"], tensors)
+            if tensors is None:
+                return decoded
+        else:
+            key = plan.out_name[: -len(".weight")]
         self.shards.put_layer({(f"{key}.{k}" if k else f"{key}.weight"): v for k, v in tensors.items()})
         return decoded
 
@@ -359,9 +444,11 @@ class UqffSession:
         return {"": weight, "weight.format": _u8(TAG["mxfp4"]), "weight.scales": scales}, decode_mxfp4(weight, scales)
 
     def close(self) -> None:
+        if self.stacks.unfinished():
+            raise QConvertError(f"internal error: stacked expert layers left incomplete: {self.stacks.unfinished()[:3]}")
         self.shards.close()
         self.residual.close()
-        config = _without_quantization_config(dict(self.source.config))
+        config = mistralrs_moe_config(_without_quantization_config(dict(self.source.config)))
         if "rope_theta" not in config and isinstance(config.get("rope_parameters"), dict) \
                 and "rope_theta" in config["rope_parameters"]:
             config["rope_theta"] = config["rope_parameters"]["rope_theta"]
