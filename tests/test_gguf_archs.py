@@ -375,3 +375,34 @@ def test_moe_gguf_back_to_gptq_loads_in_gptqmodel(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     diff, spread = map(float, proc.stdout.strip().splitlines()[-1].split())
     assert diff == 0.0 and spread > 0.3
+
+
+def _fused_qwen3_moe(out: Path) -> Path:
+    """The qwen3_moe fixture saved with its experts already fused, as transformers 5 holds them
+    (mlp.experts.gate_up_proj [experts, 2 * ffn, hidden] gate rows first, mlp.experts.down_proj)."""
+    from safetensors.torch import load_file, save_file
+
+    src = model_dir("qwen3_moe")
+    shutil.copytree(src, out)
+    tensors = load_file(str(src / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    n = config.get("num_experts") or config["num_local_experts"]
+    fused = {k: v for k, v in tensors.items() if ".experts." not in k}
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}.mlp.experts"
+        fused[f"{p}.gate_up_proj"] = torch.stack([torch.cat([tensors[f"{p}.{e}.gate_proj.weight"],
+                                                             tensors[f"{p}.{e}.up_proj.weight"]]) for e in range(n)])
+        fused[f"{p}.down_proj"] = torch.stack([tensors[f"{p}.{e}.down_proj.weight"] for e in range(n)])
+    save_file(fused, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_fused_experts_make_the_same_gguf(tmp_path):
+    src = _cached(ROOT / "qwen3_moe_fused", _fused_qwen3_moe)
+    # transformers reads the fused layout as the same model ...
+    assert np.array_equal(fixtures_archs.transformers_logits(src, PROMPT),
+                          fixtures_archs.transformers_logits(model_dir("qwen3_moe"), PROMPT))
+    # ... and the GGUF is byte for byte the one the per-expert checkpoint makes
+    out = tmp_path / "fused.gguf"
+    run_cli("hf->gguf", src, out, "--type", "f32")
+    assert _same_tensors(out, ours_f32("qwen3_moe")) == {"F32"}

@@ -188,7 +188,7 @@ def add_model_metadata(writer: gguf.GGUFWriter, config: Mapping, arch: str, *, f
             writer.add_vocab_size(int(config["vocab_size"]))
         writer.add_rope_dimension_count(hd)
 
-    _add_rope_scaling(writer, rp)
+    _add_rope_scaling(writer, rp, arch)
     spec.extra_metadata(writer, config)
     for caveat in spec.caveats(config):
         logger.warning("%s; the GGUF runs as llama.cpp's %s does", caveat, arch)
@@ -197,7 +197,7 @@ def add_model_metadata(writer: gguf.GGUFWriter, config: Mapping, arch: str, *, f
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def _add_rope_scaling(writer: gguf.GGUFWriter, rp: Mapping) -> None:
+def _add_rope_scaling(writer: gguf.GGUFWriter, rp: Mapping, arch: str = "") -> None:
     rtype = rp["rope_type"]
     factor = rp.get("factor")
     if rtype == "default":
@@ -236,8 +236,8 @@ def _add_rope_scaling(writer: gguf.GGUFWriter, rp: Mapping) -> None:
         if runtime:
             logger.warning("yarn rope settings that llama.cpp does not read from GGUF for this architecture; "
                            "run it with %s to match the source model", " ".join(runtime))
-    elif rtype in ("llama3", "longrope", "su"):
-        pass  # carried by tensors: rope_freqs.weight, rope_factors_long/short.weight (rope_tensors)
+    elif rtype == "llama3" or rtype in _ARCH_ROPE_TYPES.get(arch, ()):
+        pass  # carried by tensors: rope_freqs.weight, phi3's rope_factors_long/short.weight (rope_tensors)
     elif rtype == "dynamic":
         # dynamic NTK only changes rope beyond the trained context; llama.cpp has no equivalent
         logger.warning("rope_scaling type 'dynamic' is not representable in GGUF; written as plain rope "

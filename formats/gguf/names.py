@@ -111,8 +111,9 @@ def gguf_tensor_name(hf_name: str, arch: str, n_layers: int) -> str | None:
     found = _name_map(arch).get_type_and_name(base, try_suffixes=(".weight", ".bias"))
     if found is None or found[0] in _NOT_LOADED:
         return None
-    if (member is not None) != (found[0] in _EXPERT_TENSORS):
-        return None  # an indexed expert outside the stacked tensors, or a stack name without its index
+    if member is not None and found[0] not in _EXPERT_TENSORS:
+        return None  # an indexed expert outside the stacked tensors
+    # (a stack name without an index is an already-fused 3-D tensor of every expert: it maps as it is)
     name = found[1]
     if layer is None:
         return None if name.startswith("blk.") else name

@@ -76,6 +76,35 @@ def _expert_count(source) -> int:
         lo=1, hi=1 << 16)
 
 
+# experts already fused into 3-D tensors of every expert (transformers 5's own parameters, which some
+# checkpoints are saved with): mlp.experts.gate_up_proj [experts, 2 * ffn, hidden], gate rows first (its
+# forward chunks them in that order), and mlp.experts.down_proj [experts, hidden, ffn], with or without .weight
+_FUSED_EXPERTS = re.compile(r"\.experts\.(?P<what>gate_up_proj|down_proj)(?:\.weight)?$")
+
+
+def _fused_expert_records(rec: TensorRecord, where) -> list[TensorRecord]:
+    """The stacked records of a fused expert tensor: gate_up_proj split into its gate and up halves (the
+    GGUF has one stack each), down_proj as it is; named as the stacks of per-expert tensors map."""
+    m = _FUSED_EXPERTS.search(rec.name)
+    head = rec.name[: m.start()] + ".experts."
+    if len(rec.shape) != 3 or rec.is_grid:
+        raise BadInput(f"a fused expert tensor is a dense [experts, rows, columns] tensor, not {list(rec.shape)}"
+                       + (" (quantized)" if rec.is_grid else ""), path=where, tensor=rec.name)
+    if m["what"] == "down_proj":
+        return [replace(rec, name=head + "down_proj.weight", source_name=rec.source_name or rec.name)]
+    n, rows, cols = rec.shape
+    if rows % 2:
+        raise BadInput(f"gate_up_proj has {rows} rows per expert: not a gate and an up half", path=where,
+                       tensor=rec.name)
+
+    def half(i: int):
+        return lambda: Dense(rec.load().tensor[:, i * (rows // 2):(i + 1) * (rows // 2)].contiguous())
+
+    return [replace(rec, name=head + name, shape=(n, rows // 2, cols), load=half(i),
+                    source_name=f"{rec.source_name or rec.name} ({'gate' if i == 0 else 'up'} half)")
+            for i, name in enumerate(("gate_proj.weight", "up_proj.weight"))]
+
+
 def _kv_b_records(rec: TensorRecord, parts: tuple[str, str], config, where) -> list[TensorRecord]:
     """The two records a DeepSeek kv_b_proj becomes: k_b [heads, kv_lora, nope] and v_b [heads, v, kv_lora],
     each loading the source tensor and splitting it (a grid is dequantized first: a transpose keeps no
@@ -244,10 +273,12 @@ class GgufWriter:
         arch, _ = self._arch(source)
         for rec in records:
             parts = kv_b_parts(rec.name) if arch_by_name(arch).mla else None
-            if parts is None:
+            if parts is not None:
+                yield from _kv_b_records(rec, parts, source.config, config_json_path(source))
+            elif _FUSED_EXPERTS.search(rec.name):
+                yield from _fused_expert_records(rec, config_json_path(source))
+            else:
                 yield rec
-                continue
-            yield from _kv_b_records(rec, parts, source.config, config_json_path(source))
 
     def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
         arch, n_layers = self._arch(source)
