@@ -30,6 +30,8 @@ so that a model is never held whole.
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
@@ -315,3 +317,24 @@ class ModelSource(Protocol):
     def describe(self) -> dict:
         """A summary for `qconvert inspect`."""
         ...
+
+
+# gptqmodel saves Mixtral's experts under Qwen-style names (mlp.experts.E.gate_proj / up_proj / down_proj,
+# router mlp.gate); transformers' Mixtral checkpoints, and the key mapping its loader applies, name them
+# block_sparse_moe.experts.E.w1 / w3 / w2 and block_sparse_moe.gate: under the other names transformers
+# would leave the experts random (measured: logits off by 2)
+_MIXTRAL_NAMES = tuple((re.compile(a), b) for a, b in (
+    (r"\.mlp\.experts\.(\d+)\.gate_proj\.", r".block_sparse_moe.experts.\1.w1."),
+    (r"\.mlp\.experts\.(\d+)\.up_proj\.", r".block_sparse_moe.experts.\1.w3."),
+    (r"\.mlp\.experts\.(\d+)\.down_proj\.", r".block_sparse_moe.experts.\1.w2."),
+    (r"\.mlp\.gate\.", ".block_sparse_moe.gate."),
+))
+
+
+def canonical_name(name: str, config: dict) -> str:
+    """The name transformers loads a tensor by for the model's class: the source's name, except where a
+    producer renamed modules (writers write it; verify matches the two sides by it)."""
+    if "MixtralForCausalLM" in (config.get("architectures") or []):
+        for pattern, replacement in _MIXTRAL_NAMES:
+            name = pattern.sub(replacement, name)
+    return name

@@ -352,16 +352,17 @@ def verify(src_path: Path, out_path: Path, src_format: str | None = None, out_fo
     their Hugging Face names, dequantized to float32 and compared. Verdicts here are what the numbers
     say: `exact` (max error 0), `differs` (with the error), `missing` (not in the output).
     """
-    from .records import describe_record
+    from .records import canonical_name, describe_record
     from .registry import detect_format
 
     start = time.perf_counter()
     source = open_source(src_format or detect_format(src_path), src_path)
     output = open_source(out_format or detect_format(out_path), out_path)
-    out_records = {r.name: r for r in output.records()}
+    # matched by the names transformers loads them by (a writer may rename what a producer renamed)
+    out_records = {canonical_name(r.name, output.config): r for r in output.records()}
     report = Report(source.format_name, output.format_name, str(src_path), str(out_path))
     for rec in tqdm(list(source.records()), desc="Verifying", unit="tensor", disable=not progress, leave=False):
-        target = out_records.get(rec.name)
+        target = out_records.get(canonical_name(rec.name, source.config))
         if target is None:
             plan = TensorPlan(rec.name, rec.shape, describe_record(rec), "-", "missing", "not in the output")
             report.results.append(TensorResult(plan))

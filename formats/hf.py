@@ -7,7 +7,6 @@ target dtype) and writes sharded safetensors plus config.json and the tokenizer 
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Iterator
 
@@ -16,7 +15,7 @@ import torch
 from ..converters.align import EXACT, REFUSED, check_dense_to_float, check_grid_to_float, describe_grid
 from ..converters.errors import BadInput
 from ..converters.plan import Options, TensorPlan, unknown_type
-from ..converters.records import Dense, Grid, TensorRecord
+from ..converters.records import Dense, Grid, TensorRecord, canonical_name
 from ..converters.registry import FormatEntry, register_format
 from .model_shapes import ModelShapes
 from .safetensors_dir import (CheckpointDir, CheckpointSource, ShardWriter, copy_side_files, quantization_config_of,
@@ -79,27 +78,6 @@ def parse_hf_type(text: str | None) -> str:
     return key
 
 
-# gptqmodel saves Mixtral's experts under Qwen-style names (mlp.experts.E.gate_proj / up_proj / down_proj,
-# router mlp.gate); transformers' Mixtral checkpoints, and the key mapping its loader applies, name them
-# block_sparse_moe.experts.E.w1 / w3 / w2 and block_sparse_moe.gate: under the other names transformers
-# would leave the experts random (measured: logits off by 2)
-_MIXTRAL_NAMES = tuple((re.compile(a), b) for a, b in (
-    (r"\.mlp\.experts\.(\d+)\.gate_proj\.", r".block_sparse_moe.experts.\1.w1."),
-    (r"\.mlp\.experts\.(\d+)\.up_proj\.", r".block_sparse_moe.experts.\1.w3."),
-    (r"\.mlp\.experts\.(\d+)\.down_proj\.", r".block_sparse_moe.experts.\1.w2."),
-    (r"\.mlp\.gate\.", ".block_sparse_moe.gate."),
-))
-
-
-def checkpoint_name(name: str, config: dict) -> str:
-    """The name transformers loads a tensor by for the model's class (the source's name, except where a
-    producer renamed modules)."""
-    if "MixtralForCausalLM" in (config.get("architectures") or []):
-        for pattern, replacement in _MIXTRAL_NAMES:
-            name = pattern.sub(replacement, name)
-    return name
-
-
 class HfWriter:
     name = "hf"
     output_is_file = False
@@ -107,7 +85,7 @@ class HfWriter:
     def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
         plan = self._plan(rec, options)
         if plan.out_name:
-            plan.out_name = checkpoint_name(plan.out_name, source.config)
+            plan.out_name = canonical_name(plan.out_name, source.config)
         return plan
 
     def _plan(self, rec: TensorRecord, options: Options) -> TensorPlan:

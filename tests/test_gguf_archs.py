@@ -233,6 +233,10 @@ def test_gptqmodel_moe_to_gguf_keeps_every_expert(kind, tmp_path):
     direct = tmp_path / "gptq-hf"
     run_cli("gptq->hf", ckpt, direct, "--type", "f32")
     assert np.array_equal(fixtures_archs.transformers_logits(direct, PROMPT), want)
+    # and verify matches the renamed experts with the source's (every tensor exact, none missing)
+    run_cli("verify", ckpt, direct, "--report", tmp_path / "verify.json")
+    summary = json.loads((tmp_path / "verify.json").read_text())["summary"]
+    assert summary["verdicts"].get("exact") == summary["tensors"] == len(results)
     got = llama_logits(out, PROMPT)
     assert np.abs(got - want).mean() < 0.05, float(np.abs(got - want).mean())
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
