@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -207,6 +208,9 @@ def ensure_moe_base(root, kind: str) -> Path:
     return d
 
 
+_BUILDER = "QCONVERT_MOE_FIXTURE_BUILDER"  # set in the child process that quantizes
+
+
 def ensure_moe_gptq(root=DEFAULT_ROOT, kind: str = "qwen3_moe", bits: int = 4, group_size: int = 32,
                     sym: bool = True, verbose: bool = False) -> Path:
     """Path of a gptqmodel-quantized MoE checkpoint (built once, cached with a ``.done`` marker).
@@ -234,6 +238,16 @@ def ensure_moe_gptq(root=DEFAULT_ROOT, kind: str = "qwen3_moe", bits: int = 4, g
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     name = _variant_name(kind, bits, group_size, sym)
+    if not fixtures._done(root / name) and os.environ.get(_BUILDER) != "1":
+        # quantize in a fresh interpreter: loading a MoE with gptqmodel patches transformers for the rest of
+        # the process (models built afterwards differ, Mixtral saves fused experts), which would change every
+        # later test in a pytest run that built the fixture
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--root", str(root), "--kind", kind,
+                        "--bits", str(bits), "--group-size", str(group_size)] + ([] if sym else ["--asym"]),
+                       check=True, env={**os.environ, _BUILDER: "1"})
+        if not fixtures._done(root / name):
+            raise RuntimeError(f"the fixture builder exited without building {root / name}")
+        return root / name / "ckpt"
     with fixtures._RootLock(root):
         vdir = root / name
         ckpt = vdir / "ckpt"
@@ -303,13 +317,15 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--kind", nargs="+", default=["qwen3_moe"], choices=KINDS)
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=32)
+    ap.add_argument("--asym", action="store_true", help="asymmetric grids (default symmetric)")
     ap.add_argument("--build-base", metavar="DIR", help="only write the fp16 base of the (first) --kind to DIR")
     args = ap.parse_args(argv)
     if args.build_base:
         build_tiny_moe(args.build_base, kind=args.kind[0], seed=BASE_SEED)
         return 0
     for kind in args.kind:
-        print(ensure_moe_gptq(args.root, kind=kind, bits=args.bits, group_size=args.group_size, verbose=True))
+        print(ensure_moe_gptq(args.root, kind=kind, bits=args.bits, group_size=args.group_size, sym=not args.asym,
+                              verbose=True))
     return 0
 
 
