@@ -287,6 +287,20 @@ def _check_coverage(kind: str, coverage: Dict[str, dict]) -> None:
 # --------------------------------------------------------------------------------------------------
 # Reference: gptqmodel's own dequantization
 # --------------------------------------------------------------------------------------------------
+def moe_gptq_reference_in_child(ckpt_dir, dest) -> Dict[str, "object"]:
+    """:func:`moe_gptq_reference` computed in a child process and saved to ``dest`` (a torch file): loading a
+    MoE with gptqmodel patches transformers for the rest of the process, so a test process never does it."""
+    import torch
+
+    code = ("import sys, torch; sys.path.insert(0, sys.argv[3]); import fixtures_moe; "
+            "torch.save(fixtures_moe.moe_gptq_reference(sys.argv[1]), sys.argv[2])")
+    proc = subprocess.run([sys.executable, "-c", code, str(ckpt_dir), str(dest), str(Path(__file__).resolve().parent)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"gptqmodel's dequantization failed:\n{proc.stderr[-3000:]}")
+    return torch.load(dest)
+
+
 def moe_gptq_reference(ckpt_dir) -> Dict[str, "object"]:
     """{HF weight name: float32 [out, in]} for every quantized linear of ``ckpt_dir``, from gptqmodel's
     own dequantization: the checkpoint loaded with ``BACKEND.GPTQ_TORCH`` on CPU in fp16 (as

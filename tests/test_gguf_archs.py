@@ -184,17 +184,6 @@ def _stack_slot(hf_name: str, arch: str) -> tuple[str, int]:
     return gguf_tensor_name(hf_name, arch, 1 << 10), expert_of(hf_name)
 
 
-def _gptqmodel_dequantization(ckpt: Path, dest: Path) -> dict:
-    """gptqmodel's own dequantization of every quantized linear (fixtures_moe.moe_gptq_reference), made in
-    a child process: loading a MoE with gptqmodel patches transformers for the rest of the process."""
-    code = ("import sys, torch; sys.path.insert(0, sys.argv[3]); import fixtures_moe; "
-            "torch.save(fixtures_moe.moe_gptq_reference(sys.argv[1]), sys.argv[2])")
-    proc = subprocess.run([sys.executable, "-c", code, str(ckpt), str(dest), str(Path(__file__).parent)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(dest)
-
-
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
 def test_gptqmodel_moe_to_gguf_keeps_every_expert(kind, tmp_path):
     import fixtures_moe
@@ -208,7 +197,7 @@ def test_gptqmodel_moe_to_gguf_keeps_every_expert(kind, tmp_path):
     assert len(experts) == 2 * 4 * 3  # 2 layers x 4 experts x gate/up/down
     assert all(t["target"] == "Q4_0" and t["verdict"] == "exact" and t["max_abs_err"] == 0 for t in experts)
 
-    reference = _gptqmodel_dequantization(ckpt, tmp_path / "reference.pt")
+    reference = fixtures_moe.moe_gptq_reference_in_child(ckpt, tmp_path / "reference.pt")
     rows = _gguf_expert_rows(out)
     arch = gguf.GGUFReader(str(out)).fields["general.architecture"].contents()
     slots = {_stack_slot(n, arch): n for n in reference if ".experts." in n}

@@ -19,10 +19,12 @@ ATTENTION = [f"model.layers.{L}.self_attn.{p}" for L in range(2) for p in ("q_pr
 
 
 @pytest.fixture(scope="module", params=KINDS)
-def moe(request):
+def moe(request, tmp_path_factory):
     kind = request.param
     ckpt = fixtures_moe.ensure_moe_gptq(kind=kind, bits=4, group_size=32, sym=True)
-    return {"kind": kind, "ckpt": ckpt, "reference": fixtures_moe.moe_gptq_reference(ckpt)}
+    # gptqmodel's dequantization in a child process (in this one it would patch transformers for later tests)
+    reference = fixtures_moe.moe_gptq_reference_in_child(ckpt, tmp_path_factory.mktemp(kind) / "reference.pt")
+    return {"kind": kind, "ckpt": ckpt, "reference": reference}
 
 
 def _shape(weight_name: str) -> tuple[int, int]:
