@@ -10,23 +10,13 @@ depend on the values), saved in float16 with the offline byte-level BPE tokenize
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 VOCAB = 512
 
 
-def _fixtures():
-    """tests/fixtures.py (its tokenizer), loaded by path as pytest's importlib mode requires."""
-    name = "qconvert_test_fixtures"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("fixtures.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+from fixtures_archs import _fixtures  # tests/fixtures.py, loaded by path
 
 
 def _common(layers: int, ffn: int, tie: bool, heads: int = 4, kv_heads: int = 2) -> dict:

@@ -271,12 +271,20 @@ def expert_name(hf_name: str) -> tuple[str, int] | None:
     return f"{m['head']}.{m['tail']}", int(m["index"])
 
 
+# config.json's key for the routed experts per MoE layer: Mixtral (and transformers 5's Qwen-MoE), older
+# Qwen-MoE configs, DeepSeek
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def expert_count_key(config: Mapping) -> str | None:
+    """The first of EXPERT_COUNT_KEYS the config sets, or None (a dense model)."""
+    return next((key for key in EXPERT_COUNT_KEYS if config.get(key) is not None), None)
+
+
 def expert_count(config: Mapping) -> int | None:
     """The routed experts per MoE layer config.json declares (Mixtral, Qwen-MoE, DeepSeek name it differently)."""
-    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
-        if config.get(key) is not None:
-            return config[key]
-    return None
+    key = expert_count_key(config)
+    return None if key is None else config[key]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import numpy as np
 
 from ...converters.errors import BadInput, QConvertError
 from ...converters.validate import ConfigView
-from .archs import arch_by_name
+from .archs import EXPERT_COUNT_KEYS, arch_by_name
 from .names import SUPPORTED_ARCHS, head_dim, layer_index
 
 __all__ = [
@@ -563,7 +563,7 @@ def _expected_shapes(cfg: Mapping, keys: Mapping[str, str]) -> dict[str, tuple[t
     return out
 
 
-_EXPERT_KEYS = (("_n_expert", ("num_local_experts", "num_experts", "n_routed_experts"), "expert_count"),
+_EXPERT_KEYS = (("_n_expert", EXPERT_COUNT_KEYS, "expert_count"),
                 ("_expert_ff", ("moe_intermediate_size",), "expert_feed_forward_length"),
                 ("_shared_ff", ("shared_expert_intermediate_size",), "expert_shared_feed_forward_length"))
 

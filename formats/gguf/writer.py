@@ -41,7 +41,7 @@ from ...kernels.ggml_legacy import decode_blocks, quantize_pack, repack_grid
 from ...kernels.gptq_q4_0 import gptq4_to_q4_0, q4_0_to_gptq4
 from .kencode import QUANTIZERS, QuantHow, encode_quantized
 from .metadata import add_model_metadata, check_writer_config, config_json_path, layer_count, rope_tensors
-from .archs import arch_by_name, expert_count, kv_b_parts, split_kv_b
+from .archs import EXPERT_COUNT_KEYS, arch_by_name, expert_count_key, kv_b_parts, split_kv_b
 from .names import expert_of, gguf_arch, layer_index, gguf_tensor_name, inverse_permutation, qk_row_permutation
 from .presets import (PRESETS, ModelFacts, model_facts_from_gguf_names, preset_of, preset_type,
                       quantized_by_llama_cpp)
@@ -67,13 +67,11 @@ def _always_f32(out_name: str) -> bool:
 
 
 def _expert_count(source) -> int:
-    n = expert_count(source.config)
-    if n is None:
+    key = expert_count_key(source.config)
+    if key is None:
         raise BadInput("the checkpoint has expert tensors but config.json declares no expert count "
-                       "(num_local_experts / num_experts / n_routed_experts)", path=config_json_path(source))
-    return ConfigView(source.config, config_json_path(source)).int(
-        next(k for k in ("num_local_experts", "num_experts", "n_routed_experts") if source.config.get(k) is not None),
-        lo=1, hi=1 << 16)
+                       f"({' / '.join(EXPERT_COUNT_KEYS)})", path=config_json_path(source))
+    return ConfigView(source.config, config_json_path(source)).int(key, lo=1, hi=1 << 16)
 
 
 # experts already fused into 3-D tensors of every expert (transformers 5's own parameters, which some
@@ -161,6 +159,7 @@ def preset_facts(records, source, arch: str, n_layers: int, options: Options) ->
     states them (MLA: one KV head) and the tensors --tensor-type fixes (left out of llama.cpp's counters).
     Reads headers only: the records are not loaded."""
     spec = arch_by_name(arch)
+    n_expert = _expert_count(source) if expert_count_key(source.config) is not None else 0
     shapes: dict[str, tuple[int, ...]] = {}
     manual = []
     for rec in records:
@@ -169,13 +168,13 @@ def preset_facts(records, source, arch: str, n_layers: int, options: Options) ->
         name = gguf_tensor_name(rec.name, arch, n_layers)
         if name is None or _DROPPED.search(rec.name):
             continue
-        shapes[name] = rec.shape if expert_of(rec.name) is None else (_expert_count(source), *rec.shape)
+        # a stacked tensor's shape; a config without an expert count is refused by _expert_count
+        shapes[name] = rec.shape if expert_of(rec.name) is None else (n_expert or _expert_count(source), *rec.shape)
         if options.explicit_type(rec.name):
             manual.append(name)
     cfg = ConfigView(source.config, config_json_path(source))
     heads = cfg.int("num_attention_heads", lo=1, hi=1 << 14)
     kv_heads = 1 if spec.mla else cfg.int("num_key_value_heads", default=heads, lo=1, hi=heads)
-    n_expert = _expert_count(source) if expert_count(source.config) is not None else 0
     return model_facts_from_gguf_names(shapes, arch, n_layers, heads, kv_heads, n_expert, manual=manual)
 
 
