@@ -18,6 +18,11 @@ dtype rule) are small hooks beside their tables.
 
 Decisions come from the data that the source carries (zero points, act-order index, scales), not only
 from its config: an act-order index whose 32-blocks each fall inside one group still aligns.
+
+Two source kinds are decided once in check(), before or after the family handler: a codebook grid
+(bitsandbytes NF4/FP4: table values, not s * (q - z)) is requantized by every target that stores integer
+codes, with the reason saying so; a grid with two-step scales (bitsandbytes LLM.int8) is never `exact` in a
+target that stores one scale (at best `near-exact`).
 """
 
 from __future__ import annotations
@@ -193,6 +198,10 @@ def check_grid_to_blocks(p: GridParams, shape: tuple[int, ...], lay: BlockLayout
         return Decision(REQUANTIZE, f"groups (act-order or size {p.group_size}) do not cover whole {lay.block}-blocks")
     keep = dict(keeps_codes=True)
     scales_fp16 = fp16_exact(p.scales)
+    if p.scale_steps is not None and not lay.has_min and p.integer_zeros and _zeros_fit(p, lay):
+        # LLM.int8: the codes fit as they are; only the row scale SCB/127 becomes one fp16 block scale
+        return Decision(NEAR_EXACT, "codes kept; the row scale (two float32 steps in the source) rounds to "
+                                    "fp16", **keep)
     if not scales_fp16 and not lay.has_min:
         return Decision(REQUANTIZE, "scales are not representable in fp16")
     if p.compute_dtype != torch.float32:
@@ -215,14 +224,19 @@ def check_grid_to_blocks(p: GridParams, shape: tuple[int, ...], lay: BlockLayout
     # symmetric block types: value = d * (q' - offset) with q' = q - z + offset
     if not p.integer_zeros:
         return Decision(REQUANTIZE, f"float zero points cannot be expressed in {lay.name} (no block min)")
+    if not _zeros_fit(p, lay):
+        return Decision(REQUANTIZE, f"zero points do not sit where {lay.name} puts its zero (codes would leave its range)")
+    return Decision(EXACT, "codes and fp16 scales kept", **keep)
+
+
+def _zeros_fit(p: GridParams, lay: BlockLayout) -> bool:
+    """A symmetric block type decodes d * (q' - offset), q' = q - z + offset: do all codes stay in its range?"""
     lo = 0 if not lay.signed_codes else -(1 << (lay.bits - 1))
     hi = lay.code_max if not lay.signed_codes else (1 << (lay.bits - 1)) - 1
     z = p.zeros.to(torch.int64)
     shifted_lo = lay.offset - z  # code 0
     shifted_hi = (1 << p.bits) - 1 - z + lay.offset  # largest code
-    if bool((shifted_lo < lo).any()) or bool((shifted_hi > hi).any()):
-        return Decision(REQUANTIZE, f"zero points do not sit where {lay.name} puts its zero (codes would leave its range)")
-    return Decision(EXACT, "codes and fp16 scales kept", **keep)
+    return not (bool((shifted_lo < lo).any()) or bool((shifted_hi > hi).any()))
 
 
 def _kept_k_blocks(p: GridParams, shape, name: str) -> Decision | None:
@@ -345,6 +359,22 @@ _HANDLERS: dict[str, Callable[..., Decision]] = {
 }
 
 
+def _codebook_source(p: GridParams, shape: tuple[int, ...], s: TargetScheme, prefer_groups) -> Decision:
+    """A codebook grid (bitsandbytes NF4/FP4) into any target that stores integer-grid codes: its values are
+    table entries, not s * (q - z), so no target keeps the codes. The target decides as for dense float32
+    weights (a row that is not whole blocks is still refused; AFQ / HQQ still choose their group), and the
+    reason says why the codes could not stay."""
+    dense = _HANDLERS[s.family]("float32", shape, s, None, prefer_groups)
+    if dense.verdict == REFUSED:
+        return dense
+    why = f"a {2 ** p.bits}-value codebook is not a uniform grid"
+    if s.name.upper().startswith("IQ4_NL"):
+        why += " (IQ4_NL's 16 values are a different codebook)"
+    return replace(dense, verdict=REQUANTIZE, reason=f"{why}; weights are dequantized and quantized again "
+                                                      f"with {s.name}'s quantizer", keeps_codes=False,
+                   kept_blocks=None, copied=False)
+
+
 def register_family(name: str, handler: Callable[..., Decision]) -> None:
     if _HANDLERS.get(name, handler) is not handler:
         raise ValueError(f"scheme family {name!r} is already registered")
@@ -358,7 +388,14 @@ def check(source: Source, shape: tuple[int, ...], scheme: TargetScheme, *, nativ
     native: the name of the source's own packed type when it has one the target may copy (a GGUF grid's
     ggml type); prefer_groups: the source's own group sizes, tried first where the target chooses one."""
     shape = tuple(shape)
-    d = _HANDLERS[scheme.family](source, shape, scheme, native, tuple(prefer_groups))
+    if isinstance(source, GridParams) and source.codebook is not None and scheme.family != "float":
+        d = _codebook_source(source, shape, scheme, tuple(prefer_groups))
+    else:
+        d = _HANDLERS[scheme.family](source, shape, scheme, native, tuple(prefer_groups))
+    if isinstance(source, GridParams) and source.scale_steps is not None and d.verdict == EXACT \
+            and scheme.family != "float":
+        # the source rounds twice ((q * a) * c); any target stores one scale fl(a * c): within an ulp, not exact
+        d = replace(d, verdict=NEAR_EXACT, reason=d.reason + " (the source's two-step scale becomes one)")
     d = replace(d, scheme=scheme.name)
     return d.with_reason(suffix=scheme.note) if scheme.note else d
 

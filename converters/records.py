@@ -20,6 +20,13 @@ of one input column taken every R-th output row, R = out / group_size):
 where `h(n) = row_idx[n]` when a row index is present (rows were sliced or permuted), else `n % R`.
 HQQ's own `[1, numel/gs]` scale is this `[R, in]` matrix flattened row-major (group j = h*in + k).
 
+Codebook form (bitsandbytes NF4/FP4: the codes index a table of 2**bits float32 values, not a uniform grid):
+
+    W[n, k] = scales[n, g(k)] * codebook[codes[n, k]]                 (zeros unused, mins None)
+
+computed as bitsandbytes does: the float32 table value times the float32 block absmax, one rounding,
+then cast to the output dtype.
+
 Codes are unpacked unsigned integers `0 .. 2**bits - 1`. Integer `zeros` mean integer zero points
 (GPTQ); float `zeros` mean the float zero of HQQ. The arithmetic runs in `compute_dtype` (float32 unless
 the source's own runtime rounds in fp16/bf16, as hqq does), so that the grid's dequantization is the
@@ -57,6 +64,11 @@ class GridParams:
     mins: torch.Tensor | None = None  # [out, n_groups]: min form W = s*q + m (zeros then unused)
     compute_dtype: torch.dtype = torch.float32  # the dtype the source's runtime dequantizes in
     row_idx: torch.Tensor | None = None  # axis 0 only: [out] int64 scale row of each output row, None = n % R
+    codebook: torch.Tensor | None = None  # float32 [2**bits]: W = scales * codebook[q] (bitsandbytes NF4/FP4)
+    # (a, c): the source scales in two float32 steps, W = ((q - z) * a[n, g]) * c (bitsandbytes LLM.int8:
+    # a = SCB, c = 1/127 as float32); `scales` then holds fl(a * c), the one scale a target stores, which
+    # decodes within an ulp of the source (one rounding instead of two) -- so no target is exact for it
+    scale_steps: tuple[torch.Tensor, float] | None = None
 
     @property
     def n_groups(self) -> int:
@@ -64,7 +76,11 @@ class GridParams:
 
     @property
     def integer_zeros(self) -> bool:
-        return self.mins is None and not torch.is_floating_point(self.zeros)
+        return self.mins is None and self.codebook is None and not torch.is_floating_point(self.zeros)
+
+    @property
+    def is_codebook(self) -> bool:
+        return self.codebook is not None
 
     @property
     def symmetric(self) -> bool:
@@ -107,7 +123,8 @@ class GridParams:
             natural = self.row_groups(self.scales.shape[0] * self.group_size)
             return replace(self, row_idx=natural[index])
         mins = None if self.mins is None else self.mins[index]
-        return replace(self, scales=self.scales[index], zeros=self.zeros[index], mins=mins)
+        steps = None if self.scale_steps is None else (self.scale_steps[0][index], self.scale_steps[1])
+        return replace(self, scales=self.scales[index], zeros=self.zeros[index], mins=mins, scale_steps=steps)
 
     def permute_rows(self, perm: torch.Tensor) -> "GridParams":
         return self._take_rows(perm)
@@ -271,12 +288,34 @@ class TensorRecord:
 
 
 def describe_grid(p: GridParams, in_features: int) -> str:
-    """"4-bit g128 sym", "4-bit per-channel asym act-order": a grid's scheme in a few words."""
+    """"4-bit g128 sym", "4-bit per-channel asym act-order", "4-bit nf4 codebook blocksize 64": a grid's
+    scheme in a few words."""
+    if p.codebook is not None:
+        return f"{p.bits}-bit {codebook_name(p.codebook)} codebook blocksize {p.group_size}"
     sym = "sym" if p.symmetric else ("asym" if p.integer_zeros else "float-zero")
     group = "per-channel" if p.n_groups == 1 else f"g{p.group_size}"
     act = "" if p.contiguous_groups(in_features) else " act-order"
     axis = "" if p.axis == 1 else f" axis {p.axis}"
     return f"{p.bits}-bit {group} {sym}{act}{axis}"
+
+
+# bitsandbytes 0.50 functional.py get_4bit_type: the two 16-value tables its 4-bit types index
+_NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+        -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+        0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+        0.7229568362236023, 1.0)
+_FP4 = tuple(v / 12.0 for v in (0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, -0, -0.0625, -8.0, -12.0, -4.0, -6.0,
+                                -2.0, -3.0))  # normalized to [-1, 1] as get_4bit_type does
+KNOWN_CODEBOOKS = {"nf4": _NF4, "fp4": _FP4}
+
+
+def codebook_name(codebook: torch.Tensor) -> str:
+    """"nf4" / "fp4" when the table is bitsandbytes' own (as float32), else "custom"."""
+    for name, values in KNOWN_CODEBOOKS.items():
+        if codebook.numel() == len(values) and torch.equal(codebook.to(torch.float32),
+                                                           torch.tensor(values, dtype=torch.float32)):
+            return name
+    return "custom"
 
 
 def describe_record(rec: "TensorRecord") -> str:

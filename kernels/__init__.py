@@ -14,7 +14,8 @@ from functools import lru_cache
 
 import torch
 
-from .dequant import dequantize_axis0_torch, dequantize_grid_torch
+from .dequant import (dequantize_axis0_torch, dequantize_codebook_torch, dequantize_grid_torch,
+                      dequantize_two_step_torch)
 
 __all__ = ["dequantize_grid", "kernel_backend", "usable_cpus"]
 
@@ -52,6 +53,11 @@ def dequantize_grid(grid, dtype: torch.dtype = torch.float32) -> torch.Tensor:
                                       compute_dtype=p.compute_dtype)
     if p.axis != 1:
         raise NotImplementedError(f"grid axis {p.axis} is not supported")
+    if getattr(p, "codebook", None) is not None:  # bitsandbytes NF4/FP4: a table lookup, the torch path
+        return dequantize_codebook_torch(grid.codes, p.scales, p.codebook, p.group_size, dtype)
+    if getattr(p, "scale_steps", None) is not None:  # bitsandbytes LLM.int8's two float32 roundings
+        pre, factor = p.scale_steps
+        return dequantize_two_step_torch(grid.codes, p.zeros, pre, factor, p.group_size, dtype)
     packed = grid.packed
     probe = packed.words if packed is not None else grid.codes
     if kernel_backend(probe) == "triton" and p.compute_dtype == torch.float32:

@@ -5,13 +5,17 @@
 computed in float32. For integer zeros every step is exact in float32 (an fp16 scale times an integer
 below 2**9 needs at most 20 significant bits), so the float32 result is the exact value of the grid
 and rounding it once to fp16 gives what GPTQ's fp16 kernels compute. bf16 output rounds to nearest even.
+
+Two source runtimes need their own operation order (converters/records.py): codebook grids (bitsandbytes
+NF4/FP4, W = codebook[q] * absmax) and two-step scales (bitsandbytes LLM.int8, W = (q * SCB) * 1/127).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["dequantize_grid_torch", "dequantize_axis0_torch"]
+__all__ = ["dequantize_grid_torch", "dequantize_axis0_torch", "dequantize_codebook_torch",
+           "dequantize_two_step_torch"]
 
 
 def dequantize_grid_torch(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -56,4 +60,34 @@ def dequantize_axis0_torch(codes: torch.Tensor, scales: torch.Tensor, zeros: tor
         w = w.view(out_features, in_features)
     else:
         w = (q - zeros.to(cd)[row_groups]) * scales.to(cd)[row_groups]
+    return w if dtype == w.dtype else w.to(dtype)
+
+
+def dequantize_codebook_torch(codes: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor, group_size: int,
+                              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Codebook grids (bitsandbytes NF4/FP4): W[n, k] = codebook[q[n, k]] * scales[n, k // group_size].
+
+    The operations of bitsandbytes 0.50 backends/default/ops.py _dequantize_4bit_compute (its CPU C kernel
+    gives the same bits): the float32 table value times the float32 block absmax, one float32 rounding,
+    then one cast to the output dtype."""
+    out_features, in_features = codes.shape
+    values = codebook.to(codes.device, torch.float32)[codes.to(torch.int64)]
+    s = scales.to(codes.device, torch.float32)
+    w = values.view(out_features, in_features // group_size, group_size) * s[:, :, None]
+    w = w.view(out_features, in_features)
+    return w if dtype == w.dtype else w.to(dtype)
+
+
+def dequantize_two_step_torch(codes: torch.Tensor, zeros: torch.Tensor, pre_scales: torch.Tensor, factor: float,
+                              group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W = ((q - z) * a) * c in float32, two roundings in this order: bitsandbytes 0.50 _ops.py
+    int8_vectorwise_dequant computes `A * stats.view(-1, 1) * 7.874015718698502e-3` (int8 times float32
+    SCB, then times the Python constant, which torch applies as a float32 scalar)."""
+    out_features, in_features = codes.shape
+    n_groups = in_features // group_size
+    dev = codes.device
+    q = (codes.to(torch.int16) - zeros.to(dev, torch.int16).repeat_interleave(group_size, dim=1)).to(torch.float32)
+    a = pre_scales.to(dev, torch.float32)
+    a = a.repeat_interleave(group_size, dim=1) if n_groups > 1 else a
+    w = q * a * factor
     return w if dtype == w.dtype else w.to(dtype)
