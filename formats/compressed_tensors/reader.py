@@ -1,0 +1,324 @@
+"""compressed-tensors checkpoints (llm-compressor 0.14, compressed-tensors 0.19; see schemes.py for the layout).
+
+Per quantized module `<prefix>` (tensors as compressed-tensors' compressors write them):
+- pack-quantized: `weight_packed` int32 [out, ceil(in*b/32)], `weight_scale` [out, G] ([out, 1] per channel,
+  [1] per tensor), `weight_shape` int [2] = (out, in), asymmetric group/channel: `weight_zero_point` int32
+  [ceil(out*b/32), G] packed along the outputs; older files with actorder "group": `weight_g_idx` [in].
+- int-quantized / naive-quantized: `weight` int8 [out, in] (signed codes), `weight_scale`, optional
+  `weight_zero_point` int8 [out, G] (signed).
+  Both become a Grid: codes = signed + 2**(b-1), zeros = signed zero + 2**(b-1) (the mid code when symmetric).
+- float-quantized (fp8 e4m3 `weight` + `weight_scale`) and nvfp4-pack-quantized (`weight_packed` uint8 two
+  e2m1 codes per byte, low nibble first, fp8 `weight_scale` per 16, float32 `weight_global_scale`): no integer
+  grid fits, so they are read as Dense tensors equal to compressed-tensors' own decompression.
+Activation quantization parameters (`input_scale`, ...) describe a runtime choice, not the weights; they are
+listed in describe() and not carried.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ...converters.errors import BadInput
+from ...converters.records import Dense, Grid, GridParams, TensorRecord
+from ...converters.validate import ConfigView
+from ..model_shapes import ModelShapes
+from ..safetensors_dir import CheckpointDir, CheckpointSource, read_json
+from .schemes import DENSE_FORMATS, INT_FORMATS, QuantArgs, parse_rules, unpack_dense
+
+__all__ = ["CtSource", "open_ct", "WEIGHT_PARTS"]
+
+WEIGHT_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx",
+                "weight_global_scale")
+# activation / kv-cache quantization parameters: not weights (see describe())
+_RUNTIME_PARTS = ("input_scale", "input_zero_point", "input_global_scale", "output_scale", "output_zero_point",
+                  "k_scale", "v_scale", "q_scale")
+_SCALE_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
+
+
+def _quant_config(path: Path, cfg: dict) -> dict:
+    where = path / "config.json"
+    qc = ConfigView(cfg, where).view("quantization_config", default=None)
+    if qc is None or not qc.data:
+        raise BadInput("no quantization_config in config.json", path=where)
+    method = qc.str("quant_method", default="")
+    if method != "compressed-tensors":
+        raise BadInput(f"quantization_config.quant_method is {method!r}, not 'compressed-tensors'", path=where)
+    for key in ("sparsity_config", "transform_config"):
+        extra = qc.get(key)
+        if extra and not (key == "sparsity_config" and extra.get("format") in (None, "dense")):
+            raise BadInput(f"quantization_config.{key} is set: sparse or transformed (rotated) compressed-tensors "
+                           "models are not read", path=where)
+    status = qc.get("quantization_status", "compressed")
+    if status not in ("compressed", "frozen"):
+        raise BadInput(f"quantization_config.quantization_status is {status!r}: the weights are not stored "
+                       "compressed", path=where)
+    return qc.data
+
+
+class CtSource(CheckpointSource):
+    """A compressed-tensors checkpoint directory, read lazily module by module."""
+
+    format_name = "compressed-tensors"
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.ckpt = CheckpointDir(self.path)
+        cfg = read_json(self.path / "config.json")
+        self.quant_config = _quant_config(self.path, cfg)
+        self.config = {k: v for k, v in cfg.items() if k != "quantization_config"}
+        self.shapes = ModelShapes(self.config, self.path / "config.json")
+        self.rules, self.global_format = parse_rules(self.quant_config, self.path / "config.json")
+        self.modules = self._modules()
+        self.runtime_params = sorted(n for n in self.ckpt.location if n.rpartition(".")[2] in _RUNTIME_PARTS)
+
+    # -- which modules are quantized, with which scheme -------------------------------------------
+    def _modules(self) -> dict[str, tuple[QuantArgs, dict[str, str]]]:
+        parts: dict[str, dict[str, str]] = {}
+        for name in self.ckpt.location:
+            prefix, _, part = name.rpartition(".")
+            if part in WEIGHT_PARTS:
+                parts.setdefault(prefix, {})[part] = name
+        modules = {}
+        for prefix, found in parts.items():
+            where = self.ckpt.file_of(found[min(found)])
+            if "weight_scale" not in found:
+                stored = "weight_packed" if "weight_packed" in found else min(found)
+                raise BadInput(f"{stored} without weight_scale", path=where, tensor=f"{prefix}.weight_scale")
+            args = self.rules.scheme_of(prefix)
+            if args is None:
+                why = "is in the ignore list" if self.rules.ignored(prefix) else "matches no config group target"
+                raise BadInput(f"module is stored quantized but {why}", path=where, tensor=found["weight_scale"])
+            if args.fmt in ("pack-quantized", "nvfp4-pack-quantized") and "weight_packed" not in found:
+                raise BadInput(f"format {args.fmt} but no weight_packed", path=where, tensor=f"{prefix}.weight_packed")
+            if args.fmt not in ("pack-quantized", "nvfp4-pack-quantized") and f"{prefix}.weight" not in self.ckpt.location:
+                raise BadInput(f"format {args.fmt} but no weight", path=where, tensor=f"{prefix}.weight")
+            if args.fmt in INT_FORMATS and args.type != "int":
+                raise BadInput(f"config group {args.group} has {args.type} weights in format {args.fmt}", path=where,
+                               tensor=found["weight_scale"])
+            if args.fmt == "pack-quantized" and "weight_shape" not in found:
+                raise BadInput("weight_packed without weight_shape", path=where, tensor=f"{prefix}.weight_shape")
+            if args.fmt in INT_FORMATS and not args.symmetric and "weight_zero_point" not in found:
+                raise BadInput(f"config group {args.group} is asymmetric but the module has no weight_zero_point",
+                               path=where, tensor=f"{prefix}.weight_zero_point")
+            if args.fmt == "nvfp4-pack-quantized" and "weight_global_scale" not in found:
+                raise BadInput("nvfp4 weight_packed without weight_global_scale", path=where,
+                               tensor=f"{prefix}.weight_global_scale")
+            if f"{prefix}.weight" in self.ckpt.location:
+                found["weight"] = f"{prefix}.weight"
+            modules[prefix] = (args, found)
+        return modules
+
+    # -- header checks and the small parameters ---------------------------------------------------
+    def _bad(self, msg: str, tensor: str) -> BadInput:
+        return BadInput(msg, path=self.ckpt.file_of(tensor), tensor=tensor)
+
+    def _dtype_is(self, tensor: str, allowed: tuple[str, ...]) -> str:
+        got = self.ckpt.dtype(tensor)
+        if got not in allowed:
+            raise self._bad(f"dtype {got} is not {' or '.join(allowed)}", tensor)
+        return got
+
+    def _shape(self, args: QuantArgs, parts: dict[str, str]) -> tuple[int, int]:
+        """(out, in): weight_shape for packed weights (checked against the packed words), else the weight's."""
+        if "weight_packed" in parts and args.fmt == "pack-quantized":
+            sname, pname = parts["weight_shape"], parts["weight_packed"]
+            self._dtype_is(sname, ("I64", "I32"))
+            if self.ckpt.shape(sname) != (2,):
+                raise self._bad(f"weight_shape shape {self.ckpt.shape(sname)} is not (2,)", sname)
+            out_f, in_f = (int(v) for v in self.ckpt.get(sname).tolist())
+            self._dtype_is(pname, ("I32",))
+            want = (out_f, -(-in_f * args.num_bits // 32))
+            if out_f <= 0 or in_f <= 0 or self.ckpt.shape(pname) != want:
+                raise self._bad(f"weight_packed shape {self.ckpt.shape(pname)} does not match weight_shape "
+                                f"({out_f}, {in_f}) at {args.num_bits} bits: expected {want}", pname)
+            return out_f, in_f
+        if args.fmt == "nvfp4-pack-quantized":
+            pname = parts["weight_packed"]
+            self._dtype_is(pname, ("U8",))
+            shape = self.ckpt.shape(pname)
+            if len(shape) != 2:
+                raise self._bad(f"weight_packed shape {shape} is not 2-D", pname)
+            return shape[0], shape[1] * 2
+        wname = parts["weight"]
+        shape = self.ckpt.shape(wname)
+        if len(shape) != 2:
+            raise self._bad(f"weight shape {shape} is not 2-D", wname)
+        if args.fmt == "float-quantized":
+            self._dtype_is(wname, ("F8_E4M3",))
+        else:
+            self._dtype_is(wname, ("I8",))
+        return shape
+
+    def _groups(self, args: QuantArgs, in_f: int, tensor: str) -> tuple[int, int]:
+        """(group size, number of groups) of a weight's scales, per strategy (forward.py _process_group)."""
+        if args.strategy in ("group", "tensor_group"):
+            if in_f % args.group_size:
+                raise self._bad(f"in_features {in_f} is not a multiple of group_size {args.group_size}", tensor)
+            return args.group_size, in_f // args.group_size
+        return in_f, 1
+
+    def _scales(self, args: QuantArgs, parts: dict[str, str], out_f: int, n_groups: int) -> torch.Tensor:
+        name = parts["weight_scale"]
+        allowed = ("F8_E4M3",) if args.fmt == "nvfp4-pack-quantized" else tuple(_SCALE_DTYPES)
+        self._dtype_is(name, allowed)
+        shape = self.ckpt.shape(name)
+        want = ((1,), (1, 1)) if args.strategy == "tensor" else ((out_f, n_groups),)
+        if shape not in want:
+            raise self._bad(f"weight_scale shape {shape} does not match {args.strategy} strategy of a ({out_f}, "
+                            f"in) weight: expected {want[0]}", name)
+        s = self.ckpt.get(name)
+        return s.reshape(1, 1).expand(out_f, 1).contiguous() if args.strategy == "tensor" else s
+
+    def _zeros(self, args: QuantArgs, parts: dict[str, str], out_f: int, n_groups: int) -> torch.Tensor:
+        """Unsigned integer zero points [out, G] (the mid code when symmetric)."""
+        mid = torch.full((out_f, n_groups), args.offset, dtype=torch.int16)
+        name = parts.get("weight_zero_point")
+        if name is None or args.symmetric:
+            return mid
+        shape, dtype = self.ckpt.shape(name), self.ckpt.dtype(name)
+        if args.fmt == "pack-quantized" and args.strategy != "tensor":
+            self._dtype_is(name, ("I32",))
+            want = (-(-out_f * args.num_bits // 32), n_groups)
+            if shape != want:
+                raise self._bad(f"weight_zero_point shape {shape} does not match {n_groups} groups x {out_f} outputs "
+                                f"packed at {args.num_bits} bits: expected {want}", name)
+            return unpack_dense(self.ckpt.get(name).T.contiguous(), args.num_bits, out_f).T.to(torch.int16).contiguous()
+        self._dtype_is(name, ("I8",) if dtype == "I8" else ("I8", "I32"))
+        want = ((1,), (1, 1)) if args.strategy == "tensor" else ((out_f, n_groups),)
+        if shape not in want:
+            raise self._bad(f"weight_zero_point shape {shape} is not {want[0]}", name)
+        z = self.ckpt.get(name).to(torch.int16).reshape(-1, 1 if args.strategy == "tensor" else n_groups)
+        z = z.expand(out_f, n_groups) + args.offset
+        lo, hi = 0, (1 << args.num_bits) - 1
+        if int(z.min()) < lo or int(z.max()) > hi:
+            raise self._bad(f"weight_zero_point values leave the signed {args.num_bits}-bit range", name)
+        return z.contiguous()
+
+    def _g_idx(self, args: QuantArgs, parts: dict[str, str], in_f: int, group: int, n_groups: int):
+        name = parts.get("weight_g_idx")
+        if name is None:
+            return None
+        self._dtype_is(name, ("I32", "I64"))
+        if self.ckpt.shape(name) != (in_f,):
+            raise self._bad(f"weight_g_idx shape {self.ckpt.shape(name)} does not match {in_f} inputs", name)
+        g = self.ckpt.get(name).to(torch.int64)
+        if int(g.min()) < 0 or int(g.max()) >= n_groups:
+            raise self._bad(f"weight_g_idx values {int(g.min())}..{int(g.max())} are out of range for {n_groups} "
+                            "groups", name)
+        natural = torch.arange(in_f, dtype=torch.int64) // group
+        return None if torch.equal(g, natural) else g
+
+    def _params(self, prefix: str) -> tuple[GridParams, tuple[int, int]]:
+        args, parts = self.modules[prefix]
+        out_f, in_f = self._shape(args, parts)
+        primary = parts.get("weight_packed") or parts["weight"]
+        self.shapes.check_linear(prefix, out_f, in_f, self.ckpt.file_of(primary), primary, f"{primary} shape")
+        group, n_groups = self._groups(args, in_f, parts["weight_scale"])
+        scales = self._scales(args, parts, out_f, n_groups)
+        zeros = self._zeros(args, parts, out_f, n_groups)
+        g_idx = self._g_idx(args, parts, in_f, group, n_groups)
+        params = GridParams(bits=args.num_bits, group_size=group, scales=scales, zeros=zeros, g_idx=g_idx)
+        return params, (out_f, in_f)
+
+    # -- loading -----------------------------------------------------------------------------------
+    def _load_grid(self, prefix: str) -> Grid:
+        args, parts = self.modules[prefix]
+        params, (out_f, in_f) = self._params(prefix)
+        if args.fmt == "pack-quantized":
+            codes = unpack_dense(self.ckpt.get(parts["weight_packed"]), args.num_bits, in_f)
+        else:
+            q = self.ckpt.get(parts["weight"]).to(torch.int16)
+            lo, hi = -args.offset, args.offset - 1
+            if int(q.min()) < lo or int(q.max()) > hi:
+                raise self._bad(f"int8 weight values {int(q.min())}..{int(q.max())} leave the signed "
+                                f"{args.num_bits}-bit range", parts["weight"])
+            codes = (q + args.offset).to(torch.uint8)
+        return Grid(params, codes=codes)
+
+    def _dense_fp8(self, prefix: str) -> Dense:
+        """float-quantized: _dequantize(x_q, scale) = x_q.to(scale.dtype) * scale, in the scale's dtype."""
+        args, parts = self.modules[prefix]
+        out_f, in_f = self._shape(args, parts)
+        group, n_groups = self._groups(args, in_f, parts["weight_scale"])
+        s = self._scales(args, parts, out_f, n_groups)
+        w = self.ckpt.get(parts["weight"]).to(s.dtype)
+        return Dense((w.view(out_f, n_groups, group) * s.unsqueeze(-1)).reshape(out_f, in_f))
+
+    def _dense_nvfp4(self, prefix: str) -> Dense:
+        """nvfp4-pack-quantized decompress (compressors/nvfp4): e2m1 codes (low nibble first) as bf16 values,
+        the fp8 scale cast to bf16, divided by the float32 global scale (float32), x_q * scale in float32,
+        the product cast to bf16."""
+        args, parts = self.modules[prefix]
+        out_f, in_f = self._shape(args, parts)
+        group, n_groups = self._groups(args, in_f, parts["weight_scale"])
+        scale = self._scales(args, parts, out_f, n_groups).to(torch.bfloat16)
+        gname = parts["weight_global_scale"]
+        self._dtype_is(gname, ("F32", "BF16", "F16"))
+        global_scale = self.ckpt.get(gname)
+        packed = self.ckpt.get(parts["weight_packed"]).flatten()
+        nibbles = torch.stack((packed & 0x0F, packed >> 4), dim=1).flatten().to(torch.int64)
+        values = _E2M1[nibbles & 0x07] * torch.where((nibbles & 0x08) != 0, -1.0, 1.0)
+        x_q = values.reshape(out_f, in_f).to(torch.bfloat16)
+        eff = scale / global_scale
+        w = x_q.view(out_f, n_groups, group).to(eff.dtype) * eff.unsqueeze(-1)
+        return Dense(w.reshape(out_f, in_f).to(torch.bfloat16))
+
+    # -- the ModelSource interface -----------------------------------------------------------------
+    def records(self) -> Iterator[TensorRecord]:
+        consumed = {n for _, parts in self.modules.values() for n in parts.values()}
+        emitted = set()
+        for shard in self.ckpt.shards:
+            for name in self.ckpt.keys(shard):
+                prefix, _, part = name.rpartition(".")
+                if prefix in self.modules and prefix not in emitted:
+                    emitted.add(prefix)
+                    yield self._record(prefix, shard)
+                    continue
+                if name in consumed or part in _RUNTIME_PARTS:
+                    continue
+                self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard, self.ckpt.dtype(name))
+                yield self.ckpt.dense_record(name, shard)
+
+    def _record(self, prefix: str, shard: str) -> TensorRecord:
+        args, parts = self.modules[prefix]
+        if args.fmt in DENSE_FORMATS:
+            out_f, in_f = self._shape(args, parts)
+            self._groups(args, in_f, parts["weight_scale"])
+            load = self._dense_fp8 if args.fmt == "float-quantized" else self._dense_nvfp4
+            dtype = "bfloat16" if args.fmt == "nvfp4-pack-quantized" else \
+                str(_SCALE_DTYPES[self._dtype_is(parts["weight_scale"], tuple(_SCALE_DTYPES))])[6:]
+            return TensorRecord(f"{prefix}.weight", (out_f, in_f), dtype, lambda p=prefix: load(p), source_file=shard,
+                                lossy_standin="")
+        params, shape = self._params(prefix)
+        return TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p), params=params,
+                            source_file=shard)
+
+    def describe(self) -> dict:
+        schemes = {}
+        for prefix, (args, _) in self.modules.items():
+            key = (f"{args.fmt} {args.type}{args.num_bits} {args.strategy}"
+                   + (f" g{args.group_size}" if args.strategy == "group" else "")
+                   + (" sym" if args.symmetric else " asym") + (f" actorder {args.actorder}" if args.actorder else ""))
+            schemes[key] = schemes.get(key, 0) + 1
+        desc = {"format": self.format_name, "compression_format": self.global_format,
+                "config_groups": sorted(self.quant_config.get("config_groups", {})),
+                "ignore": self.rules.ignore, "schemes": schemes, "quantized_modules": len(self.modules),
+                "shards": len(self.ckpt.shards),
+                "layout": "int weights: codes = signed + 2**(b-1), packed densely LSB-first along inputs "
+                          "(weight_packed int32); fp8 / nvfp4 weights are read as dense tensors equal to "
+                          "compressed-tensors' own decompression (no integer grid holds them)",
+                "ignored_files": self.ignored_files}
+        if self.runtime_params:
+            desc["activation_quantization"] = (f"{len(self.runtime_params)} activation/kv-cache scale tensors "
+                                               "(a runtime choice) are not carried")
+        if any(a.activations for a, _ in self.modules.values()):
+            desc["activations"] = "activations are quantized at run time by the source's scheme; only the weights convert"
+        return desc
+
+
+def open_ct(path: Path, **_: object) -> CtSource:
+    return CtSource(path)

@@ -1,0 +1,219 @@
+"""Writes compressed-tensors `pack-quantized` checkpoints (what vLLM loads, and transformers with
+compressed-tensors installed), streaming tensors into safetensors shards.
+
+Per quantized linear `<prefix>`: weight_packed int32 [out, ceil(in*b/32)] (schemes.pack_dense of the unsigned
+codes), weight_scale [out, G] in the source's scale dtype, weight_shape int64 (out, in), and for an asymmetric
+grid weight_zero_point int32 [ceil(out*b/32), G] (the unsigned zero points packed along the outputs). The
+config has one config group per distinct scheme, targeting its modules by exact name, and the unquantized
+linears and lm_head in `ignore`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ...converters.align import EXACT, REQUANTIZE, check, describe_grid
+from ...converters.errors import QConvertError
+from ...converters.plan import Options, TensorPlan
+from ...converters.records import Dense, Grid, GridParams, TensorRecord
+from ..gptq import parse_gptq_type
+from ..safetensors_dir import ShardWriter, copy_side_files, write_json
+from .schemes import CT_PACK, pack_dense
+
+__all__ = ["CtWriter", "ct_rtn", "WeightScheme"]
+
+_QUANTIZABLE = re.compile(r"^model\.layers\.\d+\..*_proj\.weight$")  # the decoder blocks' linears
+_CT_VERSION = "0.19.0"  # the compressed-tensors whose layout this writes (quantization_config.version)
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    bits: int
+    group_size: int  # in_features (one group per row) is written as strategy "channel"
+    symmetric: bool
+    channel: bool
+
+    def weights_args(self) -> dict:
+        args = {"num_bits": self.bits, "type": "int", "symmetric": self.symmetric, "dynamic": False,
+                "actorder": None, "block_structure": None, "observer": "memoryless_minmax", "observer_kwargs": {},
+                "scale_dtype": None, "zp_dtype": None if self.symmetric else "torch.int8",
+                "strategy": "channel" if self.channel else "group",
+                "group_size": None if self.channel else self.group_size}
+        return args
+
+
+def ct_rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool, scale_dtype: torch.dtype,
+           compute_dtype: torch.dtype = torch.float32) -> Grid:
+    """compressed-tensors' own round-to-nearest (quantization/utils/helpers.py calculate_qparams with the
+    min-max observer, forward.py _quantize), in `compute_dtype` as it computes in the weight's dtype: min and
+    max per group widened to include 0; symmetric: scale = max|x| / ((2**b - 1) / 2), zero 0; asymmetric:
+    scale = (max - min) / (2**b - 1), zero = round(clamp(-2**(b-1) - min/scale)); a zero scale becomes the
+    dtype's eps; q = round(clamp(x/scale + zero, -2**(b-1), 2**(b-1) - 1))."""
+    out_f, in_f = w.shape
+    gs = in_f if group_size <= 0 else group_size
+    cd = compute_dtype
+    x = w.to(cd).reshape(out_f, in_f // gs, gs)
+    lo, hi = x.amin(-1).clamp(max=0), x.amax(-1).clamp(min=0)
+    qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    if sym:
+        scale = torch.maximum(lo.abs(), hi) / ((qmax - qmin) / 2)
+    else:
+        scale = (hi - lo) / (qmax - qmin)
+    scale = torch.where(scale == 0, torch.tensor(torch.finfo(scale.dtype).eps, dtype=scale.dtype), scale)
+    scale = scale.to(scale_dtype)
+    s = scale.to(cd)
+    zero = torch.zeros_like(s) if sym else torch.round(torch.clamp(qmin - lo / s, qmin, qmax))
+    q = torch.round(torch.clamp(x / s[..., None] + zero[..., None], qmin, qmax))
+    offset = 1 << (bits - 1)
+    codes = (q.to(torch.int16) + offset).to(torch.uint8).reshape(out_f, in_f)
+    params = GridParams(bits=bits, group_size=gs, scales=scale, zeros=(zero.to(torch.int16) + offset))
+    return Grid(params, codes=codes)
+
+
+def _zero_point_form(p: GridParams) -> GridParams:
+    """A min-form grid whose block mins are -d*z with integer z (checked by the scheme) as zero points."""
+    if p.mins is None:
+        return p
+    d, m = p.scales.to(torch.float32), p.mins.to(torch.float32)
+    z = torch.where(d != 0, -m / torch.where(d != 0, d, 1), 0).round().to(torch.int16)
+    return GridParams(bits=p.bits, group_size=p.group_size, scales=p.scales, zeros=z, g_idx=p.g_idx)
+
+
+class CtWriter:
+    """compressed-tensors pack-quantized output."""
+
+    name = "compressed-tensors"
+    output_is_file = False
+
+    def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
+        explicit = options.explicit_type(rec.name) or options.type
+        if rec.rotated is not None or rec.lossy_standin:
+            # a folded stand-in (rotated GPTQ down_proj): the plain weights leave the grid
+            return self._requant_plan(rec, explicit or "4g128", rec.lossy_standin or "rotated grid")
+        if rec.is_grid and _QUANTIZABLE.match(rec.name):
+            p = rec.params
+            src = describe_grid(p, rec.shape[1])
+            if explicit:
+                want = parse_gptq_type(explicit)
+                group = want.group_size if want.group_size > 0 else rec.shape[1]
+                if (want.bits, group, want.sym) != (p.bits, p.group_size, p.symmetric):
+                    return self._requant_plan(rec, explicit, "type differs from the source grid", src)
+            d = check(p, rec.shape, CT_PACK)
+            target = f"pack-quantized {p.bits}-bit " + (f"g{p.group_size}" if p.n_groups > 1 else "per-channel")
+            info = {}
+            if d.verdict == REQUANTIZE:
+                info["scheme"] = WeightScheme(p.bits if 1 <= p.bits <= 8 else 4, p.group_size,
+                                              p.symmetric, p.n_groups == 1)
+            return TensorPlan(rec.name, rec.shape, src, target, d.verdict, d.reason, out_name=rec.name, info=info)
+        if rec.is_grid:
+            # embeddings and the head stay float, as compressed-tensors models keep them (lm_head is ignored)
+            return TensorPlan(rec.name, rec.shape, describe_grid(rec.params, rec.shape[-1]), "float16", "near-exact",
+                              "kept unquantized (compressed-tensors quantizes the decoder linears): dequantized "
+                              "weights round once to fp16", out_name=rec.name, info={"dense": torch.float16})
+        if explicit and len(rec.shape) == 2 and _QUANTIZABLE.match(rec.name):
+            return self._requant_plan(rec, explicit, "dense weights quantized with compressed-tensors' min-max "
+                                                     "round-to-nearest (no calibration)")
+        return TensorPlan(rec.name, rec.shape, rec.dtype, rec.dtype, EXACT, "copied", out_name=rec.name)
+
+    def _requant_plan(self, rec: TensorRecord, type_name: str, why: str, src: str | None = None) -> TensorPlan:
+        want = parse_gptq_type(type_name)
+        group = want.group_size if want.group_size > 0 else rec.shape[1]
+        scheme = WeightScheme(want.bits, group, want.sym, group >= rec.shape[1])
+        return TensorPlan(rec.name, rec.shape, src or rec.dtype, f"pack-quantized {type_name}", REQUANTIZE, why,
+                          out_name=rec.name, info={"scheme": scheme})
+
+    def check_model(self, source, plans, options) -> None:
+        return None
+
+    def open(self, path: Path, source, plans: list[TensorPlan], options: Options) -> "CtSession":
+        return CtSession(Path(path), source)
+
+
+class CtSession:
+    def __init__(self, path: Path, source):
+        self.path, self.source = path, source
+        self.shards = ShardWriter(path)
+        self.schemes: dict[str, tuple] = {}  # prefix -> (bits, symmetric, group size or None: one group, in)
+        self.dense_linears: list[str] = []
+
+    def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor:
+        if "dense" in plan.info:
+            item = Dense(item.dequantize(torch.float32).to(plan.info["dense"]))
+        elif plan.verdict == REQUANTIZE:
+            s: WeightScheme = plan.info["scheme"]
+            w = item.dequantize(torch.float32)
+            if isinstance(item, Dense) and item.tensor.dtype in (torch.float16, torch.bfloat16):
+                # compressed-tensors quantizes a model in its own dtype, scales in that dtype too
+                scale_dtype = compute = item.tensor.dtype
+            else:
+                scale_dtype, compute = (item.params.scales.dtype if isinstance(item, Grid)
+                                        else _model_dtype(self.source.config)), torch.float32
+            item = ct_rtn(w, s.bits, s.group_size, s.symmetric, scale_dtype, compute)
+        if isinstance(item, Grid):
+            self._add_grid(plan.name[: -len(".weight")], item)
+            return item.dequantize(torch.float32)
+        if len(plan.shape) == 2 and _QUANTIZABLE.match(plan.name):
+            self.dense_linears.append(plan.name[: -len(".weight")])
+        self.shards.put(plan.name, item.tensor)
+        return item.tensor.to(torch.float32)
+
+    def _add_grid(self, prefix: str, grid: Grid) -> None:
+        p = _zero_point_form(grid.params)
+        out_f, in_f = grid.shape
+        put = self.shards.put
+        put(f"{prefix}.weight_packed", pack_dense(grid.codes, p.bits))
+        put(f"{prefix}.weight_scale", p.scales.contiguous())
+        put(f"{prefix}.weight_shape", torch.tensor([out_f, in_f], dtype=torch.int64))
+        symmetric = p.symmetric
+        if not symmetric:
+            put(f"{prefix}.weight_zero_point", pack_dense(p.zeros.T.contiguous(), p.bits).T.contiguous())
+        self.schemes[prefix] = (p.bits, symmetric, p.group_size if p.n_groups > 1 else None, in_f)
+
+    def close(self) -> None:
+        if not self.schemes:
+            raise QConvertError("nothing to write as compressed-tensors: the source has no quantized tensors "
+                                "(pass --type, e.g. 4g128, with --allow-requant)")
+        self.shards.close()
+        write_json(self.path / "config.json", {**self.source.config, "quantization_config": self._quant_config()})
+        copy_side_files(self.source, self.path)
+
+    def _quant_config(self) -> dict:
+        by_scheme: dict[WeightScheme, list[str]] = {}
+        for prefix, s in merged_schemes(self.schemes).items():
+            by_scheme.setdefault(s, []).append(prefix)
+        groups = {}
+        for i, (s, prefixes) in enumerate(by_scheme.items()):
+            groups[f"group_{i}"] = {"targets": prefixes, "weights": s.weights_args(), "input_activations": None,
+                                    "output_activations": None, "format": "pack-quantized"}
+        ignore = ["lm_head"] + self.dense_linears
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+                "config_groups": groups, "ignore": ignore, "kv_cache_scheme": None, "sparsity_config": {},
+                "transform_config": {}, "global_compression_ratio": None, "version": _CT_VERSION}
+
+
+def merged_schemes(found: dict[str, tuple]) -> dict[str, WeightScheme]:
+    """As few config groups as the grids allow: a module with one group per row takes the group size G of
+    the multi-group modules of its bits and symmetry when its row is one group of G (compressed-tensors'
+    _process_group unflattens a row into whole groups), else strategy channel. Fewer groups is
+    what transformers 5.24 needs: its dequantizing loader decodes every dense module with the first config
+    group's scheme (integrations/compressed_tensors.py get_dense_scheme), not the module's own."""
+    sizes: dict[tuple, set] = {}
+    for bits, sym, group, _ in found.values():
+        if group is not None:
+            sizes.setdefault((bits, sym), set()).add(group)
+    merged = {}
+    for prefix, (bits, sym, group, in_f) in found.items():
+        shared = sizes.get((bits, sym), set())
+        if group is None and len(shared) == 1 and in_f == next(iter(shared)):
+            group = next(iter(shared))
+        merged[prefix] = WeightScheme(bits, group or 0, sym, group is None)
+    return merged
+
+
+def _model_dtype(config: dict) -> torch.dtype:
+    name = config.get("dtype") or config.get("torch_dtype") or "float16"
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(str(name), torch.float16)
