@@ -1,0 +1,243 @@
+"""AWQ checkpoints (AutoAWQ, transformers' AwqConfig, gptqmodel's AWQ export): the GEMM layout.
+
+Per quantized linear `<prefix>`: `qweight` int32 [in, out/8], `qzeros` int32 [G, out/8], `scales` fp16 [G, out]
+(layout.py), optional `bias`. Every record is a grid in [out, in] orientation with integer zero points and the
+stored scales; codes are unpacked 0..15 when the record is loaded.
+
+The dequantization is gptqmodel 7.6's (quantization/awq/utils/packing_utils.py dequantize_gemm, which
+AwqTorchLinear.forward multiplies by): `(iweight - izeros) * scales`, int32 codes minus int32 zeros times the fp16
+scales, i.e. one fp16 rounding of the exact product. The grid carries compute_dtype float16 so that ours is that
+fp16 matrix bit for bit (a float32 product would keep the unrounded value).
+
+quantization_config keys, as the producers write them: quant_method "awq"; bits (AutoAWQ: w_bit); group_size
+(AutoAWQ: q_group_size; -1 = one group per row); version and/or format (gptqmodel writes both, AutoAWQ
+"GEMM" in capitals); zero_point; modules_to_not_convert (modules transformers leaves as plain linears: they are stored as plain
+weights, and a quantized module it names is refused).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ...converters.errors import BadInput
+from ...converters.records import Grid, GridParams, TensorRecord
+from ...converters.validate import ConfigView
+from ..model_shapes import ModelShapes
+from ..safetensors_dir import CheckpointDir, CheckpointSource, quantization_config_of, read_json
+from .layout import PACK_FACTOR, unpack_gemm
+
+__all__ = ["AwqSource", "open_awq", "is_awq", "READ_VERSIONS", "KNOWN_VERSIONS"]
+
+_PARTS = ("qweight", "qzeros", "scales")
+# the layouts gptqmodel 7.6 exports for AWQ (quantization/config.py AWQ_EXPORT_FORMATS) and AutoAWQ's others;
+# only GEMM is read: the others pack along other axes (GEMV: qweight [out, in/8]) or in kernel tiles (marlin)
+READ_VERSIONS = ("gemm",)
+KNOWN_VERSIONS = ("gemm", "gemv", "gemv_fast", "marlin", "bitblas", "llm-awq", "exllama", "ipex")
+_SCALE_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
+_KEY_ALIASES = {"bits": ("bits", "w_bit"), "group_size": ("group_size", "q_group_size"),
+                "version": ("version", "format", "checkpoint_format")}
+
+
+def is_awq(qc: object) -> bool:
+    return isinstance(qc, dict) and str(qc.get("quant_method", qc.get("method", ""))).lower() == "awq"
+
+
+def _quant_config(path: Path, config: dict) -> ConfigView:
+    """config.json's quantization_config, else quantize_config.json (as gptqmodel reads it)."""
+    where = path / "config.json"
+    qc = ConfigView(config, where).view("quantization_config", default=None)
+    if (qc is None or not qc.data) and (path / "quantize_config.json").exists():
+        where = path / "quantize_config.json"
+        qc = ConfigView(read_json(where), where)
+    if qc is None or not qc.data:
+        raise BadInput("no quantization_config in config.json and no quantize_config.json", path=path / "config.json")
+    method = qc.get("quant_method", qc.get("method"))
+    if not isinstance(method, str) or method.lower() != "awq":
+        raise BadInput(f"{qc.prefix}quant_method is {method!r}, not awq", path=where)
+    return qc
+
+
+def _one_of(qc: ConfigView, what: str):
+    """The value of a key that producers spell several ways (bits / w_bit); spellings that disagree are refused."""
+    found = {k: qc.get(k) for k in _KEY_ALIASES[what] if qc.get(k) is not None}
+    values = {str(v).lower() for v in found.values()}
+    if len(values) > 1:
+        listed = ", ".join(f"{qc.prefix}{k} {v!r}" for k, v in found.items())
+        raise BadInput(f"{listed} disagree", path=qc.path)
+    return next(iter(found.items()), (_KEY_ALIASES[what][0], None))
+
+
+class AwqSource(CheckpointSource):
+    """An AWQ GEMM checkpoint directory, read lazily tensor by tensor."""
+
+    format_name = "awq"
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        cfg = read_json(self.path / "config.json")
+        qc = _quant_config(self.path, cfg)
+        self.quant_config = qc.data
+        self.config = {k: v for k, v in cfg.items() if k != "quantization_config"}
+        self.bits = self._bits(qc)
+        self.group_size = self._group_size(qc)
+        self.version = self._version(qc)
+        self.zero_point = qc.bool("zero_point", default=True)
+        self.not_converted = self._modules_to_not_convert(qc)
+        self.shapes = ModelShapes(self.config, self.path / "config.json")
+        self.ckpt = CheckpointDir(self.path)
+        self.modules = self.ckpt.group_modules(_PARTS, primary="qweight")
+
+    # -- the config ---------------------------------------------------------------------------------
+    def _bits(self, qc: ConfigView) -> int:
+        key, bits = _one_of(qc, "bits")
+        if bits is None:
+            return 4  # AutoAWQ's and transformers' AwqConfig default
+        if isinstance(bits, bool) or not isinstance(bits, int):
+            raise BadInput(f"{qc.prefix}{key} is {bits!r}: expected an integer", path=qc.path)
+        if bits != 4:
+            # gptqmodel 7.6 also packs 2/3/5-8-bit AWQ, as a plain LSB-first bit stream without the interleave
+            # (packing_utils.pack_awq -> _pack_contiguous), which only its own torch kernel loads
+            raise BadInput(f"{qc.prefix}{key} is {bits}: only 4-bit AWQ is read (the GEMM layout of AutoAWQ and "
+                           "transformers: 8 interleaved codes a word); gptqmodel's other widths are not",
+                           path=qc.path)
+        return bits
+
+    def _group_size(self, qc: ConfigView) -> int:
+        key, group = _one_of(qc, "group_size")
+        if group is None:
+            return 128  # AutoAWQ's and transformers' AwqConfig default
+        if isinstance(group, bool) or not isinstance(group, int) or group == 0 or group < -1:
+            raise BadInput(f"{qc.prefix}{key} is {group!r}: expected -1 (one group per row) or a positive integer",
+                           path=qc.path)
+        return group
+
+    def _version(self, qc: ConfigView) -> str:
+        key, version = _one_of(qc, "version")
+        if version is None:
+            return "gemm"  # transformers' AwqConfig default (AWQLinearVersion.GEMM)
+        if not isinstance(version, str):
+            raise BadInput(f"{qc.prefix}{key} is {version!r}: expected a string such as \"gemm\"", path=qc.path)
+        v = version.strip().lower().replace("-", "_").replace("llm_awq", "llm-awq")
+        if v not in KNOWN_VERSIONS:
+            raise BadInput(f"{qc.prefix}{key} {version!r} is not an AWQ layout (known: {', '.join(KNOWN_VERSIONS)})",
+                           path=qc.path)
+        if v not in READ_VERSIONS:
+            raise BadInput(f"{qc.prefix}{key} {version!r}: only the GEMM layout (qweight [in, out/8]) is read; "
+                           f"{v} packs the codes differently", path=qc.path)
+        return v
+
+    def _modules_to_not_convert(self, qc: ConfigView) -> tuple[str, ...]:
+        names = qc.list("modules_to_not_convert", default=None) or []
+        if not all(isinstance(n, str) for n in names):
+            raise BadInput(f"{qc.prefix}modules_to_not_convert is {names!r:.80}: expected a list of module names",
+                           path=qc.path)
+        for name in names:
+            try:
+                re.compile(name)
+            except (re.error, RecursionError, OverflowError):
+                raise BadInput(f"{qc.prefix}modules_to_not_convert entry {name[:80]!r} is not a valid regular "
+                               "expression (transformers matches the entries as regexes)", path=qc.path) from None
+        return tuple(names)
+
+    # -- reading one module -------------------------------------------------------------------------
+    def _params(self, prefix: str) -> tuple[GridParams, tuple[int, int], str]:
+        """The module's grid parameters (scales and zeros read, codes not), after every check the headers allow."""
+        parts = self.modules[prefix]
+        qweight_name = parts["qweight"]
+        where = self.ckpt.file_of(qweight_name)
+        for needed in ("qzeros", "scales"):
+            if needed not in parts:
+                raise BadInput(f"qweight without {needed}", path=where, tensor=f"{prefix}.{needed}")
+        skipped = next((m for m in self.not_converted if _skips(m, prefix)), None)
+        if skipped is not None:
+            raise BadInput(f"module is quantized in the file, but modules_to_not_convert lists {skipped!r} "
+                           "(transformers would load it as a plain linear and leave it random)", path=where,
+                           tensor=qweight_name)
+        for part in ("qweight", "qzeros"):
+            if self.ckpt.dtype(parts[part]) != "I32":
+                raise BadInput(f"{part} dtype {self.ckpt.dtype(parts[part])} is not int32",
+                               path=self.ckpt.file_of(parts[part]), tensor=parts[part])
+        if self.ckpt.dtype(parts["scales"]) not in _SCALE_DTYPES:
+            raise BadInput(f"scales dtype {self.ckpt.dtype(parts['scales'])} is not float16 or bfloat16",
+                           path=self.ckpt.file_of(parts["scales"]), tensor=parts["scales"])
+        shapes = {part: self.ckpt.shape(name) for part, name in parts.items()}
+        for part, name in parts.items():
+            if len(shapes[part]) != 2:
+                raise BadInput(f"{part} shape {shapes[part]} is not 2-D", path=self.ckpt.file_of(name), tensor=name)
+        qshape = shapes["qweight"]
+        in_features, out_features = qshape[0], qshape[1] * PACK_FACTOR
+        if not in_features or not out_features:
+            raise BadInput(f"qweight shape {qshape} is empty", path=where, tensor=qweight_name)
+        self.shapes.check_linear(prefix, out_features, in_features, where, qweight_name,
+                                 f"qweight shape {qshape} (GEMM: [in, out/8])")
+        group = self.group_size if 0 < self.group_size < in_features else in_features
+        if in_features % group:
+            raise BadInput(f"in_features {in_features} is not a multiple of group_size {self.group_size}",
+                           path=where, tensor=qweight_name)
+        n_groups = in_features // group
+        sname, zname = parts["scales"], parts["qzeros"]
+        if shapes["scales"] != (n_groups, out_features):
+            raise BadInput(f"scales shape {shapes['scales']} does not match qweight {qshape}: expected ({n_groups}, "
+                           f"{out_features}) for {in_features} inputs in groups of {group} and {out_features} outputs",
+                           path=self.ckpt.file_of(sname), tensor=sname)
+        if shapes["qzeros"] != (n_groups, qshape[1]):
+            raise BadInput(f"qzeros shape {shapes['qzeros']} does not match qweight {qshape}: expected ({n_groups}, "
+                           f"{qshape[1]})", path=self.ckpt.file_of(zname), tensor=zname)
+        scales = self.ckpt.get(sname)
+        zeros = unpack_gemm(self.ckpt.get(zname)).to(torch.int16)  # [G, out]
+        params = GridParams(bits=self.bits, group_size=group, scales=scales.T.contiguous(), zeros=zeros.T.contiguous(),
+                            compute_dtype=scales.dtype)
+        return params, (out_features, in_features), qweight_name
+
+    def _load_grid(self, prefix: str) -> Grid:
+        params, _, qweight_name = self._params(prefix)
+        codes = unpack_gemm(self.ckpt.get(qweight_name))  # [in, out]
+        return Grid(params, codes=codes.T.contiguous())
+
+    # -- the ModelSource interface ------------------------------------------------------------------
+    def records(self) -> Iterator[TensorRecord]:
+        consumed = {n for parts in self.modules.values() for p, n in parts.items() if p != "qweight"}
+        for shard in self.ckpt.shards:
+            for name in self.ckpt.keys(shard):
+                if name in consumed:
+                    continue
+                prefix, _, part = name.rpartition(".")
+                if part == "qweight":
+                    params, shape, _ = self._params(prefix)
+                    yield TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p),
+                                       params=params, source_file=shard)
+                else:
+                    self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard, self.ckpt.dtype(name))
+                    yield self.ckpt.dense_record(name, shard)
+
+    def describe(self) -> dict:
+        return {"format": "awq", "version": self.version, "bits": self.bits, "group_size": self.group_size,
+                "zero_point": self.zero_point, "modules_to_not_convert": list(self.not_converted),
+                "shards": len(self.ckpt.shards), "quantized_modules": len(self.modules),
+                "dequantization": "(q - z) * s in fp16 (gptqmodel's dequantize_gemm)",
+                "layout": "GEMM: qweight int32 [in, out/8] packed along outputs, nibble order 0 2 4 6 1 3 5 7; "
+                          "qzeros int32 [G, out/8]; scales fp16 [G, out]",
+                "ignored_files": self.ignored_files}
+
+
+_BOUNDARY = r"(?:(?<=\.)|(?=\.|$))"
+
+
+def _skips(pattern: str, module: str) -> bool:
+    """Whether transformers leaves `module` unquantized for a modules_to_not_convert entry (transformers 5.24
+    quantizers/quantizers_utils.py should_convert_module: a regex matched from the start up to a module
+    boundary, or a suffix of the module's name)."""
+    return bool(re.match(rf"(?:{pattern}){_BOUNDARY}", module)) or module.endswith(pattern)
+
+
+def open_awq(path: Path, **_: object) -> AwqSource:
+    return AwqSource(path)
+
+
+def sniff_awq(path: Path) -> bool:
+    """A checkpoint folder whose quantization config (config.json, else quantize_config.json) says awq."""
+    return is_awq(quantization_config_of(path))

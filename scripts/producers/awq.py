@@ -1,0 +1,173 @@
+"""Remake tests/producer_fixtures/awq/ with the real producer: gptqmodel's AWQ on CPU, offline.
+
+    GPTQMODEL_CPU_WORKERS=2 HF_HUB_OFFLINE=1 .venv/bin/python scripts/producers/awq.py [--only gemm_g32]
+
+Per variant (tests/producer_fixtures/awq/<variant>/):
+- the checkpoint gptqmodel saved (config.json with quantization_config, model.safetensors, tokenizer files);
+- reference.safetensors: gptqmodel's OWN dequantized weight of every AWQ linear (fp16 [out, in], from the
+  loader's torch kernel: gptqmodel 7.6 quantization/awq/utils/packing_utils.py dequantize_gemm, the function
+  AwqTorchLinear.forward multiplies by; checked here against forward(I)) and `__logits__` (float32
+  [1, T, vocab]) of tests/fixtures.py prompt_ids() through gptqmodel's AWQ model;
+- versions.json: the package versions that made it.
+
+The model is tests/fixtures.py's tiny llama cut to one decoder layer (hidden 128, ffn 256, vocab 512), so
+that two variants (group 32 and 128, zero_point true, GEMM) stay under 2 MB together.
+
+`--quantize BASE OUT [--group-size G]` quantizes another fp16 checkpoint the same way (a sample for the format
+contract test). `--reference CKPT OUT` only loads CKPT with gptqmodel and writes OUT as above: the tests run it in a child
+process to recompute the oracle live (gptqmodel patches transformers in the process that loads it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+# Python puts a script's own folder first on sys.path, and this folder's sibling scripts are named after the
+# packages they drive (bitsandbytes.py, mlx.py): gptqmodel importing bitsandbytes would get the sibling script
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if (Path(p or ".").resolve() != _HERE)]
+OUT_ROOT = REPO / "tests" / "producer_fixtures" / "awq"
+N_LAYERS = 1
+# gptqmodel 7.6 AWQ_EXPORT_FORMATS: gemm, gemv, gemv_fast, marlin, bitblas, llm-awq. Only GEMM packs on a CPU
+# machine: its GEMV/GEMV_FAST QuantLinears list CUDA/ROCm devices only (nn_modules/qlinear/gemv_awq.py).
+VARIANTS = {
+    "gemm_g32": dict(group_size=32, fmt="gemm"),
+    "gemm_g128": dict(group_size=128, fmt="gemm"),
+}
+
+os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _fixtures():
+    spec = importlib.util.spec_from_file_location("qconvert_test_fixtures", REPO / "tests" / "fixtures.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def build_base(fx, out: Path) -> Path:
+    """tests/fixtures.py build_tiny_llama with N_LAYERS decoder layers (its config builder, one field changed)."""
+    original = fx._model_config
+
+    def fewer_layers(arch, tie):
+        config, cls = original(arch, tie)
+        config.num_hidden_layers = N_LAYERS
+        return config, cls
+
+    fx._model_config = fewer_layers
+    try:
+        return fx.build_tiny_llama(out, seed=1234)
+    finally:
+        fx._model_config = original
+
+
+def quantize_awq(fx, base: Path, out: Path, group_size: int, fmt: str) -> Path:
+    import torch
+    from gptqmodel import BACKEND, GPTQModel
+    from gptqmodel.quantization import AWQConfig
+
+    if out.exists():
+        shutil.rmtree(out)
+    # sym=False is AWQ's zero_point true (AWQConfig._update_output_payload: zero_point = not sym);
+    # offload_to_disk=False keeps a random temp path out of config.json (see tests/fixtures.py)
+    qcfg = AWQConfig(bits=4, group_size=group_size, sym=False, format=fmt, offload_to_disk=False)
+    fx._seed_all()
+    model = GPTQModel.load(str(base), qcfg, device="cpu", dtype=torch.float16)
+    # gptqmodel 7.6 models/base.py quantize(): with BACKEND.AUTO a GEMM export packs with AWQ_GEMM, which
+    # wants CUDA; AwqTorchLinear (nn_modules/qlinear/torch_awq.py) packs the same GEMM layout (pack_awq) on CPU
+    model.quantize(fx.calibration_data(), batch_size=1, backend=BACKEND.AWQ_TORCH)
+    model.save(str(out))
+    del model
+    fx._clean_checkpoint(out)
+    return out
+
+
+def gptqmodel_reference(ckpt: Path, ref_path: Path, prompt: list[int]) -> Path:
+    """gptqmodel's own dequantized weights and logits of an AWQ checkpoint (CPU torch kernel, fp16)."""
+    import torch
+    from safetensors.torch import save_file
+    from gptqmodel import BACKEND, GPTQModel
+    from gptqmodel.nn_modules.qlinear import AWQuantLinear
+    from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
+    from gptqmodel.version import __version__ as gptqmodel_version
+
+    m = GPTQModel.load(str(ckpt), backend=BACKEND.AWQ_TORCH, device="cpu", dtype=torch.float16)
+    hf = m.model
+    hf.eval()
+    tensors = {}
+    with torch.inference_mode():
+        for name, mod in hf.named_modules():
+            if not isinstance(mod, AWQuantLinear):
+                continue
+            w = dequantize_gemm(mod.qweight, mod.qzeros, mod.scales, mod.bits, mod.group_size)  # [in, out]
+            if w.dtype != torch.float16 or tuple(w.shape) != (mod.in_features, mod.out_features):
+                raise RuntimeError(f"{name}: dequantized {w.dtype} {tuple(w.shape)}")
+            # the forward path multiplies by exactly this matrix: x = I gives it back (one term per sum)
+            eye = torch.eye(mod.in_features, dtype=torch.float16)
+            bias = mod.bias if mod.bias is not None else 0
+            if not torch.equal(mod(eye) - bias, w):
+                raise RuntimeError(f"{name}: forward(I) differs from dequantize_gemm")
+            tensors[f"{name}.weight"] = w.t().contiguous()
+        if not tensors:
+            raise RuntimeError(f"no AWQ linears found in {ckpt}")
+        ids = torch.tensor([list(prompt)], dtype=torch.long)
+        tensors["__logits__"] = hf(input_ids=ids).logits.float().contiguous()
+    ref_path = Path(ref_path)
+    ref_path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(ref_path), metadata={"source": f"gptqmodel {gptqmodel_version}"})
+    return ref_path
+
+
+def versions() -> dict:
+    from importlib.metadata import version
+
+    return {p: version(p) for p in ("gptqmodel", "torch", "transformers", "safetensors")}
+
+
+def make_variant(fx, base: Path, name: str) -> Path:
+    spec = VARIANTS[name]
+    out = OUT_ROOT / name
+    quantize_awq(fx, base, out, spec["group_size"], spec["fmt"])
+    gptqmodel_reference(out, out / "reference.safetensors", fx.prompt_ids())
+    with open(out / "versions.json", "w") as f:
+        json.dump({"producer": "gptqmodel AWQ (CPU)", **versions(), "variant": spec,
+                   "prompt_ids": fx.prompt_ids()}, f, indent=1, sort_keys=True)
+        f.write("\n")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", action="append", choices=sorted(VARIANTS))
+    ap.add_argument("--reference", nargs=2, metavar=("CKPT", "OUT"))
+    ap.add_argument("--quantize", nargs=2, metavar=("BASE", "OUT"),
+                    help="quantize any fp16 checkpoint BASE into OUT (GEMM, zero_point, --group-size)")
+    ap.add_argument("--group-size", type=int, default=128)
+    args = ap.parse_args(argv)
+    fx = _fixtures()
+    if args.quantize:
+        quantize_awq(fx, Path(args.quantize[0]), Path(args.quantize[1]), args.group_size, "gemm")
+        return 0
+    if args.reference:
+        gptqmodel_reference(Path(args.reference[0]), Path(args.reference[1]), fx.prompt_ids())
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        base = build_base(fx, Path(tmp) / "base")
+        for name in args.only or sorted(VARIANTS):
+            print("made", make_variant(fx, base, name))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
