@@ -1,0 +1,206 @@
+"""Remake tests/producer_fixtures/auto_round/: auto-round's NATIVE format, made by auto-round itself.
+
+Runs auto-round (installed in the main .venv, CPU, offline) on a tiny llama from tests/fixtures.py, trimmed
+to one decoder layer with tied embeddings so that all variants stay under 2 MB together:
+
+- sym4_g32:   W4 sym g32, format "auto_round" -> packing_format auto_round:auto_gptq (stores zero - 1)
+- asym4_g128: W4 asym g128, format "auto_round" -> packing_format auto_round:auto_awq (AWQ layout)
+- mixed_asym: W3 asym g32 base, format "auto_round" -> packing_format "auto_round" (raw zero points), with
+              layer_config overrides (-> extra_config): down_proj 8-bit g128, q_proj 2-bit g64, k_proj 4-bit sym,
+              o_proj kept in 16 bit
+
+Beside each variant: reference.safetensors (auto-round's own loader's dequantized weight of every quantized
+linear, [out, in] fp16, as its QuantLinear computes it in forward()) and logits.safetensors (the loaded
+model's logits for a fixed prompt). versions.json records the package versions.
+
+Not committed (tests make them in a temporary folder, `OUT make sym_wide,asym_wide`): sym_wide (auto_gptq
+packing at 2/3/5/6/7/8 bits), asym_wide (raw packing at 5/6/7 bits) and gptqmodel_asym (format
+"auto_round:gptqmodel": raw zeros plus g_idx).
+
+Run: .venv/bin/python scripts/producers/auto_round.py [OUT_DIR]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# this file is named auto_round.py: keep its own folder off the path so `import auto_round` finds the package
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+DEFAULT_OUT = ROOT / "tests" / "producer_fixtures" / "auto_round"
+CALIBRATION_TEXT = ("The quick brown fox jumps over the lazy dog while the small cat sleeps in the warm sun; "
+                    "numbers like 12, 345 and 6789 appear between words, and punctuation: commas, dots!")
+PROMPT_IDS = [1, 17, 42, 99, 7, 300, 256, 5, 64, 128, 33, 411]
+
+VARIANTS = {
+    "sym4_g32": dict(bits=4, group_size=32, sym=True, layer_config=None),
+    "asym4_g128": dict(bits=4, group_size=128, sym=False, layer_config=None, iters=4),
+    "mixed_asym": dict(bits=3, group_size=32, sym=False, layer_config={
+        "model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 128},
+        "model.layers.0.self_attn.q_proj": {"bits": 2, "group_size": 64},
+        "model.layers.0.self_attn.o_proj": {"bits": 16},
+        "model.layers.0.self_attn.k_proj": {"bits": 4, "sym": True},
+    }),
+    # made by the tests (not committed: 2 MB budget): auto-round's other widths, both zero conventions
+    "sym_wide": dict(bits=4, group_size=32, sym=True, layer_config={
+        "model.layers.0.self_attn.q_proj": {"bits": 5},
+        "model.layers.0.self_attn.k_proj": {"bits": 6},
+        "model.layers.0.self_attn.v_proj": {"bits": 7},
+        "model.layers.0.mlp.gate_proj": {"bits": 2},
+        "model.layers.0.mlp.up_proj": {"bits": 3},
+        "model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 64},
+    }),
+    "asym_wide": dict(bits=5, group_size=32, sym=False, layer_config={
+        "model.layers.0.self_attn.k_proj": {"bits": 6},
+        "model.layers.0.self_attn.v_proj": {"bits": 7},
+    }),
+    "gptqmodel_asym": dict(bits=4, group_size=64, sym=False, layer_config=None, format="auto_round:gptqmodel"),
+}
+COMMITTED = ("sym4_g32", "asym4_g128", "mixed_asym")
+
+
+def _env() -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               CUDA_VISIBLE_DEVICES="")
+    return env
+
+
+def build_base(out: Path) -> Path:
+    """The tiny llama (tests/fixtures.py), one decoder layer, tied embeddings (lm_head = embed_tokens)."""
+    sys.path.insert(0, str(ROOT.parent))
+    sys.path.insert(0, str(ROOT))
+    from tests.fixtures import build_tiny_llama
+    from safetensors.torch import load_file, save_file
+
+    base = out / "_base"
+    build_tiny_llama(base, seed=2024, tie=True)
+    cfg = json.loads((base / "config.json").read_text())
+    cfg["num_hidden_layers"] = 1
+    for key in ("layer_types",):
+        if isinstance(cfg.get(key), list):
+            cfg[key] = cfg[key][:1]
+    (base / "config.json").write_text(json.dumps(cfg, indent=2))
+    sd = load_file(str(base / "model.safetensors"))
+    sd = {k: v for k, v in sd.items() if not k.startswith("model.layers.") or k.startswith("model.layers.0.")}
+    save_file(sd, str(base / "model.safetensors"), metadata={"format": "pt"})
+    return base
+
+
+def quantize(base: Path, dest: Path, spec: dict) -> None:
+    """auto-round 0.16 RTN (iters=0: its own quantizer, no calibration data needed) saved as format auto_round."""
+    import torch
+    from auto_round import AutoRound
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float16)
+    tok = AutoTokenizer.from_pretrained(str(base))
+    # a few fixed sentences as the calibration set: offline, no Hub dataset
+    texts = [CALIBRATION_TEXT[i:] + CALIBRATION_TEXT[:i] for i in range(0, 160, 20)]
+    ar = AutoRound(model, tok, bits=spec["bits"], group_size=spec["group_size"], sym=spec["sym"],
+                   iters=spec.get("iters", 0), dataset=texts, nsamples=len(texts), seqlen=32, batch_size=4,
+                   device_map="cpu", layer_config=spec["layer_config"])
+    ar.quantize_and_save(str(dest), format=spec.get("format", "auto_round"))
+    # auto-round 0.16 saves into a subfolder named after the model and scheme (<dest>/_base-w4g32): lift it
+    inner = [p for p in dest.iterdir() if p.is_dir()]
+    if len(inner) == 1 and (inner[0] / "config.json").exists():
+        for f in inner[0].iterdir():
+            f.rename(dest / f.name)
+        inner[0].rmdir()
+
+
+def load_and_dump(dest: Path) -> None:
+    """auto-round's own loader (transformers + its AutoRoundConfig, CPU): dequantized weights and logits."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(dest), dtype=torch.float16, device_map="cpu")
+    model.eval()
+    ref = {}
+    for name, mod in model.named_modules():
+        if hasattr(mod, "qweight") and hasattr(mod, "scales"):
+            ref[f"{name}.weight"] = dequantized_weight(mod).contiguous()
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT_IDS])).logits[0].contiguous()  # fp16, as the loader computes them
+    save_file(ref, str(dest / "reference.safetensors"))
+    save_file({"logits": logits, "ids": torch.tensor(PROMPT_IDS)}, str(dest / "logits.safetensors"))
+    kinds = sorted({f"{type(m).__module__}.{type(m).__name__}" for _, m in model.named_modules()
+                    if hasattr(m, "qweight")})
+    (dest / "loader.json").write_text(json.dumps({"quant_linear": kinds}, indent=2) + "\n")
+
+
+def dequantized_weight(mod):
+    """The [out, in] weight the loaded QuantLinear multiplies by: its forward() dequantizes the packed tensors and
+    calls torch.matmul(x, W^T) (auto_round_extension torch QuantLinear, gptqmodel AwqTorchLinear); the second
+    operand is captured as it is, so nothing is recomputed here (a product with an identity would turn -0.0
+    into +0.0)."""
+    import torch
+
+    in_features = getattr(mod, "infeatures", None) or getattr(mod, "in_features")
+    captured = []
+    matmul = torch.matmul
+
+    def spy(a, b, *args, **kwargs):
+        captured.append(b.detach().clone())
+        return matmul(a, b, *args, **kwargs)
+
+    torch.matmul = spy
+    try:
+        with torch.no_grad():
+            mod(torch.zeros((1, in_features), dtype=mod.scales.dtype))
+    finally:
+        torch.matmul = matmul
+    if len(captured) != 1 or captured[0].shape[0] != in_features:
+        raise RuntimeError(f"{type(mod).__name__}.forward did not multiply by one [in, out] weight")
+    return captured[0].T.contiguous()
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    return {p: md.version(p) for p in ("auto-round", "torch", "transformers", "gptqmodel", "safetensors")}
+
+
+def make(out: Path, names) -> None:
+    """Quantize and dump the named variants into `out`, each step in its own process."""
+    out.mkdir(parents=True, exist_ok=True)
+    build_base(out)
+    for name in names:
+        dest = out / name
+        if dest.exists():
+            shutil.rmtree(dest)
+        for step in ("quantize", "dump"):
+            subprocess.run([sys.executable, __file__, str(out), step, name], check=True, env=_env(), cwd=ROOT)
+        for junk in dest.glob("*.py"):
+            junk.unlink()
+    shutil.rmtree(out / "_base")
+
+
+def main(argv: list[str]) -> None:
+    """auto_round.py [OUT]: the committed variants; OUT make NAME,NAME: those variants (the wide-bit ones are
+    made by the tests, too big to commit); OUT quantize|dump NAME: one step (a child process); OUT sample DENSE: the
+sym4_g32 scheme applied to the dense checkpoint DENSE (the format contract's read-only sample)."""
+    out = Path(argv[1]) if len(argv) > 1 else DEFAULT_OUT
+    if len(argv) > 3 and argv[2] in ("quantize", "dump"):
+        if argv[2] == "quantize":
+            quantize(out / "_base", out / argv[3], VARIANTS[argv[3]])
+        else:
+            load_and_dump(out / argv[3])
+        return
+    if len(argv) > 3 and argv[2] == "sample":  # OUT sample DENSE_DIR: a 4-bit sym g32 checkpoint of any dense llama
+        quantize(Path(argv[3]), out, VARIANTS["sym4_g32"])
+        return
+    if len(argv) > 3 and argv[2] == "make":
+        make(out, argv[3].split(","))
+        return
+    make(out, COMMITTED)
+    (out / "versions.json").write_text(json.dumps(versions(), indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv)
