@@ -1,0 +1,19 @@
+"""MLX (mlx-lm's model folder): quantized linears as mlx affine grids, W = scales * q + biases.
+
+packing.py: mlx's bit packing and its affine quantizer rule (mx.quantize) in torch; schemes.py: the
+target types and the "mlx" family handler of the alignment checker; reader.py / writer.py. The facts are
+mlx 0.32.4's (mlx/backend/cpu/quantized.cpp) and mlx-lm 0.32.2's (utils.py load_model, quantize_model,
+save_config), checked against both by tests/test_mlx.py through tests/mlx_driver.py.
+"""
+
+from ...converters.registry import FormatEntry, register_format
+from .reader import looks_like_mlx, open_mlx
+from .schemes import TYPE_HELP
+from .writer import MlxWriter
+
+register_format(FormatEntry("mlx", aliases=("mlx-lm", "mlx_lm"),
+                            description="mlx-lm model folder (affine 2/3/4/5/6/8-bit groups of 32/64/128, "
+                                        "scales and biases in the model dtype)",
+                            open_reader=open_mlx, writer=MlxWriter(), sniff=looks_like_mlx, type_help=TYPE_HELP,
+                            examples=("qconvert 'gptq->mlx' model-gptq/ model-mlx/",
+                                      "qconvert 'hf->mlx' model/ model-mlx/ --type mlx4g64 --allow-requant")))

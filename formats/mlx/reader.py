@@ -1,0 +1,207 @@
+"""Reading mlx-lm model folders (what `mlx_lm.convert -q` writes, and what our writer writes).
+
+Layout (mlx-lm 0.32.2: utils.py load_model / quantize_model / save_config; mlx 0.32.4 nn.QuantizedLinear):
+`model*.safetensors` (mlx_lm.load globs them; a `model.safetensors.index.json` maps the shards), tensors
+named as in Hugging Face (mlx_lm/models/llama.py sanitize keeps the names, drops `lm_head` when tied). A
+quantized linear or embedding `<p>` stores `<p>.weight` uint32 [out, in*bits/32] (codes packed along each
+row, formats/mlx/packing.py), `<p>.scales` and `<p>.biases` [out, in/group] in the model dtype, W = scales *
+q + biases. config.json's `quantization` = {group_size, bits, mode} plus per-module entries (a dict of
+group_size/bits/mode, or false: left unquantized); mlx-lm copies it to `quantization_config` too.
+
+Each quantized module is yielded as a min-form grid (scales, mins = biases) that dequantizes in the stored
+dtype with two roundings, fp(fp(s*q) + b), which is mx.dequantize bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ...converters.errors import BadInput, QConvertError
+from ...converters.records import Grid, GridParams, PackedCodes, TensorRecord
+from ...converters.validate import ConfigView
+from ..model_shapes import ModelShapes
+from ..safetensors_dir import CheckpointDir, CheckpointSource, read_json
+from .packing import MLX_BITS, MLX_GROUPS, unpack_mlx
+
+__all__ = ["MlxSource", "open_mlx", "looks_like_mlx"]
+
+_PARTS = ("weight", "scales", "biases")
+_FLOAT_TAGS = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+_EMBEDDING_SUFFIX = "embed_tokens"
+
+
+def _quantization(cfg: dict, where: Path) -> dict:
+    """config.json's `quantization` (mlx-lm's own key), else an mlx-shaped `quantization_config`
+    (bits and group_size without a quant_method), validated: group_size, bits and mode of the default."""
+    view = ConfigView(cfg, where)
+    q = view.view("quantization", default=None)
+    key = "quantization"
+    if q is None:
+        qc = cfg.get("quantization_config")
+        if isinstance(qc, dict) and "bits" in qc and "group_size" in qc and "quant_method" not in qc:
+            q, key = view.view("quantization_config"), "quantization_config"
+    if q is None:
+        raise BadInput("no quantization in config.json (an mlx-lm quantized model has quantization: {group_size, "
+                       "bits}); an unquantized mlx folder reads as hf", path=where)
+    _module_fields(q.data, where, key, None)
+    return q.data
+
+
+def _module_fields(entry: dict, where: Path, key: str, base: tuple[int, int, str] | None) -> tuple[int, int, str]:
+    """(bits, group_size, mode) of the default entry (base None) or of a per-module entry over `base`."""
+    view = ConfigView(entry, where, f"{key}.")
+    bits = view.int("bits", default=None if base is None else base[0], lo=1, hi=32)
+    group = view.int("group_size", default=None if base is None else base[1], lo=1, hi=1 << 20)
+    if bits is None or group is None:
+        raise BadInput(f"{key} needs bits and group_size (mlx-lm's load reads both)", path=where)
+    mode = view.str("mode", default="affine" if base is None else base[2])
+    if mode != "affine":
+        raise BadInput(f"{key}.mode is {mode!r}: qconvert reads mlx's affine mode (scales and biases) only",
+                       path=where)
+    if bits not in MLX_BITS:
+        raise BadInput(f"{key}.bits is {bits}: mlx's affine mode packs {', '.join(map(str, MLX_BITS))} bits",
+                       path=where)
+    if group not in MLX_GROUPS:
+        raise BadInput(f"{key}.group_size is {group}: mlx's affine kernels take groups of "
+                       f"{', '.join(map(str, sorted(MLX_GROUPS)))}", path=where)
+    return bits, group, mode
+
+
+class MlxSource(CheckpointSource):
+    """An mlx-lm model folder, read lazily module by module."""
+
+    format_name = "mlx"
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.ckpt = CheckpointDir(self.path)
+        where = self.path / "config.json"
+        cfg = read_json(where)
+        self.quant_config = _quantization(cfg, where)
+        self.config = {k: v for k, v in cfg.items() if k not in ("quantization", "quantization_config")}
+        self.shapes = ModelShapes(self.config, where)
+        self.base = _module_fields(self.quant_config, where, "quantization", None)
+        self.modules = {prefix: parts for prefix, parts in self.ckpt.group_modules(_PARTS, primary="weight").items()
+                        if "scales" in parts or "biases" in parts}
+
+    # -- one module's parameters, from the headers first -------------------------------------------------
+    def _scheme_of(self, prefix: str, where: Path) -> tuple[int, int]:
+        entry = self.quant_config.get(prefix)
+        if entry is False:
+            raise BadInput(f"config.json's quantization says {prefix} is unquantized (false), but the file stores "
+                           "its scales and biases", path=where, tensor=f"{prefix}.scales")
+        if isinstance(entry, dict):
+            bits, group, _ = _module_fields(entry, self.path / "config.json", f"quantization.{prefix}", self.base)
+            return bits, group
+        if entry is not None and entry is not True:
+            raise BadInput(f"quantization.{prefix} is {entry!r:.40}: expected a JSON object or false",
+                           path=self.path / "config.json")
+        return self.base[0], self.base[1]
+
+    def _params(self, prefix: str, with_values: bool = True) -> tuple[GridParams | None, tuple[int, int], int]:
+        parts = self.modules[prefix]
+        wname = parts["weight"]
+        where = self.ckpt.file_of(wname)
+        for needed, partner in (("scales", "biases"), ("biases", "scales")):
+            if needed not in parts:
+                raise BadInput(f"{partner} without {needed}: mlx's affine mode stores W = scales * q + biases",
+                               path=where, tensor=f"{prefix}.{needed}")
+        bits, group = self._scheme_of(prefix, where)
+        wdtype, wshape = self.ckpt.dtype(wname), self.ckpt.shape(wname)
+        if wdtype not in ("U32", "I32") or len(wshape) != 2 or min(wshape) < 1:
+            raise BadInput(f"packed weight must be a 2-D uint32 tensor, got {wdtype} {list(wshape)}", path=where,
+                           tensor=wname)
+        sname, bname = parts["scales"], parts["biases"]
+        sdtype, sshape = self.ckpt.dtype(sname), self.ckpt.shape(sname)
+        bdtype, bshape = self.ckpt.dtype(bname), self.ckpt.shape(bname)
+        if sdtype not in _FLOAT_TAGS or bdtype != sdtype:
+            raise BadInput(f"scales ({sdtype}) and biases ({bdtype}) must be one float dtype (F16, BF16 or F32)",
+                           path=self.ckpt.file_of(sname), tensor=sname)
+        if len(sshape) != 2 or tuple(sshape) != tuple(bshape) or sshape[0] != wshape[0]:
+            raise BadInput(f"scales {list(sshape)} and biases {list(bshape)} are not one [{wshape[0]}, groups] pair "
+                           f"for weight {list(wshape)}", path=self.ckpt.file_of(sname), tensor=sname)
+        out_features, words = wshape
+        in_features, rest = divmod(words * 32, bits)
+        if rest or in_features != sshape[1] * group:
+            raise BadInput(f"weight {list(wshape)} holds {words * 32 / bits:g} {bits}-bit codes per row, but scales "
+                           f"{list(sshape)} in groups of {group} describe {sshape[1] * group} inputs", path=where,
+                           tensor=wname)
+        implied = f"weight {list(wshape)} at {bits} bits"
+        if prefix.endswith(_EMBEDDING_SUFFIX):
+            self.shapes.check_dense(f"{prefix}.weight", (out_features, in_features), where)
+        else:
+            self.shapes.check_linear(prefix, out_features, in_features, where, wname, implied)
+        if not with_values:
+            return None, (out_features, in_features), bits
+        scales, biases = self.ckpt.get(sname), self.ckpt.get(bname)
+        params = GridParams(bits=bits, group_size=group, scales=scales, zeros=torch.zeros_like(scales), mins=biases,
+                            compute_dtype=_FLOAT_TAGS[sdtype])
+        return params, (out_features, in_features), bits
+
+    def _load_grid(self, prefix: str) -> Grid:
+        params, (_, in_features), bits = self._params(prefix)
+        words = self.ckpt.get(self.modules[prefix]["weight"])
+        codes = unpack_mlx(words, bits, in_features)
+        # 2/4/8 bits: the row's bit stream is GPTQ's along the inputs, transposed (a GPTQ writer moves words)
+        packed = PackedCodes(words.view(torch.int32).T.contiguous(), bits, "gptq-rows") if bits in (2, 4, 8) else None
+        return Grid(params, codes, packed)
+
+    # -- the ModelSource interface ---------------------------------------------------------------------
+    def records(self) -> Iterator[TensorRecord]:
+        consumed = {n for parts in self.modules.values() for p, n in parts.items() if p != "weight"}
+        for shard in self.ckpt.shards:
+            for name in self.ckpt.keys(shard):
+                if name in consumed:
+                    continue
+                prefix, _, part = name.rpartition(".")
+                if part == "weight" and prefix in self.modules:
+                    params, shape, _ = self._params(prefix)
+                    yield TensorRecord(name, shape, "grid", lambda p=prefix: self._load_grid(p), params=params,
+                                       source_file=shard)
+                else:
+                    self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard, self.ckpt.dtype(name))
+                    yield self.ckpt.dense_record(name, shard)
+
+    def describe(self) -> dict:
+        overrides = {k: v for k, v in self.quant_config.items() if k not in ("bits", "group_size", "mode")}
+        return {"format": "mlx", "bits": self.base[0], "group_size": self.base[1], "mode": self.base[2],
+                "per_module": len(overrides), "unquantized_modules": sum(1 for v in overrides.values() if v is False),
+                "shards": len(self.ckpt.shards), "quantized_modules": len(self.modules),
+                "layout": "weight uint32 [out, in*bits/32] (each row one LSB-first bit stream); scales, biases "
+                          "[out, in/group] in the model dtype; W = scales * q + biases",
+                "ignored_files": self.ignored_files}
+
+
+def open_mlx(path: Path, **_: object) -> MlxSource:
+    return MlxSource(path)
+
+
+def looks_like_mlx(path: Path) -> bool:
+    """From the data: config.json carries mlx's quantization {bits, group_size} (no quant_method), and the
+    weights hold a `<p>.biases` beside a uint32 `<p>.weight`. Weights whose headers cannot be read (a
+    truncated shard) are left to the reader, which names the damaged file: the config alone claims them."""
+    path = Path(path)
+    if not (path.is_dir() and (path / "config.json").is_file()):
+        return False
+    try:
+        cfg = read_json(path / "config.json")
+    except QConvertError:
+        return False
+    q = cfg.get("quantization")
+    if not isinstance(q, dict):
+        qc = cfg.get("quantization_config")
+        q = qc if isinstance(qc, dict) and "quant_method" not in qc else None
+    if not (isinstance(q, dict) and "bits" in q and "group_size" in q):
+        return False
+    try:
+        ckpt = CheckpointDir(path)
+    except QConvertError:
+        return True
+    try:
+        return any(name.endswith(".biases") and ckpt.dtype(name[: -len(".biases")] + ".weight") in ("U32", "I32")
+                   for name in ckpt.location if name[: -len(".biases")] + ".weight" in ckpt)
+    finally:
+        ckpt.close()

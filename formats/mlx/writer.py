@@ -1,0 +1,182 @@
+"""Writing mlx-lm model folders: quantized linears as mlx affine grids, everything else as it is.
+
+A grid keeps its codes when the mlx affine grid holds it (schemes.check_mlx decides, from the data):
+scales are the source's, in the model dtype; the bias is the source's min, or -scale*zero computed in
+float32 and rounded once to the model dtype; a source group wider than the mlx group (GPTQ g256, a
+per-channel row) repeats its scale over the mlx groups inside it, and an act-order index whose scatter
+stays inside mlx groups takes each group's scale from its index. Other grids, and dense weights given a
+--type, are quantized with mlx's own affine rule (packing.mlx_affine_quantize = mx.quantize bit for bit).
+
+What each tensor decodes to is returned as mlx computes it (fp(fp(s*q) + b) in the model dtype), so the
+runner's measured error is the error mlx-lm sees.
+
+config.json gets mlx-lm's `quantization` (the most common bits/group as the default, a per-module entry
+for every other one, false for linears left dense) and its copy `quantization_config`, as mlx-lm's
+save_config writes them; tokenizer and generation files are copied. Shards stream through ShardWriter
+(model.safetensors, or model-0000i-of-0000n.safetensors with an index: mlx_lm.load globs model*.safetensors).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from ...converters.align import EXACT, REFUSED, REQUANTIZE, decide
+from ...converters.plan import Options, TensorPlan
+from ...converters.records import Dense, Grid, TensorRecord, describe_grid
+from ...kernels.dequant import dequantize_grid_torch
+from ..safetensors_dir import ShardWriter, copy_side_files, write_json
+from .packing import mlx_affine_quantize, pack_mlx
+from .schemes import bits_for, mlx_scheme, parse_mlx_type
+
+__all__ = ["MlxWriter", "model_dtype"]
+
+# the modules mlx-lm's nn.quantize turns into quantized ones (nn.Linear, nn.Embedding: `to_quantized`)
+_QUANTIZABLE = re.compile(r"^(model\.layers\.\d+\..*_proj|model\.embed_tokens|lm_head)\.weight$")
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def model_dtype(config: dict) -> torch.dtype:
+    """The dtype scales and biases are stored in: config.json's torch_dtype / dtype (what mlx_lm.convert
+    casts to), float16 when it names none."""
+    for key in ("torch_dtype", "dtype"):
+        value = config.get(key)
+        if isinstance(value, str) and value.replace("torch.", "") in _DTYPES:
+            return _DTYPES[value.replace("torch.", "")]
+    return torch.float16
+
+
+class MlxWriter:
+    """The registered writer; `for_conversion` gives the per-conversion one that knows the model dtype."""
+
+    name = "mlx"
+    output_is_file = False
+
+    def __init__(self, store: torch.dtype | None = None):
+        self.store = store
+
+    def for_conversion(self, source, options: Options) -> "MlxWriter":
+        return MlxWriter(model_dtype(getattr(source, "config", None) or {}))
+
+    # -- planning ------------------------------------------------------------------------------------
+    def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
+        store = self.store or model_dtype(getattr(source, "config", None) or {})
+        explicit = options.explicit_type(rec.name) or options.type
+        want = parse_mlx_type(explicit) if explicit else None
+        if rec.is_grid:
+            p = rec.params
+            src = describe_grid(p, rec.shape[-1])
+            bits = want.bits if want else (bits_for(p.bits) or 8)
+            scheme = mlx_scheme(bits, want.group if want else 0, store)
+            auto = mlx_scheme(bits_for(p.bits) or 8, 0, store)
+            d = decide(p, rec.shape, scheme, [auto] if want else [], prefer_groups=rec.source_groups)
+            return self._plan(rec, src, d, bits)
+        if want is not None and len(rec.shape) == 2 and _QUANTIZABLE.match(rec.name):
+            d = decide(rec.dtype, rec.shape, mlx_scheme(want.bits, want.group, store))
+            if d.verdict != REFUSED:
+                return self._plan(rec, rec.dtype, d, want.bits)
+            # mlx_lm.convert leaves a layer whose rows are not whole groups unquantized (quantize_model's
+            # predicate), and mlx-lm loads it as a plain layer: so does this writer
+            return TensorPlan(rec.name, rec.shape, rec.dtype, rec.dtype, EXACT, f"kept unquantized: {d.reason}",
+                              out_name=rec.name, info={"dense": True})
+        return TensorPlan(rec.name, rec.shape, rec.dtype, rec.dtype, EXACT, "copied", out_name=rec.name,
+                          info={"dense": True})
+
+    def _plan(self, rec: TensorRecord, src: str, d, bits: int) -> TensorPlan:
+        target = f"mlx {bits}-bit g{d.group_size}" if d.group_size else f"mlx {bits}-bit"
+        alternative = ""
+        if d.alternative:
+            alternative = f"no --type (the source grid as {d.alternative[0]}: {d.alternative[1]})"
+        elif d.verdict == REQUANTIZE and rec.is_grid and not rec.params.contiguous_groups(rec.shape[-1]):
+            alternative = "gptq-v2 or gguf output, which keep an act-order grid"
+        info = {"bits": bits, "group": d.group_size, "keep": d.keeps_codes}
+        if d.verdict == REFUSED:
+            info = {}
+        return TensorPlan(rec.name, rec.shape, src, target, d.verdict, d.reason, alternative=alternative,
+                          out_name=rec.name, info=info)
+
+    def check_model(self, source, plans: list[TensorPlan], options: Options) -> None:
+        return None
+
+    def open(self, path: Path, source, plans: list[TensorPlan], options: Options) -> "MlxSession":
+        return MlxSession(Path(path), source, self.store or model_dtype(source.config or {}))
+
+
+class MlxSession:
+    max_shard_bytes = 2 * 1024**3  # ShardWriter's default (mlx_lm.convert's own shards are 5 GB at most)
+
+    def __init__(self, path: Path, source, store: torch.dtype):
+        self.path, self.source, self.store = path, source, store
+        self.shards = ShardWriter(path, max_shard_bytes=self.max_shard_bytes)
+        self.schemes: dict[str, tuple[int, int]] = {}  # module path -> (bits, group)
+        self.dense_linears: list[str] = []
+
+    def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor:
+        if plan.info.get("dense"):
+            if _QUANTIZABLE.match(plan.name) and len(plan.shape) == 2:
+                self.dense_linears.append(plan.name[: -len(".weight")])
+            tensor = item.tensor if isinstance(item, Dense) else item.dequantize(self.store)
+            self.shards.put(plan.name, tensor)
+            return tensor.to(torch.float32)
+        bits, group = plan.info["bits"], plan.info["group"]
+        if plan.info["keep"]:
+            codes, scales, biases = self._kept(item, group)
+        else:
+            codes, scales, biases = mlx_affine_quantize(item.dequantize(torch.float32), bits, group, self.store)
+        prefix = plan.name[: -len(".weight")]
+        self.shards.put(f"{prefix}.weight", self._words(item, codes, bits, plan.info["keep"]))
+        self.shards.put(f"{prefix}.scales", scales.contiguous())
+        self.shards.put(f"{prefix}.biases", biases.contiguous())
+        self.schemes[prefix] = (bits, group)
+        # what mlx computes: scales * q, rounded to the stored dtype, plus biases, rounded again
+        return dequantize_grid_torch(codes, scales, torch.zeros_like(scales), group, None, torch.float32,
+                                     mins=biases, compute_dtype=self.store)
+
+    def _kept(self, grid: Grid, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The source's codes with one scale and bias per mlx group: the scale of the source group that
+        holds the mlx group's first column (the checker made sure every column of it is in that group)."""
+        p = grid.params
+        in_features = grid.shape[1]
+        first_cols = torch.arange(0, in_features, group)
+        src_group = p.group_of_column(in_features)[first_cols]
+        s = p.scales.to(torch.float32)[:, src_group]
+        if p.mins is not None:
+            b = p.mins.to(torch.float32)[:, src_group]
+        else:
+            b = -(s * p.zeros.to(torch.float32)[:, src_group])
+        return grid.codes, s.to(self.store), b.to(self.store)
+
+    @staticmethod
+    def _words(grid, codes: torch.Tensor, bits: int, kept: bool) -> torch.Tensor:
+        packed = getattr(grid, "packed", None) if kept else None
+        if packed is not None and packed.layout == "gptq-rows" and packed.bits == bits and bits in (2, 4, 8):
+            # GPTQ's int32 words run along the inputs LSB first: transposed, they are mlx's rows as they are
+            return packed.words.T.contiguous().view(torch.uint32)
+        return pack_mlx(codes, bits)
+
+    def close(self) -> None:
+        self.shards.close()
+        config = dict(self.source.config)
+        for key in ("quantization", "quantization_config"):
+            config.pop(key, None)
+        if self.schemes:
+            q = self._quantization()
+            config["quantization"] = q
+            config["quantization_config"] = q  # mlx-lm's save_config writes the same dict under both keys
+        write_json(self.path / "config.json", config)
+        copy_side_files(self.source, self.path)
+
+    def _quantization(self) -> dict:
+        counts: dict[tuple[int, int], int] = {}
+        for s in self.schemes.values():
+            counts[s] = counts.get(s, 0) + 1
+        bits, group = max(counts, key=counts.get)
+        q: dict = {"group_size": group, "bits": bits, "mode": "affine"}
+        for prefix, (b, g) in self.schemes.items():
+            if (b, g) != (bits, group):
+                q[prefix] = {"group_size": g, "bits": b, "mode": "affine"}
+        for prefix in self.dense_linears:
+            q[prefix] = False
+        return q
