@@ -16,7 +16,7 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install -c constraints.txt torch==2.13.0
 # llama.cpp: skip the multimodal library, which the tests do not use, to halve the build
 export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}"
-"${PIP[@]}" install -c constraints.txt -e ".[test,gptq,llama,triton,batch]"
+"${PIP[@]}" install -c constraints.txt -e ".[test,gptq,llama,triton,batch,ct,bnb]"
 export GPTQMODEL_CPU_WORKERS=2 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # a skipped oracle test is a failure here (tests/conftest.py): a run that proves nothing must not pass
 export QCONVERT_REQUIRE_ORACLES="${QCONVERT_REQUIRE_ORACLES:-1}"

@@ -23,6 +23,7 @@ from helpers import expect_user_error, run_cli
 from synthetic_gptq import make_synthetic_gptq
 
 from qconvert.converters import cli
+from qconvert.converters.registry import all_formats
 from qconvert.converters.run import _HOST, remove_stale_temporaries
 from qconvert.formats import gptq
 
@@ -78,17 +79,17 @@ def test_unknown_data_is_described_and_the_supported_formats_named(fx, tmp_path)
     folder = tmp_path / "ct"
     shutil.copytree(fx["variants"]["v1_b4_g32_sym"]["ckpt"], folder)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    cfg["quantization_config"] = {"quant_method": "eetq", "format": "w8a16"}
     (folder / "config.json").write_text(json.dumps(cfg))
     (folder / "quantize_config.json").unlink()
     proc = run_cli("inspect", folder, check_rc=2)
     line = proc.stderr.strip()
     assert len(line.splitlines()) == 1 and "--format" not in line
-    assert "quant_method 'compressed-tensors'" in line and "format 'pack-quantized'" in line
-    assert "gguf, gptq, gptq-v2, hf, hqq, qqq, uqff" in line
-    err = expect_user_error("hf->gguf", folder, tmp_path, "config.json", "quant_method 'compressed-tensors'",
+    assert "quant_method 'eetq'" in line and "format 'w8a16'" in line
+    assert ", ".join(e.name for e in all_formats() if e.can_read) in line
+    err = expect_user_error("hf->gguf", folder, tmp_path, "config.json", "quant_method 'eetq'",
                             "does not read yet", out_name="o.gguf")
-    assert "compressed-tensors->" not in err
+    assert "eetq->" not in err
     # a quantized folder qconvert does read: the advice names a pair that works
     err = expect_user_error("hf->gguf", fx["variants"]["v1_b4_g32_sym"]["ckpt"], tmp_path, "read it as gptq",
                             out_name="o.gguf")

@@ -18,6 +18,7 @@ from helpers import write_legacy_imatrix
 
 WRITABLE = [e.name for e in all_formats() if e.can_write]
 READABLE = [e.name for e in all_formats() if e.can_read]
+PRODUCER_FIXTURES = Path(__file__).parent / "producer_fixtures"  # checkpoints the real producers made
 # a value of each option kind that its parser takes
 VALID_VALUE = {"size": "2G", "path": "imatrix.dat", "text": "x"}
 
@@ -169,7 +170,13 @@ def test_help_lists_every_pair_and_the_examples(capsys):
     rc, out, _ = _run_main(capsys, "--help")
     assert rc == 0
     pairs = out.split("Pairs (SRC->DST or SRC:DST):")[1].split("Examples:")[0]
-    rows = {line.split()[0]: line.split("->", 1)[1].strip() for line in pairs.splitlines() if line.strip()}
+    rows: dict[str, str] = {}
+    for line in pairs.splitlines():  # a row whose targets wrap continues on lines indented further
+        if line[:3].strip() and line.strip():
+            name, targets = line.split(None, 1)
+            rows[name] = targets.strip().removeprefix("->").strip()
+        elif line.strip():
+            rows[name] += " " + line.strip()
     assert rows == {name: ", ".join(WRITABLE) for name in READABLE}
     examples = [line.strip() for line in out.split("Examples:")[1].splitlines() if line.strip()]
     assert examples == [e.examples[0] for e in all_formats() if e.can_write]
@@ -196,7 +203,7 @@ def _example_argv(example: str, sources: dict[str, Path], out: Path) -> list[str
     command, placeholder = argv[1], argv[2]
     fmt = command.split("->")[0] if "->" in command else ("gguf" if placeholder.endswith(".gguf") else
                                                            placeholder.split("-")[1].rstrip("/"))
-    return [command, str(sources[fmt]), str(out), *argv[4:]]
+    return [command, str(sources[get_format(fmt).name]), str(out), *argv[4:]]
 
 
 def test_every_example_runs_as_written(fx, tmp_path, capsys):
@@ -204,7 +211,9 @@ def test_every_example_runs_as_written(fx, tmp_path, capsys):
     where they give none: their conversions are exact or near-exact)."""
     gguf_q4_0 = tmp_path / "src.gguf"
     assert _run_main(capsys, "gptq->gguf", _gptq(fx), gguf_q4_0, "--quiet")[0] == 0
-    sources = {"gptq": fx["variants"]["v1_b4_gm1_sym"]["ckpt"], "hf": fx["bases"]["base"], "gguf": gguf_q4_0}
+    sources = {"gptq": fx["variants"]["v1_b4_gm1_sym"]["ckpt"], "hf": fx["bases"]["base"], "gguf": gguf_q4_0,
+               "bitsandbytes": PRODUCER_FIXTURES / "bitsandbytes" / "int8",
+               "compressed-tensors": PRODUCER_FIXTURES / "compressed_tensors" / "w4a16_g32_sym"}
     ran = 0
     for entry in all_formats():
         for i, example in enumerate(entry.examples):

@@ -9,7 +9,7 @@ picked up from the registry with no list to edit here, but must add its row to T
   2 with one `qconvert: error:` line naming that file, and the conversion leaves nothing at its output.
 
 A format that only writes gets the first part; one that only reads gets the other two, from a sample
-made by READ_ONLY_SAMPLES (none is registered today)."""
+made by READ_ONLY_SAMPLES: the format's real producer (scripts/producers/) run on the dense source."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,10 +38,36 @@ TARGET_ARGS: dict[str, list[str]] = {
     "hqq": ["--type", "4g64", "--allow-requant"],
     "qqq": ["--type", "g128", "--allow-requant"],
     "uqff": ["--type", "q8_0", "--allow-requant"],
+    "compressed-tensors": ["--type", "4g128", "--allow-requant"],
+    "mlx": ["--type", "mlx4g64", "--allow-requant"],
 }
 
+PRODUCERS = Path(__file__).resolve().parent.parent / "scripts" / "producers"
+
+
+def _producer(script: str, *args) -> None:
+    """Run a producer script in a child process: gptqmodel and auto-round patch transformers where they load."""
+    subprocess.run([sys.executable, str(PRODUCERS / script), *map(str, args)], check=True, capture_output=True,
+                   timeout=900)
+
+
+def _awq_sample(dense: Path, tmp: Path) -> Path:
+    _producer("awq.py", "--quantize", dense, tmp / "awq")  # gptqmodel 7.6's AWQ (GEMM, g128)
+    return tmp / "awq"
+
+
+def _auto_round_sample(dense: Path, tmp: Path) -> Path:
+    _producer("auto_round.py", tmp / "auto-round", "sample", dense)  # auto-round 0.16, 4-bit sym g32
+    return tmp / "auto-round"
+
+
+def _bitsandbytes_sample(dense: Path, tmp: Path) -> Path:
+    _producer("bitsandbytes.py", "--sample", dense, tmp / "bnb")  # transformers + bitsandbytes 0.50, NF4
+    return tmp / "bnb"
+
+
 # Per format that reads but cannot write: a function (source folder, destination folder) -> a sample of it.
-READ_ONLY_SAMPLES: dict = {}
+READ_ONLY_SAMPLES: dict = {"awq": _awq_sample, "auto-round": _auto_round_sample, "bitsandbytes": _bitsandbytes_sample}
 
 VERDICTS = {"exact", "near-exact", "requantize"}  # "refused" never reaches a written output
 

@@ -61,8 +61,8 @@ def test_get_format_by_name_or_alias(name, fmt):
 
 def test_an_unknown_name_lists_the_known_formats():
     with pytest.raises(QConvertError) as info:
-        get_format("awq")
-    assert str(info.value) == f"unknown format 'awq'; known formats: {known_formats()}"
+        get_format("eetq")
+    assert str(info.value) == f"unknown format 'eetq'; known formats: {known_formats()}"
     for builtin in ("gguf", "gptq", "hf", "uqff"):
         assert builtin in known_formats().split(", ")
 
@@ -162,8 +162,8 @@ def test_an_empty_folder_is_refused_saying_what_it_holds(tmp_path):
     (lambda p: (p.mkdir(), (p / "config.json").write_text("{not json")),
      "a folder whose config.json is not valid JSON"),
     (lambda p: (p.mkdir(), (p / "config.json").write_text(json.dumps(
-        {"quantization_config": {"quant_method": "awq", "format": "gemm"}}))),
-     "a checkpoint folder with quant_method 'awq', format 'gemm', which qconvert does not read yet"),
+        {"quantization_config": {"quant_method": "eetq", "format": "w8a16"}}))),
+     "a checkpoint folder with quant_method 'eetq', format 'w8a16', which qconvert does not read yet"),
     (lambda p: p.write_bytes(b""), "an empty file"),
     (lambda p: p.write_bytes(b"PK\x03\x04rest"), "a zip archive (a torch.save file?)"),
     (lambda p: p.write_bytes(bytes(range(16))), "a file starting with bytes 0001020304050607"),
