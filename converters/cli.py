@@ -299,10 +299,12 @@ def _make_detecting_command(target: FormatEntry | None) -> click.Command:
 @cli.command("formats")
 def formats_command():
     """List every format with what qconvert can read and write."""
-    for entry in all_formats():
+    entries = all_formats()
+    width = max(len(e.name) for e in entries)  # one column of names, however long the longest
+    for entry in entries:
         rw = ("read" if entry.can_read else "    ") + " " + ("write" if entry.can_write else "     ")
         aliases = f" (aliases: {', '.join(entry.aliases)})" if entry.aliases else ""
-        click.echo(f"{entry.name:<10} {rw}  {entry.description}{aliases}")
+        click.echo(f"{entry.name:<{width}} {rw}  {entry.description}{aliases}")
 
 
 @cli.command("inspect")

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
+
+import pytest
 
 from helpers import run_cli, transformers_logits
 
@@ -88,3 +92,20 @@ def test_verify_rereads_output_and_measures_every_tensor(fx, tmp_path):
     other = fx["variants"]["v1_b4_g32_sym_act"]["ckpt"]
     proc = run_cli("verify", other, tmp_path / "same", "--strict", check_rc=3)
     assert "differs" in proc.stdout
+
+
+PRODUCED = Path(__file__).parent / "producer_fixtures"  # checkpoints the formats' own producers made
+
+
+@pytest.mark.parametrize("folder, fmt", [
+    ("awq/gemm_g32", "awq"), ("auto_round/asym4_g128", "auto-round"), ("bitsandbytes/nf4_dq", "bitsandbytes"),
+    ("bitsandbytes/int8", "bitsandbytes"), ("compressed_tensors/w4a16_g32_sym", "compressed-tensors"),
+    ("compressed_tensors/fp8_dynamic", "compressed-tensors"), ("mlx/model", "mlx"),
+])
+def test_inspect_names_each_producers_format_from_its_data(tmp_path, folder, fmt):
+    """The format comes from the files (config, tensors), not from the folder's name: each producer's own
+    checkpoint is copied to a folder called `model` first."""
+    copy = tmp_path / "model"
+    shutil.copytree(PRODUCED / folder, copy)
+    info = json.loads(run_cli("inspect", copy, "--json").stdout)
+    assert info["format"] == fmt
