@@ -246,23 +246,15 @@ class QqqSource(CheckpointSource):
 
     # -- the ModelSource interface ----------------------------------------------------------------
     def records(self) -> Iterator[TensorRecord]:
-        consumed = {n for parts in self.modules.values() for p, n in parts.items() if p != "B"}
-        for shard in self.ckpt.shards:
-            for name in self.ckpt.keys(shard):
-                if name in consumed:
-                    continue
-                prefix, _, part = name.rpartition(".")
-                if part == "B" and prefix in self.modules:
-                    params, shape = self._params(prefix)
-                    mode = _mode(self.group_size, shape[1])
-                    yield TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p),
-                                       params=params, source_file=shard,
-                                       qqq_layer=QqqLayer(prefix, mode, self.group_size,
-                                                          lambda p=prefix: self.raw_module(p)),
-                                       four_bit_view=self._view(prefix, mode))
-                else:
-                    self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard, self.ckpt.dtype(name))
-                    yield self.ckpt.dense_record(name, shard)
+        return self.module_records(self.modules, "B", self._module_record)
+
+    def _module_record(self, prefix: str, shard: str) -> TensorRecord:
+        params, shape = self._params(prefix)
+        mode = _mode(self.group_size, shape[1])
+        return TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p),
+                            params=params, source_file=shard,
+                            qqq_layer=QqqLayer(prefix, mode, self.group_size, lambda p=prefix: self.raw_module(p)),
+                            four_bit_view=self._view(prefix, mode))
 
     def describe(self) -> dict:
         modes: dict[str, int] = {}

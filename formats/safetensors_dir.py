@@ -12,6 +12,7 @@ import os
 import re
 import warnings
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
@@ -461,3 +462,21 @@ class CheckpointSource:
     def ignored_files(self) -> dict[str, str]:
         """Weight files in the folder that are not part of the model, with why (CheckpointDir.ignored)."""
         return self.ckpt.ignored
+
+    def module_records(self, modules: dict[str, dict[str, str]], primary: str,
+                       grid_record: Callable[[str, str], TensorRecord]) -> Iterator[TensorRecord]:
+        """Every tensor of the folder in file order, shard by shard: a quantized module (`modules`: prefix ->
+        part -> tensor name, CheckpointDir.group_modules) as the one record `grid_record(prefix, shard)` makes
+        where its `primary` part stands, its other parts consumed by it; every other tensor dense, its shape
+        checked against the config (`self.shapes`, a ModelShapes)."""
+        consumed = {n for parts in modules.values() for p, n in parts.items() if p != primary}
+        for shard in self.ckpt.shards:
+            for name in self.ckpt.keys(shard):
+                if name in consumed:
+                    continue
+                prefix, _, part = name.rpartition(".")
+                if part == primary and prefix in modules:
+                    yield grid_record(prefix, shard)
+                else:
+                    self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard, self.ckpt.dtype(name))
+                    yield self.ckpt.dense_record(name, shard)

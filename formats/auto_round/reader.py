@@ -334,19 +334,12 @@ class AutoRoundSource(CheckpointSource):
 
     # -- the ModelSource interface --------------------------------------------------------------------
     def records(self) -> Iterator[TensorRecord]:
-        consumed = {n for parts in self.modules.values() for p, n in parts.items() if p != "qweight"}
-        for shard in self.ckpt.shards:
-            for name in self.ckpt.keys(shard):
-                if name in consumed:
-                    continue
-                prefix, _, part = name.rpartition(".")
-                if part == "qweight":
-                    params, shape = self._params(prefix)
-                    yield TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p),
-                                       params=params, source_file=shard)
-                else:
-                    self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard, self.ckpt.dtype(name))
-                    yield self.ckpt.dense_record(name, shard)
+        return self.module_records(self.modules, "qweight", self._module_record)
+
+    def _module_record(self, prefix: str, shard: str) -> TensorRecord:
+        params, shape = self._params(prefix)
+        return TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p), params=params,
+                            source_file=shard)
 
     def describe(self) -> dict:
         qc = self.quant_config

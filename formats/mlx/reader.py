@@ -151,19 +151,12 @@ class MlxSource(CheckpointSource):
 
     # -- the ModelSource interface ---------------------------------------------------------------------
     def records(self) -> Iterator[TensorRecord]:
-        consumed = {n for parts in self.modules.values() for p, n in parts.items() if p != "weight"}
-        for shard in self.ckpt.shards:
-            for name in self.ckpt.keys(shard):
-                if name in consumed:
-                    continue
-                prefix, _, part = name.rpartition(".")
-                if part == "weight" and prefix in self.modules:
-                    params, shape, _ = self._params(prefix)
-                    yield TensorRecord(name, shape, "grid", lambda p=prefix: self._load_grid(p), params=params,
-                                       source_file=shard)
-                else:
-                    self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard, self.ckpt.dtype(name))
-                    yield self.ckpt.dense_record(name, shard)
+        return self.module_records(self.modules, "weight", self._module_record)
+
+    def _module_record(self, prefix: str, shard: str) -> TensorRecord:
+        params, shape, _ = self._params(prefix)
+        return TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p), params=params,
+                            source_file=shard)
 
     def describe(self) -> dict:
         overrides = {k: v for k, v in self.quant_config.items() if k not in ("bits", "group_size", "mode")}
