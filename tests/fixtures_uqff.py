@@ -155,6 +155,23 @@ def mistralrs_logprobs(model_dir: Path, out_json: Path, *, from_uqff=None, write
     return json.loads(Path(out_json).read_text())
 
 
+def teacher_forced_gap(model_dir: Path, mistral: dict) -> float:
+    """Max |logprob| difference between mistral.rs' top-3 at each greedy step (`mistralrs_logprobs`' output)
+    and transformers (float32) on `model_dir`, fed mistral.rs' own prompt ids and chosen tokens (so a near-tie
+    flip cannot cascade)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    ids, worst = list(mistral["ids"]), 0.0
+    with torch.no_grad():
+        for step in mistral["steps"]:
+            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+            worst = max(worst, max(abs(lp_m - float(lp[tok])) for tok, lp_m in step))
+            ids.append(step[0][0])
+    return worst
+
+
 def chat_template_file(dest: Path) -> Path:
     """A jinja template file for mistral.rs (`jinja_explicit`) for model dirs without a chat template."""
     dest.write_text(CHAT_TEMPLATE)

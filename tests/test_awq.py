@@ -267,21 +267,6 @@ def test_awq_to_gguf_default_type_is_q4_1(tmp_path):
 UQFF_LOGPROB_TOL = 2e-3
 
 
-def _teacher_forced_gap(model_dir: Path, mistral: dict) -> float:
-    """Max |logprob| difference between mistral.rs' top-3 at each greedy step and transformers on `model_dir`,
-    fed mistral.rs' own prompt ids and chosen tokens (a near-tie flip cannot cascade)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    ids, worst = list(mistral["ids"]), 0.0
-    with torch.no_grad():
-        for step in mistral["steps"]:
-            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
-            worst = max(worst, max(abs(lp_m - float(lp[tok])) for tok, lp_m in step))
-            ids.append(step[0][0])
-    return worst
-
-
 def test_awq_to_uqff_afq_loads_in_mistralrs(tmp_path):
     pytest.importorskip("mistralrs", reason="mistralrs==0.9.5 is installed by scripts/test_env.d/30-mistralrs.sh")
     import fixtures_uqff as FU
@@ -294,7 +279,7 @@ def test_awq_to_uqff_afq_loads_in_mistralrs(tmp_path):
     mistral = FU.mistralrs_logprobs(out, tmp_path / "lp.json", from_uqff=next(out.glob("*-0.uqff")).name,
                                     jinja=FU.chat_template_file(tmp_path / "chat.jinja"))
     helpers.run_cli("awq->hf", FIXTURES / "gemm_g32", tmp_path / "hf", "--type", "f32")
-    gap = _teacher_forced_gap(tmp_path / "hf", mistral)
+    gap = FU.teacher_forced_gap(tmp_path / "hf", mistral)
     assert gap < UQFF_LOGPROB_TOL, gap
 
 

@@ -108,7 +108,6 @@ def test_kv32_reads_as_mistralrs_computes(ufx, tmp_path, isq):
     """Every layer equals that formula (_hqq_formula), and transformers on `uqff->hf` gives mistral.rs' own
     log-probabilities for the same UQFF."""
     from qconvert.formats.uqff.reader import UqffSource
-    from test_uqff import _teacher_forced_gap
 
     d = ufx["uqff"][f"kv32-{isq}"]
     raw = _raw(d)
@@ -120,7 +119,7 @@ def test_kv32_reads_as_mistralrs_computes(ufx, tmp_path, isq):
     rep = _convert("uqff", d, "hf", tmp_path / "hf", type="f32")
     assert rep.summary()["max_abs_err"] == 0.0
     mistral = json.loads((d / "mistralrs_logprobs.json").read_text())
-    assert _teacher_forced_gap(tmp_path / "hf", mistral) < EXACT_TOL
+    assert FU.teacher_forced_gap(tmp_path / "hf", mistral) < EXACT_TOL
     proc = run_cli("inspect", d)
     assert "hqq" in proc.stdout
 
@@ -169,7 +168,6 @@ def test_kv32_uqff_to_hqq_loads_in_hqq(ufx, hqq_root, tmp_path):
 def test_dense_kv32_to_hqq4_loads_in_mistralrs(ufx, tmp_path):
     """hf->uqff --type hqq4 quantizes 32-row projections with groups of 64 as mistral.rs' ISQ does (it was
     refused before), and mistral.rs runs the result as our reader reads it."""
-    from test_uqff import _teacher_forced_gap
 
     out = tmp_path / "uqff"
     _convert("hf", ufx["kv32"], "uqff", out, type="hqq4", allow_requant=True)
@@ -177,7 +175,7 @@ def test_dense_kv32_to_hqq4_loads_in_mistralrs(ufx, tmp_path):
     assert int(raw["model.layers.0.self_attn.k_proj.weight.group_size"]) == 64
     mistral = FU.mistralrs_logprobs(out, tmp_path / "lp.json", from_uqff="hqq4-0.uqff")
     _convert("uqff", out, "hf", tmp_path / "hf", type="f32")
-    assert _teacher_forced_gap(tmp_path / "hf", mistral) < EXACT_TOL
+    assert FU.teacher_forced_gap(tmp_path / "hf", mistral) < EXACT_TOL
 
 
 # =========================================================================================================

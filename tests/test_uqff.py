@@ -58,22 +58,6 @@ def _convert(src_fmt, src, dst_fmt, out, **kw):
     return convert(src_fmt, Path(src), dst_fmt, Path(out), Options(**kw), progress=False)
 
 
-def _teacher_forced_gap(model_dir: Path, mistral: dict) -> float:
-    """Max |logprob| difference between mistral.rs' top-3 at each greedy step and transformers on
-    `model_dir`, fed mistral.rs' own prompt ids and chosen tokens (so a near-tie flip cannot cascade)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    ids = list(mistral["ids"])
-    worst = 0.0
-    with torch.no_grad():
-        for step in mistral["steps"]:
-            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
-            worst = max(worst, max(abs(lp_m - float(lp[tok])) for tok, lp_m in step))
-            ids.append(step[0][0])
-    return worst
-
-
 def _stem(d: Path) -> str:
     return next(d.glob("*-0.uqff")).name
 
@@ -182,7 +166,7 @@ def test_reader_matches_mistralrs_logprobs(ufx, tmp_path, name):
     rep = _convert("uqff", d, "hf", tmp_path / "hf", type="f32")
     assert rep.summary()["max_abs_err"] == 0.0
     mistral = json.loads((d / "mistralrs_logprobs.json").read_text())
-    gap = _teacher_forced_gap(tmp_path / "hf", mistral)
+    gap = FU.teacher_forced_gap(tmp_path / "hf", mistral)
     assert gap < (GGUF_TOL if name in GGUF_FIXTURES else EXACT_TOL), gap
 
 
@@ -275,7 +259,7 @@ def test_gptq_to_uqff_loads_in_mistralrs(fx, tmp_path, jinja, variant, type_, ex
     assert "quantization_config" not in cfg and "rope_theta" in cfg
     mistral = FU.mistralrs_logprobs(out, tmp_path / "lp.json", from_uqff=_stem(out), jinja=jinja)
     _convert("gptq", ckpt, "hf", tmp_path / "src_hf", type="f32")
-    assert _teacher_forced_gap(tmp_path / "src_hf", mistral) < tol
+    assert FU.teacher_forced_gap(tmp_path / "src_hf", mistral) < tol
 
 
 def test_act_order_gptq_needs_allow_requant(fx, tmp_path):
@@ -302,7 +286,7 @@ def test_every_family_written_loads_in_mistralrs(ufx, tmp_path, type_):
     mistral = FU.mistralrs_logprobs(out, tmp_path / "lp.json", from_uqff=_stem(out))
     _convert("uqff", out, "hf", tmp_path / "hf", type="f32")
     tol = GGUF_TOL if type_ in ("q4k",) else EXACT_TOL
-    assert _teacher_forced_gap(tmp_path / "hf", mistral) < tol
+    assert FU.teacher_forced_gap(tmp_path / "hf", mistral) < tol
     assert rep.summary()["tensors"] == 21
 
 
@@ -324,7 +308,7 @@ def test_unquant_layers_make_uqff_1_1_and_shards_split(fx, tmp_path, jinja):
     assert rep.summary()["max_abs_err"] == 0.0
     mistral = FU.mistralrs_logprobs(out, tmp_path / "lp.json", from_uqff="afq4-0.uqff", jinja=jinja)
     _convert("gptq", ckpt, "hf", tmp_path / "src_hf", type="f32")
-    assert _teacher_forced_gap(tmp_path / "src_hf", mistral) < EXACT_TOL
+    assert FU.teacher_forced_gap(tmp_path / "src_hf", mistral) < EXACT_TOL
 
 
 def test_qwen2_biases_travel_with_their_layers(tmp_path):
@@ -339,7 +323,7 @@ def test_qwen2_biases_travel_with_their_layers(tmp_path):
         assert not [k for k in f.keys() if k.endswith(".bias")]
     mistral = FU.mistralrs_logprobs(out, tmp_path / "lp.json", from_uqff=_stem(out), arch="Qwen2")
     _convert("uqff", out, "hf", tmp_path / "hf", type="f32")
-    assert _teacher_forced_gap(tmp_path / "hf", mistral) < EXACT_TOL
+    assert FU.teacher_forced_gap(tmp_path / "hf", mistral) < EXACT_TOL
 
 
 # -- HQQ -------------------------------------------------------------------------------------------------
@@ -363,7 +347,7 @@ def test_hqq_axis0_to_uqff_hqq_is_exact(hqq_tf, tmp_path, jinja):
     assert rep.summary()["max_abs_err"] == 0.0
     mistral = FU.mistralrs_logprobs(out, tmp_path / "lp.json", from_uqff=_stem(out), jinja=jinja)
     _convert("hqq", hqq_tf("b4_g64_ax0"), "hf", tmp_path / "src_hf", type="f32")
-    assert _teacher_forced_gap(tmp_path / "src_hf", mistral) < EXACT_TOL
+    assert FU.teacher_forced_gap(tmp_path / "src_hf", mistral) < EXACT_TOL
     # and back to hqq axis 0: the same codes, scales and zeros
     back = _convert("uqff", out, "hqq", tmp_path / "hqq")
     assert back.summary()["max_abs_err"] == 0.0 and back.summary()["verdicts"]["exact"] == len(back.results)
@@ -388,7 +372,7 @@ def test_hqq_axis1_to_q4_1_blocks(hqq_tf, tmp_path, jinja):
     assert {r.plan.verdict for r in layers} == {"near-exact"} and max(r.max_abs_err for r in layers) < 1e-3
     mistral = FU.mistralrs_logprobs(out, tmp_path / "lp.json", from_uqff=_stem(out), jinja=jinja)
     _convert("uqff", out, "hf", tmp_path / "hf", type="f32")
-    assert _teacher_forced_gap(tmp_path / "hf", mistral) < GGUF_TOL
+    assert FU.teacher_forced_gap(tmp_path / "hf", mistral) < GGUF_TOL
 
 
 def test_hqq_axis1_goes_to_afq_and_is_refused_as_hqq(hqq_tf, tmp_path, jinja):
@@ -402,7 +386,7 @@ def test_hqq_axis1_goes_to_afq_and_is_refused_as_hqq(hqq_tf, tmp_path, jinja):
     assert all(r.plan.verdict in ("near-exact", "exact") and r.max_abs_err < 1e-6 for r in layers)
     mistral = FU.mistralrs_logprobs(out, tmp_path / "lp.json", from_uqff=_stem(out), jinja=jinja)
     _convert("hqq", src, "hf", tmp_path / "src_hf", type="f32")
-    assert _teacher_forced_gap(tmp_path / "src_hf", mistral) < EXACT_TOL
+    assert FU.teacher_forced_gap(tmp_path / "src_hf", mistral) < EXACT_TOL
 
 
 # -- UQFF AFQ -> GPTQ ---------------------------------------------------------------------------------------

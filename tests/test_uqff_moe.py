@@ -95,23 +95,6 @@ def _transformers_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _teacher_forced_gap(model_dir: Path, mistral: dict) -> float:
-    """Max |logprob| difference between mistral.rs' top-3 at each greedy step and transformers on
-    `model_dir` fed mistral.rs' prompt ids and chosen tokens; transformers must load every weight."""
-    from transformers import AutoModelForCausalLM
-
-    model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    ids = list(mistral["ids"])
-    worst = 0.0
-    with torch.no_grad():
-        for step in mistral["steps"]:
-            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
-            worst = max(worst, max(abs(lp_m - float(lp[tok])) for tok, lp_m in step))
-            ids.append(step[0][0])
-    return worst
-
-
 # -- what mistral.rs writes ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 def test_mistralrs_stacks_experts(mfx, kind):
@@ -181,7 +164,7 @@ def test_hf_to_uqff_q4_0_matches_mistralrs(mfx, tmp_path, kind):
     # mistral.rs on ours, against transformers reading ours back (teacher-forced on mistral.rs' tokens)
     got = FU.mistralrs_logprobs(tmp_path / "ours", tmp_path / "lp.json", from_uqff="q4_0-0.uqff", arch=FU.MOE_ARCH[kind])
     _convert("uqff", tmp_path / "ours", "hf", tmp_path / "hf", type="f32")
-    assert _teacher_forced_gap(tmp_path / "hf", got) < GGUF_TOL
+    assert FU.teacher_forced_gap(tmp_path / "hf", got) < GGUF_TOL
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -239,7 +222,7 @@ def test_gptq_moe_to_uqff_keeps_expert_codes(tmp_path, kind):
     got = FU.mistralrs_logprobs(tmp_path / "ours", tmp_path / "lp.json", from_uqff="q4_0-0.uqff", jinja=jinja,
                                 arch=FU.MOE_ARCH[kind])
     _convert("uqff", tmp_path / "ours", "hf", tmp_path / "hf", type="f32")
-    assert _teacher_forced_gap(tmp_path / "hf", got) < GGUF_TOL
+    assert FU.teacher_forced_gap(tmp_path / "hf", got) < GGUF_TOL
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -296,7 +279,7 @@ def test_uqff_to_hf_of_mistralrs_moe(mfx, tmp_path, kind):
     rep = _convert("uqff", d, "uqff", tmp_path / "f32", type="f32")
     assert rep.summary()["max_abs_err"] == 0.0
     got = FU.mistralrs_logprobs(tmp_path / "f32", tmp_path / "lp.json", from_uqff="f32-0.uqff", arch=FU.MOE_ARCH[kind])
-    assert _teacher_forced_gap(tmp_path / "hf", got) < 1e-4
+    assert FU.teacher_forced_gap(tmp_path / "hf", got) < 1e-4
 
 
 @pytest.mark.parametrize("name", [f"{k}-{t}" for k in KINDS for t in ("q4_0", "afq4")])
