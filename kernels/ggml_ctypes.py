@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .ggml_layouts import LAYOUTS
+from .ggml_layouts import TARGET_LAYOUTS
 
 __all__ = ["available", "ggml_quantize", "library_path"]
 
@@ -50,7 +50,7 @@ def _lib():
 def ggml_quantize(x: np.ndarray, type_name: str, imatrix: np.ndarray | None = None, threads: int = 1) -> np.ndarray:
     """float32 [rows, n] -> uint8 [rows, row_bytes] from ggml_quantize_chunk (imatrix: [n] or None),
     rows split over `threads` threads."""
-    lay = LAYOUTS[type_name.upper()]
+    lay = TARGET_LAYOUTS[type_name.upper()]  # grid and codebook types (IQ4_NL) alike
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows, n = x.shape
     out = np.empty((rows, lay.row_bytes(n)), np.uint8)

@@ -9,6 +9,10 @@ A block of `block` consecutive elements along a row (ggml ne0 = HF in_features) 
 Legacy types decode as `d * (q - offset)` (symmetric) or `d * q + m` (`has_min`), with one fp16 `d`
 (and `m`) per block, codes `0 .. 2**bits - 1` (Q8_0: signed int8, offset 0).
 K types hold 256-element super-blocks with 6- or 8-bit sub-block scales.
+Codebook types (IQ4_NL) hold 32-blocks of fp16 `d` and 4-bit codes indexing a fixed table of values
+(kernels/iq4_nl.py): `d * table[q]`, no uniform grid. They are writable targets (TARGET_LAYOUTS) but not
+in LAYOUTS, the table of grid types that readers decode into GridParams (a codebook block is not
+`d * (q - offset)`; the GGUF reader reads such tensors as dense float32 through gguf-py).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-__all__ = ["BlockLayout", "LAYOUTS", "layout", "FLOAT_TYPES", "LEGACY_TYPES", "K_TYPES"]
+__all__ = ["BlockLayout", "LAYOUTS", "layout", "FLOAT_TYPES", "LEGACY_TYPES", "K_TYPES", "CODEBOOK_LAYOUTS",
+           "CODEBOOK_TYPES", "TARGET_LAYOUTS"]
 
 
 @dataclass(frozen=True)
@@ -29,7 +34,7 @@ class BlockLayout:
     bits: int  # bits per code (float types: bits per element)
     offset: int = 0  # legacy symmetric types: value = d * (q - offset)
     has_min: bool = False  # legacy asymmetric types: value = d * q + m
-    kind: str = "legacy"  # "float" | "legacy" | "k"
+    kind: str = "legacy"  # "float" | "legacy" | "k" | "codebook"
     sub_block: int = 0  # K types: elements sharing one sub-block scale
     signed_codes: bool = False  # Q8_0 stores int8 codes
 
@@ -75,9 +80,16 @@ FLOAT_TYPES = tuple(t.name for t in _TABLE if t.kind == "float")
 LEGACY_TYPES = tuple(t.name for t in _TABLE if t.kind == "legacy")
 K_TYPES = tuple(t.name for t in _TABLE if t.kind == "k")
 
+# 32-blocks of fp16 d + 16 bytes of nibbles indexing kvalues_iq4nl (ggml-common.h block_iq4_nl)
+_CODEBOOK_TABLE = (_ggml("IQ4_NL", 4, kind="codebook"),)
+CODEBOOK_LAYOUTS: dict[str, BlockLayout] = {t.name: t for t in _CODEBOOK_TABLE}
+CODEBOOK_TYPES = tuple(CODEBOOK_LAYOUTS)
+# every type a writer can store: the grid types and the codebook types
+TARGET_LAYOUTS: dict[str, BlockLayout] = {**LAYOUTS, **CODEBOOK_LAYOUTS}
+
 
 def layout(name: str) -> BlockLayout:
     key = name.upper()
-    if key not in LAYOUTS:
-        raise KeyError(f"unknown ggml type {name!r}; known: {', '.join(LAYOUTS)}")
-    return LAYOUTS[key]
+    if key not in TARGET_LAYOUTS:
+        raise KeyError(f"unknown ggml type {name!r}; known: {', '.join(TARGET_LAYOUTS)}")
+    return TARGET_LAYOUTS[key]

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from ...converters.registry import FormatEntry, OptionSpec, register_format
-from ...kernels.ggml_layouts import LAYOUTS
+from ...kernels.ggml_layouts import LAYOUTS, TARGET_LAYOUTS
 from .kencode import QUANTIZERS
 from .presets import PRESETS
 from .reader import open_gguf
@@ -20,7 +20,7 @@ def _is_gguf(path: Path) -> bool:
 
 # the --type vocabulary as the writer's _parse_type and presets read it: every ggml type it writes, then
 # llama-quantize's mixes (q2_k, q6_k and q8_0 name both a type and a mix; as --type they are the mix)
-_TYPE_HELP = (", ".join(t.lower() for t in LAYOUTS) + "; llama-quantize mixes: "
+_TYPE_HELP = (", ".join(t.lower() for t in TARGET_LAYOUTS) + "; llama-quantize mixes: "
               + ", ".join(p for p in PRESETS if p.upper() not in LAYOUTS)
               + ", and as --type also " + ", ".join(p for p in PRESETS if p.upper() in LAYOUTS))
 

@@ -17,6 +17,9 @@ A grid planned for Q4_K/Q5_K keeps its codes in every super-block whose 6-bit su
 hold the grid's scales exactly (kernels/kquant_grid.py; the reason says how many blocks did); the
 rest is requantized. `--imatrix FILE` weighs the K quantizers as llama-quantize --imatrix does, and
 `--quantizer llama.cpp` requantizes with llama.cpp's own ggml_quantize_chunk (kencode.py).
+
+`--type iq4_nl` (a codebook type: kernels/iq4_nl.py, byte-identical to ggml's quantize_iq4_nl, with the
+--imatrix weights too) requantizes every source; no grid keeps its codes in it (schemes.py).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from ...converters.errors import BadInput, QConvertError
 from ...converters.validate import ConfigView
 from ...converters.plan import BitIdentical, Options, TensorPlan, unknown_type
 from ...converters.records import Dense, Grid, TensorRecord
-from ...kernels.ggml_layouts import LAYOUTS, BlockLayout
+from ...kernels.ggml_layouts import TARGET_LAYOUTS, BlockLayout  # grid and codebook (IQ4_NL) types
 from ...kernels.ggml_legacy import decode_blocks, quantize_pack, repack_grid
 from ...kernels.gptq_q4_0 import gptq4_to_q4_0, q4_0_to_gptq4
 from .kencode import QUANTIZERS, QuantHow, encode_quantized
@@ -51,7 +54,7 @@ __all__ = ["GgufWriter", "best_aligned_type", "default_grid_type", "FILE_TYPES"]
 
 # general.file_type for the dominant tensor type (llama.cpp's LlamaFileType)
 FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10,
-              "Q3_K": 12, "Q4_K": 15, "Q5_K": 17, "Q6_K": 18, "BF16": 32}
+              "Q3_K": 12, "Q4_K": 15, "Q5_K": 17, "Q6_K": 18, "IQ4_NL": 25, "BF16": 32}
 # tensors a checkpoint may carry that llama.cpp recomputes itself
 _DROPPED = re.compile(r"rotary_emb\.inv_freq$")
 _WRITABLE = tuple(GGUF_SCHEMES)
@@ -197,13 +200,13 @@ _IMATRIX_CACHE: dict = {}
 
 
 def _imatrix_for(options: Options, out_name: str, shape, target: str) -> tuple[np.ndarray | None, str]:
-    """The --imatrix vector of a tensor planned for a K type (llama-quantize weighs the K quantizers
-    with it), or None and a note."""
+    """The --imatrix vector of a tensor planned for a K type or IQ4_NL (llama-quantize weighs those
+    quantizers with it), or None and a note."""
     path = options.extra.get("imatrix")
     if not path:
         return None, ""
-    if LAYOUTS[target].kind != "k":
-        return None, "; imatrix not applied (qconvert uses it for K types only)" if LAYOUTS[target].kind == "legacy" else ""
+    if TARGET_LAYOUTS[target].kind not in ("k", "codebook"):
+        return None, "; imatrix not applied (qconvert uses it for the K types and IQ4_NL only)" if TARGET_LAYOUTS[target].kind == "legacy" else ""
     from .imatrix import read_imatrix
 
     key = str(Path(path).resolve())
@@ -223,7 +226,7 @@ def _imatrix_for(options: Options, out_name: str, shape, target: str) -> tuple[n
 
 def _attach_quant(plan: TensorPlan, options: Options, keep_codes: bool) -> None:
     """Record how a quantized target is encoded when it is not simply the reference quantizer."""
-    lay = LAYOUTS[plan.target]
+    lay = TARGET_LAYOUTS[plan.target]
     if lay.kind == "float" or plan.verdict == REFUSED:
         return
     backend = options.extra.get("quantizer") or "qconvert"
@@ -342,7 +345,7 @@ class GgufWriter:
         _attach_quant(plan, options, keep_codes=bool(v.kept_blocks))
         if v.alternative:
             plan.alternative = f"--type {v.alternative[0].lower()} ({v.alternative[1]})"
-        if LAYOUTS[target].kind == "k" and v.verdict == REQUANTIZE and _kquants() is None:
+        if TARGET_LAYOUTS[target].kind == "k" and v.verdict == REQUANTIZE and _kquants() is None:
             plan.verdict, plan.reason = REFUSED, f"the {target} quantizer is not available in this build"
         return plan
 
@@ -453,7 +456,7 @@ class GgufSession:
         self.stack_size: dict[str, int] = {}
         for name, members in gguf_tensors_in_order(kept, n_experts, config_json_path(source)):
             first = members[0]
-            lay = LAYOUTS[first.target]
+            lay = TARGET_LAYOUTS[first.target]
             shape = stack_shape(members)
             rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
             nbytes = rows * lay.row_bytes(shape[-1])
@@ -471,7 +474,7 @@ class GgufSession:
     def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor:
         if plan.info.get("drop"):
             return item.dequantize(torch.float32)
-        lay = LAYOUTS[plan.target]
+        lay = TARGET_LAYOUTS[plan.target]
         perm = qk_row_permutation(plan.name, self.source.config, self.arch)
         if perm is not None:
             item = item.permute_rows(perm) if isinstance(item, Grid) else Dense(item.tensor[perm])
@@ -602,6 +605,8 @@ def encode_tensor(lay: BlockLayout, verdict: str, item: Dense | Grid,
         block_group = p.group_of_column(in_features)[:: lay.block]
         data = repack_grid(lay, item.codes, p.scales, p.zeros, block_group, mins=p.mins)
         return data.numpy(), decode_blocks(lay, data)
+    if lay.kind == "codebook":
+        return _encode_codebook(lay, item, quant)
     if quant is not None and quant.needed:  # kept grid codes, an imatrix or llama.cpp's quantizer (kencode.py)
         return encode_quantized(lay, item, quant)
     x = item.dequantize(torch.float32)
@@ -613,3 +618,21 @@ def encode_tensor(lay: BlockLayout, verdict: str, item: Dense | Grid,
     kq = _kquants()
     data = kq.quantize_k(x2.numpy(), lay.name)
     return data, torch.from_numpy(kq.dequantize_k(data, lay.name)).view(shape)
+
+
+def _encode_codebook(lay: BlockLayout, item: Dense | Grid, quant: QuantHow | None) -> tuple[np.ndarray, torch.Tensor]:
+    """IQ4_NL: the dequantized weights through ggml's quantize_iq4_nl (our kernel, or llama.cpp's own with
+    --quantizer llama.cpp), with the --imatrix weights when given; decoded as gguf-py decodes it."""
+    from ...kernels.iq4_nl import dequantize_iq4_nl, quantize_iq4_nl
+
+    x = item.dequantize(torch.float32)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous().numpy()
+    imatrix = quant.imatrix if quant is not None else None
+    if quant is not None and quant.backend == "llama.cpp":
+        from ...kernels.ggml_ctypes import ggml_quantize
+
+        data = ggml_quantize(x2, lay.name, imatrix, threads=max(1, torch.get_num_threads()))
+    else:
+        data = quantize_iq4_nl(x2, imatrix)
+    return data, torch.from_numpy(dequantize_iq4_nl(data, shape[-1])).view(shape)
