@@ -1,8 +1,10 @@
-"""AWQ checkpoints (AutoAWQ, transformers' AwqConfig, gptqmodel's AWQ export): the GEMM layout.
+"""AWQ checkpoints (AutoAWQ, transformers' AwqConfig, gptqmodel's AWQ export): GEMM, gptqmodel's 2-8-bit stream, GEMV.
 
-Per quantized linear `<prefix>`: `qweight` int32 [in, out/8], `qzeros` int32 [G, out/8], `scales` fp16 [G, out]
-(layout.py), optional `bias`. Every record is a grid in [out, in] orientation with integer zero points and the
-stored scales; codes are unpacked 0..15 when the record is loaded.
+Per quantized linear `<prefix>`: `qweight`, `qzeros` (int32) and `scales` (fp16/bf16), optional `bias`; layout.py
+has the three packings: 4-bit GEMM ([in, out/8], interleaved nibbles), gptqmodel's 2/3/5-8-bit GEMM (a bit stream
+along the outputs, [in, ceil(out*b/32)]), and AutoAWQ's GEMV ([out, in/8], zeros and scales per output row,
+padded). Every record is a grid in [out, in] orientation with integer zero points and the stored scales; codes
+are unpacked when the record is loaded.
 
 The dequantization is gptqmodel 7.6's (quantization/awq/utils/packing_utils.py dequantize_gemm, which
 AwqTorchLinear.forward multiplies by): `(iweight - izeros) * scales`, int32 codes minus int32 zeros times the fp16
@@ -28,14 +30,14 @@ from ...converters.records import Grid, GridParams, TensorRecord
 from ...converters.validate import ConfigView
 from ..model_shapes import ModelShapes
 from ..safetensors_dir import CheckpointDir, CheckpointSource, quantization_config_of, read_json
-from .layout import PACK_FACTOR, unpack_gemm
+from .layout import PACK_FACTOR, gemv_zeros_width, unpack_codes, unpack_stream, words_per_row
 
 __all__ = ["AwqSource", "open_awq", "is_awq", "READ_VERSIONS", "KNOWN_VERSIONS"]
 
 _PARTS = ("qweight", "qzeros", "scales")
 # the layouts gptqmodel 7.6 exports for AWQ (quantization/config.py AWQ_EXPORT_FORMATS) and AutoAWQ's others;
-# only GEMM is read: the others pack along other axes (GEMV: qweight [out, in/8]) or in kernel tiles (marlin)
-READ_VERSIONS = ("gemm",)
+# GEMM and GEMV are read; the others pack in kernel tiles (gemv_fast, marlin, ...)
+READ_VERSIONS = ("gemm", "gemv")
 KNOWN_VERSIONS = ("gemm", "gemv", "gemv_fast", "marlin", "bitblas", "llm-awq", "exllama", "ipex")
 _SCALE_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
 _KEY_ALIASES = {"bits": ("bits", "w_bit"), "group_size": ("group_size", "q_group_size"),
@@ -72,7 +74,7 @@ def _one_of(qc: ConfigView, what: str):
 
 
 class AwqSource(CheckpointSource):
-    """An AWQ GEMM checkpoint directory, read lazily tensor by tensor."""
+    """An AWQ (GEMM or GEMV) checkpoint directory, read lazily tensor by tensor."""
 
     format_name = "awq"
 
@@ -98,12 +100,10 @@ class AwqSource(CheckpointSource):
             return 4  # AutoAWQ's and transformers' AwqConfig default
         if isinstance(bits, bool) or not isinstance(bits, int):
             raise BadInput(f"{qc.prefix}{key} is {bits!r}: expected an integer", path=qc.path)
-        if bits != 4:
-            # gptqmodel 7.6 also packs 2/3/5-8-bit AWQ, as a plain LSB-first bit stream without the interleave
-            # (packing_utils.pack_awq -> _pack_contiguous), which only its own torch kernel loads
-            raise BadInput(f"{qc.prefix}{key} is {bits}: only 4-bit AWQ is read (the GEMM layout of AutoAWQ and "
-                           "transformers: 8 interleaved codes a word); gptqmodel's other widths are not",
-                           path=qc.path)
+        if not 2 <= bits <= 8:
+            # gptqmodel 7.6 packing_utils._pack_contiguous: "AWQ packing requires 2 through 8 bits"
+            raise BadInput(f"{qc.prefix}{key} is {bits}: AWQ packs 2 through 8 bits (4: AutoAWQ's interleaved "
+                           "GEMM words; 2, 3, 5-8: gptqmodel's bit stream)", path=qc.path)
         return bits
 
     def _group_size(self, qc: ConfigView) -> int:
@@ -126,8 +126,12 @@ class AwqSource(CheckpointSource):
             raise BadInput(f"{qc.prefix}{key} {version!r} is not an AWQ layout (known: {', '.join(KNOWN_VERSIONS)})",
                            path=qc.path)
         if v not in READ_VERSIONS:
-            raise BadInput(f"{qc.prefix}{key} {version!r}: only the GEMM layout (qweight [in, out/8]) is read; "
-                           f"{v} packs the codes differently", path=qc.path)
+            raise BadInput(f"{qc.prefix}{key} {version!r}: only the GEMM (qweight [in, out/8]) and GEMV (qweight "
+                           f"[out, in/8]) layouts are read; {v} packs the codes differently", path=qc.path)
+        if v == "gemv" and self.bits != 4:
+            # AutoAWQ 0.2.9 WQLinear_GEMV: "Only 4-bit are supported for now."
+            raise BadInput(f"{qc.prefix}{key} {version!r} with {self.bits} bits: the GEMV layout is 4-bit only",
+                           path=qc.path)
         return v
 
     def _modules_to_not_convert(self, qc: ConfigView) -> tuple[str, ...]:
@@ -168,34 +172,102 @@ class AwqSource(CheckpointSource):
         for part, name in parts.items():
             if len(shapes[part]) != 2:
                 raise BadInput(f"{part} shape {shapes[part]} is not 2-D", path=self.ckpt.file_of(name), tensor=name)
-        qshape = shapes["qweight"]
-        in_features, out_features = qshape[0], qshape[1] * PACK_FACTOR
-        if not in_features or not out_features:
-            raise BadInput(f"qweight shape {qshape} is empty", path=where, tensor=qweight_name)
-        self.shapes.check_linear(prefix, out_features, in_features, where, qweight_name,
-                                 f"qweight shape {qshape} (GEMM: [in, out/8])")
+        if self.version == "gemv":
+            return self._gemv_params(prefix, parts, shapes)
+        return self._gemm_params(prefix, parts, shapes)
+
+    def _group_of(self, in_features: int, where: Path, qweight_name: str) -> int:
         group = self.group_size if 0 < self.group_size < in_features else in_features
         if in_features % group:
             raise BadInput(f"in_features {in_features} is not a multiple of group_size {self.group_size}",
                            path=where, tensor=qweight_name)
+        return group
+
+    def _gemm_params(self, prefix: str, parts: dict, shapes: dict) -> tuple[GridParams, tuple[int, int], str]:
+        """GEMM and gptqmodel's bit stream: qweight [in, words(out)], qzeros [G, words(out)], scales [G, out]."""
+        qweight_name = parts["qweight"]
+        where = self.ckpt.file_of(qweight_name)
+        qshape = shapes["qweight"]
+        in_features, out_features = qshape[0], self._out_features(qshape, shapes["scales"])
+        if not in_features or not out_features:
+            raise BadInput(f"qweight shape {qshape} is empty", path=where, tensor=qweight_name)
+        self.shapes.check_linear(prefix, out_features, in_features, where, qweight_name,
+                                 f"qweight shape {qshape} ({self._layout_words})")
+        n_words = words_per_row(out_features, self.bits)
+        if qshape[1] != n_words:
+            raise BadInput(f"qweight shape {qshape} does not hold {out_features} outputs of {self.bits} bits "
+                           f"(scales {shapes['scales']}): expected ({in_features}, {n_words})",
+                           path=where, tensor=qweight_name)
+        group = self._group_of(in_features, where, qweight_name)
         n_groups = in_features // group
         sname, zname = parts["scales"], parts["qzeros"]
         if shapes["scales"] != (n_groups, out_features):
             raise BadInput(f"scales shape {shapes['scales']} does not match qweight {qshape}: expected ({n_groups}, "
                            f"{out_features}) for {in_features} inputs in groups of {group} and {out_features} outputs",
                            path=self.ckpt.file_of(sname), tensor=sname)
-        if shapes["qzeros"] != (n_groups, qshape[1]):
+        if shapes["qzeros"] != (n_groups, n_words):
             raise BadInput(f"qzeros shape {shapes['qzeros']} does not match qweight {qshape}: expected ({n_groups}, "
-                           f"{qshape[1]})", path=self.ckpt.file_of(zname), tensor=zname)
+                           f"{n_words})", path=self.ckpt.file_of(zname), tensor=zname)
         scales = self.ckpt.get(sname)
-        zeros = unpack_gemm(self.ckpt.get(zname)).to(torch.int16)  # [G, out]
+        zeros = unpack_codes(self.ckpt.get(zname), self.bits, out_features).to(torch.int16)  # [G, out]
         params = GridParams(bits=self.bits, group_size=group, scales=scales.T.contiguous(), zeros=zeros.T.contiguous(),
                             compute_dtype=scales.dtype)
         return params, (out_features, in_features), qweight_name
 
+    def _gemv_params(self, prefix: str, parts: dict, shapes: dict) -> tuple[GridParams, tuple[int, int], str]:
+        """AutoAWQ GEMV (layout.py): qweight [out, in/8], qzeros [out, W], scales [out, 8W], W padded."""
+        qweight_name = parts["qweight"]
+        where = self.ckpt.file_of(qweight_name)
+        qshape = shapes["qweight"]
+        out_features, in_features = qshape[0], qshape[1] * PACK_FACTOR
+        if not in_features or not out_features:
+            raise BadInput(f"qweight shape {qshape} is empty", path=where, tensor=qweight_name)
+        self.shapes.check_linear(prefix, out_features, in_features, where, qweight_name,
+                                 f"qweight shape {qshape} (GEMV: [out, in/8])")
+        group = self._group_of(in_features, where, qweight_name)
+        n_groups = in_features // group
+        width = gemv_zeros_width(in_features, group)
+        if width is None:
+            raise BadInput(f"group_size {group}: AutoAWQ's GEMV packs groups of 32, 64 or >= 128 only "
+                           "(calculate_zeros_width)", path=where, tensor=qweight_name)
+        sname, zname = parts["scales"], parts["qzeros"]
+        if shapes["qzeros"] != (out_features, width):
+            raise BadInput(f"qzeros shape {shapes['qzeros']} does not match qweight {qshape}: expected "
+                           f"({out_features}, {width}) (GEMV: {n_groups} groups, padded)",
+                           path=self.ckpt.file_of(zname), tensor=zname)
+        if shapes["scales"] != (out_features, width * PACK_FACTOR):
+            raise BadInput(f"scales shape {shapes['scales']} does not match qweight {qshape}: expected "
+                           f"({out_features}, {width * PACK_FACTOR}) (GEMV: {n_groups} groups, padded)",
+                           path=self.ckpt.file_of(sname), tensor=sname)
+        scales = self.ckpt.get(sname)[:, :n_groups].contiguous()  # [out, G]
+        zeros = unpack_stream(self.ckpt.get(zname), 4, n_groups).to(torch.int16)  # [out, G]
+        params = GridParams(bits=4, group_size=group, scales=scales, zeros=zeros, compute_dtype=scales.dtype)
+        return params, (out_features, in_features), qweight_name
+
+    def _layout_description(self) -> str:
+        if self.version == "gemv":
+            return ("GEMV (AutoAWQ): qweight int32 [out, in/8] packed along inputs, nibbles in natural order; "
+                    "qzeros int32 [out, W] and scales fp16 [out, 8W], W padded (calculate_zeros_width)")
+        if self.bits == 4:
+            return ("GEMM: qweight int32 [in, out/8] packed along outputs, nibble order 0 2 4 6 1 3 5 7; "
+                    "qzeros int32 [G, out/8]; scales fp16 [G, out]")
+        return (f"gptqmodel {self.bits}-bit stream: qweight int32 [in, ceil(out*{self.bits}/32)], codes LSB-first "
+                f"along outputs across word boundaries; qzeros int32 [G, ceil(out*{self.bits}/32)]; scales [G, out]")
+
+    @property
+    def _layout_words(self) -> str:
+        return "GEMM: [in, out/8]" if self.bits == 4 else f"{self.bits}-bit stream: [in, ceil(out*{self.bits}/32)]"
+
+    def _out_features(self, qshape: tuple[int, ...], scales_shape: tuple[int, ...]) -> int:
+        """4-bit GEMM words hold exactly 8 outputs; a bit stream's last word may be part padding, so its
+        outputs are scales' columns (gptqmodel's dequantize_gemm passes scales.shape[-1] as the count)."""
+        return qshape[1] * PACK_FACTOR if self.bits == 4 else scales_shape[1]
+
     def _load_grid(self, prefix: str) -> Grid:
-        params, _, qweight_name = self._params(prefix)
-        codes = unpack_gemm(self.ckpt.get(qweight_name))  # [in, out]
+        params, (out_features, in_features), qweight_name = self._params(prefix)
+        if self.version == "gemv":
+            return Grid(params, codes=unpack_stream(self.ckpt.get(qweight_name), 4, in_features))  # [out, in]
+        codes = unpack_codes(self.ckpt.get(qweight_name), self.bits, out_features)  # [in, out]
         return Grid(params, codes=codes.T.contiguous())
 
     # -- the ModelSource interface ------------------------------------------------------------------
@@ -211,9 +283,8 @@ class AwqSource(CheckpointSource):
         return {"format": "awq", "version": self.version, "bits": self.bits, "group_size": self.group_size,
                 "zero_point": self.zero_point, "modules_to_not_convert": list(self.not_converted),
                 "shards": len(self.ckpt.shards), "quantized_modules": len(self.modules),
-                "dequantization": "(q - z) * s in fp16 (gptqmodel's dequantize_gemm)",
-                "layout": "GEMM: qweight int32 [in, out/8] packed along outputs, nibble order 0 2 4 6 1 3 5 7; "
-                          "qzeros int32 [G, out/8]; scales fp16 [G, out]",
+                "dequantization": "(q - z) * s in the scales' dtype (gptqmodel's / AutoAWQ's dequantize_gemm)",
+                "layout": self._layout_description(),
                 "ignored_files": self.ignored_files}
 
 

@@ -11,9 +11,10 @@ Per variant (tests/producer_fixtures/awq/<variant>/):
 - versions.json: the package versions that made it.
 
 The model is tests/fixtures.py's tiny llama cut to one decoder layer (hidden 128, ffn 256, vocab 512), so
-that two variants (group 32 and 128, zero_point true, GEMM) stay under 2 MB together.
+that the committed variants (4-bit group 32 and 128, 3-bit group 128; zero_point true, GEMM) stay small.
 
-`--quantize BASE OUT [--group-size G]` quantizes another fp16 checkpoint the same way (a sample for the format
+`--make NAME OUT` makes one variant into OUT (the tests make TEST_VARIANTS so, into a temporary folder).
+`--quantize BASE OUT [--group-size G] [--bits B]` quantizes another fp16 checkpoint the same way (a sample for the format
 contract test). `--reference CKPT OUT` only loads CKPT with gptqmodel and writes OUT as above: the tests run it in a child
 process to recompute the oracle live (gptqmodel patches transformers in the process that loads it).
 """
@@ -41,6 +42,14 @@ N_LAYERS = 1
 VARIANTS = {
     "gemm_g32": dict(group_size=32, fmt="gemm"),
     "gemm_g128": dict(group_size=128, fmt="gemm"),
+    # gptqmodel 7.6 packs widths other than 4 as a plain LSB-first bit stream along the outputs
+    # (packing_utils.pack_awq -> _pack_contiguous; 3 bits: codes cross word boundaries)
+    "gemm_3bit_g128": dict(group_size=128, fmt="gemm", bits=3),
+}
+# made by the tests into a temporary folder (`--make NAME OUT`, ~35 s here), not committed: 8-bit symmetric
+# groups of 32 (zero points all 128, AWQProcessor.pseudo_quantize_tensor), what GGUF Q8_0 holds
+TEST_VARIANTS = {
+    "gemm_8bit_g32_sym": dict(group_size=32, fmt="gemm", bits=8, sym=True),
 }
 
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
@@ -72,7 +81,7 @@ def build_base(fx, out: Path) -> Path:
         fx._model_config = original
 
 
-def quantize_awq(fx, base: Path, out: Path, group_size: int, fmt: str) -> Path:
+def quantize_awq(fx, base: Path, out: Path, group_size: int, fmt: str, bits: int = 4, sym: bool = False) -> Path:
     import torch
     from gptqmodel import BACKEND, GPTQModel
     from gptqmodel.quantization import AWQConfig
@@ -80,8 +89,9 @@ def quantize_awq(fx, base: Path, out: Path, group_size: int, fmt: str) -> Path:
     if out.exists():
         shutil.rmtree(out)
     # sym=False is AWQ's zero_point true (AWQConfig._update_output_payload: zero_point = not sym);
+    # sym=True stores zero points 2**(bits-1) (looper/awq_processor.py pseudo_quantize_tensor);
     # offload_to_disk=False keeps a random temp path out of config.json (see tests/fixtures.py)
-    qcfg = AWQConfig(bits=4, group_size=group_size, sym=False, format=fmt, offload_to_disk=False)
+    qcfg = AWQConfig(bits=bits, group_size=group_size, sym=sym, format=fmt, offload_to_disk=False)
     fx._seed_all()
     model = GPTQModel.load(str(base), qcfg, device="cpu", dtype=torch.float16)
     # gptqmodel 7.6 models/base.py quantize(): with BACKEND.AUTO a GEMM export packs with AWQ_GEMM, which
@@ -135,10 +145,10 @@ def versions() -> dict:
     return {p: version(p) for p in ("gptqmodel", "torch", "transformers", "safetensors")}
 
 
-def make_variant(fx, base: Path, name: str) -> Path:
-    spec = VARIANTS[name]
-    out = OUT_ROOT / name
-    quantize_awq(fx, base, out, spec["group_size"], spec["fmt"])
+def make_variant(fx, base: Path, name: str, out: Path | None = None) -> Path:
+    spec = {**VARIANTS, **TEST_VARIANTS}[name]
+    out = out or OUT_ROOT / name
+    quantize_awq(fx, base, out, spec["group_size"], spec["fmt"], spec.get("bits", 4), spec.get("sym", False))
     gptqmodel_reference(out, out / "reference.safetensors", fx.prompt_ids())
     with open(out / "versions.json", "w") as f:
         json.dump({"producer": "gptqmodel AWQ (CPU)", **versions(), "variant": spec,
@@ -151,19 +161,25 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", action="append", choices=sorted(VARIANTS))
     ap.add_argument("--reference", nargs=2, metavar=("CKPT", "OUT"))
+    ap.add_argument("--make", nargs=2, metavar=("NAME", "OUT"), help="make one variant (of VARIANTS or "
+                    f"TEST_VARIANTS: {', '.join(TEST_VARIANTS)}) into OUT, with its reference and versions.json")
     ap.add_argument("--quantize", nargs=2, metavar=("BASE", "OUT"),
-                    help="quantize any fp16 checkpoint BASE into OUT (GEMM, zero_point, --group-size)")
+                    help="quantize any fp16 checkpoint BASE into OUT (GEMM, zero_point, --group-size, --bits)")
     ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--bits", type=int, default=4, choices=range(2, 9), help="with --quantize: 2..8")
     args = ap.parse_args(argv)
     fx = _fixtures()
     if args.quantize:
-        quantize_awq(fx, Path(args.quantize[0]), Path(args.quantize[1]), args.group_size, "gemm")
+        quantize_awq(fx, Path(args.quantize[0]), Path(args.quantize[1]), args.group_size, "gemm", args.bits)
         return 0
     if args.reference:
         gptqmodel_reference(Path(args.reference[0]), Path(args.reference[1]), fx.prompt_ids())
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         base = build_base(fx, Path(tmp) / "base")
+        if args.make:
+            print("made", make_variant(fx, base, args.make[0], Path(args.make[1])))
+            return 0
         for name in args.only or sorted(VARIANTS):
             print("made", make_variant(fx, base, name))
     return 0
