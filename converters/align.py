@@ -204,12 +204,14 @@ def check_grid_to_blocks(p: GridParams, shape: tuple[int, ...], lay: BlockLayout
                                     "fp16", **keep)
     if not scales_fp16 and not lay.has_min:
         return Decision(REQUANTIZE, "scales are not representable in fp16")
-    if p.compute_dtype != torch.float32:
+    rounds_in = str(p.compute_dtype)[6:] if p.compute_dtype != torch.float32 else ""
+    if rounds_in:
         if lay.has_min:
-            return Decision(NEAR_EXACT, f"the source dequantizes in {str(p.compute_dtype)[6:]}; {lay.name} decodes "
-                                        "in float32", **keep)
-        return Decision(REQUANTIZE, f"the source dequantizes in {str(p.compute_dtype)[6:]}; {lay.name} decodes in "
-                                    "float32")
+            return Decision(NEAR_EXACT, f"the source dequantizes in {rounds_in}; {lay.name} decodes in float32", **keep)
+        if not p.integer_zeros:
+            return Decision(REQUANTIZE, f"the source dequantizes in {rounds_in}; {lay.name} decodes in float32")
+        # integer zeros (AWQ): the source's value is the exact product s * (q - z) rounded once to its dtype, which
+        # a symmetric block type holds unrounded when the zero sits at its offset (below): the codes stay
     if lay.has_min:
         # d = s, m = -s*z (or the source's own min): the codes stay; d and m round to fp16
         if not scales_fp16:
@@ -226,6 +228,9 @@ def check_grid_to_blocks(p: GridParams, shape: tuple[int, ...], lay: BlockLayout
         return Decision(REQUANTIZE, f"float zero points cannot be expressed in {lay.name} (no block min)")
     if not _zeros_fit(p, lay):
         return Decision(REQUANTIZE, f"zero points do not sit where {lay.name} puts its zero (codes would leave its range)")
+    if rounds_in:
+        return Decision(NEAR_EXACT, f"codes and fp16 scales kept; the source rounds each value to {rounds_in}, "
+                                    f"{lay.name} decodes the exact product in float32", **keep)
     return Decision(EXACT, "codes and fp16 scales kept", **keep)
 
 
