@@ -155,14 +155,16 @@ def mistralrs_logprobs(model_dir: Path, out_json: Path, *, from_uqff=None, write
     return json.loads(Path(out_json).read_text())
 
 
-def teacher_forced_gap(model_dir: Path, mistral: dict) -> float:
+def teacher_forced_gap(model_dir: Path, mistral: dict, every_weight: bool = False) -> float:
     """Max |logprob| difference between mistral.rs' top-3 at each greedy step (`mistralrs_logprobs`' output)
     and transformers (float32) on `model_dir`, fed mistral.rs' own prompt ids and chosen tokens (so a near-tie
-    flip cannot cascade)."""
+    flip cannot cascade). every_weight: transformers must load every tensor of the folder and miss none (a MoE
+    whose experts go unread would run with random ones)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, output_loading_info=True)
+    assert not every_weight or not (info["missing_keys"] or info["unexpected_keys"]), info
     ids, worst = list(mistral["ids"]), 0.0
     with torch.no_grad():
         for step in mistral["steps"]:

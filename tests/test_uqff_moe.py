@@ -164,7 +164,7 @@ def test_hf_to_uqff_q4_0_matches_mistralrs(mfx, tmp_path, kind):
     # mistral.rs on ours, against transformers reading ours back (teacher-forced on mistral.rs' tokens)
     got = FU.mistralrs_logprobs(tmp_path / "ours", tmp_path / "lp.json", from_uqff="q4_0-0.uqff", arch=FU.MOE_ARCH[kind])
     _convert("uqff", tmp_path / "ours", "hf", tmp_path / "hf", type="f32")
-    assert FU.teacher_forced_gap(tmp_path / "hf", got) < GGUF_TOL
+    assert FU.teacher_forced_gap(tmp_path / "hf", got, every_weight=True) < GGUF_TOL
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -222,7 +222,7 @@ def test_gptq_moe_to_uqff_keeps_expert_codes(tmp_path, kind):
     got = FU.mistralrs_logprobs(tmp_path / "ours", tmp_path / "lp.json", from_uqff="q4_0-0.uqff", jinja=jinja,
                                 arch=FU.MOE_ARCH[kind])
     _convert("uqff", tmp_path / "ours", "hf", tmp_path / "hf", type="f32")
-    assert FU.teacher_forced_gap(tmp_path / "hf", got) < GGUF_TOL
+    assert FU.teacher_forced_gap(tmp_path / "hf", got, every_weight=True) < GGUF_TOL
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -279,7 +279,7 @@ def test_uqff_to_hf_of_mistralrs_moe(mfx, tmp_path, kind):
     rep = _convert("uqff", d, "uqff", tmp_path / "f32", type="f32")
     assert rep.summary()["max_abs_err"] == 0.0
     got = FU.mistralrs_logprobs(tmp_path / "f32", tmp_path / "lp.json", from_uqff="f32-0.uqff", arch=FU.MOE_ARCH[kind])
-    assert FU.teacher_forced_gap(tmp_path / "hf", got) < 1e-4
+    assert FU.teacher_forced_gap(tmp_path / "hf", got, every_weight=True) < 1e-4
 
 
 @pytest.mark.parametrize("name", [f"{k}-{t}" for k in KINDS for t in ("q4_0", "afq4")])
