@@ -408,3 +408,45 @@ def test_wrong_quant_method_and_ignored_module_are_refused(tmp_path):
     src = _copy("w4a16_g32_sym", tmp_path)
     _edit_config(src, lambda qc: qc["ignore"].append(Q))
     expect_user_error("ct->gguf", src, tmp_path, "model.safetensors", Q, "ignore list")
+
+
+# -- AWQ and auto-round -> compressed-tensors: other producers' grids, judged by transformers ----------------
+PRODUCED = Path(__file__).parent / "producer_fixtures"
+
+
+def _awq_oracle(folder: Path):
+    from safetensors.torch import load_file
+
+    ref = load_file(str(folder / "reference.safetensors"))  # gptqmodel's AWQ fp16 weights and logits
+    ids = json.loads((folder / "versions.json").read_text())["prompt_ids"]
+    return {k: v for k, v in ref.items() if k != "__logits__"}, ref["__logits__"][0].float().numpy(), ids
+
+
+def _auto_round_oracle(folder: Path):
+    from safetensors.torch import load_file
+
+    logits = load_file(str(folder / "logits.safetensors"))  # auto-round's own loader: weights, logits, ids
+    return load_file(str(folder / "reference.safetensors")), logits["logits"].float().numpy(), logits["ids"].tolist()
+
+
+@pytest.mark.parametrize("pair, folder, oracle", [
+    ("awq->compressed-tensors", "awq/gemm_g32", _awq_oracle),
+    ("awq->compressed-tensors", "awq/gemm_g128", _awq_oracle),
+    ("auto-round->compressed-tensors", "auto_round/asym4_g128", _auto_round_oracle),
+    ("auto-round->compressed-tensors", "auto_round/sym4_g32", _auto_round_oracle),
+])
+def test_awq_and_auto_round_to_ct_load_in_transformers_with_the_producers_weights(pair, folder, oracle, tmp_path):
+    out, report = tmp_path / "ct", tmp_path / "r.json"
+    run_cli(pair, PRODUCED / folder, out, "--report", report)
+    grids = [t for t in json.loads(report.read_text())["tensors"] if t["source"].startswith("4-bit")]
+    assert len(grids) == 7 and all(t["verdict"] == "exact" for t in grids), grids
+    weights, ref_logits, ids = oracle(PRODUCED / folder)
+    model = _ct_model(out)
+    modules = dict(model.named_modules())
+    for name, w in weights.items():  # the producer's fp16 weights, bit for bit
+        got = modules[name[: -len(".weight")]].weight.detach().to(torch.float16)
+        assert torch.equal(got, w.to(torch.float16)), name
+    assert len(weights) == 7
+    got = _logits(model, ids)
+    spread = float(ref_logits.max() - ref_logits.min())
+    assert np.abs(got - ref_logits.reshape(got.shape)).max() <= LOGIT_TOLERANCE * spread
