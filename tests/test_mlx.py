@@ -480,15 +480,26 @@ def test_act_order_blocks_keep_their_codes(tmp_path):
 AWQ_FIXTURES = Path(__file__).parent / "producer_fixtures" / "awq"
 
 
-@pytest.mark.parametrize("variant", ["gemm_g32", "gemm_g128"])
-def test_awq_to_mlx_keeps_the_grid_and_runs_in_mlx_lm(tmp_path, variant):
+def _producer_oracle(src: Path) -> tuple[dict, np.ndarray, list[int]]:
+    """The producer's own fp16 weights, logits and prompt ids stored beside its checkpoint: gptqmodel's AWQ
+    (reference.safetensors with __logits__, versions.json) or auto-round's loader (logits.safetensors)."""
     from safetensors.torch import load_file
 
-    src = AWQ_FIXTURES / variant
-    ids = json.loads((src / "versions.json").read_text())["prompt_ids"]
-    reference = load_file(str(src / "reference.safetensors"))  # gptqmodel's own fp16 weights and logits
+    reference = load_file(str(src / "reference.safetensors"))
+    if "__logits__" in reference:
+        ids = json.loads((src / "versions.json").read_text())["prompt_ids"]
+        return reference, reference.pop("__logits__")[0].float().numpy(), ids
+    logits = load_file(str(src / "logits.safetensors"))
+    return reference, logits["logits"].float().numpy(), logits["ids"].tolist()
+
+
+@pytest.mark.parametrize("fmt, variant", [("awq", "gemm_g32"), ("awq", "gemm_g128"), ("auto-round", "sym4_g32"),
+                                          ("auto-round", "asym4_g128")])
+def test_awq_and_auto_round_to_mlx_keep_the_grid_and_run_in_mlx_lm(tmp_path, fmt, variant):
+    src = (AWQ_FIXTURES if fmt == "awq" else AWQ_FIXTURES.parent / "auto_round") / variant
+    reference, ref_logits, ids = _producer_oracle(src)
     out = tmp_path / "mlx"
-    plans = _convert("awq->mlx", src, out)
+    plans = _convert(f"{fmt}->mlx", src, out)
     grids = {n: p for n, p in plans.items() if p["source"].startswith("4-bit")}
     assert len(grids) == 7 and {p["verdict"] for p in grids.values()} == {"near-exact"}, grids
     got, summary = mlx_load(out, tmp_path, ids, n_new=4)
@@ -499,5 +510,5 @@ def test_awq_to_mlx_keeps_the_grid_and_runs_in_mlx_lm(tmp_path, variant):
         assert np.array_equal(ours[name].numpy(), got[name]), name  # our reader decodes what mlx decodes
         s, group, bits = scales[name]
         _assert_kept_grid(got[name], reference[name].float().numpy(), s, group, bits, name)
-    _assert_logits_close(got["__logits__"], reference["__logits__"][0].float().numpy(), f"awq {variant} mlx-lm vs gptqmodel")
+    _assert_logits_close(got["__logits__"], ref_logits, f"{fmt} {variant} mlx-lm vs its producer's runtime")
     assert len(got["__generated__"]) == 4
