@@ -24,7 +24,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 CODE_ROOTS = ("converters", "formats", "kernels")
-FORMATS = {"gguf", "gptq", "gptq-v2", "hf", "hqq", "qqq", "uqff"}
+FORMATS = {"gguf", "gptq", "gptq-v2", "hf", "hqq", "qqq", "uqff", "compressed-tensors", "mlx", "awq", "auto-round",
+           "bitsandbytes"}
+PRODUCED = REPO / "tests" / "producer_fixtures"  # checkpoints the formats' own producers made
 # never in a built distribution (the sdist holds only what builds the wheel, plus README and LICENSE)
 NOT_SHIPPED = ("tests/", "scripts/", "examples/", ".venv", ".git/", "_fixtures", "__pycache__", ".pyc")
 
@@ -172,6 +174,12 @@ def test_fresh_venv_lists_and_converts_every_format(fresh, fx, tmp_path):
         (script, "qqq->gptq", t / "qqq", t / "gptq"),         # read qqq, write gptq
         (py, "gguf->hf", t / "a.gguf", t / "hf2"),            # read gguf
         (script, "hf->gguf", t / "hf2", t / "b.gguf", "--type", "f32"),  # read hf
+        (py, "gptq->compressed-tensors", g128, t / "ct"),     # write compressed-tensors
+        (script, "compressed-tensors->mlx", t / "ct", t / "mlx"),  # read compressed-tensors, write mlx
+        (py, "mlx->gguf", t / "mlx", t / "c.gguf"),           # read mlx
+        (script, "awq->gptq-v2", PRODUCED / "awq" / "gemm_g32", t / "awq"),  # read awq
+        (py, "auto-round->gguf", PRODUCED / "auto_round" / "sym4_g32", t / "ar.gguf"),  # read auto-round
+        (script, "bnb->hf", PRODUCED / "bitsandbytes" / "nf4_dq", t / "bnb"),  # read bitsandbytes
     ]
     for entry, *args in steps:
         cmd = [entry] if entry == script else [py, "-m", "qconvert"]
