@@ -221,9 +221,7 @@ class GptqSource(CheckpointSource):
         parts = self.modules[prefix]
         qweight_name = parts["qweight"]
         where = self.ckpt.file_of(qweight_name)
-        for needed in ("qzeros", "scales"):
-            if needed not in parts:
-                raise BadInput(f"qweight without {needed}", path=where, tensor=f"{prefix}.{needed}")
+        self.ckpt.require_parts(prefix, parts, "qweight", ("qzeros", "scales"))
         scheme = _module_scheme(self.scheme, self.dynamic_rules, prefix)
         if scheme is None:
             raise BadInput("module is quantized in the file but excluded by a dynamic '-:' rule", path=where, tensor=qweight_name)

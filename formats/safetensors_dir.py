@@ -331,6 +331,13 @@ class CheckpointDir:
                 raise BadInput(f"{', '.join(sorted(found))} without {primary}", path=self.file_of(first), tensor=prefix)
         return modules
 
+    def require_parts(self, prefix: str, found: dict[str, str], primary: str, needed: tuple[str, ...]) -> None:
+        """A module's `primary` tensor needs each of `needed` beside it (a qweight its qzeros and scales): the
+        first one missing is a BadInput naming it, in the file of the primary."""
+        for part in needed:
+            if part not in found:
+                raise BadInput(f"{primary} without {part}", path=self.file_of(found[primary]), tensor=f"{prefix}.{part}")
+
     def side_files(self) -> dict[str, Path]:
         return {n: self.path / n for n in SIDE_FILES if (self.path / n).exists()}
 

@@ -234,9 +234,7 @@ class AutoRoundSource(CheckpointSource):
     def _params(self, prefix: str) -> tuple[GridParams, tuple[int, int]]:
         parts = self.modules[prefix]
         qname = parts["qweight"]
-        for needed in ("qzeros", "scales"):
-            if needed not in parts:
-                raise BadInput(f"qweight without {needed}", path=self.ckpt.file_of(qname), tensor=f"{prefix}.{needed}")
+        self.ckpt.require_parts(prefix, parts, "qweight", ("qzeros", "scales"))
         scheme = self.layer_scheme(prefix)
         if scheme.bits >= FLOAT_BITS:
             raise self._bad(f"the module is packed in the file, but its config says {scheme.bits}-bit (kept in "

@@ -153,9 +153,7 @@ class AwqSource(CheckpointSource):
         parts = self.modules[prefix]
         qweight_name = parts["qweight"]
         where = self.ckpt.file_of(qweight_name)
-        for needed in ("qzeros", "scales"):
-            if needed not in parts:
-                raise BadInput(f"qweight without {needed}", path=where, tensor=f"{prefix}.{needed}")
+        self.ckpt.require_parts(prefix, parts, "qweight", ("qzeros", "scales"))
         skipped = next((m for m in self.not_converted if _skips(m, prefix)), None)
         if skipped is not None:
             raise BadInput(f"module is quantized in the file, but modules_to_not_convert lists {skipped!r} "
