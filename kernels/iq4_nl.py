@@ -27,6 +27,10 @@ quantize_row_iq4_nl_ref (ntry = -1, used by no converter), is not reproduced, no
 Speed: every block of a band of rows is processed at once (Python loops only over the 16 scale trials
 and the 32 positions of a sum), bands from a thread pool; the nearest entry is a count of midpoints
 (best_index). Measured on 2048x4096 float32: 3.6 s on one thread, 2.0 s on two (ggml's C, one thread: 4.4 s).
+
+IQ4_XS (kernels/iq4_xs.py) runs the same quantize_row_iq4_nl_impl over 256-element super-blocks, so the
+per-32-block steps live here for both: `block_weights` (C's weight[], sigma2 taken over the super-block),
+`block_scales` (the scale search), `best_index`, `pack_nibbles` and the banded driver `quantize_bands`.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ import numpy as np
 
 from . import usable_cpus
 
-__all__ = ["KVALUES", "BLOCK", "BLOCK_BYTES", "best_index", "quantize_iq4_nl", "dequantize_iq4_nl"]
+__all__ = ["KVALUES", "BLOCK", "BLOCK_BYTES", "best_index", "seq_sum", "block_weights", "block_scales",
+           "pack_nibbles", "quantize_bands", "quantize_iq4_nl", "dequantize_iq4_nl"]
 
 F32 = np.float32
 BLOCK = 32
@@ -70,8 +75,8 @@ def best_index(x: np.ndarray) -> np.ndarray:
     return acc
 
 
-def _seq_sum(p: np.ndarray) -> np.ndarray:
-    """Sum over axis 0 (the 32 positions of a block, element-major) one element after another, as C's
+def seq_sum(p: np.ndarray) -> np.ndarray:
+    """Sum over axis 0 (the positions of a block, element-major) one element after another, as C's
     `for (j...) s += p[j]` does (0 + p[0] is p[0] exactly)."""
     acc = p[0].copy()
     for j in range(1, p.shape[0]):
@@ -84,11 +89,12 @@ def _fit(X: np.ndarray, W: np.ndarray, inv_scale: np.ndarray) -> tuple[np.ndarra
     L = best_index(inv_scale * X)
     Q = _VALUES_F32[L]
     WQ = W * Q
-    return L, _seq_sum(WQ * X), _seq_sum(WQ * Q)
+    return L, seq_sum(WQ * X), seq_sum(WQ * Q)
 
 
-def _block_scales(X: np.ndarray, W: np.ndarray) -> np.ndarray:
-    """float32 d per block (quantize_row_iq4_nl_impl with one 32-block, ntry = 7). X, W: [32, blocks]."""
+def block_scales(X: np.ndarray, W: np.ndarray) -> np.ndarray:
+    """float32 d per 32-block: the first loop of quantize_row_iq4_nl_impl (ntry = 7), C's scales[ib]; for
+    IQ4_NL (one 32-block per call) the block's d itself. X, W: [32, blocks]; dead blocks get 0."""
     A = np.abs(X)
     first = np.argmax(A, axis=0)  # C keeps the first |x| that is strictly larger: the first maximum
     cols = np.arange(X.shape[1])
@@ -110,27 +116,56 @@ def _block_scales(X: np.ndarray, W: np.ndarray) -> np.ndarray:
     return np.where(live, d, F32(0)).astype(F32)
 
 
-def quantize_iq4_nl(x: np.ndarray, imatrix: np.ndarray | None = None, threads: int | None = None) -> np.ndarray:
-    """float32 [rows, n] (n a multiple of 32) -> uint8 [rows, n // 32 * 18], ggml's quantize_iq4_nl bytes.
-    imatrix: [n] importance per column (llama-quantize --imatrix), or None. Bands of rows are quantized
-    from `threads` threads (default: the usable CPUs, at most 8; numpy releases the GIL in its array
-    operations); every block is independent, so the bytes do not depend on the split."""
+def block_weights(x: np.ndarray, qw: np.ndarray | None, super_block: int) -> tuple[np.ndarray, np.ndarray]:
+    """A band of whole rows x [rows, n] -> (X, W), both [32, blocks] element-major (block b = row-major
+    32-block b of the band): the values, and quantize_row_iq4_nl_impl's weight[] for them. Without an
+    imatrix W = x*x; with one W = qw * sqrt(sigma2 + x*x), where sigma2 = 2/super_block * sum(x*x) runs
+    over the whole super-block (32 values for IQ4_NL, 256 for IQ4_XS), in C's element order, and 32-block
+    i of a row takes qw[32*i:] (C offsets quant_weights by the super-block, then by the block in it)."""
+    rows, n = x.shape
+    X = np.ascontiguousarray(x.reshape(-1, BLOCK).T)  # element-major: C's sums run down axis 0
+    X2 = X * X
+    if qw is None:
+        return X, X2
+    per = super_block // BLOCK
+    # [super_block, super-blocks]: position j of the super-block is element j % 32 of its block j // 32
+    S2 = X2 if per == 1 else \
+        np.ascontiguousarray(X2.reshape(BLOCK, -1, per).transpose(2, 0, 1)).reshape(super_block, -1)
+    sigma2 = seq_sum(S2) * (F32(2) / F32(super_block))  # 2/32 and 2/256 are exact in float32
+    if per > 1:
+        sigma2 = np.repeat(sigma2, per)  # each 32-block sees its super-block's
+    QW = np.tile(qw.reshape(-1, BLOCK), (rows, 1)).T  # each block's 32 importances, element-major
+    return X, QW * np.sqrt(sigma2 + X2)
+
+
+def pack_nibbles(L: np.ndarray) -> np.ndarray:
+    """Codes [32, blocks] -> [blocks, 16] bytes: byte j holds code j low and code j + 16 high (the q4[]
+    loop at the end of quantize_row_iq4_nl_impl; block_iq4_nl.qs and each 32 of block_iq4_xs.qs)."""
+    return (L[:16] | (L[16:] << 4)).T
+
+
+def quantize_bands(x: np.ndarray, imatrix: np.ndarray | None, threads: int | None, name: str, block: int,
+                   block_bytes: int, band_fn) -> np.ndarray:
+    """The driver both types share: checks the row length and the imatrix, then fills [rows, row bytes] with
+    band_fn(rows x[start:stop], qw) -> bytes, over bands of rows from `threads` threads (default: the usable
+    CPUs, at most 8; numpy releases the GIL in its array operations). Every (super-)block is independent,
+    so the bytes do not depend on the split."""
     x = np.asarray(x, dtype=F32)
     rows, n = x.shape
-    if n % BLOCK:
-        raise ValueError(f"row of {n} elements is not a multiple of IQ4_NL's block of {BLOCK}")
+    if n % block:
+        raise ValueError(f"row of {n} elements is not a multiple of {name}'s block of {block}")
     qw = None
     if imatrix is not None:
         qw = np.ascontiguousarray(imatrix, dtype=F32).reshape(-1)
         if qw.size != n:
             raise ValueError(f"imatrix has {qw.size} values, the rows have {n} columns")
-    out = np.empty((rows, n // BLOCK * BLOCK_BYTES), np.uint8)
+    out = np.empty((rows, n // block * block_bytes), np.uint8)
     band_rows = max(1, _BAND_VALUES // n)
     starts = range(0, rows, band_rows)
 
     def band(start: int) -> None:
         stop = min(rows, start + band_rows)
-        out[start:stop] = _quantize_band(x[start:stop], qw)
+        out[start:stop] = band_fn(x[start:stop], qw)
 
     threads = min(8, usable_cpus()) if threads is None else max(1, int(threads))
     if threads == 1 or len(starts) < 2:
@@ -142,25 +177,27 @@ def quantize_iq4_nl(x: np.ndarray, imatrix: np.ndarray | None = None, threads: i
     return out
 
 
+def quantize_iq4_nl(x: np.ndarray, imatrix: np.ndarray | None = None, threads: int | None = None) -> np.ndarray:
+    """float32 [rows, n] (n a multiple of 32) -> uint8 [rows, n // 32 * 18], ggml's quantize_iq4_nl bytes.
+    imatrix: [n] importance per column (llama-quantize --imatrix), or None. Bands of rows are quantized
+    from `threads` threads (default: the usable CPUs, at most 8; numpy releases the GIL in its array
+    operations); every block is independent, so the bytes do not depend on the split."""
+    return quantize_bands(x, imatrix, threads, "IQ4_NL", BLOCK, BLOCK_BYTES, _quantize_band)
+
+
 def _quantize_band(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
     """The bytes of a few whole rows (quantize_iq4_nl's blocks; block i of a row takes qw[32*i:])."""
     rows, n = x.shape
     nb = rows * (n // BLOCK)
-    X = np.ascontiguousarray(x.reshape(nb, BLOCK).T)  # element-major: C's sums run down axis 0
     with np.errstate(all="ignore"):  # inf/NaN follow IEEE as in C
-        X2 = X * X
-        if qw is None:
-            W = X2
-        else:
-            sigma2 = _seq_sum(X2) * (F32(2) / F32(BLOCK))
-            QW = np.tile(qw.reshape(-1, BLOCK), (rows, 1)).T  # each block's 32 importances, element-major
-            W = QW * np.sqrt(sigma2 + X2)
-        d = _block_scales(X, W)
+        X, W = block_weights(x, qw, BLOCK)  # a super-block of one 32-block
+        d = block_scales(X, W)
+        # quantize_row_iq4_nl_impl's one-block branch: dh = fp16(scales[0]), codes again from the float32 d
         inv = np.where(d != 0, F32(1) / np.where(d != 0, d, F32(1)), F32(0)).astype(F32)
         L = best_index(inv * X)  # [32, blocks]
     out = np.empty((nb, BLOCK_BYTES), np.uint8)
     out[:, :2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
-    out[:, 2:] = (L[:16] | (L[16:] << 4)).T
+    out[:, 2:] = pack_nibbles(L)
     return out.reshape(rows, -1)
 
 

@@ -75,14 +75,19 @@ KINDS = ("normal", "weights", "zeros", "tiny", "subnormal", "huge", "ties", "tab
 WEIGHTINGS = ("none", "random", "ones", "sparse")  # no imatrix, and three kinds of importance vector
 
 
+def _imatrix(weighting: str, rng: np.random.Generator, n: int) -> np.ndarray | None:
+    """An importance vector of n columns (or None) for one of WEIGHTINGS (tests/test_iq4_xs.py shares it)."""
+    return {"none": None, "random": rng.random(n).astype(np.float32) * 10, "ones": np.ones(n, np.float32),
+            "sparse": np.where(rng.random(n) < 0.5, 0, rng.random(n)).astype(np.float32)}[weighting]
+
+
 @pytest.mark.parametrize("weighting", WEIGHTINGS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_kernel_bytes_equal_ggml_quantize_chunk(kind, weighting):
     rng = np.random.default_rng([KINDS.index(kind), WEIGHTINGS.index(weighting)])  # fixed per case
     x = _data(kind, rng)
     n = x.shape[1]
-    imatrix = {"none": None, "random": rng.random(n).astype(np.float32) * 10, "ones": np.ones(n, np.float32),
-               "sparse": np.where(rng.random(n) < 0.5, 0, rng.random(n)).astype(np.float32)}[weighting]
+    imatrix = _imatrix(weighting, rng, n)
     ours = quantize_iq4_nl(x, imatrix, threads=1)
     theirs = ggml_quantize(x, "IQ4_NL", imatrix)
     assert ours.shape == theirs.shape == (x.shape[0], n // 32 * 18)
