@@ -1,5 +1,6 @@
 """Tiny random transformers models of the architectures beyond Llama/Qwen2/Qwen3 that qconvert writes to
-GGUF: mixtral, qwen2_moe, qwen3_moe, gemma2, gemma3 (text), phi3 (Phi-4 style) and deepseek_v3.
+GGUF: mixtral, qwen2_moe, qwen3_moe, gemma2, gemma3 (text), phi3 (Phi-4 style), deepseek_v3 and gpt_oss
+(dense float experts: the MXFP4 `_blocks`/`_scales` form is not built here).
 
 Each is a real ``*ForCausalLM`` of transformers 5.24 with seeded weights, saved in float32 safetensors
 with the offline byte-level BPE tokenizer of fixtures.py (vocab 512). The configs are chosen so that
@@ -13,7 +14,9 @@ multiples of 256 (K-quant super-blocks).
 Weights are drawn so that the logits are far from uniform: linear weights ~ N(0, 1/fan_in), RMSNorm
 weights 1 +- 0.1 (Gemma stores w with the norm applying 1 + w, so w ~ N(0, 0.1) there), embeddings
 N(0, 1) (N(0, 1/hidden) when tied to the output), biases N(0, 0.1), DeepSeek's router correction bias
-N(0, 0.5) so that it changes which experts are chosen.
+N(0, 0.5) so that it changes which experts are chosen. gpt-oss: attention sinks N(0, 1) (they take
+a visible share of each softmax), expert weights stored [experts, in, out] drawn with fan_in = in and
+gate_up scaled by 4 so that the SwiGLU clamp at 7 (swiglu_limit) bites on some activations.
 
 Load by path (pytest runs with --import-mode=importlib)::
 
@@ -29,7 +32,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
-KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "phi3", "deepseek_v3")
+KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "phi3", "deepseek_v3", "gpt_oss")
 ARCH_PROMPT_LEN = 16
 ARCH_PROMPT_SEED = 2718
 
@@ -184,9 +187,32 @@ def _deepseek_rope() -> dict:
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
+def _gpt_oss(layers: int, wide: bool):
+    from transformers import GptOssConfig, GptOssForCausalLM
+    d = _dims(wide)
+    # gpt-oss-20b's shape in miniature: untied output (llama.cpp's gpt-oss requires output.weight), q/k/v/o
+    # biases, one sink per head, a router with a bias, experts with biases; layer_types left to the default
+    # (sliding, full, ...: llama.cpp's fixed pattern 2) with a window of 8 < the 16-token prompt; YaRN as
+    # gpt-oss ships it (factor 32 over 4096 there, truncate false; 4 over 64 here) but truncate true:
+    # llama.cpp always rounds the YaRN correction range (ggml_rope_yarn_corr_dims floors/ceils it), which
+    # transformers does only with truncate true (the gpt-oss default false is measured in
+    # test_gguf_archs.test_gpt_oss_yarn_truncate_false). swiglu_alpha/limit are llama.cpp's hard-coded
+    # 1.702 / 7.0 (llama-graph.cpp, LLM_FFN_SWIGLU_OAI_MOE). intermediate_size is the expert width.
+    cfg = GptOssConfig(**_common(layers, d["hidden"], d["moe_ffn"], tie=False), head_dim=d["head_dim"],
+                       num_local_experts=4, num_experts_per_tok=2, sliding_window=8, rms_norm_eps=1e-5,
+                       swiglu_alpha=1.702, swiglu_limit=7.0, attention_bias=True,
+                       rope_parameters=_gpt_oss_rope())
+    return cfg, GptOssForCausalLM, {}
+
+
+def _gpt_oss_rope(truncate: bool = True) -> dict:
+    return {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": truncate}
+
+
 BUILDERS: Dict[str, Callable[[int, bool], Tuple[object, type, dict]]] = {
     "mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "gemma2": _gemma2,
-    "gemma3": _gemma3, "phi3": _phi3, "deepseek_v3": _deepseek_v3,
+    "gemma3": _gemma3, "phi3": _phi3, "deepseek_v3": _deepseek_v3, "gpt_oss": _gpt_oss,
 }
 GEMMA_KINDS = ("gemma2", "gemma3")
 
@@ -198,9 +224,22 @@ def _is_norm(name: str) -> bool:
     return name.endswith("norm.weight") or name.endswith("layernorm.weight")
 
 
-def _draw(name: str, shape: tuple, gen, gemma: bool, tie: bool):
+# gpt-oss's fused experts are stored [experts, in, out] (transformers' GptOssExperts: x @ gate_up_proj[e])
+_IN_OUT_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def _draw(name: str, shape: tuple, gen, gemma: bool, tie: bool, kind: str = ""):
     """The value of one parameter or buffer (float32)."""
     import torch
+
+    if kind == "gpt_oss":
+        if name.endswith(".sinks"):
+            return torch.randn(shape, generator=gen)
+        if name.endswith("_bias"):  # the experts' gate_up_proj_bias / down_proj_bias
+            return 0.1 * torch.randn(shape, generator=gen)
+        if name.endswith(_IN_OUT_EXPERTS):
+            gain = 4.0 if name.endswith("gate_up_proj") else 1.0
+            return gain * torch.randn(shape, generator=gen) / shape[-2] ** 0.5
 
     if len(shape) == 1 and _is_norm(name):
         if gemma:  # Gemma's RMSNorm multiplies by (1 + w)
@@ -219,7 +258,7 @@ def _draw(name: str, shape: tuple, gen, gemma: bool, tie: bool):
     raise RuntimeError(f"no initialiser for {name} {shape}")
 
 
-def _initialise(model, seed: int, gemma: bool, tie: bool) -> None:
+def _initialise(model, seed: int, gemma: bool, tie: bool, kind: str = "") -> None:
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -229,7 +268,7 @@ def _initialise(model, seed: int, gemma: bool, tie: bool) -> None:
     with torch.no_grad():
         for name in sorted(named):
             t = named[name]
-            t.copy_(_draw(name, tuple(t.shape), gen, gemma, tie).to(t.dtype))
+            t.copy_(_draw(name, tuple(t.shape), gen, gemma, tie, kind).to(t.dtype))
 
 
 def build_arch_model(out_dir, kind: str, seed: int = 0, layers: int = 2, wide: bool = False) -> Path:
@@ -245,7 +284,7 @@ def build_arch_model(out_dir, kind: str, seed: int = 0, layers: int = 2, wide: b
     cfg.dtype = torch.float32
     torch.manual_seed(seed)
     model = cls(cfg).to(torch.float32).eval()
-    _initialise(model, seed, gemma=kind in GEMMA_KINDS, tie=bool(cfg.tie_word_embeddings))
+    _initialise(model, seed, gemma=kind in GEMMA_KINDS, tie=bool(cfg.tie_word_embeddings), kind=kind)
     if model.generation_config is not None:
         model.generation_config.bos_token_id = 1
         model.generation_config.eos_token_id = 0
@@ -256,6 +295,57 @@ def build_arch_model(out_dir, kind: str, seed: int = 0, layers: int = 2, wide: b
         tok_cfg = json.loads(path.read_text())
         tok_cfg.update(tok_extra)
         path.write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    return out
+
+
+# FP4 (E2M1) values by code: bit 3 the sign, as gpt-oss's checkpoints and ggml's MXFP4 index them
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _mxfp4_pack(w):
+    """[E, rows, cols] float -> (blocks uint8 [E, rows, cols / 32, 16], scales uint8 [E, rows, cols / 32]) in
+    gpt-oss's checkpoint layout: per block of 32 along a row one E8M0 exponent (bias 127) with the block's
+    largest magnitude at most 6 times 2^(e - 127), each value the nearest FP4 code, element 2i in the low
+    nibble of byte i and 2i + 1 in the high one (transformers' integrations/mxfp4.py decodes it so)."""
+    import torch
+
+    e, rows, cols = w.shape
+    x = w.reshape(e, rows, cols // 32, 32).float()
+    amax = x.abs().amax(-1).clamp_min(2.0 ** -120)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = x / torch.exp2(exp)[..., None]
+    values = torch.tensor(FP4_VALUES[:8])
+    mag = (scaled.abs()[..., None] - values).abs().argmin(-1)
+    codes = (mag | ((scaled < 0) & (mag > 0)).to(torch.int64) << 3).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (exp + 127).to(torch.uint8)
+
+
+def gpt_oss_mxfp4_checkpoint(src, out) -> Path:
+    """The gpt_oss fixture at `src` saved in gpt-oss's MXFP4 checkpoint form (`quantization_config`
+    quant_method mxfp4): every expert weight as `<name>_blocks` / `<name>_scales` in [experts, out, in]
+    order (gate_up_proj's rows gate/up interleaved as its columns were), biases and the rest as they were."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src), Path(out)
+    shutil.copytree(src, out)
+    tensors = load_file(str(src / "model.safetensors"))
+    saved = {}
+    for name, t in tensors.items():
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            blocks, scales = _mxfp4_pack(t.transpose(1, 2))  # [E, in, out] -> [E, out, in]
+            saved[name + "_blocks"], saved[name + "_scales"] = blocks, scales
+        else:
+            saved[name] = t
+    save_file(saved, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
 

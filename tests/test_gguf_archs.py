@@ -1,16 +1,22 @@
 """GGUF for the model families beyond llama / qwen2 / qwen3: mixtral, qwen2_moe, qwen3_moe, gemma2, gemma3,
-phi3 (Phi-4 style: byte-level BPE) and deepseek_v3, judged by llama.cpp itself:
+phi3 (Phi-4 style: byte-level BPE), deepseek_v3 and gpt_oss (dense float experts), judged by llama.cpp itself:
 
 - `hf->gguf --type f32` of a tiny random model of each family gives the tensors (names, types, bytes) and
   the model metadata that llama.cpp's own convert_hf_to_gguf.py writes for it (the llama-cpp-python sdist's
   copy, scripts/llama_cpp_reference.py), and llama.cpp runs it within 0.05 of transformers' logits; for
   DeepSeek-V3, where llama.cpp and transformers part on details, within 1e-3 of llama.cpp running the
-  converter's own file;
+  converter's own file; gpt-oss (sinks, biased router and experts, fused transposed interleaved experts,
+  sliding/full layers, YaRN) with exactly the logits llama.cpp gives on the converter's file, and those within
+  1e-4 of transformers';
 - `--type q8_0` equals llama-quantize's Q8_0 of our F32 file, tensor by tensor, and runs with its logits;
 - `gguf->hf --type f32` of the F32 file loads in transformers as the source's class with its logits (1e-4);
 - gptqmodel-quantized Qwen3-MoE and Mixtral: `gptq->gguf` keeps every expert's codes (Q4_0, max error 0
   against gptqmodel's dequantization, expert by expert) and llama.cpp runs the file;
-- a MoE whose experts span several shards converts within 2x the largest shard of memory.
+- a MoE whose experts span several shards converts within 2x the largest shard of memory;
+- gpt-oss's own YaRN `truncate: false` (which llama.cpp cannot honour) is warned about and measured; a
+  `layer_types` other than llama.cpp's alternation is written as a sliding_window_pattern that llama.cpp
+  runs as transformers does; the GGUF llama.cpp's converter makes from gpt-oss's MXFP4 checkpoint form
+  reads back (`gguf->hf`) with transformers' own dequantization of the blocks, bit for bit.
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ KINDS = fixtures_archs.KINDS
 PROMPT = fixtures_archs.arch_prompt()
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
            "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-           "deepseek_v3": "DeepseekV3ForCausalLM"}
+           "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
 # metadata llama.cpp's converter does not write but we do: gemma2's rope base (the config's; llama.cpp's
 # default is the same 10000)
 EXTRA_KEYS = {"gemma2": {"gemma2.rope.freq_base"}}
@@ -109,15 +116,21 @@ def test_f32_is_what_llama_cpp_converter_writes_and_runs(kind):
         assert bytes(a[name].data) == bytes(b[name].data), name
     _assert_same_model_keys(ours, theirs, EXTRA_KEYS.get(kind, set()))
     stacked = [n for n in a if n.endswith("_exps.weight")]
-    assert bool(stacked) == (kind in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"))
+    assert bool(stacked) == (kind in MOE_KINDS)
 
     got = llama_logits(ours, PROMPT)
     if kind == "deepseek_v3":
         want = llama_logits(theirs, PROMPT)
         assert np.abs(got - want).max() < 1e-3
     else:
+        if kind == "gpt_oss":  # the same tensors and keys: llama.cpp computes the very same logits
+            assert np.array_equal(got, llama_logits(theirs, PROMPT))
+            assert {"blk.1.attn_sinks.weight", "blk.1.ffn_gate_inp.bias", "blk.1.ffn_gate_exps.bias",
+                    "blk.1.ffn_up_exps.bias", "blk.1.ffn_down_exps.bias", "blk.1.post_attention_norm.weight"} <= set(a)
         want = fixtures_archs.transformers_logits(model_dir(kind), PROMPT)
         assert np.abs(got - want).max() < 0.05, float(np.abs(got - want).max())
+        if kind == "gpt_oss":  # float32 both sides, nothing either approximates (measured 4e-6)
+            assert np.abs(got - want).max() < 1e-4, float(np.abs(got - want).max())
     assert want.std(axis=-1).min() > 0.3  # far from uniform: a wrong weight would show
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
 
@@ -140,10 +153,13 @@ def test_q8_0_equals_llama_quantize(kind, tmp_path):
     theirs = llama_quantize(f32, tmp_path / "llama-q8_0.gguf", 7)
     assert "Q8_0" in _same_tensors(ours, theirs)
     a = gguf_tensors(ours)
-    if kind in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"):  # routers stay F32, experts quantized
+    if kind in MOE_KINDS:  # routers stay F32, experts quantized
         routers = [n for n in a if n.endswith("ffn_gate_inp.weight")]
         assert routers and all(a[n].tensor_type.name == "F32" for n in routers)
         assert all(a[n].tensor_type.name == "Q8_0" for n in a if n.endswith("_exps.weight"))
+        # gpt-oss's per-expert biases are 2-D but not .weight: llama-quantize leaves them F32
+        assert all(a[n].tensor_type.name == "F32" for n in a if n.endswith("_exps.bias"))
+        assert any(n.endswith("_exps.bias") for n in a) == (kind == "gpt_oss")
     assert np.array_equal(llama_logits(ours, PROMPT), llama_logits(theirs, PROMPT))
 
 
@@ -291,7 +307,7 @@ def test_moe_experts_across_shards_stay_within_twice_the_largest_shard(tmp_path)
     assert len(stacks) == 3 * 3 and all(list(t.shape)[-1] == 32 for t in stacks)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "deepseek_v3", "phi3", "gemma3"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "deepseek_v3", "phi3", "gemma3", "gpt_oss"])
 def test_q4_k_m_equals_llama_quantize(kind, tmp_path):
     """llama-quantize's Q4_K_M mix on the new families, end to end: every tensor's type and bytes as
     llama_model_quantize gives from our F32 file (models 256 wide, so the K types apply; the expert,
@@ -399,3 +415,95 @@ def test_fused_experts_make_the_same_gguf(tmp_path):
     out = tmp_path / "fused.gguf"
     run_cli("hf->gguf", src, out, "--type", "f32")
     assert _same_tensors(out, ours_f32("qwen3_moe")) == {"F32"}
+
+
+def _gpt_oss_truncate_false(out: Path) -> Path:
+    """The gpt_oss fixture with YaRN's truncate false, as gpt-oss's own configs have it."""
+    shutil.copytree(model_dir("gpt_oss"), out)
+    config = json.loads((out / "config.json").read_text())
+    config["rope_parameters"]["truncate"] = False
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def test_gpt_oss_yarn_truncate_false(tmp_path):
+    """gpt-oss ships YaRN with truncate false, which transformers honours (the correction range unrounded) and
+    llama.cpp cannot (ggml_rope_yarn_corr_dims always floors/ceils it; no GGUF key says otherwise): the
+    conversion names the difference, writes what llama.cpp's converter writes (the same file as with truncate
+    true), and llama.cpp then runs the model as transformers does with truncate true. That is why the gpt_oss
+    fixture sets truncate true: on it the difference is ~1.8 in the logits (correction range [0, 3.12]
+    against [0, 4] of 16 rotated pairs)."""
+    src = _cached(ROOT / "gpt_oss_truncate_false", _gpt_oss_truncate_false)
+    out = tmp_path / "truncate-false.gguf"
+    proc = run_cli("hf->gguf", src, out, "--type", "f32")
+    assert "truncate is false" in proc.stderr
+    assert _same_tensors(out, ours_f32("gpt_oss")) == {"F32"}
+    _assert_same_model_keys(out, reference_f32("gpt_oss"))
+    got = llama_logits(out, PROMPT)
+    as_truncated = fixtures_archs.transformers_logits(model_dir("gpt_oss"), PROMPT)
+    as_shipped = fixtures_archs.transformers_logits(src, PROMPT)
+    assert np.abs(got - as_truncated).max() < 0.05
+    assert np.abs(got - as_shipped).max() > 0.5, float(np.abs(got - as_shipped).max())
+
+
+def test_gpt_oss_mxfp4_gguf_reads_back_as_transformers_dequantizes(tmp_path):
+    """gpt-oss's MXFP4 checkpoint form (`*_blocks`/`*_scales` experts) through llama.cpp's converter gives a GGUF
+    whose expert stacks are MXFP4 (general.file_type MOSTLY_MXFP4_MOE) and the rest as --outtype says;
+    `gguf->hf` fuses the stacks back into gate_up_proj / down_proj equal bit for bit to transformers'
+    dequantization of the same blocks (integrations/mxfp4.py), every other tensor unchanged, and llama.cpp's
+    logits on the MXFP4 file follow transformers' on what we read (its MXFP4 matmul quantizes activations
+    to Q8_0: judged on the mean and top-1, as the GPTQ MoE file is)."""
+    from safetensors.torch import load_file
+    from transformers.integrations.mxfp4 import _convert_moe_packed_tensors
+
+    src = _cached(ROOT / "gpt_oss_mxfp4", lambda d: fixtures_archs.gpt_oss_mxfp4_checkpoint(model_dir("gpt_oss"), d))
+    ref = _reference_module()
+    try:
+        ref.llama_cpp_src()
+    except FileNotFoundError as e:
+        pytest.skip(f"llama.cpp's converter is not extracted: {e}")  # a failure under QCONVERT_REQUIRE_ORACLES
+    theirs = ref.convert_reference(src, tmp_path / "mxfp4.gguf", model_name="tiny gpt_oss")
+    a = gguf_tensors(theirs)
+    assert {n for n in a if a[n].tensor_type.name == "MXFP4"} == {n for n in a if n.endswith("_exps.weight")}
+    assert gguf.GGUFReader(str(theirs)).fields["general.file_type"].contents() == 38
+    back = tmp_path / "hf"
+    run_cli("gguf->hf", theirs, back, "--type", "f32")
+    assert json.loads((back / "config.json").read_text())["architectures"] == ["GptOssForCausalLM"]
+    packed, read = load_file(str(src / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    assert set(read) == {n.removesuffix("_blocks") for n in packed if not n.endswith("_scales")}
+    for name, t in read.items():
+        want = (_convert_moe_packed_tensors(packed[name + "_blocks"], packed[name + "_scales"], dtype=torch.float32)
+                if name + "_blocks" in packed else packed[name])
+        assert torch.equal(t, want), name
+    got, want = llama_logits(theirs, PROMPT), fixtures_archs.transformers_logits(back, PROMPT)
+    assert np.abs(got - want).mean() < 0.05, float(np.abs(got - want).mean())
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+
+
+def _gpt_oss_full_first(out: Path) -> Path:
+    """The gpt_oss fixture with its layer types swapped (full, sliding): not llama.cpp's default alternation."""
+    shutil.copytree(model_dir("gpt_oss"), out)
+    config = json.loads((out / "config.json").read_text())
+    config["layer_types"] = ["full_attention", "sliding_attention"]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def test_gpt_oss_other_layer_types_are_written_as_a_pattern(tmp_path):
+    """llama.cpp's gpt-oss assumes sliding, full, ... unless the file has a per-layer sliding_window_pattern
+    (load_swa_pattern), which its converter never writes: qconvert writes one when layer_types differ, and
+    llama.cpp then runs the model as transformers does (the swap moves transformers' own logits by far more
+    than the tolerance, so the window is exercised); gguf->hf reads the pattern back into layer_types."""
+    src = _cached(ROOT / "gpt_oss_full_first", _gpt_oss_full_first)
+    out = tmp_path / "full-first.gguf"
+    run_cli("hf->gguf", src, out, "--type", "f32")
+    fields = gguf.GGUFReader(str(out)).fields
+    assert list(fields["gpt-oss.attention.sliding_window_pattern"].contents()) == [False, True]
+    want = fixtures_archs.transformers_logits(src, PROMPT)
+    assert np.abs(fixtures_archs.transformers_logits(model_dir("gpt_oss"), PROMPT) - want).max() > 0.1
+    got = llama_logits(out, PROMPT)
+    assert np.abs(got - want).max() < 1e-4, float(np.abs(got - want).max())
+    back = tmp_path / "hf"
+    run_cli("gguf->hf", out, back, "--type", "f32")
+    assert json.loads((back / "config.json").read_text())["layer_types"] == ["full_attention", "sliding_attention"]
+    assert np.abs(fixtures_archs.transformers_logits(back, PROMPT) - want).max() < 1e-4

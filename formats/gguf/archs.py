@@ -9,7 +9,10 @@ tensors every layer must have, and its tensor quirks:
   so every `*norm.weight` is written as `w + 1` (and read back as `value - 1`);
 - experts: HF keeps one 2-D tensor per expert (`...experts.<e>.gate_proj.weight`), GGUF one 3-D tensor
   per layer (`blk.N.ffn_gate_exps.weight`, experts outermost); the stacking is the writer's
-  (writer.GgufSession), the naming `expert_name` here.
+  (writer.GgufSession), the naming `expert_name` here;
+- gpt-oss keeps its experts fused and transposed ([experts, in, out], gate and up columns interleaved in
+  gate_up_proj, biases per expert): `split_gpt_oss_experts` / `merge_gpt_oss_experts` here turn them into
+  llama.cpp's stacks and back (the writer's adapt_records and the reader's records call them).
 
 The names themselves come from gguf-py's `TensorNameMap` for the architecture (names.py).
 """
@@ -22,7 +25,8 @@ from typing import Callable, Mapping
 
 import gguf
 
-__all__ = ["GgufArch", "ARCHS", "arch_by_name", "arch_for_config", "expert_name", "supported_classes"]
+__all__ = ["GgufArch", "ARCHS", "arch_by_name", "arch_for_config", "expert_name", "supported_classes",
+           "gpt_oss_expert_part", "split_gpt_oss_experts", "merge_gpt_oss_experts"]
 
 MetadataHook = Callable[[gguf.GGUFWriter, Mapping], None]
 
@@ -182,6 +186,57 @@ def _deepseek2_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
         writer.add_rope_scaling_yarn_log_mul(0.1 * float(mscale_all))
 
 
+def _gpt_oss_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
+    """gpt-oss: the routed experts, the local layers' window and the experts' width, as llama.cpp's converter
+    writes them (conversion/gpt_oss.py set_gguf_parameters: add_sliding_window(sliding_window),
+    add_expert_feed_forward_length(intermediate_size)); llama.cpp's loader requires both keys
+    (src/models/openai-moe.cpp load_arch_hparams)."""
+    from ...converters.errors import BadInput
+
+    _expert_keys(writer, config)
+    if config.get("sliding_window") is None:
+        raise BadInput("config.json lacks sliding_window, which llama.cpp's gpt-oss needs for its local layers")
+    writer.add_sliding_window(int(config["sliding_window"]))
+    writer.add_expert_feed_forward_length(int(config["intermediate_size"]))
+    # llama.cpp's loader takes a per-layer sliding_window_pattern array before its default alternation
+    # (load_swa_pattern); the converter never writes one, so a model with other layer_types would run with
+    # the wrong masks: written only then (the file of a default model stays the converter's)
+    types = config.get("layer_types")
+    n = int(config["num_hidden_layers"])
+    if isinstance(types, list) and types != gpt_oss_layer_types(n):
+        if len(types) != n or any(t not in ("sliding_attention", "full_attention") for t in types):
+            raise BadInput(f"layer_types must name sliding_attention or full_attention for each of the {n} layers")
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+
+
+# llama.cpp's gpt-oss hard-codes the experts' clamped SwiGLU (llama-graph.cpp, LLM_FFN_SWIGLU_OAI_MOE: alpha
+# 1.702, limit 7.0); its layer pattern without a sliding_window_pattern key is load_swa_pattern(ml, 2):
+# sliding, full, sliding, ...
+GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+
+
+def gpt_oss_layer_types(n_layers: int) -> list[str]:
+    """The attention of each layer as llama.cpp's gpt-oss runs it: even layers local, odd layers global."""
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+
+
+def _gpt_oss_caveats(config: Mapping) -> list[str]:
+    from .metadata import rope_parameters
+
+    out = []
+    for key, fixed in GPT_OSS_SWIGLU.items():
+        value = config.get(key)
+        if value is not None and abs(float(value) - fixed) > 1e-6:
+            out.append(f"{key} is {value} but llama.cpp's gpt-oss always uses {fixed}")
+    rp = rope_parameters(config)
+    # transformers rounds YaRN's correction range only with truncate true; ggml always does
+    # (ggml_rope_yarn_corr_dims floors the low and ceils the high dimension)
+    if rp.get("rope_type") == "yarn" and rp.get("truncate") is False:
+        out.append("rope_parameters.truncate is false but llama.cpp always rounds YaRN's correction range (as "
+                   "transformers does with truncate true): the rotation of a few dimensions differs")
+    return out
+
+
 def _qwen3moe_caveats(config: Mapping) -> list[str]:
     # llama.cpp's qwen3moe graph always renormalises the chosen experts' weights (build_moe_ffn norm_w)
     if config.get("norm_topk_prob") is False:
@@ -226,6 +281,11 @@ ARCHS: dict[str, GgufArch] = {a.name: a for a in (
              attention=("attn_kv_a_mqa", "attn_kv_a_norm", "attn_k_b", "attn_v_b", "attn_output")),
     GgufArch("phi3", ("Phi3ForCausalLM",), ("phi3",), "Phi3ForCausalLM", "phi3", extra_metadata=_phi3_extra,
              attention=("attn_qkv", "attn_output"), dense_ffn=("ffn_up", "ffn_down")),
+    # gpt-oss: every layer routed (no dense FFN); post_attention_layernorm is the FFN's norm, named
+    # attn_post_norm by llama.cpp (gguf-py's GPT_OSS tensor list), and each layer has one sink per head
+    GgufArch("gpt-oss", ("GptOssForCausalLM",), ("gpt_oss",), "GptOssForCausalLM", "gpt_oss", moe=True,
+             extra_metadata=_gpt_oss_extra, norms=("attn_norm", "post_attention_norm"), block_extra=("attn_sinks",),
+             caveats=_gpt_oss_caveats),
 )}
 
 
@@ -316,3 +376,49 @@ def kv_b_parts(hf_name: str) -> tuple[str, str] | None:
     """The HF-style names of the two halves a kv_b_proj becomes (k_b_proj, v_b_proj), else None."""
     m = _KV_B.match(hf_name)
     return None if m is None else (f"{m['head']}k_b_proj.weight", f"{m['head']}v_b_proj.weight")
+
+
+# --------------------------------------------------------------------------------------------------
+# gpt-oss's fused experts: [experts, in, out] with gate and up interleaved <-> llama.cpp's stacks
+# --------------------------------------------------------------------------------------------------
+# transformers' GptOssExperts (models/gpt_oss/modeling_gpt_oss.py) holds, per layer,
+#   gate_up_proj [experts, hidden, 2 * ffn]  (x @ gate_up_proj[e]; gate = columns 0::2, up = columns 1::2)
+#   gate_up_proj_bias [experts, 2 * ffn]     (interleaved the same way)
+#   down_proj [experts, ffn, hidden], down_proj_bias [experts, hidden]
+# llama.cpp's converter (conversion/gpt_oss.py modify_tensors) transposes the weights to [experts, out, in]
+# and takes every other row for gate (from 0) and up (from 1); the biases split the same way.
+_GPT_OSS_EXPERT = re.compile(r"^(?P<head>.*\.mlp\.experts\.)(?P<what>gate_up_proj|down_proj)(?P<bias>_bias)?$")
+
+
+def gpt_oss_expert_part(hf_name: str) -> tuple[str, str, bool] | None:
+    """(`...mlp.experts.`, "gate_up_proj" or "down_proj", whether it is the bias) of one of gpt-oss's fused
+    expert tensors, else None."""
+    m = _GPT_OSS_EXPERT.match(hf_name)
+    return None if m is None else (m["head"], m["what"], bool(m["bias"]))
+
+
+def split_gpt_oss_experts(hf_name: str, tensor) -> list[tuple[str, object]]:
+    """gpt-oss's fused expert tensor -> [(the stack's HF-style name, tensor in llama.cpp's [experts, out, in]
+    order)]: gate_up_proj [E, h, 2f] -> gate_proj.weight, up_proj.weight [E, f, h]; gate_up_proj_bias
+    [E, 2f] -> gate_proj.bias, up_proj.bias [E, f]; down_proj [E, f, h] -> down_proj.weight [E, h, f];
+    down_proj_bias -> down_proj.bias."""
+    head, what, bias = gpt_oss_expert_part(hf_name)
+    suffix = ".bias" if bias else ".weight"
+    t = tensor if bias else tensor.transpose(-1, -2)
+    if what == "down_proj":
+        return [(f"{head}down_proj{suffix}", t.contiguous())]
+    return [(f"{head}gate_proj{suffix}", t[..., 0::2].contiguous() if bias else t[:, 0::2].contiguous()),
+            (f"{head}up_proj{suffix}", t[..., 1::2].contiguous() if bias else t[:, 1::2].contiguous())]
+
+
+def merge_gpt_oss_experts(gate, up=None, bias: bool = False):
+    """The inverse of :func:`split_gpt_oss_experts`: gate and up stacks ([E, f, h] weights or [E, f] biases)
+    -> gate_up_proj [E, h, 2f] (or gate_up_proj_bias [E, 2f]), interleaved; `up` None: down_proj's stack
+    [E, h, f] -> down_proj [E, f, h] (a bias as it is)."""
+    import torch
+
+    if up is None:
+        return gate.contiguous() if bias else gate.transpose(-1, -2).contiguous()
+    fused = torch.stack([gate, up], dim=-2 if not bias else -1)  # [E, f, 2, h] or [E, f, 2]
+    fused = fused.reshape(gate.shape[0], 2 * gate.shape[1], *gate.shape[2:])
+    return fused.contiguous() if bias else fused.transpose(-1, -2).contiguous()

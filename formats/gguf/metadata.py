@@ -475,8 +475,44 @@ def _deepseek2_config(cfg: dict, get, names, cv) -> None:
         cfg["rope_scaling"].update(mscale_all_dim=log_mul / 0.1, mscale=log_mul / 0.1)
 
 
+def _gpt_oss_config(cfg: dict, get, names, cv) -> None:
+    """gpt-oss as llama.cpp runs it: experts intermediate_size wide (expert_feed_forward_length), biases
+    everywhere, local layers in llama.cpp's pattern (sliding_window_pattern if the file has one, else every
+    other layer from layer 0: load_swa_pattern(ml, 2)), YaRN with its correction range rounded (truncate
+    true: ggml_rope_yarn_corr_dims), and the clamped SwiGLU's constants llama.cpp hard-codes."""
+    from .archs import GPT_OSS_SWIGLU, gpt_oss_layer_types
+
+    _moe_config(cfg, get, names, cv)
+    if "num_local_experts" not in cfg:
+        raise BadInput("GGUF metadata lacks gpt-oss.expert_count (gpt-oss routes every layer)")
+    ff_exp = cfg.pop("moe_intermediate_size", None)
+    if ff_exp is not None:
+        cfg["intermediate_size"] = ff_exp
+    n = cfg["num_hidden_layers"]
+    key = "gpt-oss.attention.sliding_window_pattern"  # llama.cpp reads a per-layer array or a period
+    flags = cv.get(key)
+    if isinstance(flags, list):
+        if len(flags) != n or not all(isinstance(f, bool) for f in flags):
+            raise BadInput(f"metadata {key} is not {n} booleans (one per layer)", path=cv.path)
+        types = ["sliding_attention" if f else "full_attention" for f in flags]
+    else:
+        pattern = get("attention.sliding_window_pattern", lo=0, hi=n)
+        types = gpt_oss_layer_types(n) if pattern is None else [
+            "sliding_attention" if pattern == 0 or i % pattern < pattern - 1 else "full_attention" for i in range(n)]
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+    scaling = cfg.pop("rope_scaling", None)
+    if scaling is not None:
+        rope.update(scaling)
+        if scaling["rope_type"] == "yarn":
+            rope["truncate"] = True
+    cfg.update(sliding_window=get("attention.sliding_window", required=True, lo=1), layer_types=types,
+               rope_parameters=rope, attention_bias=bool(names and "blk.0.attn_q.bias" in names),
+               tie_word_embeddings=False, **GPT_OSS_SWIGLU)
+
+
 _ARCH_CONFIG = {"deepseek2": _deepseek2_config, "llama": _llama_config, "qwen2moe": _qwen2moe_config, "qwen3moe": _qwen3moe_config,
-                "gemma2": _gemma2_config, "gemma3": _gemma3_config, "phi3": _phi3_config}
+                "gemma2": _gemma2_config, "gemma3": _gemma3_config, "phi3": _phi3_config,
+                "gpt-oss": _gpt_oss_config}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -555,6 +591,12 @@ def _expected_shapes(cfg: Mapping, keys: Mapping[str, str]) -> dict[str, tuple[t
         out["ffn_gate_exps.weight"] = ((n_exp, f_exp, e), says(*exp))
         out["ffn_up_exps.weight"] = ((n_exp, f_exp, e), says(*exp))
         out["ffn_down_exps.weight"] = ((n_exp, e, f_exp), says(*exp))
+    if n_exp and f_exp:  # gpt-oss: the router's and every expert's biases
+        out["ffn_gate_inp.bias"] = ((n_exp,), says("_n_expert"))
+        out["ffn_gate_exps.bias"] = ((n_exp, f_exp), says("_n_expert", "_expert_ff"))
+        out["ffn_up_exps.bias"] = ((n_exp, f_exp), says("_n_expert", "_expert_ff"))
+        out["ffn_down_exps.bias"] = ((n_exp, e), says("_n_expert", "hidden_size"))
+    out["attn_sinks.weight"] = ((nh,), says("num_attention_heads"))
     f_sh = cfg.get("_shared_ff")
     if f_sh:
         out["ffn_gate_shexp.weight"] = ((f_sh, e), says("_shared_ff", "hidden_size"))
@@ -654,6 +696,8 @@ def check_gguf_tensors(cfg: Mapping, arch: str, shapes: Mapping[str, tuple[int, 
     keys = dict(keys, _value_head_dim=f"{arch}.attention.value_length")
     metadata_key = {hf: f"{arch}.{g}" for _, hfs, g in _EXPERT_KEYS for hf in hfs}
     metadata_key["intermediate_size"] = f"{arch}.feed_forward_length"
+    if arch == "gpt-oss":  # its config's intermediate_size is the experts' width (_gpt_oss_config)
+        metadata_key["intermediate_size"] = keys["intermediate_size"] = f"{arch}.expert_feed_forward_length"
     facts, fact_keys = _expert_facts(cfg, arch, ConfigView(dict(cfg), path), lambda k: metadata_key.get(k, k))
     cfg = {**cfg, **facts}
     keys.update(fact_keys)

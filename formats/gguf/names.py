@@ -105,6 +105,9 @@ def gguf_tensor_name(hf_name: str, arch: str, n_layers: int) -> str | None:
         hf_name = member[0]
     # the router's score-correction bias (DeepSeek-V3) is a parameter named ..._bias, mapped as a .bias
     hf_name = re.sub(r"\.e_score_correction_bias$", ".e_score_correction.bias", hf_name)
+    # gpt-oss's attention sinks are a bare parameter (self_attn.sinks); llama.cpp names the tensor
+    # attn_sinks.weight (its converter appends .weight: conversion/gpt_oss.py filter_tensors)
+    hf_name = re.sub(r"\.self_attn\.sinks$", ".self_attn.sinks.weight", hf_name)
     base, layer = _split_index(hf_name)
     if layer is not None and layer >= int(n_layers):
         return None
@@ -167,8 +170,14 @@ _HF_DEEPSEEK = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj
                 "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp.gate",
                 "mlp.gate.e_score_correction", "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj",
                 "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj")
+# gpt-oss: post_attention_layernorm is llama.cpp's attn_post_norm (the FFN's input norm); the experts'
+# stacks are named as the per-layer stacks (archs.split_gpt_oss_experts makes them from the fused tensors)
+_HF_GPT_OSS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+               "self_attn.v_proj", "self_attn.o_proj", "self_attn.sinks", "mlp.router", "mlp.experts.gate_proj",
+               "mlp.experts.up_proj", "mlp.experts.down_proj")
 _HF_BLOCK_BY_ARCH = {
     "deepseek2": _HF_DEEPSEEK,
+    "gpt-oss": _HF_GPT_OSS,
     "llama": _HF_DENSE_BLOCK + _HF_MIXTRAL_MOE,
     "qwen2moe": _HF_DENSE_BLOCK + _HF_QWEN_MOE,
     "qwen3moe": _HF_DENSE_BLOCK + _HF_QWEN_MOE,
@@ -214,6 +223,7 @@ def hf_tensor_name(gguf_name: str, arch: str, n_layers: int) -> str | None:
     if hf is None:
         return None
     hf = re.sub(r"\.e_score_correction\.bias$", ".e_score_correction_bias", hf)
+    hf = re.sub(r"\.self_attn\.sinks\.weight$", ".self_attn.sinks", hf)
     if layer is None or not base.startswith("blk.0."):
         return None if layer is not None or hf.startswith("model.layers.") else hf
     return f"model.layers.{layer}." + hf[len("model.layers.0."):]
