@@ -56,7 +56,7 @@ _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloa
 _LAYOUT_OF_ID = {lay.ggml_type: lay for lay in LAYOUTS.values()}
 
 # how the checker reads a scheme: one handler per family (_HANDLERS at the end; formats may add theirs)
-FAMILIES = ("float", "ggml", "gptq", "afq", "hqq-axis0", "codebook")
+FAMILIES = ("float", "ggml", "gptq", "afq", "hqq-axis0", "codebook", "float-block")
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,8 @@ class TargetScheme:
     ggml_type: int | None = None  # gguf.GGMLQuantizationType value
     block_bytes: int = 0  # bytes per block (ggml: gguf-py's GGML_QUANT_SIZES)
     note: str = ""  # what the runtime needs to know, appended to every reason (mistral.rs' run dtype)
+    element: str = ""  # float-block targets: the element format of the codes ("e2m1", "e4m3")
+    tensor_scale: bool = False  # float-block targets: a float32 scale per tensor beside the block scales (NVFP4)
 
     def __post_init__(self):
         if self.family not in _HANDLERS:
@@ -350,10 +352,69 @@ def _hqq_axis0(src: Source, shape, s: TargetScheme, native, prefer_groups: tuple
 
 
 def _codebook(src: Source, shape, s: TargetScheme, native, prefer_groups=()) -> Decision:
-    """Float codebooks (FP8, F8Q8, MXFP4): never an integer grid's codes."""
+    """Codebook targets no grid keeps its codes in (mistral.rs' F8Q8)."""
     if s.block and shape[-1] % s.block:
         return Decision(REFUSED, f"rows of {shape[-1]} are not whole {s.name.upper()} blocks of {s.block}")
     return Decision(REQUANTIZE, f"{s.name} has no integer grid; weights are quantized with mistral.rs' {s.name} rule")
+
+
+def _float_block(src: Source, shape, s: TargetScheme, native, prefer_groups=()) -> Decision:
+    """Float-block targets (GGUF MXFP4 / NVFP4, UQFF MXFP4 / FP8): codes of a float element format (`s.element`)
+    times a scale per `s.group` elements of a row (group 0: one scale for the whole tensor; rows are whole
+    `s.block`s, the stored block), stored as
+    `s.scale` ("e8m0": a power of two; "ue4m3": an unsigned E4M3 value; "fp32"). A float grid of the same
+    element format keeps its codes where every target block lies inside one source group and the target's
+    scale format holds the source's scale exactly; anything else is dequantized and quantized again with
+    the target's own quantizer. The verdicts are decided from the scale values, not from the source's name:
+    an NVFP4 grid whose scales happen to be powers of two fits MXFP4's exponents."""
+    from ..kernels.floatq import e4m3_exact, is_e8m0_exact
+    from .records import codebook_name
+
+    in_f = shape[-1]
+    if s.block and in_f % s.block:
+        return Decision(REFUSED, f"rows of {in_f} are not whole {s.name.upper()} blocks of {s.block}")
+    if native == s.name:
+        return Decision(EXACT, f"{s.name} blocks copied byte for byte", copied=True, keeps_codes=True)
+    if not isinstance(src, GridParams):
+        return Decision(REQUANTIZE, f"dense {src} weights quantized with {s.name}'s quantizer")
+    p = src
+    requant = f"; dequantized and quantized with {s.name}'s quantizer"
+    if p.element != s.element:
+        what = (f"{p.element} codes" if p.element else "integer grid codes" if p.codebook is None
+                else f"{codebook_name(p.codebook)} codebook codes")
+        return Decision(REQUANTIZE, f"{what} are not {s.element} values" + requant)
+    if p.axis != 1 or not p.contiguous_groups(in_f):
+        return Decision(REQUANTIZE, "the source's scale groups do not run along the rows" + requant)
+    # the per-group scale a target without a tensor scale stores
+    eff = p.effective_scales() if (s.scale == "ue4m3" and s.tensor_scale) else p.folded_scales()
+    if s.group and p.group_size % s.group:
+        return Decision(REQUANTIZE, f"scale groups of {p.group_size} do not cover whole {s.group}-element scale "
+                                    "blocks" + requant)
+    if not s.group and not bool((eff == eff.reshape(-1)[0]).all()):
+        return Decision(REQUANTIZE, f"the source scales blocks or channels apart; {s.name} stores one scale per "
+                                    "tensor" + requant)
+    keep = dict(keeps_codes=True)
+    if s.scale == "e8m0":
+        if not bool(is_e8m0_exact(eff).all()):
+            return Decision(REQUANTIZE, "block scales are not powers of two, which E8M0 exponents hold" + requant)
+        return Decision(EXACT, "codes and block scales kept (E8M0 exponents)", **keep)
+    if s.scale == "ue4m3":
+        block = p.scales.to(torch.float32) if (p.global_scale is not None and s.tensor_scale) else eff
+        if not bool((e4m3_exact(block) & (block >= 0)).all()):
+            return Decision(REQUANTIZE, "block scales are not non-negative E4M3 values" + requant)
+        if p.global_scale is not None and s.tensor_scale:
+            if p.global_scale_op == "post":
+                return Decision(EXACT, "codes, E4M3 block scales and the tensor's .scale kept", **keep)
+            how = ("its float32 reciprocal, as llama.cpp's converter stores a compressed-tensors global scale"
+                   if p.global_scale_op == "div" else "the source's value")
+            return Decision(NEAR_EXACT, "codes and E4M3 block scales kept; the global scale becomes the tensor's "
+                                        f".scale ({how}), which the runtime multiplies after the block product: "
+                                        "one float32 rounding apart", **keep)
+        return Decision(EXACT, "codes and E4M3 block scales kept", **keep)
+    if p.post_scale is not None:
+        return Decision(NEAR_EXACT, f"codes kept; one {s.scale} scale (the source multiplies its global scale "
+                                    "after the product)", **keep)
+    return Decision(EXACT, f"codes kept; one {s.scale} scale", **keep)
 
 
 # family -> handler(source, shape, scheme, native, prefer_groups) -> Decision. A format whose targets follow
@@ -361,7 +422,10 @@ def _codebook(src: Source, shape, s: TargetScheme, native, prefer_groups=()) -> 
 # check() stays the one entry point and a Decision the one answer.
 _HANDLERS: dict[str, Callable[..., Decision]] = {
     "float": _float, "ggml": _ggml, "gptq": _gptq, "afq": _afq, "hqq-axis0": _hqq_axis0, "codebook": _codebook,
+    "float-block": _float_block,
 }
+# families whose handlers decide codebook sources themselves (float targets, float-block targets)
+_TAKES_CODEBOOKS = ("float", "float-block")
 
 
 def _codebook_source(p: GridParams, shape: tuple[int, ...], s: TargetScheme, prefer_groups) -> Decision:
@@ -372,9 +436,12 @@ def _codebook_source(p: GridParams, shape: tuple[int, ...], s: TargetScheme, pre
     dense = _HANDLERS[s.family]("float32", shape, s, None, prefer_groups)
     if dense.verdict == REFUSED:
         return dense
-    why = f"a {2 ** p.bits}-value codebook is not a uniform grid"
-    if s.name.upper().startswith("IQ4_NL"):
-        why += " (IQ4_NL's 16 values are a different codebook)"
+    if p.element is not None:
+        why = f"{p.element} float codes are not a uniform grid"
+    else:
+        why = f"a {2 ** p.bits}-value codebook is not a uniform grid"
+    if s.name.upper().startswith("IQ4") and p.element is None:
+        why += f" ({s.name.upper()}'s 16 values are a different codebook)"
     return replace(dense, verdict=REQUANTIZE, reason=f"{why}; weights are dequantized and quantized again "
                                                       f"with {s.name}'s quantizer", keeps_codes=False,
                    kept_blocks=None, copied=False)
@@ -393,7 +460,7 @@ def check(source: Source, shape: tuple[int, ...], scheme: TargetScheme, *, nativ
     native: the name of the source's own packed type when it has one the target may copy (a GGUF grid's
     ggml type); prefer_groups: the source's own group sizes, tried first where the target chooses one."""
     shape = tuple(shape)
-    if isinstance(source, GridParams) and source.codebook is not None and scheme.family != "float":
+    if isinstance(source, GridParams) and source.codebook is not None and scheme.family not in _TAKES_CODEBOOKS:
         d = _codebook_source(source, shape, scheme, tuple(prefer_groups))
     else:
         d = _HANDLERS[scheme.family](source, shape, scheme, native, tuple(prefer_groups))

@@ -27,6 +27,19 @@ Codebook form (bitsandbytes NF4/FP4: the codes index a table of 2**bits float32 
 computed as bitsandbytes does: the float32 table value times the float32 block absmax, one rounding,
 then cast to the output dtype.
 
+Float grids are codebook grids whose table is a float element format (kernels/floatq.py): FP8 E4M3/E5M2
+(256 codes: the byte itself), FP4 E2M1 (16 codes). Their block scales keep the dtype the source stores
+(float8_e8m0fnu for MXFP4's E8M0 exponents, float8_e4m3fn for NVFP4, float32/bf16/fp16 for FP8), and may
+cover `block_rows` consecutive output rows as well (DeepSeek's 128x128 FP8 blocks, expanded to one scale
+row per output row here). NVFP4 adds one float32 scale for the whole tensor:
+
+    W[n, k] = codebook[codes[n, k]] * (scales[n, g(k)] * global_scale)     "mul": ModelOpt's weight_scale_2
+    W[n, k] = codebook[codes[n, k]] * (scales[n, g(k)] / global_scale)     "div": compressed-tensors' weight_global_scale
+    W[n, k] = (codebook[codes[n, k]] * scales[n, g(k)]) * global_scale     "post": llama.cpp's `.scale` tensor
+
+each step rounded to float32 in that order, as each producer's dequantization does (llama.cpp multiplies the
+matmul's result by its `.scale`; the block product itself is exact).
+
 Codes are unpacked unsigned integers `0 .. 2**bits - 1`. Integer `zeros` mean integer zero points
 (GPTQ); float `zeros` mean the float zero of HQQ. The arithmetic runs in `compute_dtype` (float32 unless
 the source's own runtime rounds in fp16/bf16, as hqq does), so that the grid's dequantization is the
@@ -48,7 +61,7 @@ import torch
 from ..kernels.packings import packing
 
 __all__ = ["GridParams", "PackedCodes", "Grid", "Dense", "TensorRecord", "ModelSource", "describe_record",
-           "describe_grid", "RotatedForm", "FourBitView", "QqqLayer"]
+           "describe_grid", "float_element", "describe_float_grid", "RotatedForm", "FourBitView", "QqqLayer"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,38 @@ class GridParams:
     # a = SCB, c = 1/127 as float32); `scales` then holds fl(a * c), the one scale a target stores, which
     # decodes within an ulp of the source (one rounding instead of two) -- so no target is exact for it
     scale_steps: tuple[torch.Tensor, float] | None = None
+    # float grids: one float32 scale for the whole tensor on top of the block scales (NVFP4), and whether the
+    # block scales are divided by it (compressed-tensors) or multiplied (ModelOpt); see the module docstring
+    global_scale: torch.Tensor | None = None
+    global_scale_op: str = "mul"  # "mul" | "div" | "post": how the global scale applies (module docstring)
+    block_rows: int = 1  # output rows that share one block scale in the source (DeepSeek FP8: 128)
+
+    @property
+    def element(self) -> str | None:
+        """The float element format of a float grid ("e2m1", "e4m3", "e5m2"), else None."""
+        return float_element(self.codebook) if self.codebook is not None else None
+
+    def effective_scales(self) -> torch.Tensor:
+        """float32 [out, n_groups]: the scale each code is multiplied by, the global scale folded in first
+        ("mul", "div") as the producers do. A "post" global scale is not folded: it multiplies the product
+        (`post_scale`)."""
+        s = self.scales.to(torch.float32)
+        if self.global_scale is None or self.global_scale_op == "post":
+            return s
+        g = self.global_scale.to(torch.float32)
+        return s / g if self.global_scale_op == "div" else s * g
+
+    def folded_scales(self) -> torch.Tensor:
+        """float32 [out, n_groups]: one scale per group with every global scale folded in, what a target that
+        stores no tensor scale keeps (equal in value; a "post" source rounds in another order)."""
+        s = self.effective_scales()
+        return s * self.post_scale if self.post_scale is not None else s
+
+    @property
+    def post_scale(self) -> torch.Tensor | None:
+        """The float32 global scale that multiplies the block product (op "post"), else None."""
+        return self.global_scale.to(torch.float32) if self.global_scale is not None and \
+            self.global_scale_op == "post" else None
 
     @property
     def n_groups(self) -> int:
@@ -124,7 +169,9 @@ class GridParams:
             return replace(self, row_idx=natural[index])
         mins = None if self.mins is None else self.mins[index]
         steps = None if self.scale_steps is None else (self.scale_steps[0][index], self.scale_steps[1])
-        return replace(self, scales=self.scales[index], zeros=self.zeros[index], mins=mins, scale_steps=steps)
+        # rows taken out of order no longer form the source's row blocks (block_rows is a description)
+        return replace(self, scales=self.scales[index], zeros=self.zeros[index], mins=mins, scale_steps=steps,
+                       block_rows=1)
 
     def permute_rows(self, perm: torch.Tensor) -> "GridParams":
         return self._take_rows(perm)
@@ -290,6 +337,8 @@ class TensorRecord:
 def describe_grid(p: GridParams, in_features: int) -> str:
     """"4-bit g128 sym", "4-bit per-channel asym act-order", "4-bit nf4 codebook blocksize 64": a grid's
     scheme in a few words."""
+    if p.codebook is not None and p.element is not None:
+        return describe_float_grid(p, in_features)
     if p.codebook is not None:
         return f"{p.bits}-bit {codebook_name(p.codebook)} codebook blocksize {p.group_size}"
     sym = "sym" if p.symmetric else ("asym" if p.integer_zeros else "float-zero")
@@ -307,6 +356,46 @@ _NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0
 _FP4 = tuple(v / 12.0 for v in (0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, -0, -0.0625, -8.0, -12.0, -4.0, -6.0,
                                 -2.0, -3.0))  # normalized to [-1, 1] as get_4bit_type does
 KNOWN_CODEBOOKS = {"nf4": _NF4, "fp4": _FP4}
+
+
+_FLOAT_ELEMENTS: dict[str, torch.Tensor] = {}
+
+
+def float_element(codebook: torch.Tensor) -> str | None:
+    """"e2m1" / "e4m3" / "e5m2" when the table is that float format's values in code order (compared bit for
+    bit, the FP8 tables hold NaNs; a zero's sign aside: producers decode E2M1's code 8 as -0.0 or +0.0), else
+    None."""
+    from ..kernels.floatq import ELEMENT_BITS, element_table
+
+    if not _FLOAT_ELEMENTS:
+        _FLOAT_ELEMENTS.update({name: element_table(name) for name in ELEMENT_BITS})
+    bits = (codebook.to(torch.float32) + 0.0).view(torch.int32)  # + 0.0: a table with +0.0 for -0.0 is the same format
+    for name, table in _FLOAT_ELEMENTS.items():
+        if bits.numel() == table.numel() and torch.equal(bits, (table + 0.0).view(torch.int32)):
+            return name
+    return None
+
+
+_SCALE_NAMES = {torch.float8_e8m0fnu: "e8m0", torch.float8_e4m3fn: "e4m3", torch.float32: "fp32",
+                torch.float16: "fp16", torch.bfloat16: "bf16"}
+_ELEMENT_SCHEMES = {("e2m1", "e8m0", 32): "mxfp4", ("e2m1", "e4m3", 16): "nvfp4", ("e4m3", "e8m0", 32): "mxfp8"}
+
+
+def describe_float_grid(p: GridParams, in_features: int) -> str:
+    """"mxfp4 g32", "nvfp4 g16 global-div", "fp8-e4m3 128x128 fp32", "fp8-e4m3 channel fp16", "fp8-e4m3 tensor bf16"."""
+    scale = _SCALE_NAMES.get(p.scales.dtype, str(p.scales.dtype)[6:])
+    glob = "" if p.global_scale is None else f" global-{p.global_scale_op}"
+    name = _ELEMENT_SCHEMES.get((p.element, scale, p.group_size))
+    if name is not None:
+        return f"{name} g{p.group_size}{glob}"
+    s = p.scales.to(torch.float32)
+    if p.n_groups == 1 and s.numel() and bool((s == s.reshape(-1)[0]).all()) and p.block_rows >= s.shape[0]:
+        block = "tensor"
+    elif p.block_rows > 1:
+        block = f"{p.block_rows}x{p.group_size}"
+    else:
+        block = "channel" if p.n_groups == 1 else f"g{p.group_size}"
+    return f"{'fp8' if p.bits == 8 else 'fp4'}-{p.element} {block} {scale}{glob}"
 
 
 def codebook_name(codebook: torch.Tensor) -> str:

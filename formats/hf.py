@@ -7,13 +7,15 @@ target dtype) and writes sharded safetensors plus config.json and the tokenizer 
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from ..converters.align import EXACT, REFUSED, check_dense_to_float, check_grid_to_float, describe_grid
-from ..converters.errors import BadInput
+from ..converters.errors import BadInput, QConvertError
 from ..converters.plan import Options, TensorPlan, unknown_type
 from ..converters.records import Dense, Grid, TensorRecord, canonical_name
 from ..converters.registry import FormatEntry, register_format
@@ -78,6 +80,9 @@ def parse_hf_type(text: str | None) -> str:
     return key
 
 
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
 class HfWriter:
     name = "hf"
     output_is_file = False
@@ -102,6 +107,15 @@ class HfWriter:
         return TensorPlan(rec.name, rec.shape, rec.dtype, target, v.verdict, v.reason, out_name=rec.name)
 
     def check_model(self, source, plans, options) -> None:
+        # transformers' GptOss holds each layer's experts fused ([experts, in, out], gate/up interleaved) and
+        # loads no per-expert tensor: per-expert records (gpt-oss's MXFP4 stacks, read expert by expert) would
+        # load as random experts, so they are refused here, naming the route that fuses them
+        if "GptOssForCausalLM" in (source.config.get("architectures") or []):
+            expert = next((p.name for p in plans if _PER_EXPERT.search(p.name)), None)
+            if expert is not None:
+                raise QConvertError(f"gpt-oss experts are read one per expert here ({expert}) and transformers' "
+                                    "GptOss loads them only fused: convert to gguf first (--type f32), then "
+                                    "gguf->hf, which fuses them", path=source.path)
         return None
 
     def open(self, path: Path, source, plans: list[TensorPlan], options: Options) -> "HfSession":

@@ -300,11 +300,12 @@ class CheckpointDir:
     def dtype(self, name: str) -> str:
         return self._headers[self.location[name]].tensors[name].dtype
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, outer: int | None = None) -> torch.Tensor:
+        """A tensor, or with `outer` only that index of its first dimension (read_tensor)."""
         if name not in self.location:
             raise BadInput("tensor not found in any shard", path=self.path, tensor=name)
         shard = self.location[name]
-        return read_tensor(self._headers[shard], name, self._fds.fd(self.path / shard))
+        return read_tensor(self._headers[shard], name, self._fds.fd(self.path / shard), outer)
 
     def close(self) -> None:
         self._fds.close()

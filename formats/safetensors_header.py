@@ -130,11 +130,13 @@ def read_header(path: Path) -> SafetensorsHeader:
     return SafetensorsHeader(path, tensors, metadata, 8 + n)
 
 
-def read_tensor(header: SafetensorsHeader, name: str, fd: int):
+def read_tensor(header: SafetensorsHeader, name: str, fd: int, outer: int | None = None):
     """One tensor's bytes read from an open file descriptor of header.path into a tensor of its own: exactly
     the bytes the checked header gives it are allocated, and no mapping of the file outlives the call (peak
     memory stays one tensor, however large the shard). Opening the file with safe_open for each tensor
-    parses its header again and maps the whole file; the header here was checked once, by read_header."""
+    parses its header again and maps the whole file; the header here was checked once, by read_header.
+    `outer`: read only that index of the first dimension (one expert of a stacked [experts, ...] tensor: a
+    contiguous slab of the row-major bytes), shape entry.shape[1:]."""
     import torch
 
     entry = header.tensors[name]
@@ -142,8 +144,17 @@ def read_tensor(header: SafetensorsHeader, name: str, fd: int):
     if dtype is None:
         raise BadInput(f"cannot read tensor (no torch dtype for {entry.dtype})", path=header.path, tensor=name)
     nbytes = entry.end - entry.begin
+    shape = tuple(entry.shape)
+    begin = entry.begin
+    if outer is not None:
+        if not shape or not 0 <= outer < shape[0]:
+            raise BadInput(f"cannot read index {outer} of a tensor of shape {list(shape)}", path=header.path,
+                           tensor=name)
+        nbytes //= shape[0]
+        begin += outer * nbytes
+        shape = shape[1:]
     buf = bytearray(nbytes)
-    view, got, offset = memoryview(buf), 0, header.data_start + entry.begin
+    view, got, offset = memoryview(buf), 0, header.data_start + begin
     try:
         while got < nbytes:
             n = os.preadv(fd, [view[got:]], offset + got)
@@ -157,8 +168,8 @@ def read_tensor(header: SafetensorsHeader, name: str, fd: int):
         raise BadInput(f"cannot read tensor (the file ends {nbytes - got} bytes short of it)", path=header.path,
                        tensor=name)
     if nbytes == 0:
-        return torch.empty(entry.shape, dtype=dtype)
-    return torch.frombuffer(buf, dtype=dtype).reshape(entry.shape)
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
 class Descriptors:

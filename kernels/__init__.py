@@ -53,8 +53,9 @@ def dequantize_grid(grid, dtype: torch.dtype = torch.float32) -> torch.Tensor:
                                       compute_dtype=p.compute_dtype)
     if p.axis != 1:
         raise NotImplementedError(f"grid axis {p.axis} is not supported")
-    if getattr(p, "codebook", None) is not None:  # bitsandbytes NF4/FP4: a table lookup, the torch path
-        return dequantize_codebook_torch(grid.codes, p.scales, p.codebook, p.group_size, dtype)
+    if getattr(p, "codebook", None) is not None:  # bitsandbytes NF4/FP4, float grids: a table lookup, the torch path
+        return dequantize_codebook_torch(grid.codes, p.effective_scales(), p.codebook, p.group_size, dtype,
+                                         post_scale=p.post_scale)
     if getattr(p, "scale_steps", None) is not None:  # bitsandbytes LLM.int8's two float32 roundings
         pre, factor = p.scale_steps
         return dequantize_two_step_torch(grid.codes, p.zeros, pre, factor, p.group_size, dtype)

@@ -63,19 +63,40 @@ def dequantize_axis0_torch(codes: torch.Tensor, scales: torch.Tensor, zeros: tor
     return w if dtype == w.dtype else w.to(dtype)
 
 
+_CODEBOOK_BAND = 1 << 18  # elements of a codebook grid decoded at once
+
+
 def dequantize_codebook_torch(codes: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor, group_size: int,
-                              dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Codebook grids (bitsandbytes NF4/FP4): W[n, k] = codebook[q[n, k]] * scales[n, k // group_size].
+                              dtype: torch.dtype = torch.float32, post_scale: torch.Tensor | None = None
+                              ) -> torch.Tensor:
+    """Codebook grids (bitsandbytes NF4/FP4, float grids): W[n, k] = codebook[q[n, k]] * scales[n, k // group_size]
+    (times `post_scale` afterwards when given: llama.cpp's NVFP4 `.scale`).
 
     The operations of bitsandbytes 0.50 backends/default/ops.py _dequantize_4bit_compute (its CPU C kernel
     gives the same bits): the float32 table value times the float32 block absmax, one float32 rounding,
-    then one cast to the output dtype."""
+    then one cast to the output dtype. A row whose last group is partial (compressed-tensors' padded fp8
+    blocks) takes the gather path."""
     out_features, in_features = codes.shape
-    values = codebook.to(codes.device, torch.float32)[codes.to(torch.int64)]
+    table = codebook.to(codes.device, torch.float32)
     s = scales.to(codes.device, torch.float32)
-    w = values.view(out_features, in_features // group_size, group_size) * s[:, :, None]
-    w = w.view(out_features, in_features)
-    return w if dtype == w.dtype else w.to(dtype)
+    post = None if post_scale is None else post_scale.to(codes.device, torch.float32)
+    col_group = None if in_features % group_size == 0 else \
+        torch.arange(in_features, device=codes.device) // group_size
+    out = torch.empty((out_features, in_features), dtype=dtype, device=codes.device)
+    # a band of rows at a time: the table lookup's index and values are a band, not the tensor (an FP8 weight
+    # is 1 byte an element on disk; the whole-tensor temporaries would be 16)
+    step = max(1, _CODEBOOK_BAND // max(1, in_features))
+    for r0 in range(0, out_features, step):
+        r1 = min(out_features, r0 + step)
+        values = table[codes[r0:r1].to(torch.int64)]
+        if col_group is None:
+            w = (values.view(r1 - r0, in_features // group_size, group_size) * s[r0:r1, :, None]).view(r1 - r0, -1)
+        else:
+            w = values * s[r0:r1][:, col_group]
+        if post is not None:
+            w = w * post
+        out[r0:r1] = w
+    return out
 
 
 def dequantize_two_step_torch(codes: torch.Tensor, zeros: torch.Tensor, pre_scales: torch.Tensor, factor: float,

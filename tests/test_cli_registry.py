@@ -206,6 +206,27 @@ def _example_argv(example: str, sources: dict[str, Path], out: Path) -> list[str
     return [command, str(sources[get_format(fmt).name]), str(out), *argv[4:]]
 
 
+def _by_path(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _fp8_llama(fx, tmp_path: Path) -> Path:
+    """The tiny llama in FP8 by transformers' own quantizer (tests/fixtures_float.py)."""
+    return _by_path("fixtures_float").fp8_checkpoint(fx["bases"]["base"], tmp_path / "fp8", block=(16, 32),
+                                                      rule="transformers")
+
+
+def _gpt_oss_mxfp4(tmp_path: Path) -> Path:
+    """The tiny gpt-oss in gpt-oss's MXFP4 checkpoint form (tests/fixtures_archs.py)."""
+    fa = _by_path("fixtures_archs")
+    return fa.gpt_oss_mxfp4_checkpoint(fa.build_arch_model(tmp_path / "gpt-oss", "gpt_oss"), tmp_path / "gpt-oss-mxfp4")
+
+
 def test_every_example_runs_as_written(fx, tmp_path, capsys):
     """The examples --help shows and the registry holds are commands that succeed (without --allow-requant
     where they give none: their conversions are exact or near-exact)."""
@@ -213,7 +234,9 @@ def test_every_example_runs_as_written(fx, tmp_path, capsys):
     assert _run_main(capsys, "gptq->gguf", _gptq(fx), gguf_q4_0, "--quiet")[0] == 0
     sources = {"gptq": fx["variants"]["v1_b4_gm1_sym"]["ckpt"], "hf": fx["bases"]["base"], "gguf": gguf_q4_0,
                "bitsandbytes": PRODUCER_FIXTURES / "bitsandbytes" / "int8",
-               "compressed-tensors": PRODUCER_FIXTURES / "compressed_tensors" / "w4a16_g32_sym"}
+               "compressed-tensors": PRODUCER_FIXTURES / "compressed_tensors" / "w4a16_g32_sym",
+               "modelopt": PRODUCER_FIXTURES / "modelopt" / "mxfp4", "fp8": _fp8_llama(fx, tmp_path),
+               "mxfp4": _gpt_oss_mxfp4(tmp_path)}
     ran = 0
     for entry in all_formats():
         for i, example in enumerate(entry.examples):

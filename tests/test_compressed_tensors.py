@@ -39,9 +39,16 @@ def _sha(w: torch.Tensor) -> str:
 
 
 def _as_runtime(rec, dtype: torch.dtype) -> torch.Tensor:
-    """Our values as compressed-tensors' runtime holds them: grids rounded once to its compute dtype."""
+    """Our values as compressed-tensors' runtime holds them: grids rounded once to its compute dtype. Its fp4
+    decompression (nvfp4 / mxfp4) computes in float32 and returns bf16 (compressors/nvfp4 unpack_fp4_from_uint8's
+    dtype), which a loader then casts to the model's dtype: two roundings there."""
     item = rec.load()
-    return item.dequantize(torch.float32).to(dtype) if rec.is_grid else item.tensor
+    if not rec.is_grid:
+        return item.tensor
+    w = item.dequantize(torch.float32)
+    if rec.params.element == "e2m1":
+        w = w.to(torch.bfloat16)
+    return w.to(dtype)
 
 
 def _ct_model(path: Path, dtype=torch.float32):
@@ -187,18 +194,22 @@ def test_ct_to_gguf_is_exact_and_runs_in_llama_cpp(case, gguf_type, prompt, tmp_
     assert np.abs(got - ref).max() <= LOGIT_TOLERANCE * spread, (np.abs(got - ref).max(), spread)
 
 
-@pytest.mark.parametrize("case", ["fp8_dynamic", "nvfp4a16"])
-def test_float_weights_convert_as_dense_tensors(case, tmp_path):
-    """fp8 / nvfp4 weights have no integer grid: they are the dense tensors compressed-tensors decompresses to,
-    kept exactly in GGUF's F16 / BF16."""
+@pytest.mark.parametrize("case", ["fp8_dynamic", "fp8_block"])
+def test_fp8_weights_are_float_grids_kept_exactly_in_f32_and_requantized_on_request(case, tmp_path):
+    """fp8 weights are float grids (e4m3 codes times their scales): GGUF has no FP8 type, so the default Q8_0 is
+    refused naming the aligned choice, F32 holds the grid's values exactly, and --allow-requant quantizes them."""
+    err = expect_user_error("ct->gguf", ROOT / case, tmp_path, "refused", "e4m3", "--type f32")
+    assert "Q8_0" in err
     out, report = tmp_path / "m.gguf", tmp_path / "r.json"
-    run_cli("ct->gguf", ROOT / case, out, "--report", report)
+    run_cli("ct->gguf", ROOT / case, out, "--type", "f32", "--report", report)
     tensors = json.loads(report.read_text())["tensors"]
     assert all(t["verdict"] == "exact" and t["max_abs_err"] == 0.0 for t in tensors)
     src = CtSource(ROOT / case)
-    assert "dense" in src.describe()["layout"]
     for rec, decoded in _gguf_decoded(src, out):
-        assert torch.equal(decoded, rec.load().tensor.to(torch.float32)), rec.name
+        assert torch.equal(decoded, rec.load().dequantize(torch.float32)), rec.name
+    run_cli("ct->gguf", ROOT / case, out, "--type", "q8_0", "--allow-requant", "--report", report, "--force")
+    fp8 = [t for t in json.loads(report.read_text())["tensors"] if t["source"].startswith("fp8")]
+    assert len(fp8) == 7 and all(t["verdict"] == "requantize" and 0 < t["max_abs_err"] < 0.01 for t in fp8)
 
 
 # -- compressed-tensors -> GPTQ ---------------------------------------------------------------------------

@@ -66,8 +66,60 @@ def _bitsandbytes_sample(dense: Path, tmp: Path) -> Path:
     return tmp / "bnb"
 
 
-# Per format that reads but cannot write: a function (source folder, destination folder) -> a sample of it.
-READ_ONLY_SAMPLES: dict = {"awq": _awq_sample, "auto-round": _auto_round_sample, "bitsandbytes": _bitsandbytes_sample}
+def _load_by_path(name: str, path: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _fp8_sample(dense: Path, tmp: Path) -> Path:
+    """transformers' own FineGrainedFP8 quantizer (Fp8Quantize) in 16x32 blocks (tests/fixtures_float.py)."""
+    ff = _load_by_path("fixtures_float", Path(__file__).with_name("fixtures_float.py"))
+    return ff.fp8_checkpoint(dense, tmp / "fp8", block=(16, 32), rule="transformers")
+
+
+def _modelopt_sample(dense: Path, tmp: Path) -> tuple[Path, Path]:
+    """ModelOpt's NVFP4 export (tests/producer_fixtures/modelopt/nvfp4, made on CPU by scripts/producers/modelopt.py
+    from a base it rebuilds here: the tiny llama, seed 1234, one layer), and that base as the source."""
+    producer = _load_by_path("modelopt_producer", PRODUCERS / "modelopt.py")
+    base = producer.build_base(tmp / "modelopt-base")
+    sample = tmp / "modelopt"
+    shutil.copytree(Path(__file__).parent / "producer_fixtures" / "modelopt" / "nvfp4", sample,
+                    ignore=shutil.ignore_patterns("oracle.json"))
+    return sample, base
+
+
+def _mxfp4_sample(dense: Path, tmp: Path) -> tuple[Path, Path]:
+    """gpt-oss's MXFP4 form of the tiny gpt-oss (tests/fixtures_archs.py), and as its source the same model with
+    every fused expert tensor split into the per-expert [out, in] weights the reader names (gate_up's rows
+    alternate gate and up)."""
+    from safetensors.torch import load_file, save_file
+
+    fa = _load_by_path("fixtures_archs", Path(__file__).with_name("fixtures_archs.py"))
+    gpt_oss = fa.build_arch_model(tmp / "gpt-oss", "gpt_oss")
+    sample = fa.gpt_oss_mxfp4_checkpoint(gpt_oss, tmp / "mxfp4")
+    split = {}
+    for name, t in load_file(str(gpt_oss / "model.safetensors")).items():
+        head, _, what = name.rpartition(".")
+        if what in ("gate_up_proj", "down_proj") and head.endswith(".experts"):
+            for e, w in enumerate(t.transpose(1, 2)):  # [E, in, out] -> per expert [out, in]
+                parts = {"down_proj": w} if what == "down_proj" else {"gate_proj": w[0::2], "up_proj": w[1::2]}
+                split.update({f"{head}.{e}.{p}.weight": x.contiguous() for p, x in parts.items()})
+        else:
+            split[name] = t
+    source = tmp / "mxfp4-source"
+    source.mkdir()
+    save_file(split, str(source / "model.safetensors"))
+    return sample, source
+
+
+# Per format that reads but cannot write: a function (source folder, destination folder) -> a sample of it, or
+# (sample, the dense folder it stands for) when the sample is not made from the shared dense source.
+READ_ONLY_SAMPLES: dict = {"awq": _awq_sample, "auto-round": _auto_round_sample, "bitsandbytes": _bitsandbytes_sample,
+                           "fp8": _fp8_sample, "modelopt": _modelopt_sample, "mxfp4": _mxfp4_sample}
 
 VERDICTS = {"exact", "near-exact", "requantize"}  # "refused" never reaches a written output
 
@@ -220,6 +272,9 @@ def test_format_contract(fmt, dense_source, tmp_path, capsys):
             f"format {fmt!r} only reads: add a function making a sample of it from the dense source to "
             "tests/test_format_contract.py's READ_ONLY_SAMPLES")
         sample = READ_ONLY_SAMPLES[fmt](dense_source, tmp_path)
+        if isinstance(sample, tuple):
+            sample, dense_source = sample
+        capsys.readouterr()  # what building the sample printed (transformers' progress bars) is not the CLI's
     if not entry.can_read:
         return  # a write-only format: nothing can read its output back here
     read_half(entry, sample, dense_source, report)

@@ -25,7 +25,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 CODE_ROOTS = ("converters", "formats", "kernels")
 FORMATS = {"gguf", "gptq", "gptq-v2", "hf", "hqq", "qqq", "uqff", "compressed-tensors", "mlx", "awq", "auto-round",
-           "bitsandbytes"}
+           "bitsandbytes", "fp8", "modelopt", "mxfp4"}
 PRODUCED = REPO / "tests" / "producer_fixtures"  # checkpoints the formats' own producers made
 # never in a built distribution (the sdist holds only what builds the wheel, plus README and LICENSE)
 NOT_SHIPPED = ("tests/", "scripts/", "examples/", ".venv", ".git/", "_fixtures", "__pycache__", ".pyc")
@@ -180,7 +180,20 @@ def test_fresh_venv_lists_and_converts_every_format(fresh, fx, tmp_path):
         (script, "awq->gptq-v2", PRODUCED / "awq" / "gemm_g32", t / "awq"),  # read awq
         (py, "auto-round->gguf", PRODUCED / "auto_round" / "sym4_g32", t / "ar.gguf"),  # read auto-round
         (script, "bnb->hf", PRODUCED / "bitsandbytes" / "nf4_dq", t / "bnb"),  # read bitsandbytes
+        (py, "modelopt->gguf", PRODUCED / "modelopt" / "nvfp4", t / "nvfp4.gguf"),  # read modelopt, NVFP4 blocks
+        (script, "gguf->uqff", t / "mx.gguf", t / "mx-uqff"),  # read gguf MXFP4, write uqff mxfp4
+        (py, "fp8->hf", t / "fp8", t / "fp8-hf"),             # read fp8 (made below from a checkpoint here)
     ]
+    steps.append((script, "mxfp4->gguf", t / "gpt-oss-mxfp4", t / "gpt-oss.gguf"))  # read gpt-oss MXFP4
+    import fixtures
+    import fixtures_archs
+    import fixtures_float
+
+    fixtures_float.fp8_checkpoint(fixtures.ensure_base(fixtures.DEFAULT_ROOT, "base"), t / "fp8", block=(16, 32),
+                                  rule="transformers")
+    fixtures_archs.gpt_oss_mxfp4_checkpoint(fixtures_archs.build_arch_model(t / "gpt-oss", "gpt_oss"),
+                                            t / "gpt-oss-mxfp4")
+    _in_fresh(fresh, script, "modelopt->gguf", PRODUCED / "modelopt" / "mxfp4", t / "mx.gguf", "--quiet")
     for entry, *args in steps:
         cmd = [entry] if entry == script else [py, "-m", "qconvert"]
         _in_fresh(fresh, *cmd, *args, "--quiet")

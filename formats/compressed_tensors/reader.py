@@ -7,9 +7,13 @@ Per quantized module `<prefix>` (tensors as compressed-tensors' compressors writ
 - int-quantized / naive-quantized: `weight` int8 [out, in] (signed codes), `weight_scale`, optional
   `weight_zero_point` int8 [out, G] (signed).
   Both become a Grid: codes = signed + 2**(b-1), zeros = signed zero + 2**(b-1) (the mid code when symmetric).
-- float-quantized (fp8 e4m3 `weight` + `weight_scale`) and nvfp4-pack-quantized (`weight_packed` uint8 two
-  e2m1 codes per byte, low nibble first, fp8 `weight_scale` per 16, float32 `weight_global_scale`): no integer
-  grid fits, so they are read as Dense tensors equal to compressed-tensors' own decompression.
+- float-quantized (fp8 e4m3 `weight` + `weight_scale`: tensor, channel, group or [rows, columns] block
+  strategy, blocks at the edges padded), nvfp4-pack-quantized (`weight_packed` uint8 two e2m1 codes per byte,
+  low nibble first, fp8 `weight_scale` per 16, float32 `weight_global_scale`, the divisor of every block scale)
+  and mxfp4-pack-quantized (the same packing, a uint8 E8M0 `weight_scale` per 32): float grids (codes index the
+  element format's values; converters/records.py), whose dequantization equals compressed-tensors' own
+  decompression bit for bit once rounded to its dtype (forward_helpers._dequantize: the scale over the global
+  scale in float32, the product, then the cast; every fp8/fp4 product with a block scale is exact in float32).
 Activation quantization parameters (`input_scale`, ...) describe a runtime choice, not the weights; they are
 listed in describe() and not carried.
 """
@@ -22,11 +26,12 @@ from typing import Iterator
 import torch
 
 from ...converters.errors import BadInput
-from ...converters.records import Dense, Grid, GridParams, TensorRecord
+from ...converters.records import Grid, GridParams, TensorRecord
 from ...converters.validate import ConfigView
 from ..model_shapes import ModelShapes
 from ..safetensors_dir import CheckpointDir, CheckpointSource, read_json
-from .schemes import DENSE_FORMATS, INT_FORMATS, QuantArgs, parse_rules, unpack_dense
+from ...kernels.floatq import element_table, unpack_fp4
+from .schemes import FLOAT_FORMATS, FP4_FORMATS, INT_FORMATS, QuantArgs, parse_rules, unpack_dense
 
 __all__ = ["CtSource", "open_ct", "WEIGHT_PARTS"]
 
@@ -36,7 +41,6 @@ WEIGHT_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_sh
 _RUNTIME_PARTS = ("input_scale", "input_zero_point", "input_global_scale", "output_scale", "output_zero_point",
                   "k_scale", "v_scale", "q_scale")
 _SCALE_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
-_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
 
 
 def _quant_config(path: Path, cfg: dict) -> dict:
@@ -92,13 +96,16 @@ class CtSource(CheckpointSource):
             if args is None:
                 why = "is in the ignore list" if self.rules.ignored(prefix) else "matches no config group target"
                 raise BadInput(f"module is stored quantized but {why}", path=where, tensor=found["weight_scale"])
-            if args.fmt in ("pack-quantized", "nvfp4-pack-quantized") and "weight_packed" not in found:
+            if args.fmt in ("pack-quantized", *FP4_FORMATS) and "weight_packed" not in found:
                 raise BadInput(f"format {args.fmt} but no weight_packed", path=where, tensor=f"{prefix}.weight_packed")
-            if args.fmt not in ("pack-quantized", "nvfp4-pack-quantized") and f"{prefix}.weight" not in self.ckpt.location:
+            if args.fmt not in ("pack-quantized", *FP4_FORMATS) and f"{prefix}.weight" not in self.ckpt.location:
                 raise BadInput(f"format {args.fmt} but no weight", path=where, tensor=f"{prefix}.weight")
-            if args.fmt in INT_FORMATS and args.type != "int":
+            if (args.fmt in INT_FORMATS) != (args.type == "int"):
                 raise BadInput(f"config group {args.group} has {args.type} weights in format {args.fmt}", path=where,
                                tensor=found["weight_scale"])
+            if args.fmt in FLOAT_FORMATS and args.num_bits != (8 if args.fmt == "float-quantized" else 4):
+                raise BadInput(f"config group {args.group} has {args.num_bits}-bit weights in format {args.fmt}",
+                               path=where, tensor=found["weight_scale"])
             if args.fmt == "pack-quantized" and "weight_shape" not in found:
                 raise BadInput("weight_packed without weight_shape", path=where, tensor=f"{prefix}.weight_shape")
             if args.fmt in INT_FORMATS and not args.symmetric and "weight_zero_point" not in found:
@@ -136,7 +143,7 @@ class CtSource(CheckpointSource):
                 raise self._bad(f"weight_packed shape {self.ckpt.shape(pname)} does not match weight_shape "
                                 f"({out_f}, {in_f}) at {args.num_bits} bits: expected {want}", pname)
             return out_f, in_f
-        if args.fmt == "nvfp4-pack-quantized":
+        if args.fmt in FP4_FORMATS:
             pname = parts["weight_packed"]
             self._dtype_is(pname, ("U8",))
             shape = self.ckpt.shape(pname)
@@ -154,7 +161,11 @@ class CtSource(CheckpointSource):
         return shape
 
     def _groups(self, args: QuantArgs, in_f: int, tensor: str) -> tuple[int, int]:
-        """(group size, number of groups) of a weight's scales, per strategy (forward.py _process_group)."""
+        """(group size, number of groups) of a weight's scales, per strategy (forward.py _process_group; blocks:
+        _process_block pads the last block of a row)."""
+        if args.strategy == "block":
+            width = args.block_structure[1]
+            return width, -(-in_f // width)
         if args.strategy in ("group", "tensor_group"):
             if in_f % args.group_size:
                 raise self._bad(f"in_features {in_f} is not a multiple of group_size {args.group_size}", tensor)
@@ -162,15 +173,23 @@ class CtSource(CheckpointSource):
         return in_f, 1
 
     def _scales(self, args: QuantArgs, parts: dict[str, str], out_f: int, n_groups: int) -> torch.Tensor:
+        """[out, n_groups] in the stored dtype (mxfp4's E8M0 bytes as float8_e8m0fnu); a per-tensor scale is
+        expanded to every row, a block scale to every row of its block."""
         name = parts["weight_scale"]
-        allowed = ("F8_E4M3",) if args.fmt == "nvfp4-pack-quantized" else tuple(_SCALE_DTYPES)
+        allowed = {"nvfp4-pack-quantized": ("F8_E4M3",), "mxfp4-pack-quantized": ("U8",)}.get(args.fmt,
+                                                                                           tuple(_SCALE_DTYPES))
         self._dtype_is(name, allowed)
         shape = self.ckpt.shape(name)
-        want = ((1,), (1, 1)) if args.strategy == "tensor" else ((out_f, n_groups),)
+        rows = -(-out_f // args.block_structure[0]) if args.strategy == "block" else out_f
+        want = ((1,), (1, 1)) if args.strategy == "tensor" else ((rows, n_groups),)
         if shape not in want:
             raise self._bad(f"weight_scale shape {shape} does not match {args.strategy} strategy of a ({out_f}, "
                             f"in) weight: expected {want[0]}", name)
         s = self.ckpt.get(name)
+        if args.fmt == "mxfp4-pack-quantized":
+            s = s.view(torch.float8_e8m0fnu)
+        if args.strategy == "block":
+            return s.repeat_interleave(args.block_structure[0], dim=0)[:out_f].contiguous()
         return s.reshape(1, 1).expand(out_f, 1).contiguous() if args.strategy == "tensor" else s
 
     def _zeros(self, args: QuantArgs, parts: dict[str, str], out_f: int, n_groups: int) -> torch.Tensor:
@@ -219,15 +238,37 @@ class CtSource(CheckpointSource):
         self.shapes.check_linear(prefix, out_f, in_f, self.ckpt.file_of(primary), primary, f"{primary} shape")
         group, n_groups = self._groups(args, in_f, parts["weight_scale"])
         scales = self._scales(args, parts, out_f, n_groups)
+        if args.fmt in FLOAT_FORMATS:
+            return self._float_params(args, parts, scales, group), (out_f, in_f)
         zeros = self._zeros(args, parts, out_f, n_groups)
         g_idx = self._g_idx(args, parts, in_f, group, n_groups)
         params = GridParams(bits=args.num_bits, group_size=group, scales=scales, zeros=zeros, g_idx=g_idx)
         return params, (out_f, in_f)
 
+    def _float_params(self, args: QuantArgs, parts: dict[str, str], scales: torch.Tensor, group: int) -> GridParams:
+        """A float grid: e4m3 codes (float-quantized) or e2m1 codes (fp4 formats), nvfp4's global scale the
+        divisor of its block scales (forward_helpers._dequantize: scale / global_scale)."""
+        element = "e4m3" if args.fmt == "float-quantized" else "e2m1"
+        global_scale = None
+        if args.fmt == "nvfp4-pack-quantized":
+            gname = parts["weight_global_scale"]
+            self._dtype_is(gname, ("F32", "BF16", "F16"))
+            if self.ckpt.shape(gname) not in ((1,), (), (1, 1)):
+                raise self._bad(f"weight_global_scale shape {self.ckpt.shape(gname)} is not one value", gname)
+            global_scale = self.ckpt.get(gname).reshape(())
+        rows = args.block_structure[0] if args.strategy == "block" else 1
+        return GridParams(bits=8 if element == "e4m3" else 4, group_size=group, scales=scales,
+                          zeros=torch.zeros(scales.shape, dtype=torch.int8), codebook=element_table(element),
+                          global_scale=global_scale, global_scale_op="div", block_rows=rows)
+
     # -- loading -----------------------------------------------------------------------------------
     def _load_grid(self, prefix: str) -> Grid:
         args, parts = self.modules[prefix]
         params, (out_f, in_f) = self._params(prefix)
+        if args.fmt == "float-quantized":
+            return Grid(params, codes=self.ckpt.get(parts["weight"]).view(torch.uint8))
+        if args.fmt in FP4_FORMATS:
+            return Grid(params, codes=unpack_fp4(self.ckpt.get(parts["weight_packed"])))
         if args.fmt == "pack-quantized":
             codes = unpack_dense(self.ckpt.get(parts["weight_packed"]), args.num_bits, in_f)
         else:
@@ -238,34 +279,6 @@ class CtSource(CheckpointSource):
                                 f"{args.num_bits}-bit range", parts["weight"])
             codes = (q + args.offset).to(torch.uint8)
         return Grid(params, codes=codes)
-
-    def _dense_fp8(self, prefix: str) -> Dense:
-        """float-quantized: _dequantize(x_q, scale) = x_q.to(scale.dtype) * scale, in the scale's dtype."""
-        args, parts = self.modules[prefix]
-        out_f, in_f = self._shape(args, parts)
-        group, n_groups = self._groups(args, in_f, parts["weight_scale"])
-        s = self._scales(args, parts, out_f, n_groups)
-        w = self.ckpt.get(parts["weight"]).to(s.dtype)
-        return Dense((w.view(out_f, n_groups, group) * s.unsqueeze(-1)).reshape(out_f, in_f))
-
-    def _dense_nvfp4(self, prefix: str) -> Dense:
-        """nvfp4-pack-quantized decompress (compressors/nvfp4): e2m1 codes (low nibble first) as bf16 values,
-        the fp8 scale cast to bf16, divided by the float32 global scale (float32), x_q * scale in float32,
-        the product cast to bf16."""
-        args, parts = self.modules[prefix]
-        out_f, in_f = self._shape(args, parts)
-        group, n_groups = self._groups(args, in_f, parts["weight_scale"])
-        scale = self._scales(args, parts, out_f, n_groups).to(torch.bfloat16)
-        gname = parts["weight_global_scale"]
-        self._dtype_is(gname, ("F32", "BF16", "F16"))
-        global_scale = self.ckpt.get(gname)
-        packed = self.ckpt.get(parts["weight_packed"]).flatten()
-        nibbles = torch.stack((packed & 0x0F, packed >> 4), dim=1).flatten().to(torch.int64)
-        values = _E2M1[nibbles & 0x07] * torch.where((nibbles & 0x08) != 0, -1.0, 1.0)
-        x_q = values.reshape(out_f, in_f).to(torch.bfloat16)
-        eff = scale / global_scale
-        w = x_q.view(out_f, n_groups, group).to(eff.dtype) * eff.unsqueeze(-1)
-        return Dense(w.reshape(out_f, in_f).to(torch.bfloat16))
 
     # -- the ModelSource interface -----------------------------------------------------------------
     def records(self) -> Iterator[TensorRecord]:
@@ -284,15 +297,6 @@ class CtSource(CheckpointSource):
                 yield self.ckpt.dense_record(name, shard)
 
     def _record(self, prefix: str, shard: str) -> TensorRecord:
-        args, parts = self.modules[prefix]
-        if args.fmt in DENSE_FORMATS:
-            out_f, in_f = self._shape(args, parts)
-            self._groups(args, in_f, parts["weight_scale"])
-            load = self._dense_fp8 if args.fmt == "float-quantized" else self._dense_nvfp4
-            dtype = "bfloat16" if args.fmt == "nvfp4-pack-quantized" else \
-                str(_SCALE_DTYPES[self._dtype_is(parts["weight_scale"], tuple(_SCALE_DTYPES))])[6:]
-            return TensorRecord(f"{prefix}.weight", (out_f, in_f), dtype, lambda p=prefix: load(p), source_file=shard,
-                                lossy_standin="")
         params, shape = self._params(prefix)
         return TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p), params=params,
                             source_file=shard)
@@ -301,7 +305,8 @@ class CtSource(CheckpointSource):
         schemes = {}
         for prefix, (args, _) in self.modules.items():
             key = (f"{args.fmt} {args.type}{args.num_bits} {args.strategy}"
-                   + (f" g{args.group_size}" if args.strategy == "group" else "")
+                   + (f" g{args.group_size}" if args.strategy in ("group", "tensor_group") else "")
+                   + (f" {args.block_structure[0]}x{args.block_structure[1]}" if args.block_structure else "")
                    + (" sym" if args.symmetric else " asym") + (f" actorder {args.actorder}" if args.actorder else ""))
             schemes[key] = schemes.get(key, 0) + 1
         desc = {"format": self.format_name, "compression_format": self.global_format,
@@ -309,8 +314,9 @@ class CtSource(CheckpointSource):
                 "ignore": self.rules.ignore, "schemes": schemes, "quantized_modules": len(self.modules),
                 "shards": len(self.ckpt.shards),
                 "layout": "int weights: codes = signed + 2**(b-1), packed densely LSB-first along inputs "
-                          "(weight_packed int32); fp8 / nvfp4 weights are read as dense tensors equal to "
-                          "compressed-tensors' own decompression (no integer grid holds them)",
+                          "(weight_packed int32); fp8 / nvfp4 / mxfp4 weights are float grids (e4m3 / e2m1 codes "
+                          "times block scales, nvfp4's divided by its global scale), equal to compressed-tensors' "
+                          "own decompression",
                 "ignored_files": self.ignored_files}
         if self.runtime_params:
             desc["activation_quantization"] = (f"{len(self.runtime_params)} activation/kv-cache scale tensors "

@@ -37,12 +37,15 @@ from ...converters.records import GridParams
 from ...converters.validate import ConfigView
 
 __all__ = ["QuantArgs", "ModuleRules", "parse_rules", "pack_dense", "unpack_dense", "CT_PACK", "READ_FORMATS",
-           "STRATEGIES", "INT_FORMATS"]
+           "STRATEGIES", "INT_FORMATS", "FLOAT_FORMATS", "FP4_FORMATS"]
 
 # formats this reader reads (config `format`, global or per group)
 INT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
-DENSE_FORMATS = ("float-quantized", "nvfp4-pack-quantized")
-READ_FORMATS = INT_FORMATS + DENSE_FORMATS + ("dense",)
+# float element formats, read as float grids (converters/records.py): float-quantized (fp8 e4m3 `weight`),
+# nvfp4-pack-quantized and mxfp4-pack-quantized (two e2m1 codes a byte in `weight_packed`)
+FLOAT_FORMATS = ("float-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
+FP4_FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized")
+READ_FORMATS = INT_FORMATS + FLOAT_FORMATS + ("dense",)
 STRATEGIES = ("tensor", "channel", "group")  # what a weight's scales may be laid out as here
 _ALL_STRATEGIES = ("tensor", "channel", "group", "block", "token", "tensor_group", "attn_head")
 
@@ -60,6 +63,7 @@ class QuantArgs:
     fmt: str  # the group's format (or the global one)
     group: str  # the config group's name, for messages
     activations: bool  # input or output activations are quantized as well (a runtime choice, not kept)
+    block_structure: tuple[int, int] | None = None  # strategy "block": (rows, columns) sharing one scale
 
     @property
     def offset(self) -> int:
@@ -88,9 +92,18 @@ def _weights_args(view: ConfigView, fmt: str, group: str) -> QuantArgs:
     if strategy not in _ALL_STRATEGIES:
         raise BadInput(f"{w.prefix}strategy is {strategy!r}: compressed-tensors defines "
                        f"{', '.join(_ALL_STRATEGIES)}", path=view.path)
-    if strategy not in STRATEGIES and not (strategy == "tensor_group" and fmt == "nvfp4-pack-quantized"):
+    if strategy not in STRATEGIES and not (strategy == "tensor_group" and fmt == "nvfp4-pack-quantized") \
+            and not (strategy == "block" and fmt == "float-quantized"):
         raise BadInput(f"{w.prefix}strategy {strategy!r} is not read (weights in {', '.join(STRATEGIES)} "
-                       "strategies are)", path=view.path)
+                       "strategies are, fp8 in blocks too)", path=view.path)
+    block = None
+    if strategy == "block":  # forward_helpers._process_block: [rows, columns] per scale, edge blocks padded
+        block = w.get("block_structure")
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and 0 < b <= 1 << 16
+                                                                    for b in block)):
+            raise BadInput(f"{w.prefix}block_structure is {block!r}: expected [rows, columns] of a block",
+                           path=view.path)
+        block = tuple(block)
     if strategy in ("group", "tensor_group") and (group_size is None or group_size <= 0):
         raise BadInput(f"{w.prefix}strategy {strategy!r} needs a positive group_size, not {group_size}",
                        path=view.path)
@@ -102,7 +115,7 @@ def _weights_args(view: ConfigView, fmt: str, group: str) -> QuantArgs:
                        path=view.path)
     acts = any(view.get(k) is not None for k in ("input_activations", "output_activations"))
     return QuantArgs(bits, qtype, w.bool("symmetric", default=True), strategy, group_size,
-                     actorder or None, fmt, group, acts)
+                     actorder or None, fmt, group, acts, block)
 
 
 def match_name(name: str, target: str) -> bool:

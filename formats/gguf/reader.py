@@ -9,8 +9,11 @@ ggml order under llama.cpp names, each in one ggml type. Reading turns it back i
 - F32/F16/BF16 tensors as `Dense`; the block types whose structure is a grid (legacy Q4_0..Q8_0 and the
   K types Q2_K..Q6_K) as `Grid`s whose float32 dequantization equals gguf-py's bit for bit, carrying
   the original block bytes as `PackedCodes(layout="ggml:<TYPE>")` so a writer of the same type copies
-  blocks instead of re-encoding them; every other type gguf-py can decode (IQ*, TQ*, MXFP4, NVFP4)
-  as `Dense` float32 from `gguf.quants.dequantize` (their codebooks are not grids).
+  blocks instead of re-encoding them; MXFP4 and NVFP4 as float grids (E2M1 codes times E8M0 / E4M3 block
+  scales; an NVFP4 weight's `<name>.scale` tensor, which llama.cpp multiplies its matmul by, is the grid's
+  "post" global scale, and is not a record of its own), also carrying their block bytes; every other type
+  gguf-py can decode (IQ*, TQ*) as `Dense` float32 from `gguf.quants.dequantize` (their codebooks are not
+  grids), IQ4_NL and IQ4_XS with their block bytes too (`CodebookDense`) so the same type copies them.
 
 Files are memory-mapped and tensors are read one at a time. Before gguf-py's reader sees a file, a
 bounded walk of its header (`scan_header`) checks every count and length against the bytes that remain,
@@ -41,10 +44,11 @@ import torch
 from ...converters.errors import BadInput
 from ...converters.records import Dense, Grid, GridParams, PackedCodes, TensorRecord
 from ...kernels.ggml_kblocks import K_ZERO_POINT, unpack_k_blocks
-from ...kernels.ggml_layouts import LAYOUTS
+from ...kernels import floatq
+from ...kernels.ggml_layouts import CODEBOOK_LAYOUTS, FP4_LAYOUTS, LAYOUTS
 from ...kernels.ggml_legacy import unpack_blocks
 from .metadata import check_gguf_tensors, config_from_gguf, field_values
-from .archs import arch_by_name, merge_kv_b
+from .archs import arch_by_name, merge_gpt_oss_experts, merge_kv_b
 from .names import expert_member, hf_tensor_name, inverse_permutation, is_expert_stack, qk_row_permutation
 from .tokenizer import tokenizer_files_from_gguf
 
@@ -57,7 +61,26 @@ _INTEGER = {"I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": tor
 GRID_TYPES = tuple(name for name, lay in LAYOUTS.items() if lay.kind != "float")
 # tensors llama.cpp derives from the config (the writer recomputes them): skipped, not refused
 _DERIVED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+# per-tensor scales beside a quantized weight (llama-model.cpp's generic pass: NVFP4's global scale as `.scale`;
+# `.input_scale`, an activation scale llama.cpp loads but does not use): read with their weight, not records
+_WEIGHT_SCALE = re.compile(r"^(?P<weight>.+)\.(?P<kind>scale|input_scale)$")
 _KV_B_HALF = re.compile(r"^blk\.(?P<block>0|[1-9][0-9]*)\.attn_(?P<half>[kv])_b\.weight$")
+# gpt-oss's expert stacks (and their biases), which transformers holds fused: archs.merge_gpt_oss_experts
+_GPT_OSS_STACK = re.compile(r"^blk\.(?P<block>0|[1-9][0-9]*)\.ffn_(?P<role>gate|up|down)_exps\.(?P<kind>weight|bias)$")
+
+
+@dataclass(frozen=True)
+class CodebookDense(Dense):
+    """An IQ4_NL / IQ4_XS tensor: gguf-py's float32 decoding (a codebook is not a grid), with the file's block
+    bytes in HF row order (`PackedCodes` "ggml:<TYPE>", uint8 [rows, row_bytes]) that a GGUF writer of the
+    same type copies (formats/gguf/schemes.py: verdict exact)."""
+
+    packed: PackedCodes | None = None
+
+    def permute_rows(self, perm: torch.Tensor) -> "CodebookDense":
+        """Rows reordered, values and block bytes alike (a row is whole blocks: exact); the GGUF writer's
+        q/k row order, as for a Grid."""
+        return CodebookDense(self.tensor[perm], self.packed.take_rows(perm))
 
 
 def split_parts(path: Path) -> list[Path]:
@@ -451,7 +474,7 @@ class GgufSource:
     def _records(self, path: Path, t) -> Iterator[TensorRecord]:
         """The records of one GGUF tensor: itself, or one per expert of a stacked expert tensor
         (`blk.N.ffn_up_exps.weight` [n_expert, rows, cols] -> `...experts.<e>.up_proj.weight` each)."""
-        if t.name in _DERIVED:
+        if t.name in _DERIVED or _WEIGHT_SCALE.match(t.name):
             return
         name = hf_tensor_name(t.name, self.arch, self.n_layers)
         if name is None:
@@ -473,6 +496,13 @@ class GgufSource:
         inv = None if perm is None else inverse_permutation(perm)
         where = str(path)
         label = t.name if expert is None else f"{t.name}[expert {expert[0]}]"
+        if type_name in FP4_LAYOUTS:
+            if len(shape) != 2:
+                raise BadInput(f"{type_name} tensor of shape {shape}: only 2-D block tensors are supported",
+                               path=path, tensor=t.name)
+            params = self._fp4_parts(t, type_name, path, inv, with_codes=False, expert=expert)[0]
+            return TensorRecord(name, shape, "grid", lambda: self._fp4_grid(t, type_name, path, inv, expert),
+                                params=params, source_file=where, native_type=type_name, source_name=label)
         if type_name in GRID_TYPES:
             if len(shape) != 2:
                 raise BadInput(f"{type_name} tensor of shape {shape}: only 2-D block tensors are supported",
@@ -512,7 +542,63 @@ class GgufSource:
             x = x[inv].contiguous()
         if shift:  # Gemma: the file holds 1 + w (llama.cpp multiplies by it), transformers keeps w
             x = x.to(torch.float32) - shift
+        elif type_name in CODEBOOK_LAYOUTS:  # IQ4_NL / IQ4_XS: the block bytes too, for a writer of the same type
+            row_bytes = CODEBOOK_LAYOUTS[type_name].row_bytes(shape[-1])
+            words = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(-1, row_bytes))
+            if inv is not None:  # rows are whole blocks: permuting byte rows is exact
+                words = words[inv].contiguous()
+            return CodebookDense(x, PackedCodes(words, 4, f"ggml:{type_name}"))
         return Dense(x)
+
+    def _tensor_named(self, name: str):
+        """(path, tensor) of a tensor of any part by its GGUF name, or None."""
+        if getattr(self, "_by_name", None) is None:
+            self._by_name = {t.name: (p, t) for p, r in zip(self.parts, self.readers) for t in r.tensors}
+        return self._by_name.get(name)
+
+    def _post_scale(self, t, path: Path, expert) -> torch.Tensor | None:
+        """The float32 `.scale` llama.cpp multiplies an NVFP4 weight's matmul by ([1], or [experts] for a stack)."""
+        found = self._tensor_named(t.name.removesuffix(".weight") + ".scale")
+        if found is None:
+            return None
+        spath, s = found
+        want = expert[1] if expert is not None else 1
+        values = np.asarray(s.data)
+        if _type_name(s) != "F32" or values.size != want:
+            raise BadInput(f"{s.name} is {_type_name(s)} with {values.size} values: expected F32 with {want} "
+                           f"(the per-tensor scale of {t.name})", path=spath, tensor=s.name)
+        return torch.tensor(float(values.reshape(-1)[expert[0] if expert is not None else 0]), dtype=torch.float32)
+
+    def _fp4_grid(self, t, type_name: str, path: Path, inv, expert=None) -> Grid:
+        params, codes, words = self._fp4_parts(t, type_name, path, inv, with_codes=True, expert=expert)
+        return Grid(params, codes, PackedCodes(words, 4, f"ggml:{type_name}"))
+
+    def _fp4_parts(self, t, type_name: str, path: Path, inv, with_codes: bool, expert=None):
+        """MXFP4 / NVFP4 blocks as a float grid: E2M1 codes, E8M0 (MXFP4) or E4M3 (NVFP4: UE4M3, whose bytes 0
+        and 0x7F both decode to 0 in ggml) scales, NVFP4's `.scale` as a "post" global scale."""
+        lay = FP4_LAYOUTS[type_name]
+        out_features, in_features = int(t.shape[1]), int(t.shape[0])
+        if in_features % lay.block:
+            raise BadInput(f"rows of {in_features} are not whole {type_name} blocks of {lay.block}", path=path,
+                           tensor=t.name)
+        data = np.asarray(t.data)
+        if expert is not None:
+            data = data.reshape(expert[1], -1)[expert[0]]
+        words = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(out_features, lay.row_bytes(in_features)))
+        if inv is not None:
+            words = words[inv].contiguous()
+        unpack = floatq.unpack_ggml_mxfp4 if type_name == "MXFP4" else floatq.unpack_ggml_nvfp4
+        codes, scale_bytes = unpack(words.numpy(), in_features)
+        scale_bytes = torch.from_numpy(scale_bytes)
+        if type_name == "MXFP4":
+            scales, group, post = scale_bytes.view(torch.float8_e8m0fnu), 32, None
+        else:
+            scales = torch.where(scale_bytes == 0x7F, 0, scale_bytes & 0x7F).to(torch.uint8).view(torch.float8_e4m3fn)
+            group, post = 16, self._post_scale(t, path, expert)
+        params = GridParams(bits=4, group_size=group, scales=scales, zeros=torch.zeros(scales.shape, dtype=torch.int8),
+                            codebook=floatq.element_table("e2m1", negative_zero=False),  # ggml's kvalues: code 8 is 0
+                            global_scale=post, global_scale_op="post")
+        return params, (torch.from_numpy(codes) if with_codes else None), words
 
     def _grid(self, t, type_name: str, path: Path, inv, expert=None) -> Grid:
         params, codes, words = self._grid_parts(t, type_name, path, inv, with_codes=True, expert=expert)
@@ -563,8 +649,17 @@ class GgufSource:
     # -- the ModelSource interface --------------------------------------------------------------
     def records(self) -> Iterator[TensorRecord]:
         halves: dict[str, dict[str, tuple[Path, object]]] = {}  # DeepSeek's attn_k_b / attn_v_b waiting for the other
+        gate_up: dict[tuple[str, str], dict[str, tuple[Path, object]]] = {}  # gpt-oss's gate / up stacks, by layer
         for path, reader in zip(self.parts, self.readers):
             for t in reader.tensors:
+                g = _GPT_OSS_STACK.match(t.name) if self.arch == "gpt-oss" else None
+                if g is not None:
+                    pair = gate_up.setdefault((g["block"], g["kind"]), {}) if g["role"] != "down" else {}
+                    pair[g["role"]] = (path, t)
+                    if len(pair) == 2 or "down" in pair:
+                        gate_up.pop((g["block"], g["kind"]), None)
+                        yield self._gpt_oss_record(pair, g["kind"] == "bias")
+                    continue
                 m = _KV_B_HALF.match(t.name) if self.mla else None
                 if m is None:
                     yield from self._records(path, t)
@@ -579,6 +674,39 @@ class GgufSource:
             other = "attn_v_b" if "k" in pair else "attn_k_b"
             raise BadInput(f"{t.name} without blk.{block}.{other}.weight (the two halves of kv_b_proj)", path=path,
                            tensor=t.name)
+        for (block, kind), pair in gate_up.items():
+            path, t = next(iter(pair.values()))
+            other = "up" if "gate" in pair else "gate"
+            raise BadInput(f"{t.name} without blk.{block}.ffn_{other}_exps.{kind} (gpt-oss fuses the two into "
+                           f"gate_up_proj)", path=path, tensor=t.name)
+
+    def _gpt_oss_record(self, parts: dict, bias: bool) -> TensorRecord:
+        """One of gpt-oss's fused expert tensors from llama.cpp's stacks (archs.merge_gpt_oss_experts): gate and
+        up [E, ffn, hidden] -> gate_up_proj [E, hidden, 2 * ffn] interleaved, down [E, hidden, ffn] ->
+        down_proj [E, ffn, hidden], the biases alike (gate_up_proj_bias, down_proj_bias); decoded to float32
+        by gguf-py (check_gguf_tensors has matched every shape with the metadata)."""
+        items = [parts[r] for r in ("gate", "up", "down") if r in parts]
+        shapes = [tuple(int(d) for d in reversed(list(t.shape))) for _, t in items]
+        if len(set(shapes)) != 1 or len(shapes[0]) != (2 if bias else 3):
+            raise BadInput(f"gpt-oss expert stacks of shapes {[list(s) for s in shapes]}: expected "
+                           f"{'[experts, rows]' if bias else '[experts, rows, columns]'}, gate and up alike",
+                           path=items[-1][0], tensor=items[-1][1].name)
+        stack = hf_tensor_name(items[0][1].name, self.arch, self.n_layers)  # ...mlp.experts.gate_proj.weight
+        head = stack[: stack.index(".experts.") + len(".experts.")]
+        name = head + ("down_proj" if "down" in parts else "gate_up_proj") + ("_bias" if bias else "")
+        s = shapes[0]
+        if bias:
+            shape = s if "down" in parts else (s[0], 2 * s[1])
+        else:
+            shape = (s[0], s[2], s[1]) if "down" in parts else (s[0], s[2], 2 * s[1])
+
+        def load() -> Dense:
+            halves = [torch.from_numpy(np.array(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type),
+                                                  dtype=np.float32)).reshape(sh) for (_, t), sh in zip(items, shapes)]
+            return Dense(merge_gpt_oss_experts(*halves, bias=bias))
+
+        return TensorRecord(name, shape, "float32", load, source_file=str(items[0][0]),
+                            source_name=" + ".join(t.name for _, t in items))
 
     def _kv_b_record(self, pair: dict) -> TensorRecord:
         """kv_b_proj from llama.cpp's two MLA halves (archs.merge_kv_b): k_b [heads, kv_lora, nope] and

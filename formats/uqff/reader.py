@@ -28,6 +28,7 @@ import torch
 from ...converters.errors import BadInput
 from ...converters.records import Dense, Grid, GridParams, PackedCodes, TensorRecord
 from ...kernels.ggml_kblocks import K_ZERO_POINT, unpack_k_blocks
+from ...kernels.floatq import element_table, unpack_fp4
 from ...kernels.ggml_layouts import LAYOUTS
 from ...kernels.ggml_legacy import unpack_blocks
 from ...kernels.hqq import axis0_expand
@@ -565,9 +566,8 @@ class UqffSource:
             return tuple(wshape), None, {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[dtype], notes
         if fam == "f8q8":
             return self._shape(key), None, "float32", notes
-        if fam == "mxfp4":
-            return (wshape[0], wshape[1] * 2), None, "float32", notes
-        return tuple(wshape), None, "float32", notes  # fp8
+        shape, params, _ = self._float_grid(key, fam, with_codes=False)  # fp8, mxfp4: float grids
+        return shape, params, "grid", notes
 
     def load_layer(self, key: str) -> Dense | Grid:
         fam = self.family(key)
@@ -582,9 +582,26 @@ class UqffSource:
         w = self._part(key, "weight")
         if fam == "unquant":
             return Dense(w)
+        if fam == "f8q8":
+            shape = self._shape(key)
+            nblocks = self._meta_int(key, "weight.num_blocks", range(1, 1 << 32), "F8Q8 block count")
+            if w.dtype != torch.uint8 or w.numel() != nblocks * 33 or nblocks * 32 < shape[0] * shape[1]:
+                raise self._bad(key, f"F8Q8 weight of {w.numel()} bytes does not hold {nblocks} blocks of 33 "
+                                     f"for shape {list(shape)}")
+            return Dense(decode_f8q8(w, shape[0] * shape[1]).view(shape))
+        if fam in ("fp8", "mxfp4"):
+            shape, params, codes = self._float_grid(key, fam, with_codes=True)
+            return Grid(params, codes=codes)
+        raise self._bad(key, f"family {fam} not readable")
+
+    def _float_grid(self, key: str, fam: str, with_codes: bool):
+        """FP8 (E4M3 codes times one float32 scale, `dequant_w_scale`) and MXFP4 (E2M1 nibbles, low first, times
+        an E8M0 exponent per 32) as float grids: (shape, GridParams, codes or None). Planning (no codes) reads
+        the weight's header only."""
+        dtype, wshape = self.shards.meta(self.layers[key]["weight"])
         if fam == "fp8":
-            if w.dtype != torch.float8_e4m3fn:
-                raise self._bad(key, f"FP8 weight dtype {w.dtype} is not F8_E4M3")
+            if dtype != "F8_E4M3":
+                raise self._bad(key, f"FP8 weight dtype {dtype} is not F8_E4M3")
             if "weight.dtype" in self.layers[key]:
                 self._meta_int(key, "weight.dtype", (FP8_DTYPE_CODE,), "FP8 dtype code (9 = F8E4M3)")
             scale = self._meta_float(key, "weight.dequant_w_scale", "FP8 dequant scale").to(torch.float32)
@@ -593,21 +610,22 @@ class UqffSource:
             if not 0.0 < float(scale) <= _FP8_MAX_SCALE:
                 raise self._bad(key, f"FP8 dequant scale {float(scale):.6g} is outside (0, {_FP8_MAX_SCALE:.6g}]: the "
                                      "weights would be beyond float16's range", "weight.dequant_w_scale")
-            return Dense(w.to(torch.float32) * scale)
-        if fam == "f8q8":
-            shape = self._shape(key)
-            nblocks = self._meta_int(key, "weight.num_blocks", range(1, 1 << 32), "F8Q8 block count")
-            if w.dtype != torch.uint8 or w.numel() != nblocks * 33 or nblocks * 32 < shape[0] * shape[1]:
-                raise self._bad(key, f"F8Q8 weight of {w.numel()} bytes does not hold {nblocks} blocks of 33 "
-                                     f"for shape {list(shape)}")
-            return Dense(decode_f8q8(w, shape[0] * shape[1]).view(shape))
-        if fam == "mxfp4":
-            scales = self._part(key, "weight.scales")
-            if w.dtype != torch.uint8 or scales.dtype != torch.uint8 or w.dim() != 2 or \
-                    tuple(scales.shape) != (w.shape[0], w.shape[1] * 2 // 32):
-                raise self._bad(key, f"MXFP4 weight {list(w.shape)} / scales {list(scales.shape)} do not match")
-            return Dense(decode_mxfp4(w, scales))
-        raise self._bad(key, f"family {fam} not readable")
+            shape = tuple(wshape)
+            scales = scale.reshape(1, 1).expand(shape[0], 1).contiguous()
+            params = GridParams(bits=8, group_size=shape[1], scales=scales,
+                                zeros=torch.zeros(scales.shape, dtype=torch.int8), codebook=element_table("e4m3"),
+                                block_rows=shape[0])
+            codes = self._part(key, "weight").view(torch.uint8) if with_codes else None
+            return shape, params, codes
+        scales = self._part(key, "weight.scales")
+        if dtype != "U8" or scales.dtype != torch.uint8 or len(wshape) != 2 or (wshape[1] * 2) % 32 or \
+                tuple(scales.shape) != (wshape[0], wshape[1] * 2 // 32):
+            raise self._bad(key, f"MXFP4 weight {list(wshape)} / scales {list(scales.shape)} do not match")
+        scales = scales.view(torch.float8_e8m0fnu)
+        params = GridParams(bits=4, group_size=32, scales=scales, zeros=torch.zeros(scales.shape, dtype=torch.int8),
+                            codebook=element_table("e2m1"))
+        codes = unpack_fp4(self._part(key, "weight")) if with_codes else None
+        return (wshape[0], wshape[1] * 2), params, codes
 
     def _gguf_bytes(self, key: str, shape, block: int, nbytes: int) -> torch.Tensor:
         rows, n = shape

@@ -29,15 +29,18 @@ def _scheme(t: UqffType) -> TargetScheme:
     if t.family == "hqq":  # hqq's axis-0 layout, meta in the source's compute dtype
         return TargetScheme(t.name, "hqq-axis0", bits=t.bits, group=t.group_size, zero="float", scale="source",
                             axis=0)
-    block = 32 if t.family == "mxfp4" else 0
-    return TargetScheme(t.name, "codebook", bits=t.bits, block=block,
-                        scale={"fp8": "fp32", "f8q8": "fp32", "mxfp4": "e8m0"}[t.family])
+    if t.family == "mxfp4":  # E2M1 codes, an E8M0 exponent per 32 along a row: a float grid keeps its codes
+        return TargetScheme(t.name, "float-block", bits=4, group=32, block=32, scale="e8m0", element="e2m1")
+    if t.family == "fp8":  # E4M3 codes, one float32 scale per tensor (dequant_w_scale)
+        return TargetScheme(t.name, "float-block", bits=8, scale="fp32", element="e4m3")
+    return TargetScheme(t.name, "codebook", bits=t.bits, scale="fp32")  # F8Q8: Q8_0-like blocks, fp8 scales
 
 
 UQFF_SCHEMES: dict[str, TargetScheme] = {name: _scheme(t) for name, t in UQFF_TYPES.items()}
 # aligned candidates per source bit width, cheapest first; the first exact (else near-exact) one is chosen
-_CANDIDATES = {2: ("afq2",), 3: ("afq3",), 4: ("q4_0", "afq4", "hqq4", "q4_1"), 5: ("q5_0", "afq6", "q5_1"),
-               6: ("afq6",), 8: ("q8_0", "afq8", "hqq8")}
+# (float grids: mxfp4 holds E2M1 codes under E8M0 scales, fp8 E4M3 codes under one scale per tensor)
+_CANDIDATES = {2: ("afq2",), 3: ("afq3",), 4: ("q4_0", "afq4", "hqq4", "q4_1", "mxfp4"), 5: ("q5_0", "afq6", "q5_1"),
+               6: ("afq6",), 8: ("q8_0", "afq8", "hqq8", "fp8")}
 # when nothing aligns and no --type is given: the AFQ width that holds the bits
 REQUANT_DEFAULT = {2: "afq2", 3: "afq3", 4: "afq4", 5: "afq6", 6: "afq6", 8: "afq8"}
 

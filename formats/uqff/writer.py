@@ -40,10 +40,11 @@ import numpy as np
 import torch
 
 from ... import __version__
-from ...converters.align import EXACT, REFUSED, REQUANTIZE, Decision, best_aligned, check, describe_grid
+from ...converters.align import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Decision, best_aligned, check, describe_grid
 from ...converters.errors import QConvertError
 from ...converters.plan import BitIdentical, Options, TensorPlan, unknown_type
 from ...converters.records import Dense, Grid, GridParams, TensorRecord
+from ...kernels.floatq import float_to_e8m0, pack_fp4
 from ...kernels.ggml_layouts import LAYOUTS
 from ...kernels.hqq import axis0_compact, axis0_expand
 from ..safetensors_dir import copy_side_files, write_json
@@ -425,8 +426,18 @@ class UqffSession:
                    "weight.group_size": _u8(g), "weight.scales": scales.contiguous(), "weight.biases": biases.contiguous()}
         return tensors, Grid(params, codes).dequantize(torch.float32)
 
+    @staticmethod
+    def _keeps_float_codes(plan: TensorPlan, item, element: str) -> bool:
+        """A float grid of the target's element format the checker let keep its codes (float-block family)."""
+        return isinstance(item, Grid) and plan.verdict in (EXACT, NEAR_EXACT) and \
+            getattr(item.params, "element", None) == element
+
     def _encode_fp8(self, t: UqffType, plan: TensorPlan, item):
-        q, scale = encode_fp8(item.dequantize(torch.float32))
+        if self._keeps_float_codes(plan, item, "e4m3"):  # one scale for the tensor: its codes move as they are
+            q = item.codes.view(torch.float8_e4m3fn)
+            scale = item.params.folded_scales().reshape(-1)[0].reshape(()).clone()
+        else:
+            q, scale = encode_fp8(item.dequantize(torch.float32))
         tensors = {"": q, "weight.format": _u8(TAG["fp8"]), "weight.dequant_w_scale": scale,
                    "weight.dequant_x_scale": scale.clone(), "weight.quant_scale": (1.0 / scale).to(torch.float32),
                    "weight.dtype": _u32(FP8_DTYPE_CODE)}
@@ -440,6 +451,13 @@ class UqffSession:
         return tensors, decode_f8q8(data, numel).view(plan.shape)
 
     def _encode_mxfp4(self, t: UqffType, plan: TensorPlan, item):
+        if self._keeps_float_codes(plan, item, "e2m1"):  # E2M1 codes and E8M0 exponents, the source's bits
+            p = item.params
+            n = item.shape[1]
+            weight = pack_fp4(item.codes)
+            scales = float_to_e8m0(p.folded_scales()[:, torch.arange(0, n, 32) // p.group_size]).contiguous()
+            return {"": weight, "weight.format": _u8(TAG["mxfp4"]), "weight.scales": scales}, \
+                decode_mxfp4(weight, scales)
         weight, scales = encode_mxfp4(item.dequantize(torch.float32))
         return {"": weight, "weight.format": _u8(TAG["mxfp4"]), "weight.scales": scales}, decode_mxfp4(weight, scales)
 

@@ -69,6 +69,10 @@ CASES = {
     "fp8_dynamic": ("rtn", dict(scheme="FP8_DYNAMIC")),
     # NVFP4 weights (e2m1, fp8 group scales of 16, a global scale) (nvfp4-pack-quantized)
     "nvfp4a16": ("rtn", dict(scheme="NVFP4A16")),
+    # FP8 weights in 128x128 blocks, one float scale per block (DeepSeek-V3's layout; float-quantized, strategy block)
+    "fp8_block": ("rtn", dict(scheme="FP8_BLOCK")),
+    # MXFP4 weights (e2m1, an e8m0 exponent per 32) (mxfp4-pack-quantized)
+    "mxfp4a16": ("rtn", dict(scheme="MXFP4A16")),
 }
 
 
