@@ -89,7 +89,10 @@ class TargetScheme:
     block_bytes: int = 0  # bytes per block (ggml: gguf-py's GGML_QUANT_SIZES)
     note: str = ""  # what the runtime needs to know, appended to every reason (mistral.rs' run dtype)
     element: str = ""  # float-block targets: the element format of the codes ("e2m1", "e4m3")
-    tensor_scale: bool = False  # float-block targets: a float32 scale per tensor beside the block scales (NVFP4)
+    # float-block targets: a float32 scale per tensor beside the block scales (NVFP4), and how it applies, as
+    # GridParams.global_scale_op: "post" (llama.cpp's `.scale`, after the block product), "div" (compressed-
+    # tensors' weight_global_scale divides the block scale), "mul"; "" for none
+    tensor_scale: str = ""
 
     def __post_init__(self):
         if self.family not in _HANDLERS:
@@ -403,13 +406,15 @@ def _float_block(src: Source, shape, s: TargetScheme, native, prefer_groups=()) 
         if not bool((e4m3_exact(block) & (block >= 0)).all()):
             return Decision(REQUANTIZE, "block scales are not non-negative E4M3 values" + requant)
         if p.global_scale is not None and s.tensor_scale:
-            if p.global_scale_op == "post":
-                return Decision(EXACT, "codes, E4M3 block scales and the tensor's .scale kept", **keep)
-            how = ("its float32 reciprocal, as llama.cpp's converter stores a compressed-tensors global scale"
-                   if p.global_scale_op == "div" else "the source's value")
-            return Decision(NEAR_EXACT, "codes and E4M3 block scales kept; the global scale becomes the tensor's "
-                                        f".scale ({how}), which the runtime multiplies after the block product: "
-                                        "one float32 rounding apart", **keep)
+            if p.global_scale_op == s.tensor_scale:
+                return Decision(EXACT, "codes, E4M3 block scales and the global scale kept", **keep)
+            inverse = (p.global_scale_op == "div") != (s.tensor_scale == "div")
+            how = "its float32 reciprocal" if inverse else "the source's value"
+            when = {"post": "after the block product", "div": "dividing the block scale first",
+                    "mul": "multiplying the block scale first"}[s.tensor_scale]
+            return Decision(NEAR_EXACT, f"codes and E4M3 block scales kept; the global scale is stored as {how}, "
+                                        f"applied {when}: a float32 rounding apart from the source's order",
+                            **keep)
         return Decision(EXACT, "codes and E4M3 block scales kept", **keep)
     if p.post_scale is not None:
         return Decision(NEAR_EXACT, f"codes kept; one {s.scale} scale (the source multiplies its global scale "
@@ -424,8 +429,9 @@ _HANDLERS: dict[str, Callable[..., Decision]] = {
     "float": _float, "ggml": _ggml, "gptq": _gptq, "afq": _afq, "hqq-axis0": _hqq_axis0, "codebook": _codebook,
     "float-block": _float_block,
 }
-# families whose handlers decide codebook sources themselves (float targets, float-block targets)
-_TAKES_CODEBOOKS = ("float", "float-block")
+# families whose handlers decide codebook sources themselves (float targets, float-block targets; a format's own
+# registered with register_family(..., takes_codebooks=True))
+_TAKES_CODEBOOKS = {"float", "float-block"}
 
 
 def _codebook_source(p: GridParams, shape: tuple[int, ...], s: TargetScheme, prefer_groups) -> Decision:
@@ -447,10 +453,14 @@ def _codebook_source(p: GridParams, shape: tuple[int, ...], s: TargetScheme, pre
                    kept_blocks=None, copied=False)
 
 
-def register_family(name: str, handler: Callable[..., Decision]) -> None:
+def register_family(name: str, handler: Callable[..., Decision], takes_codebooks: bool = False) -> None:
+    """Add a scheme family. `takes_codebooks`: its handler decides codebook (and float) grids itself; otherwise
+    check() decides them as codebooks no integer target holds."""
     if _HANDLERS.get(name, handler) is not handler:
         raise ValueError(f"scheme family {name!r} is already registered")
     _HANDLERS[name] = handler
+    if takes_codebooks:
+        _TAKES_CODEBOOKS.add(name)
 
 
 def check(source: Source, shape: tuple[int, ...], scheme: TargetScheme, *, native: str | None = None,

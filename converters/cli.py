@@ -140,6 +140,11 @@ def _print_plan(report, quiet: bool) -> None:
             click.echo(f"{p.name:<48} {p.source:<22} {p.target:<10} {p.verdict:<11} {err:>11} {rmse:>10}")
     for name, why in report.ignored_files.items():
         click.echo(f"ignored: {name} ({why})")
+    by_reason: dict[str, list[str]] = {}
+    for name, why in report.not_carried.items():
+        by_reason.setdefault(why, []).append(name)
+    for why, names in by_reason.items():  # one line per reason: a model has one scale per layer and projection
+        click.echo(f"not carried: {len(names)} tensor(s) ({why}), e.g. {names[0]}")
     s = report.summary()
     counts = ", ".join(f"{v} {k}" for k, v in s["verdicts"].items() if v)
     click.echo(f"{s['tensors']} tensors: {counts}; max abs error {s['max_abs_err']}; {s['seconds']} s"

@@ -389,7 +389,7 @@ def describe_float_grid(p: GridParams, in_features: int) -> str:
     if name is not None:
         return f"{name} g{p.group_size}{glob}"
     s = p.scales.to(torch.float32)
-    if p.n_groups == 1 and s.numel() and bool((s == s.reshape(-1)[0]).all()) and p.block_rows >= s.shape[0]:
+    if p.n_groups == 1 and s.numel() and bool((s == s.reshape(-1)[0]).all()) and p.block_rows == 1:
         block = "tensor"
     elif p.block_rows > 1:
         block = f"{p.block_rows}x{p.group_size}"
@@ -420,6 +420,8 @@ class ModelSource(Protocol):
     Optional capabilities a source may offer, which writers look up by name (`getattr(source, name, None)`)
     and do without when absent -- every one is listed here, and nothing else is asked of a source:
     - `ignored_files: dict[str, str]`: weight files beside the model that are not part of it, with why;
+    - `not_carried: dict[str, str]`: tensors of the model that no record carries, with why (activation and
+      KV-cache scales of float-quantized checkpoints: a runtime's choice, not weights);
     - `write_gguf_tokenizer(writer)`: copy its own `tokenizer.ggml.*` keys into a gguf.GGUFWriter (a GGUF
       source: the tokenizer travels verbatim instead of being rebuilt from tokenizer files);
     - `container: str`: the file form it was read from when a format has several (hqq: "safetensors" or

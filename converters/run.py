@@ -50,6 +50,7 @@ class Report:
     seconds: float = 0.0
     dry_run: bool = False
     ignored_files: dict = field(default_factory=dict)  # files beside the source that are not part of the model
+    not_carried: dict = field(default_factory=dict)  # tensors of the source no record carries, with why
     logits: dict | None = None  # `verify --logits`: quality.LogitReport.as_dict()
 
     def summary(self) -> dict:
@@ -60,7 +61,8 @@ class Report:
                 "dry_run": self.dry_run}
 
     def as_dict(self) -> dict:
-        return {"source": {"format": self.source_format, "path": self.source_path, "ignored_files": self.ignored_files},
+        return {"source": {"format": self.source_format, "path": self.source_path, "ignored_files": self.ignored_files,
+                           "not_carried": self.not_carried},
                 "target": {"format": self.target_format, "path": self.output_path},
                 "tensors": [r.as_dict() for r in self.results], "summary": self.summary(),
                 **({"logits": self.logits} if self.logits is not None else {})}
@@ -276,18 +278,25 @@ def _remove(path: Path) -> None:
 _MEASURE_CHUNK = 1 << 18  # elements of source dequantization alive at once while measuring (about 40 B each)
 
 
-def _measure(item, decoded: torch.Tensor) -> tuple[float, float]:
+def _measure(item, decoded: torch.Tensor, reference: torch.Tensor | None = None) -> tuple[float, float]:
     """Max abs error and RMSE of `decoded` against the source's float32 dequantization, computed a
-    band of rows at a time so that measuring never holds a second full-size float copy."""
+    band of rows at a time so that measuring never holds a second full-size float copy. `reference`:
+    that dequantization when the writer already made it to encode the tensor (the same values, so the
+    same numbers), else each band of the source is dequantized here."""
     if decoded.numel() == 0:
         return 0.0, 0.0
+    if reference is not None and tuple(reference.shape) != tuple(decoded.shape):
+        reference = None
     rows = decoded.shape[0] if decoded.dim() > 1 else 1
     step = max(1, _MEASURE_CHUNK // max(1, decoded.numel() // rows))
     max_err, sum_sq = 0.0, 0.0
     for start in range(0, rows, step):
         stop = min(rows, start + step)
-        part = item.row_slice(start, stop) if decoded.dim() > 1 else item
-        ref = part.dequantize(torch.float32)
+        if reference is not None:
+            ref = reference[start:stop] if decoded.dim() > 1 else reference
+        else:
+            part = item.row_slice(start, stop) if decoded.dim() > 1 else item
+            ref = part.dequantize(torch.float32)
         got = decoded[start:stop] if decoded.dim() > 1 else decoded
         diff = (got.to(torch.float32) - ref).abs()
         max_err = max(max_err, float(diff.max()))
@@ -313,7 +322,8 @@ def convert(src_format: str, src_path: Path, dst_format: str, out_path: Path | N
         writer = begin(source, options)
     plans = plan_conversion(source, writer, options, progress)
     report = Report(source.format_name, target.name, str(src_path), None if dry_run else str(out_path),
-                    dry_run=dry_run, ignored_files=dict(getattr(source, "ignored_files", None) or {}))
+                    dry_run=dry_run, ignored_files=dict(getattr(source, "ignored_files", None) or {}),
+                    not_carried=dict(getattr(source, "not_carried", None) or {}))
     if dry_run:
         report.results = [TensorResult(p) for p in plans]
         report.seconds = time.perf_counter() - start
@@ -329,8 +339,11 @@ def convert(src_format: str, src_path: Path, dst_format: str, out_path: Path | N
             plan = by_name[rec.name]
             item = rec.load()
             decoded = session.add(plan, item)
-            max_err, rmse = (0.0, 0.0) if isinstance(decoded, BitIdentical) else _measure(item, decoded)
-            del item, decoded
+            take = getattr(session, "take_reference", None)  # the writer's own dequantization of the source
+            reference = take() if take is not None else None
+            max_err, rmse = ((0.0, 0.0) if isinstance(decoded, BitIdentical)
+                             else _measure(item, decoded, reference))
+            del item, decoded, reference
             if plan.verdict == EXACT and max_err != 0.0:
                 raise QConvertError(f"internal error: planned exact but measured max error {max_err:g}",
                                     tensor=rec.name)

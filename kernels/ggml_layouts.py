@@ -9,10 +9,15 @@ A block of `block` consecutive elements along a row (ggml ne0 = HF in_features) 
 Legacy types decode as `d * (q - offset)` (symmetric) or `d * q + m` (`has_min`), with one fp16 `d`
 (and `m`) per block, codes `0 .. 2**bits - 1` (Q8_0: signed int8, offset 0).
 K types hold 256-element super-blocks with 6- or 8-bit sub-block scales.
-Codebook types (IQ4_NL) hold 32-blocks of fp16 `d` and 4-bit codes indexing a fixed table of values
-(kernels/iq4_nl.py): `d * table[q]`, no uniform grid. They are writable targets (TARGET_LAYOUTS) but not
-in LAYOUTS, the table of grid types that readers decode into GridParams (a codebook block is not
-`d * (q - offset)`; the GGUF reader reads such tensors as dense float32 through gguf-py).
+Codebook types hold 4-bit codes indexing a fixed table of values, no uniform grid: IQ4_NL 32-blocks of
+fp16 `d`, `d * table[q]` (kernels/iq4_nl.py); IQ4_XS 256-element super-blocks whose 32-element sub-blocks
+(`sub_block`) scale by `d * (ls - 32)`, ls a 6-bit code (kernels/iq4_xs.py); IQ3_S the same super-blocks whose
+groups of 4 values index a 512-point lattice, signs apart, under `d * (1 + 2*s)` (kernels/iq3_s.py; `bits` 3
+is the lattice's per coordinate, the type takes 3.44 bits per weight); IQ2_S groups of 8 on a 1024-point lattice
+of 2-bit coordinates under 16-block scales, IQ2_XS on a 512-point one, IQ2_XXS on a 256-point one under 32-block
+scales (kernels/iq2.py), IQ3_XXS groups of 4 on a 256-point lattice (kernels/iq3_s.py). They are writable targets
+(TARGET_LAYOUTS) but not in LAYOUTS, the table of grid types that readers decode into GridParams (a codebook
+block is not `d * (q - offset)`; the GGUF reader reads such tensors as dense float32 through gguf-py).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 __all__ = ["BlockLayout", "LAYOUTS", "layout", "FLOAT_TYPES", "LEGACY_TYPES", "K_TYPES", "CODEBOOK_LAYOUTS",
-           "CODEBOOK_TYPES", "TARGET_LAYOUTS"]
+           "CODEBOOK_TYPES", "FP4_LAYOUTS", "FP4_TYPES", "TARGET_LAYOUTS"]
 
 
 @dataclass(frozen=True)
@@ -34,8 +39,8 @@ class BlockLayout:
     bits: int  # bits per code (float types: bits per element)
     offset: int = 0  # legacy symmetric types: value = d * (q - offset)
     has_min: bool = False  # legacy asymmetric types: value = d * q + m
-    kind: str = "legacy"  # "float" | "legacy" | "k" | "codebook"
-    sub_block: int = 0  # K types: elements sharing one sub-block scale
+    kind: str = "legacy"  # "float" | "legacy" | "k" | "codebook" | "fp4"
+    sub_block: int = 0  # K types, IQ4_XS, the IQ2/IQ3 types: elements sharing one sub-block scale
     signed_codes: bool = False  # Q8_0 stores int8 codes
 
     @property
@@ -80,12 +85,29 @@ FLOAT_TYPES = tuple(t.name for t in _TABLE if t.kind == "float")
 LEGACY_TYPES = tuple(t.name for t in _TABLE if t.kind == "legacy")
 K_TYPES = tuple(t.name for t in _TABLE if t.kind == "k")
 
-# 32-blocks of fp16 d + 16 bytes of nibbles indexing kvalues_iq4nl (ggml-common.h block_iq4_nl)
-_CODEBOOK_TABLE = (_ggml("IQ4_NL", 4, kind="codebook"),)
+# nibbles indexing kvalues_iq4nl (ggml-common.h): IQ4_NL 32-blocks of fp16 d + 16 bytes of codes; IQ4_XS
+# 256-element super-blocks of fp16 d, eight 6-bit sub-block scales (scales_h, scales_l) and 128 bytes of codes.
+# Lattice codebooks (kernels/iq_lattice.py): IQ3_S 256-element super-blocks of fp16 d, a 9-bit grid index per
+# group of 4 (qs, qh), a sign bit per value and a 4-bit scale per 32-block (block_iq3_s, kernels/iq3_s.py); IQ2_S
+# the same with a 10-bit index per group of 8 and a 4-bit scale per 16-block (block_iq2_s, kernels/iq2.py); IQ2_XS
+# a uint16 per group of 8 (9-bit index, 7 sign bits: even parity) and 4-bit scales of 16-blocks (block_iq2_xs);
+# IQ3_XXS an 8-bit index per group of 4 and a uint32 of signs and 4-bit scale per 32-block (block_iq3_xxs); IQ2_XXS
+# per 32-block a uint32 of four 8-bit indices (groups of 8) and one of four 7-bit signs and the scale (block_iq2_xxs)
+_CODEBOOK_TABLE = (_ggml("IQ4_NL", 4, kind="codebook"), _ggml("IQ4_XS", 4, kind="codebook", sub_block=32),
+                   _ggml("IQ3_S", 3, kind="codebook", sub_block=32), _ggml("IQ2_S", 2, kind="codebook", sub_block=16),
+                   _ggml("IQ2_XS", 2, kind="codebook", sub_block=16),
+                   _ggml("IQ3_XXS", 3, kind="codebook", sub_block=32),
+                   _ggml("IQ2_XXS", 2, kind="codebook", sub_block=32))
 CODEBOOK_LAYOUTS: dict[str, BlockLayout] = {t.name: t for t in _CODEBOOK_TABLE}
 CODEBOOK_TYPES = tuple(CODEBOOK_LAYOUTS)
-# every type a writer can store: the grid types and the codebook types
-TARGET_LAYOUTS: dict[str, BlockLayout] = {**LAYOUTS, **CODEBOOK_LAYOUTS}
+# FP4 float blocks: E2M1 codes times a block scale (kernels/floatq.py). MXFP4 32-blocks of an E8M0 exponent and
+# 16 bytes of nibbles (block_mxfp4); NVFP4 64-blocks of four UE4M3 sub-block scales (`sub_block` 16) and 32 bytes
+# (block_nvfp4), with a per-tensor float32 `.scale` tensor beside the weight when the source has a global scale
+FP4_LAYOUTS: dict[str, BlockLayout] = {t.name: t for t in (_ggml("MXFP4", 4, kind="fp4"),
+                                                           _ggml("NVFP4", 4, kind="fp4", sub_block=16))}
+FP4_TYPES = tuple(FP4_LAYOUTS)
+# every type a writer can store: the grid types, the codebook types and the FP4 float-block types
+TARGET_LAYOUTS: dict[str, BlockLayout] = {**LAYOUTS, **CODEBOOK_LAYOUTS, **FP4_LAYOUTS}
 
 
 def layout(name: str) -> BlockLayout:

@@ -28,11 +28,14 @@ FP8_MAX = 448.0  # float8_e4m3fn's largest value
 _QUANTIZED = re.compile(r"^model\.layers\.\d+\..*_proj\.weight$")
 
 
-def _fp8_tile_transformers(name: str, w: torch.Tensor, block: tuple[int, int]) -> dict[str, torch.Tensor]:
-    """transformers' Fp8Quantize._quantize_one itself, on one weight (untileable shapes come back unchanged)."""
+def _fp8_tile_transformers(name: str, w: torch.Tensor, block: tuple[int, int],
+                           scale_fmt: str | None = None) -> dict[str, torch.Tensor]:
+    """transformers' Fp8Quantize._quantize_one itself, on one weight (untileable shapes come back unchanged);
+    scale_fmt "ue8m0": weight_scale_inv rounded up to a power of two and stored as float8_e8m0fnu, as
+    DeepSeek-V3.1 ships them."""
     from transformers.integrations.finegrained_fp8 import Fp8Quantize
 
-    qc = SimpleNamespace(weight_block_size=block, scale_fmt=None)
+    qc = SimpleNamespace(weight_block_size=block, scale_fmt=scale_fmt)
     return Fp8Quantize(SimpleNamespace(quantization_config=qc))._quantize_one(name, w)
 
 
@@ -60,7 +63,8 @@ def fp8_checkpoint(src: Path, out: Path, block: tuple[int, int] = (128, 128), ru
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    quantize = _fp8_tile_transformers if rule == "transformers" else _fp8_ceil_blocks
+    quantize = {"transformers": _fp8_tile_transformers, "deepseek": _fp8_ceil_blocks,
+                "transformers-ue8m0": lambda n, w, b: _fp8_tile_transformers(n, w, b, "ue8m0")}[rule]
     tensors: dict[str, torch.Tensor] = {}
     index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"] \
         if (src / "model.safetensors.index.json").exists() else None
@@ -77,6 +81,8 @@ def fp8_checkpoint(src: Path, out: Path, block: tuple[int, int] = (128, 128), ru
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                   "weight_block_size": list(block)}
+    if rule.endswith("ue8m0"):
+        cfg["quantization_config"]["scale_fmt"] = "ue8m0"
     cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for side in src.iterdir():

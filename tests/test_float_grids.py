@@ -205,14 +205,16 @@ def _deepseek(kind: str) -> Path:
     path = CACHE / f"deepseek_fp8_{kind}"
     if not (path / "config.json").exists():
         dense = _load("fixtures_archs").build_arch_model(CACHE / "deepseek_dense", "deepseek_v3")
-        block, rule = ((16, 32), "transformers") if kind == "transformers" else ((128, 128), "deepseek")
+        block, rule = ((16, 32), kind) if kind.startswith("transformers") else ((128, 128), "deepseek")
         FF.fp8_checkpoint(dense, path.with_name(path.name + ".tmp"), block=block, rule=rule)
         shutil.move(str(path.with_name(path.name + ".tmp")), str(path))
     return path
 
 
-def test_fp8_reads_equal_transformers_dequantization():
-    path = _deepseek("transformers")
+@pytest.mark.parametrize("kind", ["transformers", "transformers-ue8m0"])
+def test_fp8_reads_equal_transformers_dequantization(kind):
+    """FP8 made by transformers' own quantizer, float32 scales and (scale_fmt ue8m0, DeepSeek-V3.1) E8M0 ones."""
+    path = _deepseek(kind)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path))  # no GPU: transformers dequantizes to bf16
@@ -265,6 +267,9 @@ def test_nvfp4_to_gguf_is_llama_cpps_converter_byte_for_byte(src, tmp_path):
     tensors = json.loads(report.read_text())["tensors"]
     fp4 = [t for t in tensors if t["target"] == "NVFP4"]
     assert len(fp4) == 7 and all(t["verdict"] == NEAR_EXACT and t["max_abs_err"] < 1e-6 for t in fp4)
+    not_carried = json.loads(report.read_text())["source"]["not_carried"]  # ModelOpt's activation scales
+    assert sorted(not_carried) == ([] if "compressed" in str(src) else
+                                   sorted(f"{n[: -len('.weight')]}.input_scale" for n in (t["name"] for t in fp4)))
     ours, ref = gguf_tensors(out), _llama_cpp_converter(src, tmp_path / "ref.gguf")
     nvfp4 = [n for n, t in ref.items() if t.tensor_type == gguf.GGMLQuantizationType.NVFP4]
     scales = [n for n in ref if n.endswith(".scale")]
@@ -324,6 +329,11 @@ def test_gguf_fp4_blocks_copy_to_gguf_and_uqff(tmp_path):
     run_cli("gguf->uqff", tmp_path / "MXFP4.gguf", uqff, "--report", report)
     tensors = json.loads(report.read_text())["tensors"]
     assert sum(t["target"] == "mxfp4" and t["verdict"] == EXACT for t in tensors) == 7
+    back = tmp_path / "from-uqff.gguf"  # and back: the same MXFP4 blocks as the first GGUF
+    run_cli("uqff->gguf", uqff, back)
+    a, b = gguf_tensors(tmp_path / "MXFP4.gguf"), gguf_tensors(back)
+    mx = [n for n, t in a.items() if t.tensor_type.name == "MXFP4"]
+    assert len(mx) == 7 and all(b[n].tensor_type.name == "MXFP4" and _bytes(a[n]) == _bytes(b[n]) for n in mx)
 
 
 def _mistralrs_gap(uqff: Path, tmp_path: Path) -> float:
@@ -562,3 +572,52 @@ def test_fp8_deepseek_multi_shard_to_q4_k_m_stays_within_twice_the_largest_shard
     assert {"Q4_K", "Q6_K"} <= set(result["targets"])
     r = gguf.GGUFReader(str(out))
     assert sum(t.name.endswith("_exps.weight") for t in r.tensors) == 6
+
+
+# -- float grids written as compressed-tensors ---------------------------------------------------------------
+@pytest.mark.parametrize("fmt, make, want_format, verdict", [
+    ("modelopt", lambda tmp: MO / "fp8", "float-quantized", EXACT),
+    ("modelopt", lambda tmp: MO / "nvfp4", "nvfp4-pack-quantized", NEAR_EXACT),
+    ("gguf", lambda tmp: _gguf_of("ct", CT / "mxfp4a16", tmp), "mxfp4-pack-quantized", EXACT),
+    ("gguf", lambda tmp: _gguf_of("ct", CT / "nvfp4a16", tmp), "nvfp4-pack-quantized", NEAR_EXACT),
+    ("fp8", lambda tmp: _deepseek("deepseek"), "float-quantized", EXACT),
+], ids=["modelopt-fp8", "modelopt-nvfp4", "gguf-mxfp4", "gguf-nvfp4", "deepseek-fp8-blocks"])
+def test_float_grids_become_compressed_tensors_float_formats_that_transformers_loads(fmt, make, want_format,
+                                                                                       verdict, tmp_path):
+    """A float grid keeps its codes in the compressed-tensors float format that holds it (FP8 with its own scale
+    layout, DeepSeek's 128x128 blocks as strategy block; MXFP4; NVFP4, a multiplying global scale stored as the
+    reciprocal compressed-tensors divides by: near-exact), one config group, and transformers 5.24 with
+    compressed-tensors 0.19 loads it with exactly the weights compressed-tensors' own decompression gives."""
+    from test_compressed_tensors import _as_runtime, _ct_model
+
+    src = make(tmp_path)
+    out, report = tmp_path / "ct", tmp_path / "r.json"
+    run_cli(f"{fmt}->compressed-tensors", src, out, "--report", report)
+    tensors = json.loads(report.read_text())["tensors"]
+    grids = [t for t in tensors if t["target"] == want_format]
+    assert grids and all(t["verdict"] == verdict for t in grids), tensors
+    assert all(t["max_abs_err"] < 1e-6 for t in tensors) and (verdict == NEAR_EXACT or
+                                                               all(t["max_abs_err"] == 0.0 for t in grids))
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == want_format and len(qc["config_groups"]) == 1
+    written = _grids(CtSource(out))
+    source = _grids(GgufSource(src) if fmt == "gguf" else ModelOptSource(src) if fmt == "modelopt" else Fp8Source(src))
+    for name, rec in written.items():
+        assert torch.equal(rec.load().codes, source[name].load().codes), name
+    params = {n: t.detach() for n, t in _ct_model(out, dtype=None).named_parameters()}
+    for name, rec in written.items():
+        if name in params:
+            w = params[name]
+        else:  # DeepSeek-V3's experts, which transformers 5 holds fused: gate_up_proj [E, 2I, H], down_proj
+            head, rest = name.rsplit(".experts.", 1)
+            e, proj = rest.split(".")[:2]
+            fused = params[f"{head}.experts.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"][int(e)]
+            w = fused if proj == "down_proj" else fused[: rec.shape[0]] if proj == "gate_proj" else fused[rec.shape[0]:]
+        assert torch.equal(_as_runtime(rec, w.dtype), w), name
+    assert len(written) == (26 if fmt == "fp8" else 7)
+
+
+def _gguf_of(fmt: str, src: Path, tmp: Path) -> Path:
+    out = tmp / "src.gguf"
+    run_cli(f"{fmt}->gguf", src, out)
+    return out

@@ -119,6 +119,11 @@ class CtSource(CheckpointSource):
             modules[prefix] = (args, found)
         return modules
 
+    @property
+    def not_carried(self) -> dict[str, str]:
+        """Activation and KV-cache scale tensors: how a runtime quantizes activations, not weights."""
+        return {n: "activation/KV-cache scales: a runtime's choice, not weights" for n in self.runtime_params}
+
     # -- header checks and the small parameters ---------------------------------------------------
     def _bad(self, msg: str, tensor: str) -> BadInput:
         return BadInput(msg, path=self.ckpt.file_of(tensor), tensor=tensor)

@@ -37,7 +37,7 @@ from ...converters.records import GridParams
 from ...converters.validate import ConfigView
 
 __all__ = ["QuantArgs", "ModuleRules", "parse_rules", "pack_dense", "unpack_dense", "CT_PACK", "READ_FORMATS",
-           "STRATEGIES", "INT_FORMATS", "FLOAT_FORMATS", "FP4_FORMATS"]
+           "STRATEGIES", "INT_FORMATS", "FLOAT_FORMATS", "FP4_FORMATS", "CT_FLOAT"]
 
 # formats this reader reads (config `format`, global or per group)
 INT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
@@ -282,3 +282,33 @@ register_family("ct-pack", _ct_pack)
 
 CT_PACK = TargetScheme("pack-quantized", "ct-pack", zero="int", scale="source", act_order=False,
                        code_bits=tuple(range(1, 9)))
+
+
+# -- the float formats a float grid is written in --------------------------------------------------------
+def _ct_fp8(src, shape, s: TargetScheme, native, prefer_groups=()) -> Decision:
+    """float-quantized: e4m3 codes (`weight`) with `weight_scale` in fp16/bf16/fp32 per tensor, channel, group or
+    [rows, columns] block, as the source lays them out (forward_helpers._dequantize multiplies in the scale's
+    dtype: the float32 value rounded once, as for the int formats)."""
+    if not isinstance(src, GridParams):
+        return Decision(REQUANTIZE, "dense weights: qconvert writes fp8 only from an fp8 grid's own codes")
+    p = src
+    if p.element != "e4m3":
+        return Decision(REQUANTIZE, f"{p.element or 'integer'} codes are not e4m3 values")
+    if p.scales.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return Decision(REQUANTIZE, f"{str(p.scales.dtype)[6:]} scales: float-quantized stores fp16/bf16/fp32 ones")
+    if p.global_scale is not None or p.axis != 1 or not p.contiguous_groups(shape[-1]):
+        return Decision(REQUANTIZE, "a global scale or scattered groups: float-quantized has neither")
+    return Decision(EXACT, f"e4m3 codes and {str(p.scales.dtype)[6:]} scales kept", keeps_codes=True)
+
+
+register_family("ct-fp8", _ct_fp8, takes_codebooks=True)
+
+# the float formats, tried in this order for a float grid (converters/align.py's float-block family decides the
+# fp4 ones from the scale values): mxfp4 (E8M0 exponents per 32), nvfp4 (E4M3 per 16 over a global divisor)
+CT_FLOAT = {
+    "float-quantized": TargetScheme("float-quantized", "ct-fp8", bits=8, scale="source", element="e4m3"),
+    "mxfp4-pack-quantized": TargetScheme("mxfp4-pack-quantized", "float-block", bits=4, group=32, block=32,
+                                         scale="e8m0", element="e2m1"),
+    "nvfp4-pack-quantized": TargetScheme("nvfp4-pack-quantized", "float-block", bits=4, group=16, block=16,
+                                         scale="ue4m3", element="e2m1", tensor_scale="div"),
+}

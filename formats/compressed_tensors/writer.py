@@ -1,11 +1,19 @@
-"""Writes compressed-tensors `pack-quantized` checkpoints (what vLLM loads, and transformers with
-compressed-tensors installed), streaming tensors into safetensors shards.
+"""Writes compressed-tensors checkpoints (what vLLM loads, and transformers with compressed-tensors installed),
+streaming tensors into safetensors shards: `pack-quantized` for integer grids, and for float grids (FP8, MXFP4,
+NVFP4) the float format that holds their codes (`_add_float`).
 
 Per quantized linear `<prefix>`: weight_packed int32 [out, ceil(in*b/32)] (schemes.pack_dense of the unsigned
 codes), weight_scale [out, G] in the source's scale dtype, weight_shape int64 (out, in), and for an asymmetric
 grid weight_zero_point int32 [ceil(out*b/32), G] (the unsigned zero points packed along the outputs). The
 config has one config group per distinct scheme, targeting its modules by exact name, and the unquantized
 linears and lm_head in `ignore`.
+
+Float grids keep their codes: e4m3 -> float-quantized (`weight` F8_E4M3 and `weight_scale` per tensor, channel,
+group or [rows, columns] block, as the source has them); e2m1 under E8M0 exponents per 32 -> mxfp4-pack-quantized
+(`weight_packed` two codes a byte, even element low; `weight_scale` uint8); e2m1 under E4M3 scales per 16 ->
+nvfp4-pack-quantized (`weight_scale` F8_E4M3 and `weight_global_scale` float32 [1], which compressed-tensors
+divides the block scales by: a ModelOpt or GGUF global scale, a multiplier, is stored as its float32 reciprocal,
+near-exact). The checker (schemes.CT_FLOAT) picks the first that holds the grid.
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ from ...converters.plan import Options, TensorPlan
 from ...converters.records import Dense, Grid, GridParams, TensorRecord
 from ..gptq import parse_gptq_type
 from ..safetensors_dir import ShardWriter, copy_side_files, write_json
-from .schemes import CT_PACK, pack_dense
+from ...kernels.floatq import float_to_e8m0, pack_fp4
+from .schemes import CT_FLOAT, CT_PACK, pack_dense
 
 __all__ = ["CtWriter", "ct_rtn", "WeightScheme"]
 
@@ -94,6 +103,10 @@ class CtWriter:
         if rec.rotated is not None or rec.lossy_standin:
             # a folded stand-in (rotated GPTQ down_proj): the plain weights leave the grid
             return self._requant_plan(rec, explicit or "4g128", rec.lossy_standin or "rotated grid")
+        if rec.is_grid and _QUANTIZABLE.match(rec.name) and rec.params.element is not None and not explicit:
+            plan = self._float_plan(rec)
+            if plan is not None:
+                return plan
         if rec.is_grid and _QUANTIZABLE.match(rec.name):
             p = rec.params
             src = describe_grid(p, rec.shape[1])
@@ -119,6 +132,16 @@ class CtWriter:
                                                      "round-to-nearest (no calibration)")
         return TensorPlan(rec.name, rec.shape, rec.dtype, rec.dtype, EXACT, "copied", out_name=rec.name)
 
+    def _float_plan(self, rec: TensorRecord) -> TensorPlan | None:
+        """A float grid into the first compressed-tensors float format that keeps its codes (None: none does, and
+        the grid is planned as any other: requantized to pack-quantized)."""
+        for fmt, scheme in CT_FLOAT.items():
+            d = check(rec.params, rec.shape, scheme)
+            if d.keeps_codes:
+                return TensorPlan(rec.name, rec.shape, describe_grid(rec.params, rec.shape[1]), fmt, d.verdict,
+                                  d.reason, out_name=rec.name, info={"float": fmt})
+        return None
+
     def _requant_plan(self, rec: TensorRecord, type_name: str, why: str, src: str | None = None) -> TensorPlan:
         want = parse_gptq_type(type_name)
         group = want.group_size if want.group_size > 0 else rec.shape[1]
@@ -138,9 +161,12 @@ class CtSession:
         self.path, self.source = path, source
         self.shards = ShardWriter(path)
         self.schemes: dict[str, tuple] = {}  # prefix -> (bits, symmetric, group size or None: one group, in)
+        self.float_schemes: dict[str, tuple[str, str]] = {}  # prefix -> (format, its weights args as JSON)
         self.dense_linears: list[str] = []
 
     def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor:
+        if "float" in plan.info:
+            return self._add_float(plan.name[: -len(".weight")], item, plan.info["float"])
         if "dense" in plan.info:
             item = Dense(item.dequantize(torch.float32).to(plan.info["dense"]))
         elif plan.verdict == REQUANTIZE:
@@ -173,8 +199,61 @@ class CtSession:
             put(f"{prefix}.weight_zero_point", pack_dense(p.zeros.T.contiguous(), p.bits).T.contiguous())
         self.schemes[prefix] = (p.bits, symmetric, p.group_size if p.n_groups > 1 else None, in_f)
 
+    def _add_float(self, prefix: str, grid: Grid, fmt: str) -> torch.Tensor:
+        """A float grid's codes and scales as `fmt` stores them (module docstring); -> the float32 values
+        compressed-tensors decompresses them to (before its cast to the model dtype)."""
+        import json
+
+        p = grid.params
+        out_f, in_f = grid.shape
+        put = self.shards.put
+        args = {"num_bits": p.bits, "type": "float", "symmetric": True, "dynamic": False, "actorder": None,
+                "observer": "memoryless_minmax", "observer_kwargs": {}, "zp_dtype": None, "scale_dtype": None,
+                "block_structure": None, "group_size": None}
+        if fmt == "float-quantized":
+            put(f"{prefix}.weight", grid.codes.view(torch.float8_e4m3fn))
+            s = p.scales
+            if p.block_rows > 1:  # the source's 2-D blocks (DeepSeek's 128x128), one scale row per block of rows
+                rows = s[:: p.block_rows].contiguous()
+                args.update(strategy="block", block_structure=[p.block_rows, p.group_size])
+            elif p.n_groups == 1 and bool((s == s[0, 0]).all()):
+                rows = s[:1, :1].reshape(1).contiguous()
+                args.update(strategy="tensor")
+            else:
+                rows = s.contiguous()
+                args.update(strategy="channel" if p.n_groups == 1 else "group",
+                            group_size=None if p.n_groups == 1 else p.group_size)
+            put(f"{prefix}.weight_scale", rows)
+            values = grid.dequantize(torch.float32)
+        else:
+            put(f"{prefix}.weight_packed", pack_fp4(grid.codes))
+            if fmt == "mxfp4-pack-quantized":
+                scales = float_to_e8m0(p.folded_scales()[:, torch.arange(0, in_f, 32) // p.group_size])
+                put(f"{prefix}.weight_scale", scales.contiguous())
+                args.update(strategy="group", group_size=32, scale_dtype="torch.uint8")
+                e = scales.view(torch.float8_e8m0fnu).to(torch.float32)
+                stored = (p.codebook[grid.codes.to(torch.int64)].view(out_f, -1, 32) * e[..., None]).view(out_f, in_f)
+                values = stored
+            else:
+                has_global = p.global_scale is not None
+                block = p.scales.to(torch.float32) if has_global else p.folded_scales()
+                block = block[:, torch.arange(0, in_f, 16) // p.group_size].to(torch.float8_e4m3fn)
+                if not has_global:
+                    g = torch.tensor(1.0)
+                elif p.global_scale_op == "div":
+                    g = p.global_scale.to(torch.float32)
+                else:  # a multiplier (ModelOpt, llama.cpp's .scale): compressed-tensors divides by its reciprocal
+                    g = torch.tensor(1.0, dtype=torch.float32) / p.global_scale.to(torch.float32)
+                put(f"{prefix}.weight_scale", block.contiguous())
+                put(f"{prefix}.weight_global_scale", g.reshape(1).to(torch.float32))
+                args.update(strategy="tensor_group", group_size=16)
+                eff = block.to(torch.float32) / g  # forward_helpers._dequantize: scale / global_scale first
+                values = (p.codebook[grid.codes.to(torch.int64)].view(out_f, -1, 16) * eff[..., None]).view(out_f, in_f)
+        self.float_schemes[prefix] = (fmt, json.dumps(args, sort_keys=True))
+        return values
+
     def close(self) -> None:
-        if not self.schemes:
+        if not self.schemes and not self.float_schemes:
             raise QConvertError("nothing to write as compressed-tensors: the source has no quantized tensors "
                                 "(pass --type, e.g. 4g128, with --allow-requant)")
         self.shards.close()
@@ -189,8 +268,18 @@ class CtSession:
         for i, (s, prefixes) in enumerate(by_scheme.items()):
             groups[f"group_{i}"] = {"targets": prefixes, "weights": s.weights_args(), "input_activations": None,
                                     "output_activations": None, "format": "pack-quantized"}
+        by_float: dict[tuple[str, str], list[str]] = {}
+        for prefix, key in self.float_schemes.items():
+            by_float.setdefault(key, []).append(prefix)
+        import json
+
+        for (fmt, args), prefixes in by_float.items():
+            groups[f"group_{len(groups)}"] = {"targets": prefixes, "weights": json.loads(args),
+                                              "input_activations": None, "output_activations": None, "format": fmt}
+        formats = {g["format"] for g in groups.values()}
         ignore = ["lm_head"] + self.dense_linears
-        return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        return {"quant_method": "compressed-tensors", "format": formats.pop() if len(formats) == 1 else
+                "mixed-precision", "quantization_status": "compressed",
                 "config_groups": groups, "ignore": ignore, "kv_cache_scheme": None, "sparsity_config": {},
                 "transform_config": {}, "global_compression_ratio": None, "version": _CT_VERSION}
 

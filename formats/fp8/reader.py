@@ -37,7 +37,9 @@ METHODS = ("fp8", "fbgemm_fp8")
 _SCALE = {"fp8": "weight_scale_inv", "fbgemm_fp8": "weight_scale"}
 # activation and kv-cache scales: a runtime's choice (see the module docstring)
 RUNTIME_PARTS = ("input_scale", "input_scale_inv", "k_scale", "v_scale", "activation_scale_ub")
-_SCALE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+# weight_scale_inv: float32 as DeepSeek-V3 ships it; E8M0 powers of two where the config says scale_fmt "ue8m0"
+# (DeepSeek-V3.1; transformers' Fp8Quantize stores them as float8_e8m0fnu then)
+_SCALE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E8M0": torch.float8_e8m0fnu}
 
 
 def sniff_fp8(path: Path) -> bool:
@@ -85,6 +87,11 @@ class Fp8Source(CheckpointSource):
             raise BadInput(f"{qc.prefix}weight_block_size is {block!r}: expected [rows, columns] of a scale block",
                            path=qc.path)
         return block[0], block[1]
+
+    @property
+    def not_carried(self) -> dict[str, str]:
+        """Activation and KV-cache scale tensors: how a runtime quantizes activations, not weights."""
+        return {n: "activation/KV-cache scales: a runtime's choice, not weights" for n in self.runtime_params}
 
     # -- one module --------------------------------------------------------------------------------
     def _bad(self, msg: str, tensor: str) -> BadInput:

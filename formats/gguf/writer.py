@@ -18,8 +18,13 @@ hold the grid's scales exactly (kernels/kquant_grid.py; the reason says how many
 rest is requantized. `--imatrix FILE` weighs the K quantizers as llama-quantize --imatrix does, and
 `--quantizer llama.cpp` requantizes with llama.cpp's own ggml_quantize_chunk (kencode.py).
 
-`--type iq4_nl` (a codebook type: kernels/iq4_nl.py, byte-identical to ggml's quantize_iq4_nl, with the
---imatrix weights too) requantizes every source; no grid keeps its codes in it (schemes.py).
+`--type iq4_nl`, `iq4_xs`, `iq3_s`, `iq3_xxs`, `iq2_s`, `iq2_xs` and `iq2_xxs` (codebook types:
+kernels/iq4_nl.py, iq4_xs.py, iq3_s.py, iq2.py, byte-identical to ggml's quantize_iq4_nl / _iq4_xs / _iq3_s /
+_iq3_xxs / _iq2_s / _iq2_xs / _iq2_xxs, with the --imatrix weights too) requantize every source; no grid keeps
+its codes in them (schemes.py). Their rows that are not whole 256-blocks fall back to IQ4_NL; an IQ2 / IQ3_XXS
+tensor without an importance vector is refused, as llama-quantize refuses it (schemes.imatrix_refusal). A
+codebook tensor of a GGUF source (float32 carrying its blocks: reader.CodebookDense) keeps its type by default
+as a grid does, and into its own type its blocks are copied.
 """
 
 from __future__ import annotations
@@ -39,30 +44,35 @@ from ...converters.errors import BadInput, QConvertError
 from ...converters.validate import ConfigView
 from ...converters.plan import BitIdentical, Options, TensorPlan, unknown_type
 from ...converters.records import Dense, Grid, TensorRecord
-from ...kernels.ggml_layouts import TARGET_LAYOUTS, BlockLayout  # grid and codebook (IQ4_NL) types
+from ...kernels.ggml_layouts import CODEBOOK_LAYOUTS, TARGET_LAYOUTS, BlockLayout  # grid, codebook (IQ4_*) types
 from ...kernels.ggml_legacy import decode_blocks, quantize_pack, repack_grid
 from ...kernels.gptq_q4_0 import gptq4_to_q4_0, q4_0_to_gptq4
 from .kencode import QUANTIZERS, QuantHow, encode_quantized
 from .metadata import add_model_metadata, check_writer_config, config_json_path, layer_count, rope_tensors
-from .archs import EXPERT_COUNT_KEYS, arch_by_name, expert_count_key, kv_b_parts, split_kv_b
+from .archs import (EXPERT_COUNT_KEYS, arch_by_name, expert_count_key, gpt_oss_expert_part, kv_b_parts,
+                    split_gpt_oss_experts, split_kv_b)
 from .names import expert_of, gguf_arch, layer_index, gguf_tensor_name, inverse_permutation, qk_row_permutation
 from .presets import (PRESETS, ModelFacts, model_facts_from_gguf_names, preset_of, preset_type,
                       quantized_by_llama_cpp)
-from .schemes import ALIGNED_CANDIDATES, GGUF_SCHEMES, default_grid_type, k_fallback
+from .schemes import ALIGNED_CANDIDATES, GGUF_SCHEMES, default_grid_type, imatrix_refusal, k_fallback
 
 __all__ = ["GgufWriter", "best_aligned_type", "default_grid_type", "FILE_TYPES"]
 
 # general.file_type for the dominant tensor type (llama.cpp's LlamaFileType)
-FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10,
-              "Q3_K": 12, "Q4_K": 15, "Q5_K": 17, "Q6_K": 18, "IQ4_NL": 25, "BF16": 32}
+FILE_TYPES = {"MXFP4": 38, "NVFP4": 39,  # LLAMA_FTYPE_MOSTLY_MXFP4_MOE, _NVFP4 (gguf-py LlamaFileType)
+              "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10,
+              "Q3_K": 12, "Q4_K": 15, "Q5_K": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ3_S": 26, "IQ4_XS": 30, "BF16": 32,
+              "IQ2_XXS": 19, "IQ2_XS": 20, "IQ3_XXS": 23,  # IQ2_S: LLAMA_FTYPE_MOSTLY_IQ2_M (28 makes IQ2_XS)
+              "IQ2_S": 29}
 # tensors a checkpoint may carry that llama.cpp recomputes itself
 _DROPPED = re.compile(r"rotary_emb\.inv_freq$")
 _WRITABLE = tuple(GGUF_SCHEMES)
 
 
 # tensors llama.cpp keeps in float32 whatever the file type (its converter and llama-quantize alike): the MoE
-# routers, and every tensor that is not a `.weight` (DeepSeek's router bias exp_probs_b.bias)
-_F32_ALWAYS = re.compile(r"(?:\.ffn_gate_inp(?:_shexp)?\.weight|\.exp_probs_b\.bias)$")
+# routers, and every tensor that is not a `.weight` (DeepSeek's router bias exp_probs_b.bias, gpt-oss's 2-D
+# per-expert biases ffn_*_exps.bias: its converter's `new_name[-7:] not in (".weight", ...)` rule)
+_F32_ALWAYS = re.compile(r"(?:\.ffn_gate_inp(?:_shexp)?\.weight|\.exp_probs_b\.bias|\.ffn_(?:gate|up|down)_exps\.bias)$")
 
 
 def _always_f32(out_name: str) -> bool:
@@ -104,6 +114,37 @@ def _fused_expert_records(rec: TensorRecord, where) -> list[TensorRecord]:
     return [replace(rec, name=head + name, shape=(n, rows // 2, cols), load=half(i),
                     source_name=f"{rec.source_name or rec.name} ({'gate' if i == 0 else 'up'} half)")
             for i, name in enumerate(("gate_proj.weight", "up_proj.weight"))]
+
+
+def _gpt_oss_expert_records(rec: TensorRecord, where) -> list[TensorRecord]:
+    """The stacked records of one of gpt-oss's fused expert tensors, in llama.cpp's [experts, out, in] order
+    (archs.split_gpt_oss_experts): gate_up_proj [E, hidden, 2 * ffn] -> gate_proj / up_proj.weight
+    [E, ffn, hidden] (interleaved columns 0::2 / 1::2), down_proj [E, ffn, hidden] -> down_proj.weight
+    [E, hidden, ffn], the biases split alike. Each record loads the source tensor and takes its part."""
+    head, what, bias = gpt_oss_expert_part(rec.name)
+    if rec.is_grid:  # a grid's blocks run along its rows: transposing it keeps no grid
+        raise BadInput("gpt-oss's fused expert tensor is quantized here; only the dense [experts, in, out] form "
+                       "is split by this path", path=where, tensor=rec.name)
+    want = 2 if bias else 3
+    if len(rec.shape) != want or (what == "gate_up_proj" and rec.shape[-1] % 2):
+        raise BadInput(f"gpt-oss's {what}{'_bias' if bias else ''} is [experts, {'' if bias else 'in, '}out"
+                       f"{' (gate and up interleaved)' if what == 'gate_up_proj' else ''}], not {list(rec.shape)}",
+                       path=where, tensor=rec.name)
+    if bias:
+        shape = (rec.shape[0], rec.shape[1] // (2 if what == "gate_up_proj" else 1))
+    else:
+        shape = (rec.shape[0], rec.shape[2] // (2 if what == "gate_up_proj" else 1), rec.shape[1])
+
+    def part(i: int):
+        return lambda: Dense(split_gpt_oss_experts(rec.name, rec.load().tensor)[i][1])
+
+    suffix = ".bias" if bias else ".weight"
+    if what == "down_proj":
+        return [replace(rec, name=f"{head}down_proj{suffix}", shape=shape, load=part(0),
+                        source_name=rec.source_name or rec.name)]
+    return [replace(rec, name=f"{head}{half}_proj{suffix}", shape=shape, load=part(i),
+                    source_name=f"{rec.source_name or rec.name} ({half} columns {i}::2)")
+            for i, half in enumerate(("gate", "up"))]
 
 
 def _kv_b_records(rec: TensorRecord, parts: tuple[str, str], config, where) -> list[TensorRecord]:
@@ -200,13 +241,13 @@ _IMATRIX_CACHE: dict = {}
 
 
 def _imatrix_for(options: Options, out_name: str, shape, target: str) -> tuple[np.ndarray | None, str]:
-    """The --imatrix vector of a tensor planned for a K type or IQ4_NL (llama-quantize weighs those
+    """The --imatrix vector of a tensor planned for a K type or an IQ type (llama-quantize weighs those
     quantizers with it), or None and a note."""
     path = options.extra.get("imatrix")
     if not path:
         return None, ""
     if TARGET_LAYOUTS[target].kind not in ("k", "codebook"):
-        return None, "; imatrix not applied (qconvert uses it for the K types and IQ4_NL only)" if TARGET_LAYOUTS[target].kind == "legacy" else ""
+        return None, "; imatrix not applied (qconvert uses it for the K types and the IQ types only)" if TARGET_LAYOUTS[target].kind == "legacy" else ""
     from .imatrix import read_imatrix
 
     key = str(Path(path).resolve())
@@ -234,6 +275,10 @@ def _attach_quant(plan: TensorPlan, options: Options, keep_codes: bool) -> None:
         raise QConvertError(f"unknown --quantizer {backend!r}; choose one of: {', '.join(QUANTIZERS)}")
     imatrix, note = _imatrix_for(options, plan.out_name, plan.shape, plan.target) if plan.verdict == REQUANTIZE else (None, "")
     plan.reason += note
+    refusal = imatrix_refusal(plan.target, plan.out_name, imatrix is not None) if plan.verdict == REQUANTIZE else None
+    if refusal:  # llama-quantize's rule for the IQ2 types (schemes.py)
+        plan.verdict, plan.reason = REFUSED, refusal
+        return
     if backend == "llama.cpp" and plan.verdict == REQUANTIZE:
         from ...kernels.ggml_ctypes import available
 
@@ -271,12 +316,15 @@ class GgufWriter:
 
     def adapt_records(self, records, source):
         """The source's records with DeepSeek's kv_b_proj split into the k_b / v_b halves llama.cpp's MLA
-        loads (archs.split_kv_b); every other record passes as it is."""
+        loads (archs.split_kv_b), fused experts split into their stacks (gpt-oss's transposed, interleaved
+        form by archs.split_gpt_oss_experts); every other record passes as it is."""
         arch, _ = self._arch(source)
         for rec in records:
             parts = kv_b_parts(rec.name) if arch_by_name(arch).mla else None
             if parts is not None:
                 yield from _kv_b_records(rec, parts, source.config, config_json_path(source))
+            elif arch == "gpt-oss" and gpt_oss_expert_part(rec.name):
+                yield from _gpt_oss_expert_records(rec, config_json_path(source))
             elif _FUSED_EXPERTS.search(rec.name):
                 yield from _fused_expert_records(rec, config_json_path(source))
             else:
@@ -325,13 +373,22 @@ class GgufWriter:
         else:
             src = rec.dtype
             keep_float = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(rec.dtype, "F32")
+            # a GGUF source's IQ4_NL / IQ4_XS tensor (dense float32 carrying its blocks: reader.CodebookDense)
+            # keeps its type unless one is asked for, as a grid does, and that type copies its blocks
+            codebook = rec.native_type if rec.native_type in CODEBOOK_LAYOUTS else None
             if (is_1d or _always_f32(out_name)) and not explicit:
                 target = "F32"
             else:
-                target, rule_note = _choose_type(explicit, options, facts, out_name, rule_shape, keep_float,
-                                                 not source.quant_config and len(rec.shape) >= 2)
+                # --type names the type of a dense source's 2-D weights, and of a quantized source's grids only; a
+                # llama-quantize mix (q4_k_m, q5_k_s...; not the names that are also plain types: q8_0, q6_k,
+                # q2_k) covers every tensor llama-quantize would quantize, as llama.cpp's route does (a quantized
+                # source's float head and embeddings included: FP8 DeepSeek-V3 to Q4_K_M)
+                mix = preset_of(options.type) is not None and options.type.strip().upper() not in GGUF_SCHEMES
+                quantize_dense = bool(codebook) or (len(rec.shape) >= 2 and (not source.quant_config or mix))
+                target, rule_note = _choose_type(explicit, options, facts, out_name, rule_shape, codebook or keep_float,
+                                                 quantize_dense)
             target, fallback_note = k_fallback(target, rule_shape, None)
-            v = check(rec.dtype, rec.shape, GGUF_SCHEMES[target])
+            v = check(rec.dtype, rec.shape, GGUF_SCHEMES[target], native=codebook)
             if spec.norm_shift and out_name.endswith("norm.weight") and v.verdict == EXACT:
                 v = replace(v, verdict=NEAR_EXACT, reason=f"{v.reason}; stored as {spec.norm_shift:g} + w as "
                             f"llama.cpp's {arch} reads its norms (the float32 addition rounds)")
@@ -342,7 +399,12 @@ class GgufWriter:
         preset = preset_of(options.type)
         if preset is not None:
             plan.info["file_type"] = preset.file_type  # general.file_type names the preset, not a tensor type
+        elif options.type and options.type.strip().upper() in FILE_TYPES:
+            # llama-quantize names the type asked for (IQ4_XS: 30) even where fallbacks outnumber it
+            plan.info["file_type"] = FILE_TYPES[options.type.strip().upper()]
         _attach_quant(plan, options, keep_codes=bool(v.kept_blocks))
+        if rec.is_grid and target == "NVFP4" and v.keeps_codes and tensor_scale_of(rec.params) is not None:
+            plan.info["tensor_scale"] = tensor_scale_of(rec.params)
         if v.alternative:
             plan.alternative = f"--type {v.alternative[0].lower()} ({v.alternative[1]})"
         if TARGET_LAYOUTS[target].kind == "k" and v.verdict == REQUANTIZE and _kquants() is None:
@@ -448,7 +510,7 @@ class GgufSession:
                            file_type=FILE_TYPES.get(dominant, 0) if preset_file_type is None else preset_file_type)
         n_vocab = next(p.shape[0] for p in kept if p.out_name == "token_embd.weight")
         _add_tokenizer(w, source, n_vocab)
-        self.extra = rope_tensors(source.config, arch)
+        self.extra = list(rope_tensors(source.config, arch))
         self.norm_shift = arch_by_name(arch).norm_shift
         n_experts = _expert_count(source) if any("expert" in p.info for p in kept) else 0
         self.pending: dict[str, _ExpertSpill] = {}  # stacks of experts being filled
@@ -465,6 +527,10 @@ class GgufSession:
                               raw_dtype=gguf.GGMLQuantizationType(lay.ggml_type))
             if "expert" in first.info:
                 self.stack_size[name] = len(members)
+            scales = [m.info.get("tensor_scale") for m in members]
+            if any(v is not None for v in scales):  # NVFP4 global scales: llama.cpp's `.scale`, [1] or [experts]
+                self.extra.append((name.removesuffix(".weight") + ".scale",
+                                   np.array([1.0 if v is None else v for v in scales], dtype=np.float32)))
         for name, arr in self.extra:
             w.add_tensor_info(name, list(arr.shape), arr.dtype, arr.nbytes)
         w.write_header_to_file()
@@ -477,17 +543,29 @@ class GgufSession:
         lay = TARGET_LAYOUTS[plan.target]
         perm = qk_row_permutation(plan.name, self.source.config, self.arch)
         if perm is not None:
-            item = item.permute_rows(perm) if isinstance(item, Grid) else Dense(item.tensor[perm])
+            # a Grid, or reader.CodebookDense (IQ4_*), reorders its block bytes too
+            item = item.permute_rows(perm) if hasattr(item, "permute_rows") else Dense(item.tensor[perm])
         shift = self.norm_shift if plan.out_name.endswith("norm.weight") else 0.0
         if shift:  # Gemma: llama.cpp multiplies by the stored norm, transformers by 1 + w
             item = Dense(item.dequantize(torch.float32) + shift)
-        data, decoded = encode_tensor(lay, plan.verdict, item, plan.info.get("quant"))
+        source = SourceValues(item)
+        data, decoded = encode_tensor(lay, plan.verdict, item, plan.info.get("quant"), source=source)
         if shift:
             decoded = decoded - shift
         self._write(plan, data.reshape(-1))
+        ref = None if shift or isinstance(decoded, BitIdentical) else source.values
         if perm is not None and not isinstance(decoded, BitIdentical):
             decoded = decoded[inverse_permutation(perm)]
+            ref = None if ref is None else ref[inverse_permutation(perm)]
+        self.reference = ref
         return decoded
+
+    def take_reference(self) -> torch.Tensor | None:
+        """The float32 source values the last `add` dequantized to encode its tensor (in the record's row
+        order), once, or None: the runner measures the error against them instead of dequantizing the
+        source a second time."""
+        ref, self.reference = getattr(self, "reference", None), None
+        return ref
 
     def _write(self, plan: TensorPlan, data: np.ndarray) -> None:
         """Append a tensor's bytes. An expert goes to its slot in a spill file until its stack is complete,
@@ -542,7 +620,7 @@ class _ExpertSpill:
         self.file.close()
 
 
-_COPY_CHUNK = 16 << 20
+_COPY_CHUNK = 4 << 20  # bytes of a spilled expert stack copied at once
 
 
 def _write_tensor_from_file(writer: gguf.GGUFWriter, f, nbytes: int) -> None:
@@ -585,10 +663,29 @@ def _fast_path_applies(lay: BlockLayout, verdict: str, item) -> bool:
             and packed.bits == 4 and item.params.symmetric)
 
 
+class SourceValues:
+    """An item's float32 dequantization, computed at most once: what the encoder quantizes is also what the
+    runner measures the written tensor against (GgufSession.take_reference)."""
+
+    __slots__ = ("item", "values")
+
+    def __init__(self, item: Dense | Grid):
+        self.item, self.values = item, None
+
+    def __call__(self) -> torch.Tensor:
+        if self.values is None:
+            self.values = self.item.dequantize(torch.float32)
+        return self.values
+
+
 def encode_tensor(lay: BlockLayout, verdict: str, item: Dense | Grid,
-                  quant: QuantHow | None = None) -> tuple[np.ndarray, torch.Tensor | BitIdentical]:
+                  quant: QuantHow | None = None,
+                  source: SourceValues | None = None) -> tuple[np.ndarray, torch.Tensor | BitIdentical]:
     """-> (bytes as uint8 numpy, float32 values the bytes decode to in the item's shape, or a proof
-    that the bytes are bit-identical to the source's packed codes)."""
+    that the bytes are bit-identical to the source's packed codes). `source`: the item's float32
+    dequantization, shared with the caller (computed here when a path needs it)."""
+    if source is None:
+        source = SourceValues(item)
     packed = getattr(item, "packed", None)
     if packed is not None and packed.layout == f"ggml:{lay.name}":
         # the source holds this very ggml type: its blocks are the answer, byte for byte
@@ -597,7 +694,7 @@ def encode_tensor(lay: BlockLayout, verdict: str, item: Dense | Grid,
         return _gptq_words_to_q4_0(item)
     if lay.kind == "float":
         dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[lay.name]
-        t = item.dequantize(dtype).contiguous()
+        t = (source() if dtype == torch.float32 else item.dequantize(dtype)).contiguous()
         return t.view(torch.uint8).numpy(), t.to(torch.float32)
     if isinstance(item, Grid) and verdict in (EXACT, NEAR_EXACT) and lay.kind == "legacy":
         p = item.params
@@ -606,10 +703,14 @@ def encode_tensor(lay: BlockLayout, verdict: str, item: Dense | Grid,
         data = repack_grid(lay, item.codes, p.scales, p.zeros, block_group, mins=p.mins)
         return data.numpy(), decode_blocks(lay, data)
     if lay.kind == "codebook":
+        if verdict == EXACT:  # the checker's "blocks copied" needs the source's blocks, found above
+            raise QConvertError(f"{lay.name} blocks to copy are missing from the source record")
         return _encode_codebook(lay, item, quant)
+    if lay.kind == "fp4":
+        return _encode_fp4(lay, verdict, item, quant)
     if quant is not None and quant.needed:  # kept grid codes, an imatrix or llama.cpp's quantizer (kencode.py)
-        return encode_quantized(lay, item, quant)
-    x = item.dequantize(torch.float32)
+        return encode_quantized(lay, item, quant, source)
+    x = source()
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if lay.kind == "legacy":
@@ -621,9 +722,22 @@ def encode_tensor(lay: BlockLayout, verdict: str, item: Dense | Grid,
 
 
 def _encode_codebook(lay: BlockLayout, item: Dense | Grid, quant: QuantHow | None) -> tuple[np.ndarray, torch.Tensor]:
-    """IQ4_NL: the dequantized weights through ggml's quantize_iq4_nl (our kernel, or llama.cpp's own with
-    --quantizer llama.cpp), with the --imatrix weights when given; decoded as gguf-py decodes it."""
+    """The codebook types: the dequantized weights through ggml's quantize_iq4_nl / _iq4_xs / _iq3_s / _iq3_xxs /
+    _iq2_s / _iq2_xs / _iq2_xxs (our kernels, or llama.cpp's own with --quantizer llama.cpp), with the --imatrix
+    weights when given; decoded as gguf-py decodes it."""
+    from ...kernels.iq2 import (dequantize_iq2_s, dequantize_iq2_xs, dequantize_iq2_xxs, quantize_iq2_s,
+                                quantize_iq2_xs, quantize_iq2_xxs)
+    from ...kernels.iq3_s import dequantize_iq3_s, dequantize_iq3_xxs, quantize_iq3_s, quantize_iq3_xxs
     from ...kernels.iq4_nl import dequantize_iq4_nl, quantize_iq4_nl
+    from ...kernels.iq4_xs import dequantize_iq4_xs, quantize_iq4_xs
+
+    quantize, dequantize = {"IQ4_NL": (quantize_iq4_nl, dequantize_iq4_nl),
+                            "IQ4_XS": (quantize_iq4_xs, dequantize_iq4_xs),
+                            "IQ3_S": (quantize_iq3_s, dequantize_iq3_s),
+                            "IQ2_S": (quantize_iq2_s, dequantize_iq2_s),
+                            "IQ2_XS": (quantize_iq2_xs, dequantize_iq2_xs),
+                            "IQ3_XXS": (quantize_iq3_xxs, dequantize_iq3_xxs),
+                            "IQ2_XXS": (quantize_iq2_xxs, dequantize_iq2_xxs)}[lay.name]
 
     x = item.dequantize(torch.float32)
     shape = x.shape
@@ -634,5 +748,52 @@ def _encode_codebook(lay: BlockLayout, item: Dense | Grid, quant: QuantHow | Non
 
         data = ggml_quantize(x2, lay.name, imatrix, threads=max(1, torch.get_num_threads()))
     else:
-        data = quantize_iq4_nl(x2, imatrix)
-    return data, torch.from_numpy(dequantize_iq4_nl(data, shape[-1])).view(shape)
+        data = quantize(x2, imatrix)
+    return data, torch.from_numpy(dequantize(data, shape[-1])).view(shape)
+
+
+def tensor_scale_of(params) -> float | None:
+    """The float32 value of the `.scale` tensor llama.cpp multiplies an NVFP4 weight's matmul by, for a float
+    grid with a global scale (None without one): ModelOpt's weight_scale_2 as it is, compressed-tensors'
+    weight_global_scale as its float32 reciprocal (1.0 / scale, as llama.cpp's converter stores it)."""
+    g = getattr(params, "global_scale", None)
+    if g is None:
+        return None
+    g = g.to(torch.float32).reshape(())
+    return float(torch.tensor(1.0, dtype=torch.float32) / g) if params.global_scale_op == "div" else float(g)
+
+
+def _encode_fp4(lay: BlockLayout, verdict: str, item: Dense | Grid, quant: QuantHow | None
+                ) -> tuple[np.ndarray, torch.Tensor]:
+    """MXFP4 / NVFP4 blocks. An E2M1 float grid the checker let keep its codes is repacked (the codes, and the
+    block scales as E8M0 exponents or UE4M3 bytes: the source's own bits); anything else is dequantized and
+    quantized by ggml's reference quantizer (kernels/floatq.py, byte-identical to quantize_row_mxfp4_ref /
+    quantize_row_nvfp4_ref), or llama.cpp's own with --quantizer llama.cpp. -> (bytes, float32 values the
+    file decodes to, an NVFP4 tensor's `.scale` applied)."""
+    from ...kernels import floatq
+
+    if isinstance(item, Grid) and verdict in (EXACT, NEAR_EXACT) and getattr(item.params, "element", None) == "e2m1":
+        p = item.params
+        rows, n = item.shape
+        codes = item.codes.numpy()
+        if lay.name == "MXFP4":
+            e = floatq.float_to_e8m0(p.folded_scales()[:, torch.arange(0, n, 32) // p.group_size]).numpy()
+            data = floatq.pack_ggml_mxfp4(codes, e)
+            return data, torch.from_numpy(floatq.decode_ggml_mxfp4(data, n))
+        ts = tensor_scale_of(p)
+        block = p.scales.to(torch.float32) if ts is not None else p.folded_scales()
+        d = block[:, torch.arange(0, n, 16) // p.group_size].to(torch.float8_e4m3fn).view(torch.uint8) & 0x7F
+        data = floatq.pack_ggml_nvfp4(codes, d.numpy())
+        decoded = torch.from_numpy(floatq.decode_ggml_nvfp4(data, n))
+        return data, decoded if ts is None else decoded * torch.tensor(ts, dtype=torch.float32)
+    x = item.dequantize(torch.float32)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous().numpy()
+    if quant is not None and quant.backend == "llama.cpp":
+        from ...kernels.ggml_ctypes import ggml_quantize
+
+        data = ggml_quantize(x2, lay.name, threads=max(1, torch.get_num_threads()))
+    else:
+        data = floatq.quantize_ggml_mxfp4(x2) if lay.name == "MXFP4" else floatq.quantize_ggml_nvfp4(x2)
+    decode = floatq.decode_ggml_mxfp4 if lay.name == "MXFP4" else floatq.decode_ggml_nvfp4
+    return data, torch.from_numpy(decode(data, shape[-1])).view(shape)

@@ -102,6 +102,11 @@ class ModelOptSource(CheckpointSource):
             parts["weight"] = f"{prefix}.weight"
         self.runtime_params = sorted(n for n in self.ckpt.location if n.rpartition(".")[2] in RUNTIME_PARTS)
 
+    @property
+    def not_carried(self) -> dict[str, str]:
+        """Activation and KV-cache scale tensors: how a runtime quantizes activations, not weights."""
+        return {n: "activation/KV-cache scales: a runtime's choice, not weights" for n in self.runtime_params}
+
     # -- one module --------------------------------------------------------------------------------
     def _bad(self, msg: str, tensor: str) -> BadInput:
         return BadInput(msg, path=self.ckpt.file_of(tensor), tensor=tensor)
@@ -141,7 +146,7 @@ class ModelOptSource(CheckpointSource):
                 raise self._bad(f"FP8 weight_scale dtype {self.ckpt.dtype(sname)} is not F32", sname)
             if sshape in ((), (1,)):
                 scales = self.ckpt.get(sname).reshape(1, 1).expand(out_f, 1).contiguous()
-                return float_grid(element, scales, in_f, block_rows=out_f), (out_f, in_f)
+                return float_grid(element, scales, in_f), (out_f, in_f)  # one value, every row
             if sshape in ((out_f,), (out_f, 1)):
                 return float_grid(element, self.ckpt.get(sname).reshape(out_f, 1), in_f), (out_f, in_f)
             raise self._bad(f"FP8 weight_scale shape {list(sshape)}: expected one value or one per output row "

@@ -613,8 +613,7 @@ class UqffSource:
             shape = tuple(wshape)
             scales = scale.reshape(1, 1).expand(shape[0], 1).contiguous()
             params = GridParams(bits=8, group_size=shape[1], scales=scales,
-                                zeros=torch.zeros(scales.shape, dtype=torch.int8), codebook=element_table("e4m3"),
-                                block_rows=shape[0])
+                                zeros=torch.zeros(scales.shape, dtype=torch.int8), codebook=element_table("e4m3"))
             codes = self._part(key, "weight").view(torch.uint8) if with_codes else None
             return shape, params, codes
         scales = self._part(key, "weight.scales")
