@@ -12,11 +12,15 @@ from pathlib import Path
 
 import torch
 
-from ..converters.errors import BadInput
-from ..converters.records import GridParams
-from ..kernels.floatq import element_table
+from typing import Iterator
 
-__all__ = ["FP8_ELEMENTS", "fp8_element", "float_grid", "expand_block_rows", "block_grid_shape"]
+from ..converters.errors import BadInput
+from ..converters.records import GridParams, TensorRecord
+from ..kernels.floatq import element_table
+from .safetensors_dir import CheckpointSource
+
+__all__ = ["FP8_ELEMENTS", "fp8_element", "float_grid", "expand_block_rows", "block_grid_shape", "RuntimeScales",
+           "FloatModuleSource"]
 
 # safetensors' dtype tags of FP8 weights -> their element format
 FP8_ELEMENTS = {"F8_E4M3": "e4m3", "F8_E5M2": "e5m2"}
@@ -52,3 +56,39 @@ def float_grid(element: str, scales: torch.Tensor, group_size: int, *, global_sc
                       codebook=element_table(element, negative_zero=negative_zero),
                       global_scale=None if global_scale is None else global_scale.reshape(()).to(torch.float32),
                       global_scale_op=global_scale_op, block_rows=block_rows)
+
+
+class RuntimeScales:
+    """A checkpoint's activation and KV-cache scale tensors (`runtime_params`: their names), which describe how
+    a runtime quantizes activations, not the weights: not carried, and said so (ModelSource.not_carried)."""
+
+    runtime_params: list[str]
+
+    @property
+    def not_carried(self) -> dict[str, str]:
+        return {n: "activation/KV-cache scales: a runtime's choice, not weights" for n in self.runtime_params}
+
+    def describe_runtime(self, desc: dict) -> dict:
+        if self.runtime_params:
+            desc["activation_quantization"] = (f"{len(self.runtime_params)} activation/kv-cache scale tensors "
+                                               "(a runtime's choice) are not carried")
+        return desc
+
+
+class FloatModuleSource(RuntimeScales, CheckpointSource):
+    """What the FP8 and ModelOpt readers share: `modules` (prefix -> {part: tensor name}, the float grid's
+    `weight` among them), each a record made by `_params(prefix)` -> (GridParams, shape) and loaded by
+    `_load(prefix)`, every other tensor dense, the runtime scales left out."""
+
+    modules: dict[str, dict[str, str]]
+
+    def records(self) -> Iterator[TensorRecord]:
+        runtime = set(self.runtime_params)
+        for rec in self.module_records(self.modules, "weight", self._record):
+            if rec.name not in runtime:
+                yield rec
+
+    def _record(self, prefix: str, shard: str) -> TensorRecord:
+        params, shape = self._params(prefix)
+        return TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load(p), params=params,
+                            source_file=shard)

@@ -31,6 +31,7 @@ from ...converters.validate import ConfigView
 from ..model_shapes import ModelShapes
 from ..safetensors_dir import CheckpointDir, CheckpointSource, read_json
 from ...kernels.floatq import element_table, unpack_fp4
+from ..float_grids import RuntimeScales
 from .schemes import FLOAT_FORMATS, FP4_FORMATS, INT_FORMATS, QuantArgs, parse_rules, unpack_dense
 
 __all__ = ["CtSource", "open_ct", "WEIGHT_PARTS"]
@@ -63,7 +64,7 @@ def _quant_config(path: Path, cfg: dict) -> dict:
     return qc.data
 
 
-class CtSource(CheckpointSource):
+class CtSource(RuntimeScales, CheckpointSource):
     """A compressed-tensors checkpoint directory, read lazily module by module."""
 
     format_name = "compressed-tensors"
@@ -118,11 +119,6 @@ class CtSource(CheckpointSource):
                 found["weight"] = f"{prefix}.weight"
             modules[prefix] = (args, found)
         return modules
-
-    @property
-    def not_carried(self) -> dict[str, str]:
-        """Activation and KV-cache scale tensors: how a runtime quantizes activations, not weights."""
-        return {n: "activation/KV-cache scales: a runtime's choice, not weights" for n in self.runtime_params}
 
     # -- header checks and the small parameters ---------------------------------------------------
     def _bad(self, msg: str, tensor: str) -> BadInput:
@@ -323,9 +319,7 @@ class CtSource(CheckpointSource):
                           "times block scales, nvfp4's divided by its global scale), equal to compressed-tensors' "
                           "own decompression",
                 "ignored_files": self.ignored_files}
-        if self.runtime_params:
-            desc["activation_quantization"] = (f"{len(self.runtime_params)} activation/kv-cache scale tensors "
-                                               "(a runtime choice) are not carried")
+        self.describe_runtime(desc)
         if any(a.activations for a, _ in self.modules.values()):
             desc["activations"] = "activations are quantized at run time by the source's scheme; only the weights convert"
         return desc

@@ -20,16 +20,14 @@ describe() counts them and they are not carried.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
-
 import torch
 
 from ...converters.errors import BadInput
-from ...converters.records import Grid, TensorRecord
+from ...converters.records import Grid
 from ...converters.validate import ConfigView
-from ..float_grids import block_grid_shape, expand_block_rows, float_grid, fp8_element
+from ..float_grids import FloatModuleSource, block_grid_shape, expand_block_rows, float_grid, fp8_element
 from ..model_shapes import ModelShapes
-from ..safetensors_dir import CheckpointDir, CheckpointSource, quantization_config_of, read_json
+from ..safetensors_dir import CheckpointDir, quantization_config_of, read_json
 
 __all__ = ["Fp8Source", "open_fp8", "sniff_fp8", "METHODS"]
 
@@ -47,7 +45,7 @@ def sniff_fp8(path: Path) -> bool:
     return isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() in METHODS
 
 
-class Fp8Source(CheckpointSource):
+class Fp8Source(FloatModuleSource):
     """An FP8 checkpoint folder, read tensor by tensor."""
 
     format_name = "fp8"
@@ -72,11 +70,11 @@ class Fp8Source(CheckpointSource):
         self.shapes = ModelShapes(self.config, where)
         self.ckpt = CheckpointDir(self.path)
         scale = _SCALE[self.method]
-        self.modules = {name.rpartition(".")[0]: name for name in self.ckpt.location
-                        if name.rpartition(".")[2] == scale}
-        for prefix, sname in self.modules.items():
-            if f"{prefix}.weight" not in self.ckpt.location:
-                raise BadInput(f"{scale} without weight", path=self.ckpt.file_of(sname), tensor=f"{prefix}.weight")
+        self.modules = {name.rpartition(".")[0]: {"weight": name.rpartition(".")[0] + ".weight", scale: name}
+                        for name in self.ckpt.location if name.rpartition(".")[2] == scale}
+        for prefix, parts in self.modules.items():
+            if parts["weight"] not in self.ckpt.location:
+                raise BadInput(f"{scale} without weight", path=self.ckpt.file_of(parts[scale]), tensor=parts["weight"])
         self.runtime_params = sorted(n for n in self.ckpt.location if n.rpartition(".")[2] in RUNTIME_PARTS)
 
     @staticmethod
@@ -88,17 +86,12 @@ class Fp8Source(CheckpointSource):
                            path=qc.path)
         return block[0], block[1]
 
-    @property
-    def not_carried(self) -> dict[str, str]:
-        """Activation and KV-cache scale tensors: how a runtime quantizes activations, not weights."""
-        return {n: "activation/KV-cache scales: a runtime's choice, not weights" for n in self.runtime_params}
-
     # -- one module --------------------------------------------------------------------------------
     def _bad(self, msg: str, tensor: str) -> BadInput:
         return BadInput(msg, path=self.ckpt.file_of(tensor), tensor=tensor)
 
     def _params(self, prefix: str):
-        wname, sname = f"{prefix}.weight", self.modules[prefix]
+        wname, sname = f"{prefix}.weight", self.modules[prefix][_SCALE[self.method]]
         shape = self.ckpt.shape(wname)
         if len(shape) != 2 or min(shape) < 1:
             raise self._bad(f"FP8 weight of shape {list(shape)}: expected [out, in]", wname)
@@ -124,29 +117,14 @@ class Fp8Source(CheckpointSource):
         params, _ = self._params(prefix)
         return Grid(params, codes=self.ckpt.get(f"{prefix}.weight").view(torch.uint8))
 
-    # -- the ModelSource interface -----------------------------------------------------------------
-    def records(self) -> Iterator[TensorRecord]:
-        modules = {prefix: {"weight": f"{prefix}.weight", "scale": sname} for prefix, sname in self.modules.items()}
-        runtime = set(self.runtime_params)
-        for rec in self.module_records(modules, "weight", self._record):
-            if rec.name not in runtime:
-                yield rec
-
-    def _record(self, prefix: str, shard: str) -> TensorRecord:
-        params, shape = self._params(prefix)
-        return TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load(p), params=params,
-                            source_file=shard)
-
+    # -- the ModelSource interface (records: FloatModuleSource) -----------------------------------
     def describe(self) -> dict:
         desc = {"format": self.format_name, "quant_method": self.method, "quantized_modules": len(self.modules),
                 "shards": len(self.ckpt.shards), "ignored_files": self.ignored_files,
                 "layout": ("fp8 e4m3 weights, one float32 scale per "
                            + (f"{self.block[0]}x{self.block[1]} block (weight_scale_inv, the multiplier)"
                               if self.block else "output row (weight_scale)"))}
-        if self.runtime_params:
-            desc["activation_quantization"] = (f"{len(self.runtime_params)} activation/kv-cache scale tensors "
-                                               "(a runtime choice) are not carried")
-        return desc
+        return self.describe_runtime(desc)
 
 
 def open_fp8(path: Path, **_: object) -> Fp8Source:

@@ -378,6 +378,21 @@ def _gguf_py_decodes(qtype) -> bool:
     return int(qtype) in {int(k) for k in getattr(gguf.quants, "_type_traits", {})}
 
 
+def _block_bytes(t, lay, path: Path, inv, expert=None) -> torch.Tensor:
+    """A block-quantized tensor's bytes as uint8 [rows, row_bytes] in HF row order (`inv`: llama's q/k rows put
+    back; rows are whole blocks, so permuting byte rows is exact), one expert's rows of a stack (`expert`:
+    (index, count), experts outermost), rows that are not whole blocks refused."""
+    out_features, in_features = int(t.shape[1]), int(t.shape[0])
+    if in_features % lay.block:
+        raise BadInput(f"rows of {in_features} are not whole {lay.name} blocks of {lay.block}", path=path,
+                       tensor=t.name)
+    data = np.asarray(t.data)
+    if expert is not None:
+        data = data.reshape(expert[1], -1)[expert[0]]
+    words = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(out_features, lay.row_bytes(in_features)))
+    return words[inv].contiguous() if inv is not None else words
+
+
 def _type_name(t) -> str:
     try:
         return gguf.GGMLQuantizationType(int(t.tensor_type)).name
@@ -576,17 +591,8 @@ class GgufSource:
     def _fp4_parts(self, t, type_name: str, path: Path, inv, with_codes: bool, expert=None):
         """MXFP4 / NVFP4 blocks as a float grid: E2M1 codes, E8M0 (MXFP4) or E4M3 (NVFP4: UE4M3, whose bytes 0
         and 0x7F both decode to 0 in ggml) scales, NVFP4's `.scale` as a "post" global scale."""
-        lay = FP4_LAYOUTS[type_name]
-        out_features, in_features = int(t.shape[1]), int(t.shape[0])
-        if in_features % lay.block:
-            raise BadInput(f"rows of {in_features} are not whole {type_name} blocks of {lay.block}", path=path,
-                           tensor=t.name)
-        data = np.asarray(t.data)
-        if expert is not None:
-            data = data.reshape(expert[1], -1)[expert[0]]
-        words = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(out_features, lay.row_bytes(in_features)))
-        if inv is not None:
-            words = words[inv].contiguous()
+        in_features = int(t.shape[0])
+        words = _block_bytes(t, FP4_LAYOUTS[type_name], path, inv, expert)
         unpack = floatq.unpack_ggml_mxfp4 if type_name == "MXFP4" else floatq.unpack_ggml_nvfp4
         codes, scale_bytes = unpack(words.numpy(), in_features)
         scale_bytes = torch.from_numpy(scale_bytes)
@@ -609,17 +615,8 @@ class GgufSource:
         without codes for planning, which reads only the parameters. `expert`: (index, count) of a
         stacked tensor, whose rows are expert by expert."""
         lay = LAYOUTS[type_name]
-        out_features, in_features = int(t.shape[1]), int(t.shape[0])
-        if in_features % lay.block:
-            raise BadInput(f"rows of {in_features} are not whole {type_name} blocks of {lay.block}", path=path,
-                           tensor=t.name)
-        data = np.asarray(t.data)
-        if expert is not None:
-            data = data.reshape(expert[1], -1)[expert[0]]
-        data = data.reshape(out_features, lay.row_bytes(in_features))
-        words = torch.from_numpy(np.array(data, dtype=np.uint8))
-        if inv is not None:  # rows are whole blocks: permuting byte rows is exact
-            words = words[inv].contiguous()
+        out_features = int(t.shape[1])
+        words = _block_bytes(t, lay, path, inv, expert)
         if lay.kind == "k":
             codes, scales, mins = unpack_k_blocks(type_name, words.numpy(), with_codes)
             codes, scales = (None if codes is None else torch.from_numpy(codes)), torch.from_numpy(scales)

@@ -23,17 +23,15 @@ not carried.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
-
 import torch
 
 from ...converters.errors import BadInput
-from ...converters.records import Grid, TensorRecord
+from ...converters.records import Grid
 from ...converters.validate import ConfigView
 from ...kernels.floatq import unpack_fp4
-from ..float_grids import float_grid, fp8_element
+from ..float_grids import FloatModuleSource, float_grid, fp8_element
 from ..model_shapes import ModelShapes
-from ..safetensors_dir import CheckpointDir, CheckpointSource, quantization_config_of, read_json
+from ..safetensors_dir import CheckpointDir, quantization_config_of, read_json
 
 __all__ = ["ModelOptSource", "open_modelopt", "sniff_modelopt", "ALGOS"]
 
@@ -65,7 +63,7 @@ def sniff_modelopt(path: Path) -> bool:
         return False
 
 
-class ModelOptSource(CheckpointSource):
+class ModelOptSource(FloatModuleSource):
     """A ModelOpt checkpoint folder, read tensor by tensor."""
 
     format_name = "modelopt"
@@ -101,11 +99,6 @@ class ModelOptSource(CheckpointSource):
                                tensor=f"{prefix}.weight")
             parts["weight"] = f"{prefix}.weight"
         self.runtime_params = sorted(n for n in self.ckpt.location if n.rpartition(".")[2] in RUNTIME_PARTS)
-
-    @property
-    def not_carried(self) -> dict[str, str]:
-        """Activation and KV-cache scale tensors: how a runtime quantizes activations, not weights."""
-        return {n: "activation/KV-cache scales: a runtime's choice, not weights" for n in self.runtime_params}
 
     # -- one module --------------------------------------------------------------------------------
     def _bad(self, msg: str, tensor: str) -> BadInput:
@@ -172,18 +165,7 @@ class ModelOptSource(CheckpointSource):
         codes = w.view(torch.uint8) if params.bits == 8 else unpack_fp4(w)
         return Grid(params, codes=codes)
 
-    # -- the ModelSource interface -----------------------------------------------------------------
-    def records(self) -> Iterator[TensorRecord]:
-        runtime = set(self.runtime_params)
-        for rec in self.module_records(self.modules, "weight", self._record):
-            if rec.name not in runtime:
-                yield rec
-
-    def _record(self, prefix: str, shard: str) -> TensorRecord:
-        params, shape = self._params(prefix)
-        return TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load(p), params=params,
-                            source_file=shard)
-
+    # -- the ModelSource interface (records: FloatModuleSource) -----------------------------------
     def describe(self) -> dict:
         kinds: dict[str, int] = {}
         for prefix in self.modules:
@@ -194,10 +176,7 @@ class ModelOptSource(CheckpointSource):
                 "layout": "FP8: e4m3 weights times a float32 weight_scale (per tensor or per row); NVFP4: e2m1 codes "
                           "times e4m3 weight_scale per 16 times the float32 weight_scale_2 (a multiplier); MXFP4: "
                           "e2m1 codes times E8M0 exponents per 32"}
-        if self.runtime_params:
-            desc["activation_quantization"] = (f"{len(self.runtime_params)} activation/kv-cache scale tensors "
-                                               "(a runtime choice) are not carried")
-        return desc
+        return self.describe_runtime(desc)
 
 
 def open_modelopt(path: Path, **_: object) -> ModelOptSource:
