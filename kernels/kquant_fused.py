@@ -1,5 +1,11 @@
 """Compiled twins of the K-quant scale searches in kernels/kquants.py (`_QxRmse1`, `_Qkx2`).
 
+Where they run. Since the C quantizers (kernels/kquant_c.c) took over llama-quantize's default path (no
+importance matrix), these searches serve the importance-weighted quantizers (--imatrix) on large tensors,
+and every K type where no C compiler is available. Each new process pays torch.compile's tracing once per
+function, sub-block length and thread count (10-15 s for Q4_K on this 2-core machine, measured), which is
+why the default path no longer goes through them.
+
 Why. In numpy every candidate scale of a search is ~8 passes over the chunk (scale, clamp, round,
 three products, two reductions), each pass streaming megabytes through the caches; the searches are
 80% of a K-quant's time. torch.compile (inductor's C++ backend) turns one candidate into a single

@@ -31,12 +31,17 @@ make_qkx2_quants (ggml-quants.c) that is easy to miss: C's search overwrites its
 accepts a candidate, and later candidates use that min in `iscale*(x - min)` and `(max - min)`;
 this is reproduced.
 
-Speed. All super-blocks of a chunk are processed at once; Python loops run only over the candidate
-scales of the searches (<= 21) and, for Q3_K, over the 16 positions x <= 5 coordinate-descent passes.
-For tensors of >= 4M values the scale searches (make_qx_quants, make_qkx2/qkx3_quants; 80% of the
-time in numpy) run as compiled loops instead (kernels/kquant_fused.py: torch.compile, the same float32
-expressions in the same order, so the same bytes), on torch's intra-op threads. Q3_K's coordinate
-descent and the make_qp_quants scale quantization stay in numpy.
+Speed. Without an importance matrix (llama-quantize's default) `quantize_k` runs the C twin of these
+codecs (kernels/kquant_c.c, built once per machine where a C compiler exists: the same expressions, a
+tile of 32 sub-blocks searched in the L1 cache by vectorized loops, chunks spread over a thread pool;
+measured 2-7x llama.cpp's reference quantizer, Q3_K the slowest at 2.1-2.4x: scripts/bench_quantize.py). The numpy code
+below is the reference that the C code and the tests follow, and the path with an importance matrix or
+without a compiler: all super-blocks of a chunk are processed at once; Python loops run only over the
+candidate scales of the searches (<= 21) and, for Q3_K, over the 16 positions x <= 5 coordinate-descent
+passes. For tensors of >= 4M values the scale searches (make_qx_quants, make_qkx2/qkx3_quants; 80% of
+the time in numpy) run as compiled loops instead (kernels/kquant_fused.py: torch.compile, the same
+float32 expressions in the same order, so the same bytes), on torch's intra-op threads. Q3_K's
+coordinate descent and the make_qp_quants scale quantization stay in numpy.
 
 Importance weights (``imatrix``, one float per column of a row, as llama-quantize --imatrix passes
 them): llama.cpp then switches to different, weighted algorithms (``quantize_row_q*_K_impl``) and so
@@ -56,7 +61,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from . import kquant_fused, usable_cpus
+from . import kquant_c, kquant_fused, usable_cpus
 from .ggml_layouts import K_TYPES as _LAYOUT_K_TYPES
 from .ggml_layouts import LAYOUTS
 
@@ -1045,7 +1050,9 @@ def quantize_k(x: np.ndarray, type_name, imatrix=None, threads: int | None = Non
     ("Q2_K".."Q6_K", "Q8_K"), as llama.cpp's reference quantizer (llama-quantize without imatrix;
     with `imatrix` [n], as llama-quantize --imatrix).
 
-    `threads` (default: default_threads()): on the compiled path (large tensors) the compiled
+    Without an importance matrix the C twin of the reference quantizers runs (kernels/kquant_c.c, where a C
+    compiler is available: 2-7x llama.cpp's own reference quantizer), its chunks taken by `threads`
+    threads. Otherwise `threads` (default: default_threads()): on the compiled path (large tensors) the compiled
     searches run on that many torch intra-op threads (they hold the GIL, so Python threads would
     serialize them); otherwise rows are split into bands quantized from a thread pool (numpy releases
     the GIL inside its array operations). Every super-block is independent, so the bytes do not depend
@@ -1054,10 +1061,19 @@ def quantize_k(x: np.ndarray, type_name, imatrix=None, threads: int | None = Non
     if name == "Q8_K":
         _check_imatrix(imatrix)
         return quantize_q8_K(x)
+    from .triton_route import k_quantize  # the Triton twin (kernels/triton_kquant.py) when chosen and covered
+
+    routed = k_quantize(x, name, imatrix, imatrix is None and kquant_c.available())
+    if routed is not None:
+        return routed
     quantize = _QUANTIZERS[name]
     threads = default_threads() if threads is None else max(1, int(threads))
     x = np.asarray(x)
     rows = int(np.prod(x.shape[:-1])) if x.ndim > 1 else 1
+    if imatrix is None and kquant_c.available():
+        # the reference quantizers in C (kernels/kquant_c.c): same bytes, chunks taken by a thread pool
+        xb, shape = _as_blocks(x)
+        return kquant_c.quantize(xb, name, threads).reshape(_out_shape(shape, BLOCK_BYTES[name]))
     if _fused_for(x, name, imatrix):
         # the compiled searches hold the GIL: they run on torch's intra-op threads instead
         with kquant_fused.intra_op_threads(threads):
@@ -1078,5 +1094,15 @@ def quantize_k(x: np.ndarray, type_name, imatrix=None, threads: int | None = Non
 
 
 def dequantize_k(data: np.ndarray, type_name) -> np.ndarray:
-    """uint8 block bytes [..., nbytes] of `type_name` -> float32 [..., nbytes/block_bytes*256]."""
-    return _DEQUANTIZERS[_type_name(type_name)](data)
+    """uint8 block bytes [..., nbytes] of `type_name` -> float32 [..., nbytes/block_bytes*256] (the C twin
+    of the numpy dequantizers where it is built: the same float32 values)."""
+    name = _type_name(type_name)
+    from .triton_route import k_decode
+
+    routed = k_decode(data, name)  # the Triton twin when chosen
+    if routed is not None:
+        return routed
+    if name in kquant_c.TYPE_IDS and kquant_c.available():
+        blocks, shape = _as_byte_blocks(data, BLOCK_BYTES[name])
+        return kquant_c.dequantize(blocks, name, default_threads()).reshape(shape)
+    return _DEQUANTIZERS[name](data)

@@ -6,12 +6,12 @@ bf16-rounded float32 tensors of real LLM shapes.
     python scripts/bench_quantize.py --mb 64 --types Q4_K,Q6_K --threads 1
 
 Throughput is MB/s of bf16 input (2 bytes per weight), the best of --repeat runs, after a warm-up call
-at each thread count (torch.compile of the fused Q4_0/Q8_0 kernels and of the K-quant searches happens
-once per process and thread count; inductor also caches the C++ on disk). Threads: our quantizers run
-their compiled loops on torch's intra-op threads (set to the same count) and the rest in numpy;
-llama.cpp's rows are split over a ThreadPoolExecutor calling ggml_quantize_chunk on row ranges (ctypes
-releases the GIL). RMSE of the decoded weights against the input is printed for both, and whether the
-bytes are identical.
+at each thread count (torch.compile of the fused Q4_0/Q8_0 kernels happens once per process and thread
+count; the C K-quantizers are built once per machine and cached). Threads: our K quantizers
+(kernels/kquant_c.c) hand chunks of super-blocks to that many Python threads (ctypes releases the GIL),
+the Q4_0/Q8_0 kernels run on torch's intra-op threads (set to the same count); llama.cpp's rows are split
+over a ThreadPoolExecutor calling ggml_quantize_chunk on row ranges. RMSE of the decoded weights against
+the input is printed for both, and whether the bytes are identical.
 """
 
 from __future__ import annotations
@@ -116,8 +116,8 @@ def main(argv=None) -> int:
             gp_speed = mb / gp_time
         for n in thread_counts:
             torch.set_num_threads(n)
-            # warm-up at this thread count: imports and torch.compile (inductor compiles once per
-            # thread count; the K searches compile for tensors of >= 4M values, which inputs[0] is)
+            # warm-up at this thread count: imports, the C build (cached) and torch.compile of the
+            # Q4_0/Q8_0 kernels (inductor compiles once per thread count)
             ours_quantize(inputs[0], t, n)
             our_time, ours = timed(lambda x: ours_quantize(x, t, n), inputs, args.repeat)
             ours_speed = mb / our_time

@@ -174,10 +174,18 @@ def test_dequantize_matches_c_on_random_blocks(t, oracle):
 # quantization == llama.cpp reference
 
 
+@pytest.mark.parametrize("path", ["numpy", "c"])
 @pytest.mark.parametrize("t", TYPES)
 @pytest.mark.parametrize("name", list(DATA))
-def test_quantize_matches_c_reference(t, name, oracle, record_property):
+def test_quantize_matches_c_reference(t, name, path, oracle, record_property, monkeypatch):
+    """Both of our reference quantizers: the numpy codecs and their C twin (kernels/kquant_c.c)."""
+    from qconvert.kernels import kquant_c
+
     x = DATA[name]
+    if path == "numpy":
+        _no_c(monkeypatch)
+    elif not kquant_c.available():
+        pytest.skip("no C compiler (or QCONVERT_COMPILE=0): the C quantizers are not built")
     with np.errstate(all="ignore"):  # the denormal row makes C and us divide by ~0 alike
         ours = kq.quantize_k(x, t)
     ref = oracle.quantize(x, t)
@@ -258,12 +266,42 @@ def test_shapes_and_dispatch():
 
 
 def test_chunking_does_not_change_bytes(monkeypatch):
-    """Blocks are independent: a different chunk size must give the same bytes."""
+    """Blocks are independent: a different chunk size must give the same bytes (numpy chunks, and the C
+    quantizers' chunks handed to threads, including a last partial tile)."""
+    from qconvert.kernels import kquant_c
+
     x = DATA["real_shaped"][:6]
-    ref = {t: kq.quantize_k(x, t) for t in TYPES}
-    monkeypatch.setattr(kq, "_CHUNK", 7)
+    with monkeypatch.context() as m:
+        _no_c(m)
+        ref = {t: kq.quantize_k(x, t) for t in TYPES}
+        m.setattr(kq, "_CHUNK", 7)
+        for t in TYPES:
+            np.testing.assert_array_equal(kq.quantize_k(x, t), ref[t])
+    if kquant_c.available():
+        monkeypatch.setattr(kquant_c, "CHUNK_BLOCKS", 5)
+        for t in TYPES:
+            for threads in (1, 2, 3):
+                np.testing.assert_array_equal(kq.quantize_k(x, t, threads=threads), ref[t])
+
+
+def test_c_quantizers_equal_ggml_on_non_finite_input(oracle):
+    """NaN, inf, float32 extremes and denormals: the C twin follows C's nearest_int and comparisons,
+    so its bytes are ggml's even where the numpy codecs' are not."""
+    from qconvert.kernels import kquant_c
+
+    if not kquant_c.available():
+        pytest.skip("no C compiler (or QCONVERT_COMPILE=0): the C quantizers are not built")
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((64, 1024)) * 0.02).astype(np.float32)
+    x[1, 5] = np.nan
+    x[2, 300] = np.inf
+    x[3, 7] = -np.inf
+    x[4, :256] = np.nan
+    x[5, 600] = 3e38
+    x[6, 10] = 1e-42
     for t in TYPES:
-        np.testing.assert_array_equal(kq.quantize_k(x, t), ref[t])
+        with np.errstate(all="ignore"):
+            np.testing.assert_array_equal(kq.quantize_k(x, t, threads=2), oracle.quantize(x, t), err_msg=t)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -278,6 +316,7 @@ def compiled_searches(monkeypatch):
 
     assert kf.available(), "QCONVERT_COMPILE=0, or a compiled search already failed in this process"
     monkeypatch.setattr(kf, "MIN_VALUES", 0)
+    _no_c(monkeypatch)
     used = {"searches": 0}
     for name in ("qx_search", "qkx2_search"):
         real = getattr(kf, name)
@@ -292,15 +331,24 @@ def compiled_searches(monkeypatch):
     assert kf.available(), "a compiled search failed (see kquant_fused._run) and fell back to numpy"
 
 
+def _no_c(monkeypatch) -> None:
+    """Keep quantize_k off the C quantizers (kernels/kquant_c.c) for this test."""
+    from qconvert.kernels import kquant_c
+
+    monkeypatch.setattr(kquant_c, "available", lambda: False)
+
+
 def _numpy_bytes(x, t, imatrix=None):
+    from qconvert.kernels import kquant_c
     from qconvert.kernels import kquant_fused as kf
 
-    saved = kf.MIN_VALUES
+    saved, saved_c = kf.MIN_VALUES, kquant_c.available
     kf.MIN_VALUES = 1 << 62
+    kquant_c.available = lambda: False
     try:
         return kq.quantize_k(x, t, imatrix=imatrix, threads=1)
     finally:
-        kf.MIN_VALUES = saved
+        kf.MIN_VALUES, kquant_c.available = saved, saved_c
 
 
 # Q3_K without an importance matrix has no compiled part (its coordinate descent stays in numpy)

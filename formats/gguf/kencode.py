@@ -54,20 +54,50 @@ def _decode(lay: BlockLayout, data: np.ndarray, shape) -> torch.Tensor:
     return torch.from_numpy(kq.dequantize_k(data, lay.name)).view(shape)
 
 
-def encode_quantized(lay: BlockLayout, item, how: QuantHow) -> tuple[np.ndarray, torch.Tensor]:
-    """-> (uint8 block bytes [rows, row_bytes], float32 decoded values in the item's shape)."""
+def _kept_codes(item, kept: np.ndarray) -> np.ndarray:
+    """The codes of the kept super-blocks, (k, 256) uint8, in the tensor's block order. GPTQ words
+    (2/4/8-bit) are unpacked for those blocks alone: on a g128 grid few blocks are kept, and unpacking the
+    whole tensor's codes cost as much as its dequantization."""
+    packed = getattr(item, "packed", None)
+    out_features, in_features = item.shape
+    if packed is None or packed.layout != "gptq-rows" or packed.bits not in (2, 4, 8):
+        return item.codes.numpy().reshape(-1, 256)[kept]
+    bits, per_row = packed.bits, in_features // 256
+    per_word = 32 // bits
+    words_per_block = 256 // per_word
+    idx = np.flatnonzero(kept)
+    n, block = idx // per_row, idx % per_row
+    words = packed.words.numpy().view(np.uint32)  # [in * bits / 32, out]
+    w = words[block[:, None] * words_per_block + np.arange(words_per_block), n[:, None]]  # (k, words per block)
+    shifts = (bits * np.arange(per_word)).astype(np.uint32)
+    codes = (w[:, :, None] >> shifts) & np.uint32((1 << bits) - 1)
+    return codes.reshape(idx.size, 256).astype(np.uint8)
+
+
+def encode_quantized(lay: BlockLayout, item, how: QuantHow, source=None) -> tuple[np.ndarray, torch.Tensor]:
+    """-> (uint8 block bytes [rows, row_bytes], float32 decoded values in the item's shape). `source`: a
+    callable giving the item's float32 dequantization (computed once, shared with the caller's
+    measurement; writer.SourceValues), else the item is dequantized here."""
+    def values() -> torch.Tensor:
+        return source() if source is not None else item.dequantize(torch.float32)
+
     if how.keep_codes and hasattr(item, "params"):
         from ...kernels.kquant_grid import encode_grid_k, plan_kept_blocks
 
         fit = plan_kept_blocks(item.params, item.shape, lay.name)
         if fit is not None:
             def requantize():
-                x = item.dequantize(torch.float32)
+                x = values()
                 return _quantize_rows(lay, x.reshape(-1, x.shape[-1]), how)
 
-            data, _ = encode_grid_k(lay.name, item.codes.numpy(), fit, requantize)
+            data, kept = encode_grid_k(lay.name, lambda kept: _kept_codes(item, kept), fit, requantize,
+                                       shape=tuple(item.shape))
+            if kept.any():  # the kept super-blocks' codes were packed by numpy (the report's "kernel")
+                from ...kernels import note_kernel
+
+                note_kernel("repack", "numpy")
             return data, _decode(lay, data, item.shape)
-    x = item.dequantize(torch.float32)
+    x = values()
     shape = x.shape
     data = _quantize_rows(lay, x.reshape(-1, shape[-1]), how)
     return data, _decode(lay, data, shape)
