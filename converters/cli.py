@@ -131,13 +131,15 @@ def parse_size(text: str, flag: str = "--split-max-size") -> int:
 
 def _print_plan(report, quiet: bool) -> None:
     if not quiet:
+        kernels = any(r.kernel for r in report.results)  # a column only when some tensor went through a kernel
         header = f"{'tensor':<48} {'source':<22} {'target':<10} {'verdict':<11} {'max_abs_err':>11} {'rmse':>10}"
-        click.echo(header)
+        click.echo(header + (f" {'kernel'}" if kernels else ""))
         for r in report.results:
             p = r.plan
             err = "-" if r.max_abs_err is None else f"{r.max_abs_err:.3g}"
             rmse = "-" if r.rmse is None else f"{r.rmse:.3g}"
-            click.echo(f"{p.name:<48} {p.source:<22} {p.target:<10} {p.verdict:<11} {err:>11} {rmse:>10}")
+            click.echo(f"{p.name:<48} {p.source:<22} {p.target:<10} {p.verdict:<11} {err:>11} {rmse:>10}"
+                       + (f" {kernel_label(r.kernel)}" if kernels else ""))
     for name, why in report.ignored_files.items():
         click.echo(f"ignored: {name} ({why})")
     by_reason: dict[str, list[str]] = {}
@@ -151,9 +153,25 @@ def _print_plan(report, quiet: bool) -> None:
                + (" (dry run: nothing written)" if report.dry_run else f" -> {report.output_path}"))
 
 
+_STAGE_ABBREV = {"dequantize": "dq", "quantize": "q", "repack": "repack"}
+
+
+def kernel_label(kernel: dict | None) -> str:
+    """The plan table's kernel column: "triton" when one path ran every stage, else each stage's ("dq c q triton");
+    "-" when no kernel ran (a float tensor passed as it is)."""
+    if not kernel:
+        return "-"
+    paths = set(kernel.values())
+    if len(paths) == 1:
+        return paths.pop()
+    return " ".join(f"{_STAGE_ABBREV.get(stage, stage)} {path}" for stage, path in kernel.items())
+
+
 # options every conversion takes, whatever the target; a format may not declare one of these
 _GENERIC_FLAGS = ("--type", "--tensor-type", "--allow-requant", "--dry-run", "--report", "--force", "--quiet",
-                  "--to", "--from")
+                  "--to", "--from", "--device")
+_DEVICE_HELP = ("where the kernels run: cpu (default), cuda[:N], or auto (CUDA when torch sees a device); tensors move "
+                "there one at a time, and Triton kernels run where they exist (QCONVERT_KERNELS=torch|triton overrides)")
 _WRITER_PARAM = "writer_"  # prefix of the click parameter names of writer options (never a generic name)
 
 
@@ -197,6 +215,7 @@ def _generic_params(target: FormatEntry | None) -> list[click.Parameter]:
                      help="write a JSON report of every tensor"),
         click.Option(["--force"], is_flag=True, help="replace an existing output"),
         click.Option(["--quiet"], is_flag=True, help="print only the summary line"),
+        click.Option(["--device"], default="cpu", show_default=True, metavar="cpu|cuda|auto", help=_DEVICE_HELP),
     ]
 
 
@@ -260,7 +279,7 @@ def _run_conversion(src_format: str | None, target_name: str, params: dict) -> N
     if params["out_path"] is None and not params["dry_run"]:
         raise click.UsageError("OUT_PATH is required unless --dry-run is given")
     options = Options(type=params["type_"], tensor_types=_parse_tensor_types(params["tensor_type"]),
-                      allow_requant=params["allow_requant"])
+                      allow_requant=params["allow_requant"], device=_checked_device(params["device"]))
     options.extra.update(writer_extra(get_format(target_name), _given_writer_options(params)))
     detected = src_format is None
     if detected:
@@ -273,6 +292,18 @@ def _run_conversion(src_format: str | None, target_name: str, params: dict) -> N
     _print_plan(report, params["quiet"])
     if params["report_path"]:
         report.write_json(params["report_path"])
+
+
+def _checked_device(name: str) -> str:
+    """--device as given, once kernels.resolve_device finds it here: an absent device is refused in one line
+    (exit 2) before anything is read or written."""
+    from ..kernels import resolve_device
+
+    try:
+        resolve_device(name)
+    except ValueError as e:
+        raise QConvertError(str(e)) from None
+    return name
 
 
 def _make_convert_command(src: str, dst: str) -> click.Command:
@@ -389,19 +420,21 @@ def batch_command(manifest, workers, report_dir, dry_run, force, ray_address, ve
               help="with --logits: a text file of prompts separated by blank lines (default: a bundled text)")
 @click.option("--max-tokens", type=click.IntRange(2, 1 << 16), default=128, show_default=True,
               help="with --logits: tokens per prompt")
+@click.option("--device", default="cpu", show_default=True, metavar="cpu|cuda|auto", help=_DEVICE_HELP)
 def verify_command(src_path, out_path, src_format, out_format, report_path, strict, quiet, logits, prompts_path,
-                   max_tokens):
+                   max_tokens, device):
     """Re-read OUT and measure every tensor against SRC's dequantization (both read from disk); with --logits,
     compare the two models' predictions too."""
     from .run import verify
 
     if prompts_path is not None and not logits:
         raise QConvertError("--prompts is for --logits")
+    device = _checked_device(device)
     if logits:
         from .quality import compare_logits, read_prompts
 
         prompts = read_prompts(prompts_path)  # a bad prompts file fails before any model is read
-    report = verify(src_path, out_path, src_format, out_format, progress=sys.stderr.isatty())
+    report = verify(src_path, out_path, src_format, out_format, progress=sys.stderr.isatty(), device=device)
     if logits:
         src_fmt = get_format(src_format).name if src_format else detect_format(src_path)
         out_fmt = get_format(out_format).name if out_format else detect_format(out_path)

@@ -28,6 +28,7 @@ class Options:
     tensor_types: list[tuple[str, str]] = field(default_factory=list)  # (regex, type), first match wins
     allow_requant: bool = False
     extra: dict = field(default_factory=dict)  # writer-specific options
+    device: str = "cpu"  # where kernels run: "cpu", "cuda", "cuda:N" or "auto" (kernels.resolve_device)
 
     def explicit_type(self, name: str) -> str | None:
         for pattern, type_name in self.tensor_types:

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import re
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
@@ -176,6 +176,17 @@ class GridParams:
     def permute_rows(self, perm: torch.Tensor) -> "GridParams":
         return self._take_rows(perm)
 
+    def to(self, device) -> "GridParams":
+        """The same parameters with every tensor on `device` (values unchanged)."""
+        moved = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                moved[f.name] = v.to(device)
+            elif f.name == "scale_steps" and v is not None:
+                moved[f.name] = (v[0].to(device), v[1])
+        return replace(self, **moved)
+
     def row_slice(self, start: int, stop: int) -> "GridParams":
         return self._take_rows(slice(start, stop))
 
@@ -241,6 +252,13 @@ class Grid:
 
     def permute_rows(self, perm: torch.Tensor) -> "Grid":
         return self._take_rows(perm, self.params.permute_rows(perm))
+
+    def to(self, device) -> "Grid":
+        """The same grid on `device` (what `--device` moves, one tensor at a time)."""
+        codes = None if self._codes is None else self._codes.to(device)
+        packed = None if self.packed is None else PackedCodes(self.packed.words.to(device), self.packed.bits,
+                                                              self.packed.layout)
+        return Grid(self.params.to(device), codes, packed)
 
     def row_slice(self, start: int, stop: int) -> "Grid":
         return self._take_rows(slice(start, stop), self.params.row_slice(start, stop))

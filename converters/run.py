@@ -23,6 +23,7 @@ from .plan import BitIdentical, Options, TensorPlan, check_plan, verdict_counts
 from .registry import get_format
 from .validate import ConfigView
 from ..formats.model_shapes import Layout, known_layout
+from ..kernels import kernel_trace
 
 __all__ = ["convert", "verify", "open_source", "plan_conversion", "TensorResult", "Report", "atomic_output"]
 
@@ -32,12 +33,14 @@ class TensorResult:
     plan: TensorPlan
     max_abs_err: float | None = None
     rmse: float | None = None
+    kernel: dict | None = None  # stage -> the path that ran it: {"dequantize": "triton", "quantize": "c"}
 
     def as_dict(self) -> dict:
         p = self.plan
         return {"name": p.name, "out_name": p.out_name, "shape": list(p.shape), "source": p.source,
                 "target": p.target, "verdict": p.verdict, "reason": p.reason,
-                "max_abs_err": self.max_abs_err, "rmse": self.rmse}
+                "max_abs_err": self.max_abs_err, "rmse": self.rmse,
+                **({"kernel": self.kernel} if self.kernel is not None else {})}
 
 
 @dataclass
@@ -304,9 +307,35 @@ def _measure(item, decoded: torch.Tensor, reference: torch.Tensor | None = None)
     return max_err, (sum_sq / decoded.numel()) ** 0.5
 
 
+def device_scope(device: str | None):
+    """`with device_scope(options.device):` the kernels run on that device (kernels.use_device); an absent
+    device is a QConvertError (one line, exit 2) before anything is read or written."""
+    from ..kernels import resolve_device, use_device
+
+    try:
+        dev = resolve_device(device)
+    except ValueError as e:
+        raise QConvertError(str(e)) from None
+    return use_device(dev)
+
+
+def kernel_summary(trace: dict) -> dict:
+    """kernels.kernel_trace's {stage: [paths]} -> {stage: "triton"} ("triton+c" where parts took each)."""
+    return {stage: "+".join(paths) for stage, paths in trace.items()}
+
+
 def convert(src_format: str, src_path: Path, dst_format: str, out_path: Path | None,
             options: Options, *, force: bool = False, dry_run: bool = False,
             progress: bool = True) -> Report:
+    """Convert on `options.device` (tensors move there one at a time); see _convert."""
+    with device_scope(options.device):
+        return _convert(src_format, src_path, dst_format, out_path, options, force=force, dry_run=dry_run,
+                        progress=progress)
+
+
+def _convert(src_format: str, src_path: Path, dst_format: str, out_path: Path | None,
+             options: Options, *, force: bool = False, dry_run: bool = False,
+             progress: bool = True) -> Report:
     start = time.perf_counter()
     target = get_format(dst_format)
     if not target.can_write:
@@ -337,8 +366,9 @@ def convert(src_format: str, src_path: Path, dst_format: str, out_path: Path | N
         bar = tqdm(total=len(plans), desc="Converting", unit="tensor", disable=not progress, leave=False)
         for rec in writer_records(source, writer):
             plan = by_name[rec.name]
-            item = rec.load()
-            decoded = session.add(plan, item)
+            with kernel_trace() as used:  # which path dequantized and quantized it: the report's "kernel"
+                item = rec.load()
+                decoded = session.add(plan, item)
             take = getattr(session, "take_reference", None)  # the writer's own dequantization of the source
             reference = take() if take is not None else None
             max_err, rmse = ((0.0, 0.0) if isinstance(decoded, BitIdentical)
@@ -349,7 +379,7 @@ def convert(src_format: str, src_path: Path, dst_format: str, out_path: Path | N
                                     tensor=rec.name)
             if plan.verdict == NEAR_EXACT and max_err == 0.0:
                 plan.verdict = EXACT  # measured, not assumed: the rounding happened to be exact
-            report.results.append(TensorResult(plan, max_err, rmse))
+            report.results.append(TensorResult(plan, max_err, rmse, kernel_summary(used)))
             bar.update()
         bar.close()
         session.close()
@@ -358,7 +388,14 @@ def convert(src_format: str, src_path: Path, dst_format: str, out_path: Path | N
 
 
 def verify(src_path: Path, out_path: Path, src_format: str | None = None, out_format: str | None = None,
-           progress: bool = True) -> Report:
+           progress: bool = True, device: str | None = None) -> Report:
+    """_verify with the dequantizations on `device` (kernels.use_device)."""
+    with device_scope(device):
+        return _verify(src_path, out_path, src_format, out_format, progress)
+
+
+def _verify(src_path: Path, out_path: Path, src_format: str | None = None, out_format: str | None = None,
+            progress: bool = True) -> Report:
     """Re-read a converted model with qconvert's readers and measure every tensor against the source.
 
     Independent of the conversion's own report: both sides are opened from disk by format, matched by
@@ -383,9 +420,10 @@ def verify(src_path: Path, out_path: Path, src_format: str | None = None, out_fo
         if tuple(target.shape) != tuple(rec.shape):
             raise QConvertError(f"shape {tuple(target.shape)} in the output, {tuple(rec.shape)} in the source",
                                 path=out_path, tensor=rec.name)
-        max_err, rmse = _measure(rec.load(), target.load().dequantize(torch.float32))
+        with kernel_trace() as used:
+            max_err, rmse = _measure(rec.load(), target.load().dequantize(torch.float32))
         plan = TensorPlan(rec.name, rec.shape, describe_record(rec), describe_record(target),
                           "exact" if max_err == 0.0 else "differs")
-        report.results.append(TensorResult(plan, max_err, rmse))
+        report.results.append(TensorResult(plan, max_err, rmse, kernel_summary(used)))
     report.seconds = time.perf_counter() - start
     return report

@@ -89,6 +89,11 @@ def unpack_blocks(lay: BlockLayout, data: torch.Tensor):
 
 
 def decode_blocks(lay: BlockLayout, data: torch.Tensor) -> torch.Tensor:
+    from .triton_route import legacy_decode
+
+    routed = legacy_decode(lay, data)  # the Triton twin, when chosen
+    if routed is not None:
+        return routed
     q, d, m = unpack_blocks(lay, data)
     rows, n = q.shape
     nb = n // lay.block
@@ -122,7 +127,9 @@ def quantize_blocks(lay: BlockLayout, x: torch.Tensor):
         d = amax / 127.0
         inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
         v = xb * inv[..., None]
-        q = torch.sign(v) * torch.floor(v.abs() + 0.5)  # roundf: half away from zero
+        # roundf: half away from zero. Not floor(|v| + 0.5): that sum rounds up to 1 at |v| = 0.5 - 2**-25
+        t = torch.trunc(v)
+        q = torch.where((v - t).abs() == 0.5, t + torch.sign(v), torch.round(v))
         return q.to(torch.int8).view(rows, n), d.to(torch.float16), None
     # C starts from max = +0.0 and only replaces it for |x| > 0: a block of (negative) zeros keeps +0,
     # so d = +0/-8 = -0.0 (fp16 0x8000)
@@ -143,6 +150,11 @@ def repack_grid(lay: BlockLayout, codes: torch.Tensor, scales: torch.Tensor, zer
     q' = q, d = s, m = -s*z, or the grid's own min in the min form (m rounds to fp16: the only
     rounding on this path).
     """
+    from .triton_route import legacy_repack
+
+    routed = legacy_repack(lay, codes, scales, zeros, block_group, mins)  # the Triton twin, when chosen
+    if routed is not None:
+        return routed
     rows, n = codes.shape
     nb = n // lay.block
     s = scales[:, block_group].to(torch.float32)
@@ -255,7 +267,13 @@ def _empty_bytes(shape: tuple[int, ...]) -> torch.Tensor:
 
 def quantize_pack(lay: BlockLayout, x: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
     """float32 [rows, n] -> uint8 [rows, n/32*nbytes]: pack_blocks(quantize_blocks(x)), byte for byte,
-    with the fused kernel for Q4_0 / Q8_0 when `fused` (default: large tensors, QCONVERT_COMPILE != 0)."""
+    with the fused kernel for Q4_0 / Q8_0 when `fused` (default: large tensors, QCONVERT_COMPILE != 0), or
+    the Triton twin (kernels/triton_quant.py) when Triton is chosen (kernels/triton_route.py)."""
+    from .triton_route import legacy_quantize
+
+    routed = legacy_quantize(lay, x)
+    if routed is not None:
+        return routed
     if fused is None:
         fused = lay.name in _KERNELS and x.numel() >= _FUSED_MIN_ELEMENTS and _fused_enabled()
     if not fused or lay.name not in _KERNELS:

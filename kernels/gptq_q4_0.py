@@ -27,7 +27,13 @@ def _swap_nibble_planes(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def gptq4_to_q4_0(qweight: torch.Tensor, block_scales: torch.Tensor) -> torch.Tensor:
-    """qweight int32 [in/8, out], block_scales fp16 [out, in/32] -> Q4_0 bytes uint8 [out, in/32*18]."""
+    """qweight int32 [in/8, out], block_scales fp16 [out, in/32] -> Q4_0 bytes uint8 [out, in/32*18]
+    (the Triton twin, kernels/triton_quant.py, when Triton is chosen)."""
+    from .triton_route import gptq_q4_0_repack
+
+    routed = gptq_q4_0_repack(qweight, block_scales)
+    if routed is not None:
+        return routed
     in8, out = qweight.shape
     nb = in8 // 4
     words = qweight.view(nb, 4, out)  # word h of every block is a contiguous [nb, out] plane

@@ -650,9 +650,19 @@ def _gptq_words_to_q4_0(item: Grid):
     p = item.params
     out_features, in_features = item.shape
     block_scales = p.scales[:, p.group_of_column(in_features)[::32]].to(torch.float16)
-    data = gptq4_to_q4_0(item.packed.words, block_scales)
+    words = item.packed.words
+    from ...kernels import kquant_c, note_kernel, triton_device
+
+    if not words.is_cuda and kquant_c.available() and triton_device(words) is None:  # (Triton: gptq4_to_q4_0)
+        # the same bytes in C, and the same proof: every word and scale rebuilt from the bytes, compared
+        note_kernel("repack", "c")
+        data, bad = kquant_c.gptq4_to_q4_0(words.numpy(), block_scales.numpy(), max(1, torch.get_num_threads()))
+        if bad:
+            raise AssertionError("Q4_0 bytes do not decode back to the GPTQ words")  # a bug, never user input
+        return data, BitIdentical("Q4_0 blocks decode back to the source's GPTQ words and fp16 scales")
+    data = gptq4_to_q4_0(words, block_scales)
     words_back, scales_back = q4_0_to_gptq4(data)
-    if not (torch.equal(words_back, item.packed.words) and torch.equal(scales_back, block_scales)):
+    if not (torch.equal(words_back, words) and torch.equal(scales_back, block_scales)):
         raise AssertionError("Q4_0 bytes do not decode back to the GPTQ words")  # a bug, never user input
     return data.numpy(), BitIdentical("Q4_0 blocks decode back to the source's GPTQ words and fp16 scales")
 
