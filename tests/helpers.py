@@ -3,17 +3,92 @@ that decide whether an output is right. conftest.py puts this folder on sys.path
 
 from __future__ import annotations
 
+import atexit
+import json
+import locale
+import os
 import struct
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
 
+# Environment variables a process reads when its libraries load (OpenMP, BLAS, torch, Triton, Python itself):
+# a command whose environment differs from the fork server's in one of these runs as a plain subprocess.
+_LOAD_TIME_ENV = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH", "CUDA", "TRITON", "PYTHON",
+                  "LD_", "MALLOC")
+
+
+class _ForkServer:
+    """tests/cli_forkserver.py, started on first use: `python -m qconvert` without paying the imports each time.
+    QCONVERT_TEST_FORKSERVER=0 turns it off (every command a plain `python -m qconvert`)."""
+
+    def __init__(self):
+        self.proc = None
+        self.env: dict | None = None
+        self.broken = os.environ.get("QCONVERT_TEST_FORKSERVER", "1") == "0" or not hasattr(os, "fork")
+
+    def _start(self) -> bool:
+        if self.proc is None and not self.broken:
+            try:
+                self.env = dict(os.environ)
+                self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cli_forkserver.py"))],
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env)
+                if json.loads(self.proc.stdout.readline() or b"{}").get("ready") is not True:
+                    raise RuntimeError("the fork server did not start")
+                atexit.register(self.close)
+            except Exception:  # noqa: BLE001  (then every command is a plain subprocess)
+                self.close()
+                self.broken = True
+        return self.proc is not None
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+            self.proc = None
+
+    def run(self, argv: list[str]) -> subprocess.CompletedProcess | None:
+        """The command's completed process, or None where it must run as a plain subprocess."""
+        if not self._start():
+            return None
+        env = dict(os.environ)
+        changed = {k for k in set(env) | set(self.env) if env.get(k) != self.env.get(k)}
+        if any(k.startswith(_LOAD_TIME_ENV) for k in changed):
+            return None
+        with tempfile.TemporaryDirectory(prefix="qconvert-cli-") as d:
+            out, err = Path(d) / "stdout", Path(d) / "stderr"
+            req = {"argv": argv, "cwd": os.getcwd(), "env": env, "stdout": str(out), "stderr": str(err)}
+            try:
+                self.proc.stdin.write(json.dumps(req).encode() + b"\n")
+                self.proc.stdin.flush()
+                rc = json.loads(self.proc.stdout.readline())["rc"]
+            except Exception:  # noqa: BLE001  (a dead server: plain subprocesses from now on)
+                self.proc, self.broken = None, True
+                return None
+
+            def text(p: Path) -> str:  # as subprocess.run(text=True) decodes
+                return p.read_bytes().decode(locale.getpreferredencoding(False)).replace("\r\n", "\n").replace("\r", "\n")
+
+            return subprocess.CompletedProcess([sys.executable, "-m", "qconvert", *argv], rc, text(out), text(err))
+
+
+_FORK_SERVER = _ForkServer()
+
+
 def run_cli(*args, check_rc: int | None = 0) -> subprocess.CompletedProcess:
-    """Run `python -m qconvert ARGS` as a user would; return the completed process."""
-    proc = subprocess.run([sys.executable, "-m", "qconvert", *map(str, args)], capture_output=True, text=True)
+    """Run `python -m qconvert ARGS` as a user would (a fresh process forked from one that has imported the CLI,
+    see tests/cli_forkserver.py); return the completed process."""
+    argv = list(map(str, args))
+    if os.environ.get("QCONVERT_TEST_CLI_LOG"):
+        with open(os.environ["QCONVERT_TEST_CLI_LOG"], "a") as f:
+            f.write(json.dumps(argv[:1]) + "\n")
+    proc = _FORK_SERVER.run(argv)
+    if proc is None:
+        proc = subprocess.run([sys.executable, "-m", "qconvert", *argv], capture_output=True, text=True)
     if check_rc is not None and proc.returncode != check_rc:
         raise AssertionError(f"exit {proc.returncode} (wanted {check_rc})\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
     return proc
