@@ -50,8 +50,8 @@ from ..converters.plan import Options, TensorPlan
 from ..converters.records import Dense, FourBitView, Grid, GridParams, QqqLayer, TensorRecord
 from ..converters.registry import FormatEntry, register_format
 from ..converters.validate import ConfigView
-from ..kernels.qqq_perm import (CHANNEL_SCALE_PERM, GROUP_SCALE_PERM, check_qqq_dims, pack_qqq_codes,
-                                permute_chunks, unpack_qqq_codes, unpermute_chunks)
+from ..kernels.qqq_perm import (CHANNEL_SCALE_PERM, GROUP_SCALE_PERM, check_qqq_dims, int8_weights,
+                                pack_qqq_codes, permute_chunks, qqq_codes, unpermute_chunks)
 from .gptq import config_bits
 from .model_shapes import ModelShapes
 from .safetensors_dir import (CheckpointDir, CheckpointSource, ShardWriter, copy_side_files, quantization_config_of,
@@ -91,30 +91,24 @@ def runtime_channel_scale(s_channel_true: torch.Tensor) -> torch.Tensor:
     return s_channel_true.to(torch.float32).to(torch.float16)
 
 
-def int8_weights(codes4: torch.Tensor, s_group: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Grouped mode: clamp(round_half_even((c - 8) * s_group), -128, 127) as QQQTorchLinear computes it
-    (float32 arithmetic on fp16 s_group). codes4 [out, in], s_group [out, G] -> int16 [out, in]."""
-    out_features, in_features = codes4.shape
-    sg = s_group.to(torch.float16).to(torch.float32)
-    x = (codes4.to(torch.float32) - 8.0).view(out_features, in_features // group_size, group_size) * sg[:, :, None]
-    return torch.round(x).clamp(-128, 127).view(out_features, in_features).to(torch.int16)
-
-
 def qqq_runtime_grid(codes4: torch.Tensor, s_channel_true: torch.Tensor, s_group_true: torch.Tensor | None,
-                     group_size: int) -> Grid:
+                     group_size: int, *, runtime_codes: torch.Tensor | None = None) -> Grid:
     """The kernel-exact grid of one QQQ linear from unpermuted parts (codes [out, in], s_channel [out],
-    s_group [out, G] or None for per-channel mode)."""
-    out_features, in_features = codes4.shape
+    s_group [out, G] or None for per-channel mode). Grouped mode's codes are the runtime int8 weights + 128
+    (kernels/qqq_perm.int8_weights: the clamp); `runtime_codes` gives them already computed (qqq_codes with
+    s_group), and then codes4 is not read."""
+    out_features, in_features = (codes4 if runtime_codes is None else runtime_codes).shape
     s_rt = runtime_channel_scale(s_channel_true)
     if s_group_true is None:
         scale = (s_rt.to(torch.float32) * 16).to(torch.float16)  # a power-of-two multiple: exact in fp16
         params = GridParams(bits=4, group_size=in_features, scales=scale[:, None],
                             zeros=torch.full((out_features, 1), 8, dtype=torch.int16))
         return Grid(params, codes=codes4 ^ 8)  # signed(c) + 8 == c xor 8 for 4-bit two's complement
-    w8 = int8_weights(codes4, s_group_true, group_size)
+    if runtime_codes is None:
+        runtime_codes = (int8_weights(codes4, s_group_true, group_size) + 128).to(torch.uint8)
     params = GridParams(bits=8, group_size=in_features, scales=s_rt[:, None],
                         zeros=torch.full((out_features, 1), 128, dtype=torch.int16))
-    return Grid(params, codes=(w8 + 128).to(torch.uint8))
+    return Grid(params, codes=runtime_codes)
 
 
 class QqqSource(CheckpointSource):
@@ -215,11 +209,14 @@ class QqqSource(CheckpointSource):
         return params, (out_features, in_features)
 
     def _codes(self, prefix: str, mode: str) -> torch.Tensor:
-        return unpack_qqq_codes(self.ckpt.get(self.modules[prefix]["B"]), mode)
+        return qqq_codes(self.ckpt.get(self.modules[prefix]["B"]), mode)
 
     def _load_grid(self, prefix: str) -> Grid:
         s_channel, s_group, _, _, mode = self._scales(prefix)
-        return qqq_runtime_grid(self._codes(prefix, mode), s_channel, s_group, self.group_size)
+        if s_group is None:
+            return qqq_runtime_grid(self._codes(prefix, mode), s_channel, None, self.group_size)
+        runtime = qqq_codes(self.ckpt.get(self.modules[prefix]["B"]), mode, s_group, self.group_size)
+        return qqq_runtime_grid(None, s_channel, s_group, self.group_size, runtime_codes=runtime)
 
     def four_bit_grid(self, prefix: str) -> Grid:
         """The 4-bit view of a linear: codes c with zero 8 and scale s_channel * s_group (grouped; the
@@ -515,7 +512,9 @@ def decode_module(tensors: dict[str, torch.Tensor], mode: str, group: int) -> Gr
     if mode == "grouped":
         sg = tensors["s_group"]
         s_group = unpermute_chunks(sg.to(torch.float16).reshape(-1), GROUP_SCALE_PERM).reshape(-1, out_features).T
-    return qqq_runtime_grid(unpack_qqq_codes(B, mode), s_channel, s_group, group)
+    if s_group is None:
+        return qqq_runtime_grid(qqq_codes(B, mode), s_channel, None, group)
+    return qqq_runtime_grid(None, s_channel, s_group, group, runtime_codes=qqq_codes(B, mode, s_group, group))
 
 
 def _sniff(path: Path) -> bool:

@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from . import triton_route
+
 __all__ = ["PACKINGS", "Packing", "packing_for_bits", "pack_hqq", "unpack_hqq", "grouped_shape",
            "codes_to_grouped", "grouped_to_codes", "quantize_hqq", "axis0_period", "axis0_expand",
            "axis0_compact"]
@@ -91,14 +93,18 @@ def pack_hqq(grouped: torch.Tensor, packing: Packing) -> torch.Tensor:
 
 def unpack_hqq(words: torch.Tensor, packing: Packing, rows: int) -> torch.Tensor:
     """Packed words [P/k, C] -> uint8 codes [rows, C] (3-bit: the padding rows are cut off)."""
-    step = words.shape[0]
-    mask = (1 << packing.field_bits) - 1
-    w = words.to(torch.int32 if packing.name == "3bit_32" else torch.uint8)
-    slabs = [(w >> (packing.field_bits * (packing.per_word - 1 - j))) & mask for j in range(packing.per_word)]
-    out = torch.cat(slabs, dim=0).to(torch.uint8)
-    if out.shape[0] < rows or (packing.name != "3bit_32" and out.shape[0] != rows) or step != packing.packed_rows(rows):
+    step = words.shape[0] if words.dim() == 2 else -1
+    unpacked = step * packing.per_word
+    if (step < 0 or unpacked < rows or (packing.name != "3bit_32" and unpacked != rows)
+            or step != packing.packed_rows(rows)):
         raise ValueError(f"{tuple(words.shape)} {packing.name} words do not hold {rows} rows")
-    return out[:rows]
+    w = words.to(torch.int32 if packing.name == "3bit_32" else torch.uint8)
+    routed = triton_route.hqq_unpack(w, packing.field_bits, packing.per_word, rows)  # Triton where chosen
+    if routed is not None:
+        return routed
+    mask = (1 << packing.field_bits) - 1
+    slabs = [(w >> (packing.field_bits * (packing.per_word - 1 - j))) & mask for j in range(packing.per_word)]
+    return torch.cat(slabs, dim=0).to(torch.uint8)[:rows]
 
 
 # -- axis 0: hqq's [1, M] meta as the [p, in] matrix of converters/records.py ---------------------------

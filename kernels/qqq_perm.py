@@ -23,7 +23,9 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["TILE", "code_permutation", "CHANNEL_SCALE_PERM", "GROUP_SCALE_PERM", "pack_qqq_codes",
+from . import triton_route
+
+__all__ = ["TILE", "qqq_codes", "int8_weights", "code_permutation", "CHANNEL_SCALE_PERM", "GROUP_SCALE_PERM", "pack_qqq_codes",
            "unpack_qqq_codes", "permute_chunks", "unpermute_chunks", "check_qqq_dims"]
 
 TILE = 16
@@ -91,6 +93,31 @@ def unpack_qqq_codes(B: torch.Tensor, mode: str) -> torch.Tensor:
     tiled = unpermute_chunks(lanes, code_permutation(mode))
     codes = tiled.reshape(rows, out_features // TILE, TILE, TILE).permute(0, 2, 1, 3).reshape(in_features, out_features)
     return codes.T.contiguous().to(torch.uint8)
+
+
+@lru_cache(maxsize=2)
+def _inverse_code_permutation(mode: str) -> torch.Tensor:
+    return _inverse(code_permutation(mode))
+
+
+def qqq_codes(B: torch.Tensor, mode: str, s_group: torch.Tensor | None = None, group_size: int = 0) -> torch.Tensor:
+    """What a reader needs from `B`: the nibbles `[out, in]` (`unpack_qqq_codes`), or with `s_group` [out, G]
+    (grouped mode, unpermuted, fp16) the runtime int8 weights + 128 (`int8_weights`): a Triton kernel where one
+    is chosen (kernels/triton_route.py), the torch functions otherwise."""
+    routed = triton_route.qqq_codes(B, _inverse_code_permutation(mode), s_group, group_size)
+    if routed is not None:
+        return routed
+    codes = unpack_qqq_codes(B, mode)
+    return codes if s_group is None else (int8_weights(codes, s_group, group_size) + 128).to(torch.uint8)
+
+
+def int8_weights(codes4: torch.Tensor, s_group: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Grouped mode: clamp(round_half_even((c - 8) * s_group), -128, 127) as gptqmodel's QQQTorchLinear computes
+    it (float32 arithmetic on fp16 s_group). codes4 [out, in], s_group [out, G] -> int16 [out, in]."""
+    out_features, in_features = codes4.shape
+    sg = s_group.to(torch.float16).to(torch.float32)
+    x = (codes4.to(torch.float32) - 8.0).view(out_features, in_features // group_size, group_size) * sg[:, :, None]
+    return torch.round(x).clamp(-128, 127).view(out_features, in_features).to(torch.int16)
 
 
 def pack_qqq_codes(codes: torch.Tensor, mode: str) -> torch.Tensor:

@@ -24,6 +24,8 @@ the same order as the torch / numpy path, so the same bits):
 - `decode_legacy_triton` / `decode_k_triton`: GGUF Q4_0..Q8_0 and Q2_K..Q6_K block bytes -> float32, the
   expressions of kernels/ggml_legacy.decode_blocks and kernels/kquants.dequantize_q*_K.
 The GPTQ words kernel reads 3-bit words too (codes 10 and 21 of every 32 straddle two words).
+And the unpacking a reader does before a grid exists: `unpack_hqq_triton` (HQQ's 8/4/3/2/1-bit slabs) and
+`qqq_codes_triton` (QQQ's Marlin tiles, with the grouped mode's int8 rounding and clamp).
 Every launch passes enable_fp_fusion=False: no a*b+c is contracted into an FMA on a GPU.
 """
 
@@ -38,7 +40,7 @@ import triton.language as tl
 
 __all__ = ["dequantize_grid_triton", "dequantize_gptq_words_triton", "dequantize_axis0_triton",
            "dequantize_codebook_triton", "dequantize_two_step_triton", "decode_legacy_triton", "decode_k_triton",
-           "launch", "interpreting"]
+           "unpack_hqq_triton", "qqq_codes_triton", "launch", "interpreting"]
 
 _BLOCK_ROWS = 16
 _BLOCK_COLS = 64
@@ -415,4 +417,81 @@ def decode_k_triton(type_name: str, data: torch.Tensor) -> torch.Tensor:
     out = torch.empty((*data.shape[:-1], data.shape[-1] // nbytes * 256), dtype=torch.float32, device=data.device)
     bb = _blocks_per_program(nb, 4, 256)
     launch(_decode_k_kernel, (triton.cdiv(nb, bb),), data.contiguous(), out, nb, KIND=kind, NBYTES=nbytes, BB=bb)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Packed codes that a reader unpacks before the grid exists: HQQ's slabs and QQQ's Marlin tiles (with QQQ's int8
+# clamp). The twins of kernels/hqq.unpack_hqq and kernels/qqq_perm.unpack_qqq_codes + formats/qqq.int8_weights.
+
+
+@triton.jit
+def _hqq_unpack_kernel(words_ptr, out_ptr, n_rows, n_cols, step, FIELD: tl.constexpr, PER_WORD: tl.constexpr,
+                       BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    # output row r of the group matrix is slab j = r // step of word row r % step, bit field j counted from the
+    # most significant side (3-bit: bits 29..0 of an int32)
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    slab = rows // step
+    word = tl.load(words_ptr + (rows % step).to(tl.int64)[:, None] * n_cols + cols[None, :], mask=mask,
+                   other=0).to(tl.int32)
+    q = (word >> (FIELD * (PER_WORD - 1 - slab))[:, None]) & ((1 << FIELD) - 1)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], q.to(tl.uint8), mask=mask)
+
+
+def unpack_hqq_triton(words: torch.Tensor, field_bits: int, per_word: int, rows: int) -> torch.Tensor:
+    """HQQ words [step, C] (uint8, or int32 for 3-bit) -> uint8 codes [rows, C]; rows <= per_word * step (the
+    caller checked the counts as kernels/hqq.unpack_hqq does)."""
+    step, n_cols = words.shape
+    out = torch.empty((rows, n_cols), dtype=torch.uint8, device=words.device)
+    br, bc = _tiles(rows, n_cols)
+    launch(_hqq_unpack_kernel, (triton.cdiv(rows, br), triton.cdiv(n_cols, bc)), words.contiguous(), out, rows,
+           n_cols, step, FIELD=field_bits, PER_WORD=per_word, BLOCK_ROWS=br, BLOCK_COLS=bc)
+    return out
+
+
+@triton.jit
+def _qqq_kernel(b_ptr, inv_ptr, sg_ptr, out_ptr, n_out, n_in, n_groups, group_size, INT8: tl.constexpr,
+                BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    # output [n_out, n_in]: code c[k, n] sits in tile (k // 16, n // 16) at 16 * (k % 16) + n % 16 of its row's
+    # run; runs of 1024 are permuted (packed[x] = tiled[perm[x]], so tiled[t] = packed[inv[t]]), 8 nibbles a word
+    n = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    k = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    mask = (n[:, None] < n_out) & (k[None, :] < n_in)
+    t = (n // 16)[:, None] * 256 + 16 * (k % 16)[None, :] + (n % 16)[:, None]
+    x = (t // 1024) * 1024 + tl.load(inv_ptr + t % 1024, mask=mask, other=0)
+    row = (k // 16)[None, :].to(tl.int64)
+    word = tl.load(b_ptr + row * (2 * n_out) + x // 8, mask=mask, other=0)
+    c = (word >> (4 * (x % 8))) & 0xF
+    if INT8:
+        # clamp(round_half_even((c - 8) * s_group), -128, 127) + 128, float32 on the fp16 scale (QQQTorchLinear);
+        # adding and removing 1.5 * 2^23 rounds ties to even in float32, |x| < 2^22 (larger values are integers)
+        sg = tl.load(sg_ptr + n.to(tl.int64)[:, None] * n_groups + (k // group_size)[None, :], mask=mask, other=0.0)
+        v = (c - 8).to(tl.float32) * sg
+        r = tl.where(tl.abs(v) < 4194304.0, (v + 12582912.0) - 12582912.0, v)
+        r = tl.where(r > 127.0, 127.0, tl.where(r < -128.0, -128.0, r))
+        # NaN (an infinite scale times code 8, or a NaN scale) -> 0, which torch's CPU cast gives on x86 and ARM
+        # (int32 0x80000000, int16 0) and a GPU's cvt.rzi gives too; said here rather than left to the cast
+        r = tl.where(r != r, 0.0, r)
+        c = r.to(tl.int32) + 128
+    tl.store(out_ptr + n.to(tl.int64)[:, None] * n_in + k[None, :], c.to(tl.uint8), mask=mask)
+
+
+def qqq_codes_triton(B: torch.Tensor, inverse_perm: torch.Tensor, s_group: torch.Tensor | None = None,
+                     group_size: int = 0) -> torch.Tensor:
+    """QQQ `B` int32 [in/16, out*2] -> uint8 [out, in]: the nibbles (s_group None), or, with s_group [out, G]
+    (fp16), the grouped mode's runtime int8 weights + 128. inverse_perm: the mode's 1024-entry inverse code
+    permutation (kernels/qqq_perm)."""
+    rows, cols = B.shape
+    n_in, n_out = rows * 16, cols // 2
+    dev = B.device
+    out = torch.empty((n_out, n_in), dtype=torch.uint8, device=dev)
+    sg = (s_group.to(dev, torch.float16).to(torch.float32).contiguous() if s_group is not None
+          else torch.zeros(1, dtype=torch.float32, device=dev))
+    br, bc = _tiles(n_out, n_in)
+    launch(_qqq_kernel, (triton.cdiv(n_out, br), triton.cdiv(n_in, bc)), B.contiguous(),
+           inverse_perm.to(dev, torch.int32).contiguous(), sg, out, n_out, n_in,
+           sg.shape[1] if s_group is not None else 1, max(1, group_size), INT8=s_group is not None,
+           BLOCK_ROWS=br, BLOCK_COLS=bc)
     return out

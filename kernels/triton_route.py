@@ -1,6 +1,6 @@
 """The one dispatch per path between the CPU reference kernels and their Triton twins.
 
-Each CPU entry point (kernels.dequantize_grid, ggml_legacy.quantize_pack / repack_grid / decode_blocks,
+Each CPU entry point (kernels.dequantize_grid, the readers' unpacking (hqq.unpack_hqq, qqq_perm.qqq_codes), ggml_legacy.quantize_pack / repack_grid / decode_blocks,
 gptq_q4_0.gptq4_to_q4_0, kquants.quantize_k / dequantize_k) asks here first. When Triton is chosen
 (kernels.triton_device: QCONVERT_KERNELS, the compute device that `--device` sets) and a Triton kernel covers the
 case, the inputs move to that device (one tensor at a time: each call moves what it needs and gives its result
@@ -17,7 +17,7 @@ import torch
 
 from . import compute_device, note_kernel, triton_device
 
-__all__ = ["dequantize_routed", "legacy_quantize", "legacy_repack", "legacy_decode", "gptq_q4_0_repack",
+__all__ = ["dequantize_routed", "hqq_unpack", "qqq_codes", "legacy_quantize", "legacy_repack", "legacy_decode", "gptq_q4_0_repack",
            "k_quantize", "k_decode", "TRITON_K_TYPES", "TRITON_K_IMATRIX_TYPES"]
 
 # the K types whose quantizer has a Triton twin (kernels/triton_kquant.py), without / with an importance matrix
@@ -80,6 +80,31 @@ def dequantize_routed(grid, dtype: torch.dtype, here) -> torch.Tensor:
     if _noted("dequantize") == n:  # the C path notes itself
         note_kernel("dequantize", "torch")
     return out
+
+
+def _unpack_routed(words: torch.Tensor, kernel: str, *args) -> torch.Tensor | None:
+    """The "unpack" stage: triton_dequant.<kernel>(words, *args) when Triton is chosen (the result back on the
+    words' device), else None. Triton is imported only then."""
+    dev = triton_device(words)
+    if dev is None:
+        note_kernel("unpack", "torch")
+        return None
+    from . import triton_dequant
+
+    out = getattr(triton_dequant, kernel)(words.to(dev), *args).to(words.device)
+    note_kernel("unpack", "triton")
+    return out
+
+
+def hqq_unpack(words: torch.Tensor, field_bits: int, per_word: int, rows: int) -> torch.Tensor | None:
+    """kernels/hqq.unpack_hqq's words -> codes in Triton, or None."""
+    return _unpack_routed(words, "unpack_hqq_triton", field_bits, per_word, rows)
+
+
+def qqq_codes(B: torch.Tensor, inverse_perm: torch.Tensor, s_group: torch.Tensor | None,
+              group_size: int) -> torch.Tensor | None:
+    """kernels/qqq_perm.qqq_codes in Triton, or None."""
+    return _unpack_routed(B, "qqq_codes_triton", inverse_perm, s_group, group_size)
 
 
 def _noted(stage: str) -> int:

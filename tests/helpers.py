@@ -83,9 +83,6 @@ def run_cli(*args, check_rc: int | None = 0) -> subprocess.CompletedProcess:
     """Run `python -m qconvert ARGS` as a user would (a fresh process forked from one that has imported the CLI,
     see tests/cli_forkserver.py); return the completed process."""
     argv = list(map(str, args))
-    if os.environ.get("QCONVERT_TEST_CLI_LOG"):
-        with open(os.environ["QCONVERT_TEST_CLI_LOG"], "a") as f:
-            f.write(json.dumps(argv[:1]) + "\n")
     proc = _FORK_SERVER.run(argv)
     if proc is None:
         proc = subprocess.run([sys.executable, "-m", "qconvert", *argv], capture_output=True, text=True)

@@ -21,6 +21,7 @@ import torch
 
 from qconvert.converters.cli import main
 
+import fixtures_qqq
 from test_hqq import hqqfx  # noqa: F401  (the hqq fixtures, built by hqq's own environment)
 
 pytest.importorskip("triton", reason="Triton is installed by the test environment (pyproject extra 'triton')")
@@ -47,15 +48,16 @@ def test_every_triton_kernel_gives_the_cpu_paths_bytes():
     # counts of comparisons made: each type, form and shape listed in triton_probes.probe_kernels
     assert done == {"legacy quantize": 10, "legacy decode": 5, "repack": 6, "K quantize": 20,
                     "K blocks where the CPU path is not ggml's": 1, "K decode": 5, "gptq words": 16, "grid": 6,
-                    "axis0": 6, "codebook": 3, "two-step": 1, "dispatch": 4}
+                    "axis0": 6, "codebook": 3, "two-step": 1, "hqq unpack": 6, "qqq": 4, "dispatch": 4}
 
 
 def test_conversions_with_triton_kernels_are_byte_identical(fx, hqqfx, tmp_path):  # noqa: F811
     hf = fx["bases"]["base"]
     gptq = fx["variants"]["v1_b4_g32_sym"]["ckpt"]
     hqq = hqqfx["root"] / "b4_g64_ax0" / "tf"
-    results = _probe("convert", str(tmp_path), str(hf), str(gptq), str(hqq))
-    assert set(results) == {"hf_q4_k_m", "gptq_q4_0", "gptq_q4_k", "hqq_axis0"}
+    qqq = fixtures_qqq.ensure_qqq_fixtures()["variants"]["qqq_g128"]["ckpt"]
+    results = _probe("convert", str(tmp_path), str(hf), str(gptq), str(hqq), str(qqq))
+    assert set(results) == {"hf_q4_k_m", "gptq_q4_0", "gptq_q4_k", "hqq_axis0", "qqq_g128"}
     targets = set()
     for tag, r in results.items():
         assert r["identical"], tag
@@ -77,8 +79,13 @@ def test_conversions_with_triton_kernels_are_byte_identical(fx, hqqfx, tmp_path)
     assert kernels["model.layers.0.mlp.up_proj.weight"] == {"repack": "triton"}  # the Q5_0 repack of the grid
     assert all(t["triton"] == {"repack": "triton"} for t in results["gptq_q4_0"]["tensors"]
                if t["target"] == "Q4_0")  # GPTQ words straight into Q4_0 blocks
-    assert all(t["triton"] == {"dequantize": "triton", "quantize": "triton"}
+    assert all(t["triton"] == {"unpack": "triton", "dequantize": "triton", "quantize": "triton"}
                for t in results["hqq_axis0"]["tensors"] if t["target"] == "Q4_1")  # axis-0 dequant, Q4_1 quantizer
+    # QQQ's Marlin tiles and int8 clamp unpacked in Triton, the int8 grid repacked into Q8_0 blocks (exact; a layer
+    # whose group scales are multiples of one channel scale goes to Q4_0)
+    qqq_rows = [t for t in results["qqq_g128"]["tensors"] if t["target"] not in FLOAT_TYPES]
+    assert all(t["triton"] == {"unpack": "triton", "repack": "triton"} for t in qqq_rows), qqq_rows
+    assert "Q8_0" in {t["target"] for t in qqq_rows} <= {"Q8_0", "Q4_0"}, qqq_rows
 
 
 def test_kernels_compile_for_an_h200_without_fma_or_approximations():
@@ -89,7 +96,7 @@ def test_kernels_compile_for_an_h200_without_fma_or_approximations():
                                        "_weights_kernel", "_super_q45_kernel", "_super_q2_kernel",
                                        "_super_q3_kernel", "_super_q6_kernel", "_requant_kernel", "_decode_k_kernel",
                                        "_decode_legacy_kernel", "_axis0_kernel", "_grid_kernel", "_gptq_words_kernel",
-                                       "_codebook_kernel", "_two_step_kernel"}
+                                       "_codebook_kernel", "_two_step_kernel", "_hqq_unpack_kernel", "_qqq_kernel"}
 
 
 def _absent_device() -> str:

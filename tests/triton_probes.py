@@ -172,6 +172,49 @@ def probe_kernels() -> dict:
     check("two-step", torch.equal(td.dequantize_two_step_triton(codes, z8, pre, 1 / 127, 32),
                                   dequantize_two_step_torch(codes, z8, pre, 1 / 127, 32)), "LLM.int8")
 
+    # the readers' unpacking, through the functions the readers call (the Triton route under QCONVERT_KERNELS=triton,
+    # the torch path under =torch): HQQ's slabs, every packing, an odd column count, 3-bit's padded rows and words
+    # with the unused top bits set; QQQ's Marlin tiles in both modes, and the grouped mode's int8 rounding and clamp
+    # (ties, huge, infinite and tiny scales)
+    from qconvert.kernels.hqq import PACKINGS as HQQ_PACKINGS, pack_hqq, unpack_hqq
+    from qconvert.kernels.qqq_perm import int8_weights, pack_qqq_codes, qqq_codes, unpack_qqq_codes
+
+    def both(fn, *args):
+        os.environ["QCONVERT_KERNELS"] = "triton"
+        with kernel_trace() as used:
+            got = fn(*args)
+        os.environ["QCONVERT_KERNELS"] = "torch"
+        with kernel_trace() as cpu_used:
+            ref = fn(*args)
+        return got, ref, used, cpu_used
+
+    for pk in HQQ_PACKINGS.values():
+        for rows in ((40, 37) if pk.name == "3bit_32" else (pk.per_word * 5,)):
+            codes = torch.randint(0, 2 ** pk.field_bits, (rows, 13), dtype=torch.uint8, generator=g)
+            words = pack_hqq(codes, pk)
+            if pk.name == "3bit_32":
+                words = words | torch.tensor(-2 ** 31 | 2 ** 30, dtype=torch.int32)  # bits 31, 30: not codes
+            got, ref, used, cpu_used = both(unpack_hqq, words, pk, rows)
+            check("hqq unpack", torch.equal(got, codes) and torch.equal(ref, codes) and used == {"unpack": ["triton"]}
+                  and cpu_used == {"unpack": ["torch"]}, (pk.name, rows))
+    codes = torch.randint(0, 16, (128, 64), dtype=torch.uint8, generator=g)  # [out, in]: two 1024-code runs a row
+    ladder = torch.tensor([0.5, 1.5, 2.5, -0.5, 1e-3, 60000.0, float("inf"), -float("inf"), 3.0, 0.0])
+    s_group = ladder[torch.randint(0, len(ladder), (128, 4), generator=g)].half()
+    for mode in ("grouped", "channel"):
+        B = pack_qqq_codes(codes, mode)
+        got, ref, used, _ = both(qqq_codes, B, mode)
+        check("qqq", torch.equal(got, codes) and torch.equal(ref, unpack_qqq_codes(B, mode))
+              and used == {"unpack": ["triton"]}, mode)
+    B = pack_qqq_codes(codes, "grouped")
+    got, ref, used, _ = both(qqq_codes, B, "grouped", s_group, 16)
+    want = (int8_weights(codes, s_group, 16) + 128).to(torch.uint8)
+    check("qqq", torch.equal(got, want) and torch.equal(ref, want) and used == {"unpack": ["triton"]}, "int8")
+    nan = s_group.clone()
+    nan[3, 1] = float("nan")  # with inf * 0 above: NaN products, code 128 (weight 0) on both paths
+    got, ref, used, _ = both(qqq_codes, B, "grouped", nan, 16)
+    check("qqq", torch.equal(got, ref) and bool((got[3, 16:32] == 128).all()) and used == {"unpack": ["triton"]},
+          "NaN")
+
     # the dispatch: kernels.dequantize_grid takes the Triton path under QCONVERT_KERNELS=triton and says so
     os.environ["QCONVERT_KERNELS"] = "triton"
     def u8(*shape, top=16):
@@ -196,15 +239,16 @@ def probe_kernels() -> dict:
     return done
 
 
-def probe_convert(work: Path, hf: Path, gptq: Path, hqq: Path) -> dict:
+def probe_convert(work: Path, hf: Path, gptq: Path, hqq: Path, qqq: Path) -> dict:
     """Each conversion twice in this process, the default run (QCONVERT_KERNELS unset) and QCONVERT_KERNELS=triton:
-    the bytes, the measured errors and each run's per-tensor kernels. hf, gptq, hqq: the tiny models."""
+    the bytes, the measured errors and each run's per-tensor kernels. hf, gptq, hqq, qqq: the tiny models."""
     from qconvert.converters.cli import main
 
     jobs = {"hf_q4_k_m": ("hf->gguf", hf, "--type", "q4_k_m", "--allow-requant"),
             "gptq_q4_0": ("gptq->gguf", gptq),
             "gptq_q4_k": ("gptq->gguf", gptq, "--type", "q4_k", "--allow-requant"),
-            "hqq_axis0": ("hqq->gguf", hqq, "--allow-requant")}
+            "hqq_axis0": ("hqq->gguf", hqq, "--allow-requant"),
+            "qqq_g128": ("qqq->gguf", qqq)}
     results = {}
     for tag, (pair, src, *extra) in jobs.items():
         runs = {}
@@ -261,6 +305,8 @@ def probe_ptx() -> dict:
                                   post_scale=torch.tensor(2.0))
     td.dequantize_two_step_triton(torch.zeros(8, 64, dtype=torch.uint8), torch.zeros(8, 1, dtype=torch.uint8),
                                   torch.ones(8, 1), 1 / 127, 64)
+    td.unpack_hqq_triton(torch.zeros(4, 64, dtype=torch.int32), 3, 10, 37)
+    td.qqq_codes_triton(torch.zeros(4, 128, dtype=torch.int32), torch.arange(1024), torch.ones(64, 4).half(), 16)
     types = {torch.float32: "*fp32", torch.uint8: "*u8", torch.int32: "*i32", torch.int8: "*i8",
              torch.int64: "*i64", torch.int16: "*i16", torch.float16: "*fp16"}
     seen, bad, compiled = set(), [], []
@@ -297,7 +343,7 @@ if __name__ == "__main__":
     if what == "kernels":
         result = probe_kernels()
     elif what == "convert":
-        result = probe_convert(*map(Path, sys.argv[2:6]))
+        result = probe_convert(*map(Path, sys.argv[2:7]))
     else:
         result = probe_ptx()
     print("RESULT " + json.dumps(result))
