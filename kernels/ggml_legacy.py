@@ -6,8 +6,9 @@ Three operations per type, all on [rows, n] tensors with n a multiple of 32:
 - `quantize_blocks(layout, x)`: llama.cpp's reference quantizer (`quantize_row_*_ref`), byte for byte:
   the same signed-max choice, the same truncation after `+ 8.5` and the same fp32 inverse scale.
 - `decode_blocks(layout, data)`: bytes -> float32, the same arithmetic as gguf-py's dequantize.
-- `quantize_pack(layout, x)`: quantize_blocks + pack_blocks in one; for Q4_0 and Q8_0 on large
-  tensors the element-wise passes run as one fused torch.compile kernel (see _fused below).
+- `quantize_pack(layout, x)`: quantize_blocks + pack_blocks in one: ggml's reference quantizers in C
+  (kernels/kquant_c.c) where a C compiler built them; otherwise, for Q4_0 and Q8_0 on large tensors, the
+  element-wise passes run as one fused torch.compile kernel (see _fused below), else the eager codec.
 """
 
 from __future__ import annotations
@@ -265,17 +266,31 @@ def _empty_bytes(shape: tuple[int, ...]) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.uint8)
 
 
-def quantize_pack(lay: BlockLayout, x: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
-    """float32 [rows, n] -> uint8 [rows, n/32*nbytes]: pack_blocks(quantize_blocks(x)), byte for byte,
-    with the fused kernel for Q4_0 / Q8_0 when `fused` (default: large tensors, QCONVERT_COMPILE != 0), or
-    the Triton twin (kernels/triton_quant.py) when Triton is chosen (kernels/triton_route.py)."""
+def quantize_pack(lay: BlockLayout, x: torch.Tensor, fused: bool | None = None, c: bool | None = None
+                  ) -> torch.Tensor:
+    """float32 [rows, n] -> uint8 [rows, n/32*nbytes]: pack_blocks(quantize_blocks(x)), byte for byte.
+
+    Which path: the Triton twin (kernels/triton_quant.py) when Triton is chosen (kernels/triton_route.py); else,
+    by default, the fused torch.compile kernel for Q8_0 on large tensors (QCONVERT_COMPILE != 0: its 2 threads
+    measured 2.5 GB/s, the C twin 1.0-1.5), ggml's reference quantizers in C (kernels/kquant_c.c) for the rest where
+    they are built (Q4_0 1.5-1.9 GB/s, at or above the fused kernel, without its compilation; Q4_1 / Q5_0 / Q5_1
+    about 10x the eager codec), else the fused kernel for large Q4_0, else the eager torch codec. `fused` or `c`
+    given: that path. All give the same bytes."""
+    from . import kquant_c
+    from .kquants import default_threads
     from .triton_route import legacy_quantize
 
-    routed = legacy_quantize(lay, x)
+    large = lay.name in _KERNELS and x.numel() >= _FUSED_MIN_ELEMENTS and _fused_enabled()
+    if c is None:
+        c = fused is None and not (lay.name == "Q8_0" and large)
+    use_c = c and not x.is_cuda and kquant_c.available()
+    routed = legacy_quantize(lay, x, use_c)
     if routed is not None:
         return routed
+    if use_c:
+        return torch.from_numpy(kquant_c.quantize_legacy(x.to(torch.float32).numpy(), lay.name, default_threads()))
     if fused is None:
-        fused = lay.name in _KERNELS and x.numel() >= _FUSED_MIN_ELEMENTS and _fused_enabled()
+        fused = large
     if not fused or lay.name not in _KERNELS:
         return pack_blocks(lay, *quantize_blocks(lay, x))
     rows, n = x.shape

@@ -9,9 +9,13 @@
  * sub-blocks changes no result; the build uses -ffp-contract=off and no fast-math (no FMA, no
  * reassociation, no reciprocal). Conditional updates are selects. kernels/kquant_c.py builds and loads
  * this file; tests/test_kquants.py compares it with the numpy codecs and with ggml.
+ *
+ * Also here: the legacy reference quantizers (quantize_row_q4_0_ref .. q8_0_ref, tests/test_legacy_vs_ggml.py),
+ * the GPTQ word decode and the GPTQ 4-bit -> Q4_0 repack with its proof.
  */
 #include <stdint.h>
 #include <string.h>
+#include <float.h>
 #include <math.h>
 
 #define NC 32           /* sub-blocks (columns) per tile */
@@ -835,4 +839,170 @@ int64_t qc_q4_0_check_gptq4(const uint8_t *data, const uint32_t *words, const ui
     return bad;
 }
 
-int qc_abi_version(void) { return 4; }
+/* --------------------------------------------------------------------------------------------------
+ * ggml's legacy reference quantizers, quantize_row_q4_0_ref .. quantize_row_q8_0_ref (ggml-quants.c), nb blocks
+ * of 32. The float expressions are ggml's, in its order. C's float -> int8/uint8 casts, undefined out of range,
+ * are written out as x86-64 gcc computes them (what llama.cpp's files hold): truncation to a 32-bit int
+ * (cvttss2si: NaN and values outside int32 give INT32_MIN), then the low byte. */
+static inline int32_t c_f2i(float v) {
+    /* selects, not branches, so that loops over it vectorize; -2^31 itself gives INT32_MIN either way */
+    const int in_range = fabsf(v) < 2147483648.0f;
+    const float safe = in_range ? v : 0.0f;
+    return in_range ? (int32_t)safe : INT32_MIN;
+}
+static inline int8_t c_f2i8(float v) { return (int8_t)(uint8_t)((uint32_t)c_f2i(v) & 0xffu); }
+static inline uint8_t c_f2u8(float v) { return (uint8_t)((uint32_t)c_f2i(v) & 0xffu); }
+
+/* The blocks go through in tiles of LB blocks laid out element-major (X[j*LB + b]: value j of block b), so that
+ * every step below is a loop over LB independent blocks that the compiler vectorizes (one lane a block), each
+ * block's own operations in ggml's order. Conditional updates are written as selects: `a < b ? b : a` is what
+ * x86's maxps computes, NaN included, so the vector code keeps C's NaN behaviour. */
+enum { LB = 8 };
+
+static void load_blocks(const float *x, int have, float *X) {
+    for (int b = 0; b < LB; b++)
+        for (int j = 0; j < 32; j++) X[j * LB + b] = b < have ? x[b * 32 + j] : 0.0f;
+}
+
+/* (int8_t)roundf(v) (half away from zero) as the x86 cast computes it, written so that it vectorizes: below 2^23
+ * truncate and step by the exact remainder v - trunc(v); from 2^23 up (and NaN, inf) v is its own roundf */
+static inline int8_t round_away_i8(float v) {
+    const int small = fabsf(v) < 8388608.0f;
+    const float vc = small ? v : 0.0f;
+    const float t = (float)(int32_t)vc;  /* trunc(vc), exact */
+    const float f = vc - t;
+    const float r = t + (f >= 0.5f ? 1.0f : 0.0f) - (f <= -0.5f ? 1.0f : 0.0f);
+    return c_f2i8(small ? r : v);
+}
+
+/* block b's codes (Q element-major) into its bytes after the fp16 parameters, at p: Q4_*: qs[j] = q_j | q_(j+16) << 4
+ * (the whole code bytes, as ggml's uint8 stores); Q5_*: the little-endian u32 qh of the fifth bits (ggml's memcpy
+ * on x86), then the low nibbles */
+static void pack_codes(const uint8_t *Q, int b, uint8_t *p, int five) {
+    uint8_t *qs = p + (five ? 4 : 0);
+    uint32_t qh = 0;
+    for (int j = 0; j < 16; j++) {
+        const uint8_t xi0 = Q[j * LB + b], xi1 = Q[(j + 16) * LB + b];
+        qs[j] = (uint8_t)((xi0 & (five ? 0x0F : 0xFF)) | ((xi1 & (five ? 0x0F : 0xFF)) << 4));
+        qh |= ((xi0 & 0x10u) >> 4) << j;
+        qh |= ((xi1 & 0x10u) >> 4) << (j + 16);
+    }
+    if (five) memcpy(p, &qh, 4);
+}
+
+/* symmetric Q4_0 / Q5_0: d = max / -(2^(b-1)), max the signed value of largest magnitude (the first of ties) */
+QC_CLONES static void q_sym_tile(const float *x, uint8_t *y, int have, int five) {
+    const int bytes = five ? 22 : 18;
+    const float div = five ? -16.0f : -8.0f, off = five ? 16.5f : 8.5f;
+    const int8_t top = five ? 31 : 15;
+    float X[32 * LB], amax[LB], max[LB], id[LB];
+    uint8_t Q[32 * LB];
+    load_blocks(x, have, X);
+    for (int b = 0; b < LB; b++) amax[b] = max[b] = 0.0f;
+    for (int j = 0; j < 32; j++)
+        for (int b = 0; b < LB; b++) {
+            const float v = X[j * LB + b], a = fabsf(v);
+            const int take = amax[b] < a;
+            amax[b] = take ? a : amax[b];
+            max[b] = take ? v : max[b];
+        }
+    for (int b = 0; b < LB; b++) {
+        const float d = max[b] / div;
+        id[b] = d ? 1.0f / d : 0.0f;
+        if (b < have) put16(y + b * bytes, fp32_to_fp16(d));
+    }
+    for (int j = 0; j < 32; j++)
+        for (int b = 0; b < LB; b++) {
+            const int8_t c = c_f2i8(X[j * LB + b] * id[b] + off);
+            Q[j * LB + b] = (uint8_t)(c < top ? c : top);
+        }
+    for (int b = 0; b < have; b++) pack_codes(Q, b, y + b * bytes + 2, five);
+}
+
+/* Q4_1 / Q5_1: d = (max - min) / (2^b - 1), m = min */
+QC_CLONES static void q_min_tile(const float *x, uint8_t *y, int have, int five) {
+    const int bytes = five ? 24 : 20;
+    const float levels = five ? 31.0f : 15.0f;
+    float X[32 * LB], mn[LB], mx[LB], id[LB];
+    uint8_t Q[32 * LB];
+    load_blocks(x, have, X);
+    for (int b = 0; b < LB; b++) {
+        mn[b] = FLT_MAX;
+        mx[b] = -FLT_MAX;
+    }
+    for (int j = 0; j < 32; j++)
+        for (int b = 0; b < LB; b++) {
+            const float v = X[j * LB + b];
+            mn[b] = v < mn[b] ? v : mn[b];
+            mx[b] = v > mx[b] ? v : mx[b];
+        }
+    for (int b = 0; b < LB; b++) {
+        const float d = (mx[b] - mn[b]) / levels;
+        id[b] = d ? 1.0f / d : 0.0f;
+        if (b < have) {
+            put16(y + b * bytes, fp32_to_fp16(d));
+            put16(y + b * bytes + 2, fp32_to_fp16(mn[b]));
+        }
+    }
+    for (int j = 0; j < 32; j++)
+        for (int b = 0; b < LB; b++) {
+            const float v = (X[j * LB + b] - mn[b]) * id[b] + 0.5f;
+            if (five) {  /* Q5_1's reference has no clamp: (uint8_t) of the float */
+                Q[j * LB + b] = c_f2u8(v);
+            } else {
+                const int8_t c = c_f2i8(v);
+                Q[j * LB + b] = (uint8_t)(c < 15 ? c : 15);
+            }
+        }
+    for (int b = 0; b < have; b++) pack_codes(Q, b, y + b * bytes + 4, five);
+}
+
+/* Q8_0: d = amax / 127, q = roundf(x * (1/d)) */
+QC_CLONES static void q8_0_tile(const float *x, uint8_t *y, int have) {
+    float X[32 * LB], amax[LB], id[LB];
+    int8_t Q[32 * LB];
+    load_blocks(x, have, X);
+    for (int b = 0; b < LB; b++) amax[b] = 0.0f;
+    for (int j = 0; j < 32; j++)
+        for (int b = 0; b < LB; b++) {
+            const float a = fabsf(X[j * LB + b]);
+            amax[b] = amax[b] > a ? amax[b] : a;  /* ggml's MAX(amax, fabsf(v)): a NaN |v| is taken, the next drops it */
+        }
+    for (int b = 0; b < LB; b++) {
+        const float d = amax[b] / 127.0f;
+        id[b] = d ? 1.0f / d : 0.0f;
+        if (b < have) put16(y + b * 34, fp32_to_fp16(d));
+    }
+    for (int j = 0; j < 32; j++)
+        for (int b = 0; b < LB; b++) Q[j * LB + b] = round_away_i8(X[j * LB + b] * id[b]);
+    for (int b = 0; b < have; b++)
+        for (int j = 0; j < 32; j++) y[b * 34 + 2 + j] = (uint8_t)Q[j * LB + b];
+}
+
+/* entry point: type 40 Q4_0, 41 Q4_1, 50 Q5_0, 51 Q5_1, 80 Q8_0; nb blocks of 32 values. 0, or -1 (type). */
+int qc_quantize_legacy(int type, const float *x, uint8_t *y, int64_t nb) {
+    int bytes;
+    switch (type) {
+    case 40: bytes = 18; break;
+    case 41: bytes = 20; break;
+    case 50: bytes = 22; break;
+    case 51: bytes = 24; break;
+    case 80: bytes = 34; break;
+    default: return -1;
+    }
+    for (int64_t i = 0; i < nb; i += LB) {
+        const int have = (int)(nb - i < LB ? nb - i : LB);
+        const float *xs = x + i * 32;
+        uint8_t *ys = y + i * bytes;
+        switch (type) {
+        case 40: q_sym_tile(xs, ys, have, 0); break;
+        case 50: q_sym_tile(xs, ys, have, 1); break;
+        case 41: q_min_tile(xs, ys, have, 0); break;
+        case 51: q_min_tile(xs, ys, have, 1); break;
+        default: q8_0_tile(xs, ys, have); break;
+        }
+    }
+    return 0;
+}
+
+int qc_abi_version(void) { return 5; }

@@ -1,5 +1,6 @@
-"""The C twin of the reference K-quantizers (kernels/kquant_c.c): built once per machine with the system C
-compiler, cached, loaded with ctypes, and run on a pool of Python threads (a ctypes call releases the GIL).
+"""The C twin of the reference K-quantizers (kernels/kquant_c.c; also the legacy Q4_0 .. Q8_0 quantizers, the GPTQ
+word decode and the GPTQ -> Q4_0 repack): built once per machine with the system C compiler, cached, loaded with
+ctypes, and run on a pool of Python threads (a ctypes call releases the GIL).
 
 Why C. The numpy codecs in kernels/kquants.py make many passes over every chunk, and their compiled
 searches (kernels/kquant_fused.py) cost each new process 10-15 s of torch.compile tracing before the
@@ -31,12 +32,14 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["available", "quantize", "dequantize", "dequantize_gptq", "gptq4_to_q4_0", "TYPE_IDS",
-           "CHUNK_BLOCKS"]
+__all__ = ["available", "quantize", "quantize_legacy", "dequantize", "dequantize_gptq", "gptq4_to_q4_0", "TYPE_IDS",
+           "LEGACY_TYPE_IDS", "CHUNK_BLOCKS"]
 
 _SOURCE = Path(__file__).with_name("kquant_c.c")
 _FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-fno-strict-aliasing"]
 TYPE_IDS = {"Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+LEGACY_TYPE_IDS = {"Q4_0": 40, "Q4_1": 41, "Q5_0": 50, "Q5_1": 51, "Q8_0": 80}
+_LEGACY_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
 _BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 # super-blocks per task handed to a thread (512K values, 2 MiB of float32): small enough that a thread
 # slowed by another process leaves the rest to the others, large enough that a call costs nothing
@@ -92,9 +95,9 @@ def _build() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(lib_path))
         except OSError:
             continue
-        if lib.qc_abi_version() != 4:
+        if lib.qc_abi_version() != 5:
             continue
-        for fn in (lib.qc_quantize_k, lib.qc_dequantize_k):
+        for fn in (lib.qc_quantize_k, lib.qc_dequantize_k, lib.qc_quantize_legacy):
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -140,6 +143,29 @@ def quantize(xb: np.ndarray, type_name: str, threads: int = 1) -> np.ndarray:
         fn(tid, x0 + s * 1024, y0 + s * bb, e - s)
 
     _spread(run, nb, threads)
+    return out
+
+
+def quantize_legacy(x: np.ndarray, type_name: str, threads: int = 1) -> np.ndarray:
+    """float32 [..., n] (n % 32 == 0) -> uint8 [..., n/32*block_bytes], as ggml's quantize_row_q4_0_ref ..
+    quantize_row_q8_0_ref. Chunks of 8*CHUNK_BLOCKS blocks of 32 (the K chunk's values) go to `threads` threads."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the C quantizers are not available")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    nb = x.size // 32
+    bb = _LEGACY_BYTES[type_name]
+    out = np.empty((*x.shape[:-1], x.shape[-1] // 32 * bb), np.uint8)
+    tid = LEGACY_TYPE_IDS[type_name]
+    fn = lib.qc_quantize_legacy
+    x0, y0 = x.ctypes.data, out.ctypes.data
+    step = 8 * CHUNK_BLOCKS
+
+    def run(s: int) -> None:
+        e = min(nb, s + step)
+        fn(tid, x0 + s * 128, y0 + s * bb, e - s)
+
+    _spread(run, nb, threads, step)
     return out
 
 

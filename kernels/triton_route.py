@@ -114,11 +114,12 @@ def _noted(stage: str) -> int:
     return -1 if trace is None else len(trace.get(stage, ()))
 
 
-def legacy_quantize(lay, x: torch.Tensor) -> torch.Tensor | None:
-    """ggml_legacy.quantize_pack: Q4_0 .. Q8_0 blocks from float32 [rows, n] in Triton, or None."""
+def legacy_quantize(lay, x: torch.Tensor, c_path: bool = False) -> torch.Tensor | None:
+    """ggml_legacy.quantize_pack: Q4_0 .. Q8_0 blocks from float32 [rows, n] in Triton, or None; `c_path`:
+    whether the caller's CPU path is the C twin (else torch)."""
     dev = triton_device(x)
     if dev is None:
-        note_kernel("quantize", "torch")
+        note_kernel("quantize", "c" if c_path else "torch")
         return None
     from .triton_quant import quantize_legacy_triton
 
