@@ -39,6 +39,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import triton_route
+
 __all__ = ["E2M1_VALUES", "element_table", "ELEMENT_BITS", "unpack_fp4", "pack_fp4", "e8m0_to_float",
            "float_to_e8m0", "is_e8m0_exact", "e4m3_exact", "MXFP4_BLOCK", "MXFP4_BYTES", "NVFP4_BLOCK",
            "NVFP4_SUB", "NVFP4_BYTES", "pack_ggml_mxfp4", "unpack_ggml_mxfp4", "pack_ggml_nvfp4",
@@ -69,8 +71,12 @@ def element_table(name: str, negative_zero: bool = True) -> torch.Tensor:
 
 # -- FP4 codes two to a byte, even element in the low nibble ----------------------------------------------
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., n/2] -> uint8 codes [..., n] (low nibble first)."""
+    """uint8 [..., n/2] -> uint8 codes [..., n] (low nibble first): Triton where chosen (kernels/triton_route.py)."""
     p = packed.to(torch.uint8)
+    if p.dim() >= 1 and p.numel():
+        routed = triton_route.bitstream(p.reshape(-1, p.shape[-1]), 4, p.shape[-1] * 2, word_bits=8)
+        if routed is not None:
+            return routed.reshape(*p.shape[:-1], p.shape[-1] * 2)
     return torch.stack((p & 0x0F, p >> 4), dim=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
 
 

@@ -25,7 +25,9 @@ the same order as the torch / numpy path, so the same bits):
   expressions of kernels/ggml_legacy.decode_blocks and kernels/kquants.dequantize_q*_K.
 The GPTQ words kernel reads 3-bit words too (codes 10 and 21 of every 32 straddle two words).
 And the unpacking a reader does before a grid exists: `unpack_hqq_triton` (HQQ's 8/4/3/2/1-bit slabs) and
-`qqq_codes_triton` (QQQ's Marlin tiles, with the grouped mode's int8 rounding and clamp).
+`qqq_codes_triton` (QQQ's Marlin tiles, with the grouped mode's int8 rounding and clamp), and
+`unpack_bitstream_triton`, the little-endian bit streams most other readers store (MLX, AFQ, compressed-tensors,
+AWQ's stream and GEMM nibble order, auto-round's 5-7-bit words, bitsandbytes' and the FP4 formats' nibbles).
 Every launch passes enable_fp_fusion=False: no a*b+c is contracted into an FMA on a GPU.
 """
 
@@ -40,7 +42,7 @@ import triton.language as tl
 
 __all__ = ["dequantize_grid_triton", "dequantize_gptq_words_triton", "dequantize_axis0_triton",
            "dequantize_codebook_triton", "dequantize_two_step_triton", "decode_legacy_triton", "decode_k_triton",
-           "unpack_hqq_triton", "qqq_codes_triton", "launch", "interpreting"]
+           "unpack_hqq_triton", "qqq_codes_triton", "unpack_bitstream_triton", "launch", "interpreting"]
 
 _BLOCK_ROWS = 16
 _BLOCK_COLS = 64
@@ -494,4 +496,57 @@ def qqq_codes_triton(B: torch.Tensor, inverse_perm: torch.Tensor, s_group: torch
            inverse_perm.to(dev, torch.int32).contiguous(), sg, out, n_out, n_in,
            sg.shape[1] if s_group is not None else 1, max(1, group_size), INT8=s_group is not None,
            BLOCK_ROWS=br, BLOCK_COLS=bc)
+    return out
+
+
+@triton.jit
+def _bitstream_kernel(words_ptr, order_ptr, out_ptr, n_rows, n_codes, n_words, s_row, s_word,
+                      BITS: tl.constexpr, WORD: tl.constexpr, PER: tl.constexpr, HAS_ORDER: tl.constexpr,
+                      BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    # row r's codes as one little-endian bit stream over its words (WORD bits each): code k's field f (k itself, or
+    # its place in a word's interleaving order) at bits [f*BITS, f*BITS + BITS), possibly straddling two words
+    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    k = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    live = k < n_codes
+    mask = (r[:, None] < n_rows) & live[None, :]
+    if HAS_ORDER:
+        f = (k // PER) * PER + tl.load(order_ptr + k % PER, mask=live, other=0)
+    else:
+        f = k
+    pos = f * BITS
+    w = pos // WORD
+    sh = pos % WORD
+    base = words_ptr + r.to(tl.int64)[:, None] * s_row
+    lo = tl.load(base + (w.to(tl.int64) * s_word)[None, :], mask=mask & (w < n_words)[None, :], other=0)
+    if WORD == 32:
+        lo = lo.to(tl.uint32, bitcast=True)
+    else:
+        lo = lo.to(tl.uint32)
+    q = lo >> sh.to(tl.uint32)[None, :]
+    straddle = (sh + BITS > WORD) & (w + 1 < n_words)
+    hi = tl.load(base + ((w + 1).to(tl.int64) * s_word)[None, :], mask=mask & straddle[None, :], other=0)
+    if WORD == 32:
+        hi = hi.to(tl.uint32, bitcast=True)
+    else:
+        hi = hi.to(tl.uint32)
+    q = q | tl.where(straddle[None, :], hi << ((WORD - sh) % WORD).to(tl.uint32)[None, :], 0)
+    q = q & ((1 << BITS) - 1)
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * n_codes + k[None, :], q.to(tl.uint8), mask=mask)
+
+
+def unpack_bitstream_triton(words: torch.Tensor, bits: int, count: int, word_bits: int = 32,
+                            order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Row bit streams -> uint8 codes [rows, count]: words [rows, n_words] (int32 for 32-bit words, uint8 for 8; any
+    strides), code k LSB-first at bit k*bits of its row's stream, or, with `order` (one entry per code of a word),
+    code k at field (k // len(order)) * len(order) + order[k % len(order)] (AWQ's GEMM nibbles, bitsandbytes'
+    high-nibble-first bytes). Fields past the row's last word read as zero bits (the caller checked the sizes)."""
+    rows, n_words = words.shape
+    dev = words.device
+    out = torch.empty((rows, count), dtype=torch.uint8, device=dev)
+    per = len(order) if order is not None else 1
+    order_t = torch.tensor(order if order is not None else (0,), dtype=torch.int32, device=dev)
+    br, bc = _tiles(rows, count)
+    launch(_bitstream_kernel, (triton.cdiv(rows, br), triton.cdiv(count, bc)), words, order_t, out, rows, count,
+           n_words, words.stride(0), words.stride(1), BITS=bits, WORD=word_bits, PER=per,
+           HAS_ORDER=order is not None, BLOCK_ROWS=br, BLOCK_COLS=bc)
     return out

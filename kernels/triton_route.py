@@ -17,7 +17,7 @@ import torch
 
 from . import compute_device, note_kernel, triton_device
 
-__all__ = ["dequantize_routed", "hqq_unpack", "qqq_codes", "legacy_quantize", "legacy_repack", "legacy_decode", "gptq_q4_0_repack",
+__all__ = ["dequantize_routed", "hqq_unpack", "qqq_codes", "bitstream", "legacy_quantize", "legacy_repack", "legacy_decode", "gptq_q4_0_repack",
            "k_quantize", "k_decode", "TRITON_K_TYPES", "TRITON_K_IMATRIX_TYPES"]
 
 # the K types whose quantizer has a Triton twin (kernels/triton_kquant.py), without / with an importance matrix
@@ -105,6 +105,19 @@ def qqq_codes(B: torch.Tensor, inverse_perm: torch.Tensor, s_group: torch.Tensor
               group_size: int) -> torch.Tensor | None:
     """kernels/qqq_perm.qqq_codes in Triton, or None."""
     return _unpack_routed(B, "qqq_codes_triton", inverse_perm, s_group, group_size)
+
+
+def bitstream(words: torch.Tensor, bits: int, count: int, word_bits: int = 32,
+              order: tuple[int, ...] | None = None) -> torch.Tensor | None:
+    """Row bit streams (triton_dequant.unpack_bitstream_triton: words [rows, n_words], int32 or uint8 by
+    `word_bits`) -> uint8 codes [rows, count] in Triton, or None: not chosen, or sizes the caller's torch path
+    should judge (a row whose codes need more words than it has)."""
+    if words.dim() != 2 or count * bits > words.shape[1] * word_bits:
+        note_kernel("unpack", "torch")
+        return None
+    if word_bits == 32 and words.dtype != torch.int32:
+        words = words.view(torch.int32)  # uint32 words: the same bits
+    return _unpack_routed(words, "unpack_bitstream_triton", bits, count, word_bits, order)
 
 
 def _noted(stage: str) -> int:

@@ -1,5 +1,6 @@
-"""The conversion on a GPU, checked without one: every Triton kernel (the grid dequantizations, the GGUF block
-decoders, the legacy and K quantizers with and without an imatrix, the repacks) gives the CPU path's bytes, which
+"""The conversion on a GPU, checked without one: every Triton kernel (the readers' unpacking, the grid
+dequantizations, the GGUF block decoders, the legacy and K quantizers with and without an imatrix, the repacks)
+gives the CPU path's bytes, which
 are llama.cpp's; the tiny-model conversions with QCONVERT_KERNELS=triton write the default run's bytes and name
 "triton" for every quantized tensor; the kernels compile for an H200 (sm_90) with no fused multiply-add and no
 approximate or flush-to-zero float operation; an absent --device is refused in one line.
@@ -48,7 +49,8 @@ def test_every_triton_kernel_gives_the_cpu_paths_bytes():
     # counts of comparisons made: each type, form and shape listed in triton_probes.probe_kernels
     assert done == {"legacy quantize": 10, "legacy decode": 5, "repack": 6, "K quantize": 20,
                     "K blocks where the CPU path is not ggml's": 1, "K decode": 5, "gptq words": 16, "grid": 6,
-                    "axis0": 6, "codebook": 3, "two-step": 1, "hqq unpack": 6, "qqq": 4, "dispatch": 4}
+                    "axis0": 6, "codebook": 3, "two-step": 1, "hqq unpack": 6, "qqq": 4, "bit streams": 16,
+                    "dispatch": 4}
 
 
 def test_conversions_with_triton_kernels_are_byte_identical(fx, hqqfx, tmp_path):  # noqa: F811
@@ -57,7 +59,7 @@ def test_conversions_with_triton_kernels_are_byte_identical(fx, hqqfx, tmp_path)
     hqq = hqqfx["root"] / "b4_g64_ax0" / "tf"
     qqq = fixtures_qqq.ensure_qqq_fixtures()["variants"]["qqq_g128"]["ckpt"]
     results = _probe("convert", str(tmp_path), str(hf), str(gptq), str(hqq), str(qqq))
-    assert set(results) == {"hf_q4_k_m", "gptq_q4_0", "gptq_q4_k", "hqq_axis0", "qqq_g128"}
+    assert set(results) == {"hf_q4_k_m", "gptq_q4_0", "gptq_q4_k", "hqq_axis0", "qqq_g128", "ct_w4a16", "awq_g128"}
     targets = set()
     for tag, r in results.items():
         assert r["identical"], tag
@@ -86,6 +88,11 @@ def test_conversions_with_triton_kernels_are_byte_identical(fx, hqqfx, tmp_path)
     qqq_rows = [t for t in results["qqq_g128"]["tensors"] if t["target"] not in FLOAT_TYPES]
     assert all(t["triton"] == {"unpack": "triton", "repack": "triton"} for t in qqq_rows), qqq_rows
     assert "Q8_0" in {t["target"] for t in qqq_rows} <= {"Q8_0", "Q4_0"}, qqq_rows
+    # compressed-tensors' and AWQ's bit streams unpacked in Triton, their grids repacked (Q4_0 / Q4_1)
+    for tag, target in (("ct_w4a16", "Q4_0"), ("awq_g128", "Q4_1")):
+        rows = [t for t in results[tag]["tensors"] if t["target"] not in FLOAT_TYPES]
+        assert rows and all(t["triton"] == {"unpack": "triton", "repack": "triton"} for t in rows), (tag, rows)
+        assert target in {t["target"] for t in rows}, (tag, rows)
 
 
 def test_kernels_compile_for_an_h200_without_fma_or_approximations():
@@ -96,7 +103,8 @@ def test_kernels_compile_for_an_h200_without_fma_or_approximations():
                                        "_weights_kernel", "_super_q45_kernel", "_super_q2_kernel",
                                        "_super_q3_kernel", "_super_q6_kernel", "_requant_kernel", "_decode_k_kernel",
                                        "_decode_legacy_kernel", "_axis0_kernel", "_grid_kernel", "_gptq_words_kernel",
-                                       "_codebook_kernel", "_two_step_kernel", "_hqq_unpack_kernel", "_qqq_kernel"}
+                                       "_codebook_kernel", "_two_step_kernel", "_hqq_unpack_kernel", "_qqq_kernel",
+                                       "_bitstream_kernel"}
 
 
 def _absent_device() -> str:

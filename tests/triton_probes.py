@@ -172,6 +172,9 @@ def probe_kernels() -> dict:
     check("two-step", torch.equal(td.dequantize_two_step_triton(codes, z8, pre, 1 / 127, 32),
                                   dequantize_two_step_torch(codes, z8, pre, 1 / 127, 32)), "LLM.int8")
 
+    def u8(*shape, top=16):
+        return torch.randint(0, top, shape, dtype=torch.uint8, generator=g)
+
     # the readers' unpacking, through the functions the readers call (the Triton route under QCONVERT_KERNELS=triton,
     # the torch path under =torch): HQQ's slabs, every packing, an odd column count, 3-bit's padded rows and words
     # with the unused top bits set; QQQ's Marlin tiles in both modes, and the grouped mode's int8 rounding and clamp
@@ -215,10 +218,36 @@ def probe_kernels() -> dict:
     check("qqq", torch.equal(got, ref) and bool((got[3, 16:32] == 128).all()) and used == {"unpack": ["triton"]},
           "NaN")
 
+    # the other readers' bit streams, through each reader's own unpacking function: odd row counts, widths that
+    # straddle words (3, 5, 6, 7 bits), a row's last word partly used, AWQ's GEMM order, bitsandbytes' high nibble
+    # first over a flat odd-length buffer, auto-round's column streams
+    from qconvert.formats.auto_round.reader import unpack_stream as auto_round_stream
+    from qconvert.formats.awq.layout import unpack_codes as awq_codes, unpack_gemm, unpack_stream as awq_stream
+    from qconvert.formats.bitsandbytes.reader import unpack_4bit
+    from qconvert.formats.compressed_tensors.schemes import unpack_dense
+    from qconvert.formats.mlx.packing import unpack_mlx
+    from qconvert.formats.uqff.layout import unpack_afq
+    from qconvert.kernels.floatq import unpack_fp4
+
+    def words32(rows, n):
+        return torch.randint(-2 ** 31, 2 ** 31, (rows, n), dtype=torch.int64, generator=g).to(torch.int32)
+
+    streams = [("fp4", unpack_fp4, (u8(5, 7, top=256),)), ("fp4 3-d", unpack_fp4, (u8(2, 3, 8, top=256),)),
+               ("mlx 3", unpack_mlx, (words32(5, 3), 3, 32)), ("mlx 5", unpack_mlx, (words32(5, 5), 5, 32)),
+               ("mlx 6", unpack_mlx, (words32(4, 3), 6, 16)), ("afq 6", unpack_afq, (words32(4, 3), 6, 16)),
+               ("afq 3", unpack_afq, (words32(4, 3), 3, 32)), ("ct 4", unpack_dense, (words32(6, 3), 4, 20)),
+               ("ct 8", unpack_dense, (words32(6, 3), 8, 12)), ("awq gemm", unpack_gemm, (words32(5, 4),)),
+               ("awq gemm cut", awq_codes, (words32(5, 4), 4, 29)), ("awq 3", awq_stream, (words32(5, 4), 3, 40)),
+               ("awq 7", awq_stream, (words32(5, 4), 7, 18)), ("bnb", unpack_4bit, (u8(13, 1, top=256), 5, 5)),
+               ("auto-round 5", auto_round_stream, (words32(10, 3), 5)),
+               ("auto-round 7", auto_round_stream, (words32(14, 2), 7))]
+    for tag, fn, args in streams:
+        got, ref, used, cpu_used = both(fn, *args)
+        check("bit streams", torch.equal(got, ref) and used == {"unpack": ["triton"]}
+              and cpu_used == {"unpack": ["torch"]}, tag)
+
     # the dispatch: kernels.dequantize_grid takes the Triton path under QCONVERT_KERNELS=triton and says so
     os.environ["QCONVERT_KERNELS"] = "triton"
-    def u8(*shape, top=16):
-        return torch.randint(0, top, shape, dtype=torch.uint8, generator=g)
 
     grids = [  # GPTQ-style zero points, HQQ axis 0 with float zeros, an E2M1 codebook, 3-bit GPTQ words
         Grid(GridParams(bits=4, group_size=64, scales=scales[:, :2], zeros=zeros[:, :2]), codes=u8(7, 128)),
@@ -239,6 +268,9 @@ def probe_kernels() -> dict:
     return done
 
 
+PRODUCED = Path(__file__).with_name("producer_fixtures")
+
+
 def probe_convert(work: Path, hf: Path, gptq: Path, hqq: Path, qqq: Path) -> dict:
     """Each conversion twice in this process, the default run (QCONVERT_KERNELS unset) and QCONVERT_KERNELS=triton:
     the bytes, the measured errors and each run's per-tensor kernels. hf, gptq, hqq, qqq: the tiny models."""
@@ -248,7 +280,10 @@ def probe_convert(work: Path, hf: Path, gptq: Path, hqq: Path, qqq: Path) -> dic
             "gptq_q4_0": ("gptq->gguf", gptq),
             "gptq_q4_k": ("gptq->gguf", gptq, "--type", "q4_k", "--allow-requant"),
             "hqq_axis0": ("hqq->gguf", hqq, "--allow-requant"),
-            "qqq_g128": ("qqq->gguf", qqq)}
+            "qqq_g128": ("qqq->gguf", qqq),
+            # committed producers' checkpoints: their readers' bit streams
+            "ct_w4a16": ("ct->gguf", PRODUCED / "compressed_tensors" / "w4a16_g32_sym"),
+            "awq_g128": ("awq->gguf", PRODUCED / "awq" / "gemm_g128")}
     results = {}
     for tag, (pair, src, *extra) in jobs.items():
         runs = {}
@@ -307,6 +342,8 @@ def probe_ptx() -> dict:
                                   torch.ones(8, 1), 1 / 127, 64)
     td.unpack_hqq_triton(torch.zeros(4, 64, dtype=torch.int32), 3, 10, 37)
     td.qqq_codes_triton(torch.zeros(4, 128, dtype=torch.int32), torch.arange(1024), torch.ones(64, 4).half(), 16)
+    td.unpack_bitstream_triton(torch.zeros(4, 3, dtype=torch.int32), 5, 16)
+    td.unpack_bitstream_triton(torch.zeros(4, 3, dtype=torch.uint8), 4, 6, word_bits=8, order=(1, 0))
     types = {torch.float32: "*fp32", torch.uint8: "*u8", torch.int32: "*i32", torch.int8: "*i8",
              torch.int64: "*i64", torch.int16: "*i16", torch.float16: "*fp16"}
     seen, bad, compiled = set(), [], []

@@ -45,6 +45,7 @@ from typing import Iterator
 import torch
 
 from ...converters.errors import BadInput
+from ...kernels import triton_route
 from ...converters.records import Grid, GridParams, PackedCodes, TensorRecord
 from ...converters.validate import ConfigView
 from ...kernels.bitpack import SUPPORTED_PACK_BITS, unpack_rows
@@ -84,6 +85,9 @@ def unpack_stream(words: torch.Tensor, bits: int) -> torch.Tensor:
     rows, cols = words.shape
     if rows % bits:
         raise ValueError(f"{rows} packed rows is not a multiple of {bits} for {bits}-bit codes")
+    routed = triton_route.bitstream(words.T, bits, rows * 32 // bits)  # each column's stream, in Triton where chosen
+    if routed is not None:
+        return routed.T.contiguous()
     w = (words.to(torch.int64) & 0xFFFFFFFF).view(rows // bits, bits, cols)
     out = torch.empty((rows // bits, 32, cols), dtype=torch.uint8)
     mask = (1 << bits) - 1

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels import triton_route
+
 __all__ = ["AWQ_ORDER", "AWQ_REVERSE_ORDER", "PACK_FACTOR", "unpack_gemm", "pack_gemm", "stream_words",
            "unpack_stream", "pack_stream", "unpack_codes", "words_per_row", "gemv_zeros_width"]
 
@@ -47,8 +49,12 @@ _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 
 def unpack_gemm(words: torch.Tensor) -> torch.Tensor:
-    """int32 [rows, cols/8] GEMM words -> uint8 [rows, cols] codes 0..15 in natural column order."""
+    """int32 [rows, cols/8] GEMM words -> uint8 [rows, cols] codes 0..15 in natural column order (Triton where
+    chosen: natural code j of a word is its nibble AWQ_REVERSE_ORDER[j])."""
     rows, n_words = words.shape
+    routed = triton_route.bitstream(words, 4, n_words * PACK_FACTOR, order=AWQ_REVERSE_ORDER)
+    if routed is not None:
+        return routed
     nibbles = (words.to(torch.int32)[:, :, None] >> _SHIFTS) & 15  # [rows, n_words, 8] in shift order
     natural = nibbles[:, :, list(AWQ_REVERSE_ORDER)]
     return natural.reshape(rows, n_words * PACK_FACTOR).to(torch.uint8)
@@ -69,7 +75,11 @@ def stream_words(count: int, bits: int) -> int:
 
 
 def unpack_stream(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """int32 [rows, ceil(count*bits/32)] bit-stream words -> uint8 [rows, count] codes (natural order)."""
+    """int32 [rows, ceil(count*bits/32)] bit-stream words -> uint8 [rows, count] codes (natural order; Triton
+    where chosen)."""
+    routed = triton_route.bitstream(words, bits, count)
+    if routed is not None:
+        return routed
     rows = words.shape[0]
     unsigned = words.to(torch.int64) & 0xFFFFFFFF
     unsigned = torch.cat([unsigned, torch.zeros(rows, 1, dtype=torch.int64)], dim=1)  # the last code's next word

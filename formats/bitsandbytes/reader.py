@@ -34,6 +34,7 @@ import torch
 
 from ...converters.errors import BadInput
 from ...converters.records import Grid, GridParams, TensorRecord, codebook_name
+from ...kernels import triton_route
 from ..model_shapes import ModelShapes
 from ..safetensors_dir import CheckpointDir, CheckpointSource, quantization_config_of, read_json
 
@@ -76,6 +77,9 @@ def _quant_state_json(blob: torch.Tensor, where: Path, tensor: str) -> dict:
 def unpack_4bit(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """uint8 [ceil(n/2), 1] -> codes [out, in]: element 2i in the high nibble of byte i, 2i+1 in the low."""
     flat = packed.reshape(-1)
+    routed = triton_route.bitstream(flat[None, :], 4, out_features * in_features, word_bits=8, order=(1, 0))
+    if routed is not None:  # Triton where chosen: bytes as 8-bit words, the high nibble first
+        return routed.reshape(out_features, in_features)
     codes = torch.stack((flat >> 4, flat & 0xF), dim=1).reshape(-1)
     return codes[: out_features * in_features].reshape(out_features, in_features).contiguous()
 

@@ -35,6 +35,7 @@ from ...converters.align import EXACT, REFUSED, REQUANTIZE, Decision, TargetSche
 from ...converters.errors import BadInput
 from ...converters.records import GridParams
 from ...converters.validate import ConfigView
+from ...kernels import triton_route
 
 __all__ = ["QuantArgs", "ModuleRules", "parse_rules", "pack_dense", "unpack_dense", "CT_PACK", "READ_FORMATS",
            "STRATEGIES", "INT_FORMATS", "FLOAT_FORMATS", "FP4_FORMATS", "CT_FLOAT"]
@@ -218,7 +219,10 @@ def pack_dense(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_dense(words: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
-    """The inverse of pack_dense: [rows, n_words] int32 -> [rows, cols] uint8 codes."""
+    """The inverse of pack_dense: [rows, n_words] int32 -> [rows, cols] uint8 codes (Triton where chosen)."""
+    routed = triton_route.bitstream(words, bits, cols)
+    if routed is not None:
+        return routed
     rows, n_words = words.shape
     groups = -(-n_words // bits)
     w = torch.zeros((rows, groups * bits), dtype=torch.int64)

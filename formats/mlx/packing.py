@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ...kernels import triton_route
+
 __all__ = ["MLX_BITS", "MLX_GROUPS", "pack_mlx", "unpack_mlx", "packed_words", "mlx_affine_quantize"]
 
 MLX_BITS = (2, 3, 4, 5, 6, 8)  # mlx 0.32.4 _qmm_dispatch_typed: "Quantization bits must be 2, 3, 4, 5, 6 or 8"
@@ -35,8 +37,11 @@ def pack_mlx(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_mlx(words: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
-    """uint32 (or int32) words [out, in*bits/32] -> uint8 codes [out, in]."""
+    """uint32 (or int32) words [out, in*bits/32] -> uint8 codes [out, in] (Triton where chosen)."""
     w = words.contiguous().view(torch.int32)
+    routed = triton_route.bitstream(w, bits, in_features)
+    if routed is not None:
+        return routed
     out = w.shape[0]
     raw = np.unpackbits(w.numpy().view(np.uint8).reshape(out, -1), axis=1, bitorder="little")
     fields = raw.reshape(out, -1, bits)[:, :in_features].astype(np.uint16)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from ...kernels import triton_route
 from ...kernels.bitpack import pack_rows, unpack_rows
 
 __all__ = ["TAG", "FAMILY_OF_TAG", "SUFFIXES", "GGML_TYPE_IDS", "GGML_NAME_OF_ID", "UqffType", "UQFF_TYPES",
@@ -103,6 +104,9 @@ def unpack_afq(words: torch.Tensor, bits: int, in_features: int) -> torch.Tensor
     """u32 (or int32) [out, in*bits/32] -> uint8 codes [out, in]. For 2/3/4/8 bits this is GPTQ's stream
     (kernels.bitpack) transposed; 6 bits goes through numpy's bit unpacking."""
     w = words.contiguous().view(torch.int32)
+    routed = triton_route.bitstream(w, bits, in_features)  # Triton where chosen
+    if routed is not None:
+        return routed
     if bits in (2, 3, 4, 8):
         return unpack_rows(w.T.contiguous(), bits).T.contiguous()
     out = w.shape[0]
