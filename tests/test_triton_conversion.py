@@ -1,9 +1,9 @@
 """The conversion on a GPU, checked without one: every Triton kernel (the readers' unpacking, the grid
 dequantizations, the GGUF block decoders, the legacy and K quantizers with and without an imatrix, the repacks)
-gives the CPU path's bytes, which
-are llama.cpp's; the tiny-model conversions with QCONVERT_KERNELS=triton write the default run's bytes and name
-"triton" for every quantized tensor; the kernels compile for an H200 (sm_90) with no fused multiply-add and no
-approximate or flush-to-zero float operation; an absent --device is refused in one line.
+gives the CPU path's bytes, which are llama.cpp's; the tiny-model conversions with QCONVERT_KERNELS=triton write
+the default run's bytes and name "triton" for every quantized tensor; the kernels compile for an H200 (sm_90) with
+no fused multiply-add and no approximate or flush-to-zero float operation; an absent --device is refused in one
+line.
 
 The kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1, set before triton is imported: hence
 subprocesses, see tests/triton_probes.py). Nothing here runs on, or times, a GPU.
