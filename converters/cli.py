@@ -153,7 +153,7 @@ def _print_plan(report, quiet: bool) -> None:
                + (" (dry run: nothing written)" if report.dry_run else f" -> {report.output_path}"))
 
 
-_STAGE_ABBREV = {"unpack": "unpack", "dequantize": "dq", "quantize": "q", "repack": "repack"}
+_STAGE_ABBREV = {"dequantize": "dq", "quantize": "q", "repack": "repack"}
 
 
 def kernel_label(kernel: dict | None) -> str:

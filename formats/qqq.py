@@ -50,8 +50,8 @@ from ..converters.plan import Options, TensorPlan
 from ..converters.records import Dense, FourBitView, Grid, GridParams, QqqLayer, TensorRecord
 from ..converters.registry import FormatEntry, register_format
 from ..converters.validate import ConfigView
-from ..kernels.qqq_perm import (CHANNEL_SCALE_PERM, GROUP_SCALE_PERM, check_qqq_dims, int8_weights,
-                                pack_qqq_codes, permute_chunks, qqq_codes, unpermute_chunks)
+from ..kernels.qqq_perm import (CHANNEL_SCALE_PERM, GROUP_SCALE_PERM, check_qqq_dims, pack_qqq_codes,
+                                permute_chunks, qqq_codes, unpermute_chunks)
 from .gptq import config_bits
 from .model_shapes import ModelShapes
 from .safetensors_dir import (CheckpointDir, CheckpointSource, ShardWriter, copy_side_files, quantization_config_of,
@@ -91,21 +91,21 @@ def runtime_channel_scale(s_channel_true: torch.Tensor) -> torch.Tensor:
     return s_channel_true.to(torch.float32).to(torch.float16)
 
 
-def qqq_runtime_grid(codes4: torch.Tensor, s_channel_true: torch.Tensor, s_group_true: torch.Tensor | None,
-                     group_size: int, *, runtime_codes: torch.Tensor | None = None) -> Grid:
-    """The kernel-exact grid of one QQQ linear from unpermuted parts (codes [out, in], s_channel [out],
+def qqq_runtime_grid(B: torch.Tensor, mode: str, s_channel_true: torch.Tensor, s_group_true: torch.Tensor | None,
+                     group_size: int) -> Grid:
+    """The kernel-exact grid of one QQQ linear from its stored `B` words and unpermuted scales (s_channel [out],
     s_group [out, G] or None for per-channel mode). Grouped mode's codes are the runtime int8 weights + 128
-    (kernels/qqq_perm.int8_weights: the clamp); `runtime_codes` gives them already computed (qqq_codes with
-    s_group), and then codes4 is not read."""
-    out_features, in_features = (codes4 if runtime_codes is None else runtime_codes).shape
+    (kernels/qqq_perm.qqq_codes with s_group: the clamp)."""
     s_rt = runtime_channel_scale(s_channel_true)
     if s_group_true is None:
+        codes4 = qqq_codes(B, mode)
+        out_features, in_features = codes4.shape
         scale = (s_rt.to(torch.float32) * 16).to(torch.float16)  # a power-of-two multiple: exact in fp16
         params = GridParams(bits=4, group_size=in_features, scales=scale[:, None],
                             zeros=torch.full((out_features, 1), 8, dtype=torch.int16))
         return Grid(params, codes=codes4 ^ 8)  # signed(c) + 8 == c xor 8 for 4-bit two's complement
-    if runtime_codes is None:
-        runtime_codes = (int8_weights(codes4, s_group_true, group_size) + 128).to(torch.uint8)
+    runtime_codes = qqq_codes(B, mode, s_group_true, group_size)
+    out_features, in_features = runtime_codes.shape
     params = GridParams(bits=8, group_size=in_features, scales=s_rt[:, None],
                         zeros=torch.full((out_features, 1), 128, dtype=torch.int16))
     return Grid(params, codes=runtime_codes)
@@ -208,23 +208,20 @@ class QqqSource(CheckpointSource):
                                 zeros=torch.full((out_features, 1), 128, dtype=torch.int16))
         return params, (out_features, in_features)
 
-    def _codes(self, prefix: str, mode: str) -> torch.Tensor:
-        return qqq_codes(self.ckpt.get(self.modules[prefix]["B"]), mode)
+    def _words(self, prefix: str) -> torch.Tensor:
+        return self.ckpt.get(self.modules[prefix]["B"])
 
     def _load_grid(self, prefix: str) -> Grid:
         s_channel, s_group, _, _, mode = self._scales(prefix)
-        if s_group is None:
-            return qqq_runtime_grid(self._codes(prefix, mode), s_channel, None, self.group_size)
-        runtime = qqq_codes(self.ckpt.get(self.modules[prefix]["B"]), mode, s_group, self.group_size)
-        return qqq_runtime_grid(None, s_channel, s_group, self.group_size, runtime_codes=runtime)
+        return qqq_runtime_grid(self._words(prefix), mode, s_channel, s_group, self.group_size)
 
     def four_bit_grid(self, prefix: str) -> Grid:
         """The 4-bit view of a linear: codes c with zero 8 and scale s_channel * s_group (grouped; the
         "ideal" weights, not the int8-rounded runtime ones) or 16 * s_channel (per-channel, = runtime)."""
         s_channel, s_group, in_features, _, mode = self._scales(prefix)
-        codes = self._codes(prefix, mode)
         if s_group is None:
-            return qqq_runtime_grid(codes, s_channel, None, self.group_size)
+            return qqq_runtime_grid(self._words(prefix), mode, s_channel, None, self.group_size)
+        codes = qqq_codes(self._words(prefix), mode)
         scale = (s_channel[:, None] * s_group.to(torch.float32)).to(torch.float16)
         zeros = torch.full(scale.shape, 8, dtype=torch.int16)
         return Grid(GridParams(bits=4, group_size=self.group_size, scales=scale, zeros=zeros), codes=codes)
@@ -512,9 +509,7 @@ def decode_module(tensors: dict[str, torch.Tensor], mode: str, group: int) -> Gr
     if mode == "grouped":
         sg = tensors["s_group"]
         s_group = unpermute_chunks(sg.to(torch.float16).reshape(-1), GROUP_SCALE_PERM).reshape(-1, out_features).T
-    if s_group is None:
-        return qqq_runtime_grid(qqq_codes(B, mode), s_channel, None, group)
-    return qqq_runtime_grid(None, s_channel, s_group, group, runtime_codes=qqq_codes(B, mode, s_group, group))
+    return qqq_runtime_grid(B, mode, s_channel, s_group, group)
 
 
 def _sniff(path: Path) -> bool:

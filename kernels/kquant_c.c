@@ -966,7 +966,8 @@ QC_CLONES static void q8_0_tile(const float *x, uint8_t *y, int have) {
     for (int j = 0; j < 32; j++)
         for (int b = 0; b < LB; b++) {
             const float a = fabsf(X[j * LB + b]);
-            amax[b] = amax[b] > a ? amax[b] : a;  /* ggml's MAX(amax, fabsf(v)): a NaN |v| is taken, the next drops it */
+            /* ggml's MAX(amax, fabsf(v)): a NaN |v| is taken, the next value drops it */
+            amax[b] = amax[b] > a ? amax[b] : a;
         }
     for (int b = 0; b < LB; b++) {
         const float d = amax[b] / 127.0f;

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .ggml_layouts import LAYOUTS
+
 __all__ = ["available", "quantize", "quantize_legacy", "dequantize", "dequantize_gptq", "gptq4_to_q4_0", "TYPE_IDS",
            "LEGACY_TYPE_IDS", "CHUNK_BLOCKS"]
 
@@ -39,7 +41,6 @@ _SOURCE = Path(__file__).with_name("kquant_c.c")
 _FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-fno-strict-aliasing"]
 TYPE_IDS = {"Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
 LEGACY_TYPE_IDS = {"Q4_0": 40, "Q4_1": 41, "Q5_0": 50, "Q5_1": 51, "Q8_0": 80}
-_LEGACY_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
 _BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 # super-blocks per task handed to a thread (512K values, 2 MiB of float32): small enough that a thread
 # slowed by another process leaves the rest to the others, large enough that a call costs nothing
@@ -154,7 +155,7 @@ def quantize_legacy(x: np.ndarray, type_name: str, threads: int = 1) -> np.ndarr
         raise RuntimeError("the C quantizers are not available")
     x = np.ascontiguousarray(x, dtype=np.float32)
     nb = x.size // 32
-    bb = _LEGACY_BYTES[type_name]
+    bb = LAYOUTS[type_name].nbytes
     out = np.empty((*x.shape[:-1], x.shape[-1] // 32 * bb), np.uint8)
     tid = LEGACY_TYPE_IDS[type_name]
     fn = lib.qc_quantize_legacy

@@ -25,8 +25,8 @@ import torch
 
 from . import triton_route
 
-__all__ = ["TILE", "qqq_codes", "int8_weights", "code_permutation", "CHANNEL_SCALE_PERM", "GROUP_SCALE_PERM", "pack_qqq_codes",
-           "unpack_qqq_codes", "permute_chunks", "unpermute_chunks", "check_qqq_dims"]
+__all__ = ["TILE", "qqq_codes", "int8_weights", "code_permutation", "CHANNEL_SCALE_PERM", "GROUP_SCALE_PERM",
+           "pack_qqq_codes", "unpack_qqq_codes", "permute_chunks", "unpermute_chunks", "check_qqq_dims"]
 
 TILE = 16
 _CHUNK = 1024  # codes per permutation run: four 16x16 tiles

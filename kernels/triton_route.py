@@ -1,7 +1,8 @@
 """The one dispatch per path between the CPU reference kernels and their Triton twins.
 
-Each CPU entry point (kernels.dequantize_grid, the readers' unpacking (hqq.unpack_hqq, qqq_perm.qqq_codes), ggml_legacy.quantize_pack / repack_grid / decode_blocks,
-gptq_q4_0.gptq4_to_q4_0, kquants.quantize_k / dequantize_k) asks here first. When Triton is chosen
+Each CPU entry point (kernels.dequantize_grid, the readers' unpacking (hqq.unpack_hqq, qqq_perm.qqq_codes, the
+readers' bit streams), ggml_legacy.quantize_pack / repack_grid / decode_blocks, gptq_q4_0.gptq4_to_q4_0,
+kquants.quantize_k / dequantize_k) asks here first. When Triton is chosen
 (kernels.triton_device: QCONVERT_KERNELS, the compute device that `--device` sets) and a Triton kernel covers the
 case, the inputs move to that device (one tensor at a time: each call moves what it needs and gives its result
 back on the caller's device), the kernel runs, and the trace notes "triton"; otherwise the function returns None
@@ -17,8 +18,8 @@ import torch
 
 from . import compute_device, note_kernel, triton_device
 
-__all__ = ["dequantize_routed", "hqq_unpack", "qqq_codes", "bitstream", "legacy_quantize", "legacy_repack", "legacy_decode", "gptq_q4_0_repack",
-           "k_quantize", "k_decode", "TRITON_K_TYPES", "TRITON_K_IMATRIX_TYPES"]
+__all__ = ["dequantize_routed", "hqq_unpack", "qqq_codes", "bitstream", "legacy_quantize", "legacy_repack",
+           "legacy_decode", "gptq_q4_0_repack", "k_quantize", "k_decode", "TRITON_K_TYPES", "TRITON_K_IMATRIX_TYPES"]
 
 # the K types whose quantizer has a Triton twin (kernels/triton_kquant.py), without / with an importance matrix
 TRITON_K_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})

@@ -45,9 +45,9 @@ from typing import Iterator
 import torch
 
 from ...converters.errors import BadInput
-from ...kernels import triton_route
 from ...converters.records import Grid, GridParams, PackedCodes, TensorRecord
 from ...converters.validate import ConfigView
+from ...kernels import triton_route
 from ...kernels.bitpack import SUPPORTED_PACK_BITS, unpack_rows
 from ..gptq import config_bits
 from ..model_shapes import ModelShapes
