@@ -283,7 +283,7 @@ def run_cases(cases: list[Case], paths: dict[str, Path], out: Path, rounds: int,
                 rep = out / f"ours-{case.name.replace('->', '-')}.json"
                 cmd = [*qconvert_cmd(), f"{case.source}->gguf", str(paths[case.source]), str(dst), "--type",
                        case.target, "--force", "--quiet", "--report", str(rep)]
-                if case.target in REQUANT:
+                if case.target in REQUANT or case.source == "hf":  # a dense source: every quantized type requantizes
                     cmd.append("--allow-requant")
                 case.ours.append(run_timed(cmd, env))
 
