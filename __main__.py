@@ -1,5 +1,5 @@
 import sys
 
-from .converters.cli import main
+from .converters.apps.cli import main
 
 sys.exit(main())

@@ -15,7 +15,7 @@ from typing import Iterable, Protocol
 
 import torch
 
-from .align import NEAR_EXACT, REFUSED, REQUANTIZE, EXACT
+from .checker import NEAR_EXACT, REFUSED, REQUANTIZE, EXACT
 from .errors import QConvertError, RefusedPlan
 from .records import Dense, Grid, ModelSource, TensorRecord
 

@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .align import EXACT, NEAR_EXACT, REQUANTIZE
+from .checker import EXACT, NEAR_EXACT, REQUANTIZE
 from .errors import BadInput, QConvertError
 from .plan import BitIdentical, Options, TensorPlan, check_plan, verdict_counts
 from .registry import get_format
 from .validate import ConfigView
-from ..formats.model_shapes import Layout, known_layout
+from .model_shapes import Layout, known_layout
 from ..kernels import kernel_trace
 
 __all__ = ["convert", "verify", "open_source", "plan_conversion", "TensorResult", "Report", "atomic_output"]

@@ -148,7 +148,7 @@ def _dequantize_gptq_c(kquant_c, packed, p) -> torch.Tensor:
 def dequantize_grid(grid, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Dequantize a `converters.records.Grid` (duck-typed: .params, .codes, .packed): a Triton kernel when one is
     chosen (kernels/triton_route.py), else the torch / C path below; the trace notes which ran."""
-    from .triton_route import dequantize_routed
+    from .triton.route import dequantize_routed
 
     return dequantize_routed(grid, dtype, _dequantize_grid_here)
 
@@ -173,13 +173,13 @@ def _dequantize_grid_here(grid, dtype: torch.dtype = torch.float32) -> torch.Ten
     if (packed is not None and packed.layout == "gptq-rows" and packed.bits in (2, 4, 8)
             and p.compute_dtype == torch.float32 and not packed.words.is_cuda
             and os.environ.get("QCONVERT_KERNELS", "auto").lower() != "triton"):
-        from . import kquant_c
+        from .ggml import kquant_c
 
         if kquant_c.available():  # the words straight to float32 in C (same values), no uint8 codes in between
             w = _dequantize_gptq_c(kquant_c, packed, p)
             return w if dtype == w.dtype else w.to(dtype)
     if kernel_backend(probe) == "triton" and p.compute_dtype == torch.float32:
-        from .triton_dequant import dequantize_grid_triton, dequantize_gptq_words_triton
+        from .triton.dequant import dequantize_grid_triton, dequantize_gptq_words_triton
 
         if (packed is not None and packed.layout == "gptq-rows" and packed.bits in (2, 4, 8)
                 and p.mins is None):

@@ -39,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import triton_route
+from .triton import route as triton_route
 
 __all__ = ["E2M1_VALUES", "element_table", "ELEMENT_BITS", "unpack_fp4", "pack_fp4", "e8m0_to_float",
            "float_to_e8m0", "is_e8m0_exact", "e4m3_exact", "MXFP4_BLOCK", "MXFP4_BYTES", "NVFP4_BLOCK",

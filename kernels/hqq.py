@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from . import triton_route
+from .triton import route as triton_route
 
 __all__ = ["PACKINGS", "Packing", "packing_for_bits", "pack_hqq", "unpack_hqq", "grouped_shape",
            "codes_to_grouped", "grouped_to_codes", "quantize_hqq", "axis0_period", "axis0_expand",

@@ -23,7 +23,7 @@ from functools import lru_cache
 
 import torch
 
-from . import triton_route
+from .triton import route as triton_route
 
 __all__ = ["TILE", "qqq_codes", "int8_weights", "code_permutation", "CHANNEL_SCALE_PERM", "GROUP_SCALE_PERM",
            "pack_qqq_codes", "unpack_qqq_codes", "permute_chunks", "unpermute_chunks", "check_qqq_dims"]

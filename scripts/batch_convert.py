@@ -6,7 +6,7 @@
 
 import sys
 
-from qconvert.converters.cli import main
+from qconvert.converters.apps.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["batch", *sys.argv[1:]]))

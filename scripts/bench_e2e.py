@@ -332,9 +332,9 @@ def print_table(cases: list[Case], load: str, threads: int) -> list[str]:
 
 def startup(threads: int) -> list[str]:
     env = _env(threads)
-    imp = min(run_timed([sys.executable, "-c", "import qconvert.converters.cli"], env).seconds for _ in range(3))
+    imp = min(run_timed([sys.executable, "-c", "import qconvert.converters.apps.cli"], env).seconds for _ in range(3))
     fmt = min(run_timed([*qconvert_cmd(), "formats"], env).seconds for _ in range(3))
-    return [f"start-up: import qconvert.converters.cli {imp:.2f} s; `qconvert formats` (registry) {fmt:.2f} s"]
+    return [f"start-up: import qconvert.converters.apps.cli {imp:.2f} s; `qconvert formats` (registry) {fmt:.2f} s"]
 
 
 def scaling(work: Path, sizes: list[str], threads: int, shard_mb: float, rounds: int) -> list[str]:

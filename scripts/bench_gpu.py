@@ -77,16 +77,16 @@ def main(argv=None) -> int:
         print("bench_gpu: no CUDA device (torch sees none); run with --interpret for a smoke run under Triton's "
               "interpreter", file=sys.stderr)
         return 2
-    from qconvert.kernels import kquants as kq
-    from qconvert.kernels import triton_dequant as td
-    from qconvert.kernels import triton_kquant as tk
-    from qconvert.kernels import triton_quant as tq
+    from qconvert.kernels.ggml import kquants as kq
+    from qconvert.kernels.triton import dequant as td
+    from qconvert.kernels.triton import kquant as tk
+    from qconvert.kernels.triton import quant as tq
     from qconvert.kernels.bitpack import pack_rows
     from qconvert.kernels.dequant import (dequantize_axis0_torch, dequantize_codebook_torch, dequantize_grid_torch,
                                           dequantize_two_step_torch)
     from qconvert.kernels.floatq import element_table
-    from qconvert.kernels.ggml_ctypes import available as ggml_available, ggml_quantize
-    from qconvert.kernels.ggml_layouts import LAYOUTS
+    from qconvert.kernels.ggml.libggml import available as ggml_available, ggml_quantize
+    from qconvert.kernels.ggml.layouts import LAYOUTS
 
     if args.interpret:
         dev = torch.device("cpu")

@@ -26,11 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 try:
-    from qconvert.kernels import kquants as kq
-    from qconvert.kernels.ggml_ctypes import available as llama_cpp_available
-    from qconvert.kernels.ggml_ctypes import ggml_quantize
-    from qconvert.kernels.ggml_layouts import LAYOUTS
-    from qconvert.kernels.ggml_legacy import decode_blocks, quantize_pack
+    from qconvert.kernels.ggml import kquants as kq
+    from qconvert.kernels.ggml.libggml import available as llama_cpp_available
+    from qconvert.kernels.ggml.libggml import ggml_quantize
+    from qconvert.kernels.ggml.layouts import LAYOUTS
+    from qconvert.kernels.ggml.legacy import decode_blocks, quantize_pack
 except ImportError as e:  # pragma: no cover
     raise SystemExit(f"install the package first (pip install -e .): {e}")
 

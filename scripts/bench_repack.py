@@ -90,8 +90,8 @@ def main() -> None:
 
     from qconvert.converters.plan import Options
     from qconvert.converters.run import convert
-    from qconvert.formats.gptq import GptqSource
-    from qconvert.kernels.gptq_q4_0 import gptq4_to_q4_0
+    from qconvert.formats.gptq.reader import GptqSource
+    from qconvert.kernels.ggml.gptq_q4_0 import gptq4_to_q4_0
 
     work = args.work or Path(tempfile.mkdtemp(prefix="qconvert-bench-"))
     src = work / "synthetic-gptq"

@@ -10,7 +10,7 @@ and qmodel.pt folders, mistral.rs UQFF folders, the dense base models) and GGUFs
 `qconvert gptq->gguf` / `hf->gguf` and, when llama-cpp-python is installed, by llama.cpp's own
 `llama_model_quantize` (cached under --work). Each case copies one seed, applies one mutation (truncation,
 byte flips, structured header / metadata / config / file edits) and runs `qconvert inspect PATH` and
-`qconvert 'FMT->hf' PATH OUT --type f32 --quiet` through `qconvert.converters.cli.main` in a forked child of
+`qconvert 'FMT->hf' PATH OUT --type f32 --quiet` through `qconvert.converters.apps.cli.main` in a forked child of
 this process (which imported qconvert once and never runs a torch op itself), with its fd 1/2 in files,
 one torch thread, a time bound (--timeout) and a memory bound (RLIMIT_AS = VmSize + max(512 MB, 8 x input
 bytes); the peak RSS growth is read too).
@@ -1339,7 +1339,7 @@ def _redirect(out: Path, err: Path) -> None:
 
 
 def _run_cli(argv: list[str]) -> int:
-    from qconvert.converters.cli import main
+    from qconvert.converters.apps.cli import main
 
     try:
         rc = main(argv)

@@ -25,7 +25,7 @@ def _import_capturing_output() -> tuple[bytes, bytes]:
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
         try:
-            import qconvert.converters.cli  # noqa: F401
+            import qconvert.converters.apps.cli  # noqa: F401
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -56,7 +56,7 @@ def _child(req: dict, import_out: bytes, import_err: bytes, import_env: dict) ->
         for k, v in import_env.items():  # what the import set unless already set (cli.py's OMP_WAIT_POLICY)
             os.environ.setdefault(k, v)
         sys.argv = ["qconvert", *req["argv"]]
-        from qconvert.converters.cli import main
+        from qconvert.converters.apps.cli import main
 
         try:
             result = main()

@@ -24,7 +24,7 @@ import pytest
 
 from helpers import expect_user_error, run_cli
 
-from qconvert.converters.cli import main as cli_main
+from qconvert.converters.apps.cli import main as cli_main
 from qconvert.converters.errors import BadInput
 from qconvert.converters.plan import Options
 from qconvert.converters.run import convert

@@ -194,7 +194,7 @@ def _pickle_span(path: Path) -> tuple[int, int]:
 
 def _read_all(src: Path) -> None:
     """What a conversion does with a source: open it, plan every record, load every tensor."""
-    from qconvert.formats.hqq import open_hqq
+    from qconvert.formats.hqq.reader import open_hqq
 
     for rec in open_hqq(src).records():
         rec.load()

@@ -15,9 +15,9 @@ from helpers import edit_safetensors, expect_user_error, run_cli
 from test_hqq import hqqfx  # noqa: F401  (the hqq fixtures: qwen2 base, HQQ safetensors)
 from qconvert.converters.errors import BadInput
 from qconvert.converters.run import check_required_tensors
-from qconvert.formats.gptq import GptqSource
-from qconvert.formats.hf import HfSource
-from qconvert.formats.qqq import QqqSource
+from qconvert.formats.gptq.reader import GptqSource
+from qconvert.formats.hf.reader import HfSource
+from qconvert.formats.qqq.reader import QqqSource
 
 LAYER1 = "model.layers.1"
 
@@ -139,7 +139,7 @@ def test_module_schemes_match_gptqmodels_own_resolution(fx):
     exclusion per module; qconvert's reading of the same dynamic agrees on every module of the fixture."""
     from gptqmodel.quantization.config import QuantizeConfig, dynamic_get
 
-    from qconvert.formats.gptq import _dynamic_rules, _module_scheme, _scheme_fields
+    from qconvert.formats.gptq.reader import _dynamic_rules, _module_scheme, _scheme_fields
     from qconvert.converters.validate import ConfigView
 
     dynamic = {r"+:.*\.mlp\.": {"bits": 8, "group_size": 128}, r".*q_proj": {"group_size": 64},

@@ -200,7 +200,7 @@ def test_ray_fails_a_job_needing_more_memory_than_any_node_instead_of_waiting(tm
 
 
 def test_ray_without_ray_installed_is_one_line_and_exit_2(batch_dir):
-    blocked = "import sys; sys.modules['ray'] = None; from qconvert.converters.cli import main; " \
+    blocked = "import sys; sys.modules['ray'] = None; from qconvert.converters.apps.cli import main; " \
               "sys.exit(main(sys.argv[1:]))"
     proc = subprocess.run([sys.executable, "-c", blocked, "batch", str(batch_dir / "m.yaml"), "--ray"],
                           capture_output=True, text=True)

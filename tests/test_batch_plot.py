@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from qconvert.converters.batch import JobResult
-from qconvert.converters.batch_plot import layer_error_figure, layer_errors, load_job_reports, plot_layer_errors
+from qconvert.converters.apps.batch import JobResult
+from qconvert.converters.apps.batch_plot import layer_error_figure, layer_errors, load_job_reports, plot_layer_errors
 from helpers import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -58,7 +58,8 @@ def test_shared_dequantization_gives_the_same_report(gguf_type, tmp_path, monkey
 
 def test_c_gptq_dequantization_equals_torch(monkeypatch):
     from qconvert.converters.records import Grid, GridParams, PackedCodes
-    from qconvert.kernels import dequantize_grid, kquant_c
+    from qconvert.kernels import dequantize_grid
+    from qconvert.kernels.ggml import kquant_c
     from qconvert.kernels.bitpack import pack_rows
     from qconvert.kernels.dequant import dequantize_grid_torch
 
@@ -87,7 +88,7 @@ def test_c_gptq_dequantization_equals_torch(monkeypatch):
 def test_kept_codes_of_packed_words():
     """The writer unpacks GPTQ words only for the super-blocks that keep their codes."""
     from qconvert.converters.records import Grid, GridParams, PackedCodes
-    from qconvert.formats.gguf.kencode import _kept_codes
+    from qconvert.formats.common.ggml_codec import _kept_codes
     from qconvert.kernels.bitpack import pack_rows
 
     g = torch.Generator().manual_seed(1)
@@ -128,8 +129,8 @@ def test_smoke_run_against_llama_cpp(tmp_path):
 def test_c_q4_0_repack_equals_torch_and_proves_itself():
     """The C twin of the GPTQ -> Q4_0 word repack gives kernels/gptq_q4_0.py's bytes, and its proof (every
     word and scale rebuilt from the bytes) catches a flipped nibble or scale bit."""
-    from qconvert.kernels import kquant_c
-    from qconvert.kernels.gptq_q4_0 import gptq4_to_q4_0
+    from qconvert.kernels.ggml import kquant_c
+    from qconvert.kernels.ggml.gptq_q4_0 import gptq4_to_q4_0
 
     if not kquant_c.available():
         pytest.skip("no C compiler (or QCONVERT_COMPILE=0): the C kernels are not built")

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import bench_quantize
-from qconvert.kernels.ggml_layouts import LAYOUTS
-from qconvert.kernels.ggml_legacy import quantize_pack
+from qconvert.kernels.ggml.layouts import LAYOUTS
+from qconvert.kernels.ggml.legacy import quantize_pack
 
-ggml_ctypes = pytest.importorskip("qconvert.kernels.ggml_ctypes")
+ggml_ctypes = pytest.importorskip("qconvert.kernels.ggml.libggml")
 if not ggml_ctypes.available():
     pytest.skip("llama-cpp-python's libggml-base.so is not installed", allow_module_level=True)
 

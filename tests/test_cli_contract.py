@@ -22,10 +22,10 @@ import fixtures
 from helpers import expect_user_error, run_cli
 from synthetic_gptq import make_synthetic_gptq
 
-from qconvert.converters import cli
+from qconvert.converters.apps import cli
 from qconvert.converters.registry import all_formats
 from qconvert.converters.run import _HOST, remove_stale_temporaries
-from qconvert.formats import gptq
+from qconvert.formats.gptq.reader import reader as gptq
 
 ALIGNED = re.compile(r"aligned choice: (.+?)(?:; pass --allow-requant|$)")
 

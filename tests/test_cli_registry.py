@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qconvert.converters import cli
+from qconvert.converters.apps import cli
 from qconvert.converters.registry import all_formats, declared_options, get_format
 from helpers import write_legacy_imatrix
 

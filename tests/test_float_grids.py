@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 import fixtures
 from helpers import expect_user_error, gguf_tensors, llama_logits, run_cli
 
-from qconvert.converters.align import EXACT, NEAR_EXACT, REQUANTIZE, check
+from qconvert.converters.checker import EXACT, NEAR_EXACT, REQUANTIZE, check
 from qconvert.converters.records import GridParams
 from qconvert.formats.compressed_tensors.reader import CtSource
 from qconvert.formats.fp8.reader import Fp8Source
@@ -45,7 +45,7 @@ from qconvert.kernels import floatq
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
 
-from qconvert.kernels.ggml_ctypes import ggml_quantize  # noqa: E402  (needs llama-cpp-python's C library)
+from qconvert.kernels.ggml.libggml import ggml_quantize  # noqa: E402  (needs llama-cpp-python's C library)
 
 TESTS = Path(__file__).resolve().parent
 CT = TESTS / "producer_fixtures" / "compressed_tensors"
@@ -133,7 +133,7 @@ def test_fp4_block_packing_round_trips():
 
 # -- the checker ------------------------------------------------------------------------------------------
 def _float_params(scales: torch.Tensor, group: int, **kw) -> GridParams:
-    from qconvert.formats.float_grids import float_grid
+    from qconvert.formats.common.float_grids import float_grid
 
     return float_grid("e2m1", scales, group, **kw)
 
@@ -155,7 +155,7 @@ def test_checker_keeps_float_codes_where_the_scales_fit():
     d = check(_float_params(nv, 16, global_scale=g, global_scale_op="post"), (4, 128), GGUF_SCHEMES["NVFP4"])
     assert d.verdict == EXACT
     # FP8 into GGUF: no ggml type holds e4m3 codes
-    from qconvert.formats.float_grids import float_grid
+    from qconvert.formats.common.float_grids import float_grid
 
     fp8 = float_grid("e4m3", torch.ones(4, 1), 128)
     d = check(fp8, (4, 128), GGUF_SCHEMES["Q8_0"])

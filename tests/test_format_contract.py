@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import fixtures
-from qconvert.converters import cli
+from qconvert.converters.apps import cli
 from qconvert.converters.registry import FormatEntry, all_formats, get_format
 
 # Per target format, the conversion arguments a dense fp16 source needs: a --type its writer accepts

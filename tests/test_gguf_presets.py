@@ -32,8 +32,8 @@ llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
 
 from qconvert.formats.gguf.names import gguf_arch, hf_tensor_name, inverse_permutation, qk_row_permutation  # noqa: E402
-from qconvert.kernels import kquants as kq  # noqa: E402
-from qconvert.kernels.ggml_ctypes import ggml_quantize  # noqa: E402
+from qconvert.kernels.ggml import kquants as kq  # noqa: E402
+from qconvert.kernels.ggml.libggml import ggml_quantize  # noqa: E402
 
 ROOT = Path(__file__).parent / "_fixtures" / "gguf_presets"
 PROMPT = [1, 17, 233, 45, 88, 301, 12, 7, 99, 150, 402, 33, 256, 5, 71, 480]
@@ -330,7 +330,7 @@ def test_gptq_into_q4_k_keeps_codes_where_scales_fit(group_size, tmp_path):
     from safetensors.torch import load_file
 
     from qconvert.converters.registry import get_format
-    from qconvert.kernels.kquant_grid import plan_kept_blocks
+    from qconvert.kernels.ggml.kquant_grid import plan_kept_blocks
 
     ckpt, ref_path = gptq_checkpoint(group_size)
     out = tmp_path / "x.gguf"
@@ -381,7 +381,7 @@ def test_gptq_into_q4_k_keeps_codes_where_scales_fit(group_size, tmp_path):
 
 
 def test_sub_block_scale_fit_rules():
-    from qconvert.kernels.kquant_grid import fit_sub_block_scales
+    from qconvert.kernels.ggml.kquant_grid import fit_sub_block_scales
 
     s = np.float32(np.float16(0.0123))
     targets = np.array([[s, 2 * s, 3 * s, 63 * s, s, s, 0, s],  # small multiples of one fp16 value: fits

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import fixtures
-from qconvert.converters.cli import detect_format
-from qconvert.formats.gptq import GptqSource
+from qconvert.converters.apps.cli import detect_format
+from qconvert.formats.gptq.reader import GptqSource
 
 
 @pytest.mark.parametrize("variant", sorted(fixtures.VARIANTS))
@@ -44,7 +44,7 @@ def test_scheme_is_read_from_the_data(fx, variant):
 
 def test_v1_zero_point_zero_needs_whole_word_decoding(fx):
     """The asym v1 file has zero point 0 in group 0; per-field +1 would decode its neighbour one too low."""
-    from qconvert.formats.gptq import decode_zeros
+    from qconvert.formats.gptq.reader import decode_zeros
     from qconvert.kernels.bitpack import unpack_rows
     from safetensors.torch import load_file
 

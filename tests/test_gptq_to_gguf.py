@@ -16,7 +16,7 @@ import torch
 from helpers import gguf_dequant, gguf_tensors, llama_logits, run_cli, transformers_logits
 
 from qconvert.formats.gguf.names import gguf_arch, gguf_tensor_name, qk_row_permutation
-from qconvert.formats.gptq import GptqSource
+from qconvert.formats.gptq.reader import GptqSource
 
 # variant -> (default GGUF type of its quantized tensors, the verdict the checker must give)
 ALIGNED = {

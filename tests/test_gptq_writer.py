@@ -71,7 +71,7 @@ def test_dense_to_gptq_requantizes_and_gptqmodel_runs_it(fx, prompt, tmp_path):
     requant = [t for t in report["tensors"] if t["verdict"] == "requantize"]
     assert len(requant) == 14 and all(0 < t["max_abs_err"] < 0.1 for t in requant)
 
-    from qconvert.formats.gptq import GptqSource
+    from qconvert.formats.gptq.reader import GptqSource
     import torch
 
     weights, _ = fixtures.load_reference(fixtures.gptq_reference(out, tmp_path / "ref.safetensors", prompt))

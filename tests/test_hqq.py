@@ -86,7 +86,7 @@ def test_dequant_equals_hqq(hqqfx, variant, style):
 def test_reader_facts(hqqfx):
     """Per-layer settings come from each layer's own tensors (the mixed variant), and the sniffers agree."""
     from qconvert.converters.registry import detect_format
-    from qconvert.formats.hqq import open_hqq
+    from qconvert.formats.hqq.reader import open_hqq
 
     root = hqqfx["root"]
     src = open_hqq(root / "mixed" / "tf")
@@ -109,7 +109,7 @@ def test_reader_facts(hqqfx):
 def test_axis0_row_ops_match_dequant(hqqfx):
     """Axis-0 grids keep their strided-row groups through row slices and permutations (the GGUF writer
     permutes Q/K rows; the runner measures row bands)."""
-    from qconvert.formats.hqq import open_hqq
+    from qconvert.formats.hqq.reader import open_hqq
 
     rec = next(r for r in open_hqq(hqqfx["root"] / "b4_g64_ax0" / "tf").records() if r.is_grid)
     grid = rec.load()

@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 from helpers import expect_user_error, run_cli
 
 from qconvert.converters.errors import BadInput
-from qconvert.formats.gptq import GptqSource
-from qconvert.formats.safetensors_dir import CheckpointDir
+from qconvert.formats.gptq.reader import GptqSource
+from qconvert.formats.common.checkpoint import CheckpointDir
 
 GPTQ = "v1_b4_g32_sym"  # bits 4, group_size 32: gptqmodel's own file name would be gptq_model-4bit-32g
 INDEX = "model.safetensors.index.json"

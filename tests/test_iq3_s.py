@@ -21,11 +21,11 @@ import pytest
 
 import fixtures
 from helpers import gguf_dequant, gguf_tensors, llama_logits, run_cli, transformers_logits, write_legacy_imatrix
-from qconvert.converters.align import EXACT, REFUSED, REQUANTIZE, check, decide
+from qconvert.converters.checker import EXACT, REFUSED, REQUANTIZE, check, decide
 from qconvert.formats.gguf.schemes import ALIGNED_CANDIDATES, GGUF_SCHEMES, k_fallback
-from qconvert.kernels.ggml_ctypes import ggml_quantize
-from qconvert.kernels.iq3_s import dequantize_iq3_s, quantize_iq3_s
-from qconvert.kernels.iq_lattice import codes_of, lattice
+from qconvert.kernels.ggml.libggml import ggml_quantize
+from qconvert.kernels.ggml.iq3_s import dequantize_iq3_s, quantize_iq3_s
+from qconvert.kernels.ggml.iq_lattice import codes_of, lattice
 
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
@@ -137,7 +137,7 @@ def test_dead_block_quirk_and_scale_range_come_from_ggml():
 
 _ABORT_CHILD = """
 import sys, numpy as np
-from qconvert.kernels.ggml_ctypes import ggml_quantize
+from qconvert.kernels.ggml.libggml import ggml_quantize
 x = (np.random.default_rng(1).standard_normal((2, 256)) * 1e37).astype(np.float32)
 ggml_quantize(x, "IQ3_S")
 print("returned")

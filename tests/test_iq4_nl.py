@@ -20,13 +20,13 @@ from safetensors.torch import load_file
 
 import fixtures
 from helpers import gguf_dequant, gguf_tensors, llama_logits, run_cli, transformers_logits, write_legacy_imatrix
-from qconvert.converters.align import EXACT, REFUSED, REQUANTIZE, check, decide
+from qconvert.converters.checker import EXACT, REFUSED, REQUANTIZE, check, decide
 from qconvert.converters.records import GridParams
 from qconvert.formats.bitsandbytes.reader import BnbSource
 from qconvert.formats.gguf.names import qk_row_permutation
 from qconvert.formats.gguf.schemes import ALIGNED_CANDIDATES, GGUF_SCHEMES, k_fallback
-from qconvert.kernels.ggml_ctypes import ggml_quantize
-from qconvert.kernels.iq4_nl import KVALUES, best_index, dequantize_iq4_nl, quantize_iq4_nl
+from qconvert.kernels.ggml.libggml import ggml_quantize
+from qconvert.kernels.ggml.iq4_nl import KVALUES, best_index, dequantize_iq4_nl, quantize_iq4_nl
 
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")

@@ -19,11 +19,11 @@ import torch
 
 import fixtures
 from helpers import gguf_dequant, gguf_tensors, llama_logits, run_cli, transformers_logits, write_legacy_imatrix
-from qconvert.converters.align import EXACT, REFUSED, REQUANTIZE, check, decide
+from qconvert.converters.checker import EXACT, REFUSED, REQUANTIZE, check, decide
 from qconvert.formats.gguf.names import qk_row_permutation
 from qconvert.formats.gguf.schemes import ALIGNED_CANDIDATES, GGUF_SCHEMES, k_fallback
-from qconvert.kernels.ggml_ctypes import ggml_quantize
-from qconvert.kernels.iq4_xs import dequantize_iq4_xs, nearest_int, quantize_iq4_xs
+from qconvert.kernels.ggml.libggml import ggml_quantize
+from qconvert.kernels.ggml.iq4_xs import dequantize_iq4_xs, nearest_int, quantize_iq4_xs
 
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")

@@ -23,11 +23,11 @@ import pytest
 
 import fixtures
 from helpers import gguf_dequant, gguf_tensors, llama_logits, run_cli, transformers_logits, write_legacy_imatrix
-from qconvert.converters.align import REFUSED, REQUANTIZE, check, decide
+from qconvert.converters.checker import REFUSED, REQUANTIZE, check, decide
 from qconvert.formats.gguf.schemes import ALIGNED_CANDIDATES, GGUF_SCHEMES, imatrix_refusal, k_fallback
-from qconvert.kernels import iq2, iq3_s
-from qconvert.kernels.ggml_ctypes import ggml_quantize
-from qconvert.kernels.iq_lattice import codes_of, decode_values, lattice
+from qconvert.kernels.ggml import iq2, iq3_s
+from qconvert.kernels.ggml.libggml import ggml_quantize
+from qconvert.kernels.ggml.iq_lattice import codes_of, decode_values, lattice
 
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
@@ -146,7 +146,7 @@ def test_iq2_s_zero_and_tiny_blocks_and_overflow():
 
 _NO_WEIGHTS_CHILD = """
 import numpy as np
-from qconvert.kernels.ggml_ctypes import _lib
+from qconvert.kernels.ggml.libggml import _lib
 x, out = np.ones(256, np.float32), np.zeros(74, np.uint8)
 _lib().ggml_quantize_chunk(17, x.ctypes.data, out.ctypes.data, 0, 1, 256, None)  # GGML_TYPE_IQ2_XS, no imatrix
 print("returned")

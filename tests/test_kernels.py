@@ -11,9 +11,9 @@ import torch
 from qconvert.converters.records import Grid, GridParams, PackedCodes
 from qconvert.kernels import dequantize_grid
 from qconvert.kernels.bitpack import pack_rows, unpack_rows
-from qconvert.kernels.ggml_layouts import LEGACY_TYPES, layout
-from qconvert.kernels.ggml_legacy import decode_blocks, pack_blocks, quantize_blocks, repack_grid
-from qconvert.kernels.gptq_q4_0 import gptq4_to_q4_0, q4_0_to_gptq4
+from qconvert.kernels.ggml.layouts import LEGACY_TYPES, layout
+from qconvert.kernels.ggml.legacy import decode_blocks, pack_blocks, quantize_blocks, repack_grid
+from qconvert.kernels.ggml.gptq_q4_0 import gptq4_to_q4_0, q4_0_to_gptq4
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

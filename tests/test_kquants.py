@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import pytest
 
-from qconvert.kernels import kquants as kq
+from qconvert.kernels.ggml import kquants as kq
 
 TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # byte offsets of the fp16 super-block scales (d, dmin) inside each block
@@ -179,7 +179,7 @@ def test_dequantize_matches_c_on_random_blocks(t, oracle):
 @pytest.mark.parametrize("name", list(DATA))
 def test_quantize_matches_c_reference(t, name, path, oracle, record_property, monkeypatch):
     """Both of our reference quantizers: the numpy codecs and their C twin (kernels/kquant_c.c)."""
-    from qconvert.kernels import kquant_c
+    from qconvert.kernels.ggml import kquant_c
 
     x = DATA[name]
     if path == "numpy":
@@ -268,7 +268,7 @@ def test_shapes_and_dispatch():
 def test_chunking_does_not_change_bytes(monkeypatch):
     """Blocks are independent: a different chunk size must give the same bytes (numpy chunks, and the C
     quantizers' chunks handed to threads, including a last partial tile)."""
-    from qconvert.kernels import kquant_c
+    from qconvert.kernels.ggml import kquant_c
 
     x = DATA["real_shaped"][:6]
     with monkeypatch.context() as m:
@@ -287,7 +287,7 @@ def test_chunking_does_not_change_bytes(monkeypatch):
 def test_c_quantizers_equal_ggml_on_non_finite_input(oracle):
     """NaN, inf, float32 extremes and denormals: the C twin follows C's nearest_int and comparisons,
     so its bytes are ggml's even where the numpy codecs' are not."""
-    from qconvert.kernels import kquant_c
+    from qconvert.kernels.ggml import kquant_c
 
     if not kquant_c.available():
         pytest.skip("no C compiler (or QCONVERT_COMPILE=0): the C quantizers are not built")
@@ -312,7 +312,7 @@ def test_c_quantizers_equal_ggml_on_non_finite_input(oracle):
 def compiled_searches(monkeypatch):
     """Send every tensor through the compiled searches (not only those >= MIN_VALUES) and count the
     searches they actually ran, so that a silent fallback to numpy cannot pass for them."""
-    from qconvert.kernels import kquant_fused as kf
+    from qconvert.kernels.ggml import kquant_fused as kf
 
     assert kf.available(), "QCONVERT_COMPILE=0, or a compiled search already failed in this process"
     monkeypatch.setattr(kf, "MIN_VALUES", 0)
@@ -333,14 +333,14 @@ def compiled_searches(monkeypatch):
 
 def _no_c(monkeypatch) -> None:
     """Keep quantize_k off the C quantizers (kernels/kquant_c.c) for this test."""
-    from qconvert.kernels import kquant_c
+    from qconvert.kernels.ggml import kquant_c
 
     monkeypatch.setattr(kquant_c, "available", lambda: False)
 
 
 def _numpy_bytes(x, t, imatrix=None):
-    from qconvert.kernels import kquant_c
-    from qconvert.kernels import kquant_fused as kf
+    from qconvert.kernels.ggml import kquant_c
+    from qconvert.kernels.ggml import kquant_fused as kf
 
     saved, saved_c = kf.MIN_VALUES, kquant_c.available
     kf.MIN_VALUES = 1 << 62
@@ -369,7 +369,7 @@ def test_compiled_searches_give_the_numpy_and_c_bytes(t, compiled_searches, orac
 @pytest.mark.parametrize("t", TYPES)
 def test_compiled_weighted_searches_equal_ggml(t, compiled_searches):
     """With an importance matrix every K type has a compiled search (Q3_K: make_qx_quants)."""
-    from qconvert.kernels.ggml_ctypes import available, ggml_quantize
+    from qconvert.kernels.ggml.libggml import available, ggml_quantize
 
     if not available():
         pytest.skip("llama-cpp-python is not installed: no ggml_quantize_chunk to compare with")

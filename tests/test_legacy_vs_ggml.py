@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from qconvert.kernels.ggml_layouts import LAYOUTS, LEGACY_TYPES
-from qconvert.kernels import kquant_c
-from qconvert.kernels.ggml_legacy import decode_blocks, quantize_pack
+from qconvert.kernels.ggml.layouts import LAYOUTS, LEGACY_TYPES
+from qconvert.kernels.ggml import kquant_c
+from qconvert.kernels.ggml.legacy import decode_blocks, quantize_pack
 from test_kquants import DATA, MAX_RMSE_RATIO, MIN_IDENTICAL
 
-ggml_ctypes = pytest.importorskip("qconvert.kernels.ggml_ctypes")
+ggml_ctypes = pytest.importorskip("qconvert.kernels.ggml.libggml")
 if not ggml_ctypes.available():
     pytest.skip("llama-cpp-python's libggml-base.so is not installed: no C reference", allow_module_level=True)
 

@@ -181,7 +181,7 @@ def test_act_order_is_refused_then_requantized_with_mlx_rule(fx, prompt, tmp_pat
     got, _ = mlx_load(out, tmp_path, prompt, n_new=0)
     # the requantized codes are mlx's own quantizer applied to the source's dequantization (fp16)
     from qconvert.formats.mlx.packing import mlx_affine_quantize
-    from qconvert.formats.gptq import GptqSource
+    from qconvert.formats.gptq.reader import GptqSource
 
     src = {r.name: r for r in GptqSource(v["ckpt"]).records() if r.is_grid}
     for name, rec in src.items():
@@ -409,7 +409,7 @@ def _grid(bits=4, group=128, in_features=256, out=64, g_idx=None, mins=False, se
 
 
 def test_handler_decides_from_the_data():
-    from qconvert.converters.align import check
+    from qconvert.converters.checker import check
     from qconvert.formats.mlx.schemes import mlx_scheme
 
     fp16, fp32 = mlx_scheme(4, 0, torch.float16), mlx_scheme(4, 0, torch.float32)

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 import fixtures_moe
-from qconvert.formats.gptq import GptqSource
+from qconvert.formats.gptq.reader import GptqSource
 
 KINDS = ("qwen3_moe", "mixtral")
 # the fp16 base names of the router: transformers 5.24 saves Mixtral under its legacy names

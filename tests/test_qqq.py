@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 import fixtures
 import fixtures_qqq
 import helpers
-from qconvert.formats.qqq import QqqSource
+from qconvert.formats.qqq.reader import QqqSource
 from qconvert.kernels.qqq_perm import (CHANNEL_SCALE_PERM, GROUP_SCALE_PERM, code_permutation, pack_qqq_codes,
                                        unpack_qqq_codes)
 
@@ -315,7 +315,7 @@ def test_qqq_to_hqq_loads_in_hqq_with_the_runtime_weights(qfx, variant, tmp_path
 def test_grouped_qqq_to_gptq_4bit_keeps_qqq_codes(qfx, tmp_path, prompt):
     """Asked for GPTQ 4-bit g128, a grouped QQQ layer is written from its own 4-bit view (codes kept,
     scale s_channel * s_group): lossy against the int8 runtime weights, so `requantize`, but not RTN."""
-    from qconvert.formats.gptq import GptqSource
+    from qconvert.formats.gptq.reader import GptqSource
 
     ckpt = qfx["variants"]["qqq_g128"]["ckpt"]
     out = tmp_path / "g"

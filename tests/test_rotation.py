@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 import fixtures
 import fixtures_qqq
 import helpers
-from qconvert.formats.gptq import GptqSource
+from qconvert.formats.gptq.reader import GptqSource
 from qconvert.kernels.hadamard import (UnsupportedHadamard, fold_online_hadamard, hadamard_factor, require_foldable,
                                        sylvester_matrix)
 

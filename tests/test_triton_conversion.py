@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qconvert.converters.cli import main
+from qconvert.converters.apps.cli import main
 
 import fixtures_qqq
 from test_hqq import hqqfx  # noqa: F401  (the hqq fixtures, built by hqq's own environment)

@@ -20,7 +20,7 @@ PROBE = textwrap.dedent("""
     from qconvert.kernels import dequantize_grid, kernel_backend
     from qconvert.kernels.bitpack import pack_rows
     from qconvert.kernels.dequant import dequantize_grid_torch
-    from qconvert.kernels.triton_dequant import dequantize_grid_triton, dequantize_gptq_words_triton
+    from qconvert.kernels.triton.dequant import dequantize_grid_triton, dequantize_gptq_words_triton
     assert kernel_backend(torch.zeros(1)) == "triton"
     gen = torch.Generator().manual_seed(0)
     out_f, in_f, checked = 48, 192, 0

@@ -198,7 +198,7 @@ def test_gptq_moe_to_uqff_keeps_expert_codes(tmp_path, kind):
     import fixtures_moe
     from gguf import GGMLQuantizationType, quants
 
-    from qconvert.formats.gptq import open_gptq
+    from qconvert.formats.gptq.reader import open_gptq
 
     ckpt = fixtures_moe.ensure_moe_gptq(kind=kind, bits=4, group_size=32, sym=True)
     rep = _convert("gptq", ckpt, "uqff", tmp_path / "ours")

@@ -116,7 +116,7 @@ def _one_line_error(proc) -> str:
 
 def _verify_logits_without(module: str, src, out) -> subprocess.CompletedProcess:
     """`qconvert verify SRC OUT --logits` in a process where `module` cannot be imported (as if not installed)."""
-    code = (f"import sys; sys.modules[{module!r}] = None; from qconvert.converters.cli import main; "
+    code = (f"import sys; sys.modules[{module!r}] = None; from qconvert.converters.apps.cli import main; "
             "sys.exit(main(sys.argv[1:]))")
     return subprocess.run([sys.executable, "-c", code, "verify", str(src), str(out), "--logits"],
                           capture_output=True, text=True)
@@ -179,7 +179,7 @@ def test_a_top_k_of_mistralrs_estimates_kl_and_keeps_top1_exact(wide_uqffs):
     """Asked for its top-20 only, mistral.rs gives the same top-1 agreement as with its whole vocabulary, a
     KL over the top-20 (both sides renormalised) of the same order, and no perplexity where a true next
     token falls outside the 20."""
-    from qconvert.converters import quality
+    from qconvert.converters.apps import logits as quality
 
     src, outs = wide_uqffs
     full = quality.compare_logits("hf", src, "uqff", outs["q4_0"], [quality.bundled_text()])
@@ -211,7 +211,7 @@ def test_mistralrs_top_k_equals_a_direct_mistralrs_call(wide_uqffs, tmp_path):
     """The runtime's last position (the whole prompt) equals mistral.rs asked directly, in the tests' own
     runner (tests/fixtures_uqff.py: its own subprocess, the model's chat template, top-3)."""
     import fixtures_uqff as FU
-    from qconvert.converters.quality import MistralRsRuntime
+    from qconvert.converters.apps.logits import MistralRsRuntime
 
     out = wide_uqffs[1]["q4_0"]
     direct = FU.mistralrs_logprobs(out, tmp_path / "lp.json", from_uqff="q4_0-0.uqff", steps=1)
@@ -247,7 +247,7 @@ def test_uqff_as_the_source_against_its_gguf_copy(wide_uqffs, tmp_path):
 def test_kl_on_shared_tokens_is_the_renormalised_kl_over_the_top_k():
     """The estimator against torch: KL of the two distributions renormalised over the output's top-K; with
     K = the vocabulary it is the full KL of kl_rows."""
-    from qconvert.converters.quality import kl_on_shared_tokens, kl_rows
+    from qconvert.converters.apps.logits import kl_on_shared_tokens, kl_rows
 
     gen = torch.Generator().manual_seed(3)
     s = torch.log_softmax(torch.randn(64, generator=gen, dtype=torch.float64) * 2, -1)
@@ -267,7 +267,7 @@ def test_a_uqff_mistralrs_cannot_run_is_a_one_line_refusal(wide_uqffs, tmp_path)
     import shutil
 
     from qconvert.converters.errors import QConvertError
-    from qconvert.converters.quality import MistralRsRuntime
+    from qconvert.converters.apps.logits import MistralRsRuntime
 
     src, outs = wide_uqffs
     proc = _verify_logits_without("mistralrs", src, outs["q4_0"])

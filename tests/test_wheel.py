@@ -92,14 +92,14 @@ def test_wheel_holds_every_subpackage_and_nothing_else(built):
     data = [n for n in names if not n.endswith(".py") and ".dist-info/" not in n]
     # the bundled text `verify --logits` scores when no prompts are given; the C K-quantizers' source
     # (kernels/kquant_c.py builds it on first use)
-    assert sorted(data) == ["qconvert/converters/verify_text.txt", "qconvert/kernels/kquant_c.c",
+    assert sorted(data) == ["qconvert/converters/apps/verify_text.txt", "qconvert/kernels/ggml/kquant_c.c",
                             "qconvert/py.typed"], data
     assert not [n for n in names if any(bad in n for bad in NOT_SHIPPED)]
     meta = zipfile.ZipFile(built["wheel"]).read(next(n for n in dist_info if n.endswith("METADATA"))).decode()
     assert "License-Expression: MIT" in meta and "License-File: LICENSE" in meta
     entry_points = zipfile.ZipFile(built["wheel"]).read(
         next(n for n in dist_info if n.endswith("entry_points.txt"))).decode()
-    assert "qconvert = qconvert.converters.cli:console_main" in entry_points
+    assert "qconvert = qconvert.converters.apps.cli:console_main" in entry_points
 
 
 def test_sdist_builds_the_same_wheel(built):
@@ -150,7 +150,7 @@ def test_fresh_venv_imports_the_wheel_not_the_checkout(fresh):
     assert str(fresh["main_site"]) in info["path"]  # third-party packages come from the test environment
     assert not info["editable"] and not [f for f in info["finders"] if "Editable" in f], info
     assert (Path(info["file"]).parent / "py.typed").is_file()
-    text = _in_fresh(fresh, fresh["py"], "-c", "from qconvert.converters.quality import bundled_text; "
+    text = _in_fresh(fresh, fresh["py"], "-c", "from qconvert.converters.apps.logits import bundled_text; "
                                                "print(bundled_text().split()[:3])").stdout
     assert text.strip() == "['The', 'river', 'town']"  # verify --logits' default text, read from the wheel
 

@@ -61,16 +61,17 @@ def _k_inputs() -> tuple[np.ndarray, np.ndarray]:
 
 def probe_kernels() -> dict:
     from qconvert.converters.records import Grid, GridParams, PackedCodes
-    from qconvert.kernels import dequantize_grid, kernel_trace, kquants as kq
-    from qconvert.kernels import triton_dequant as td, triton_kquant as tk, triton_quant as tq
+    from qconvert.kernels import dequantize_grid, kernel_trace
+    from qconvert.kernels.ggml import kquants as kq
+    from qconvert.kernels.triton import dequant as td, kquant as tk, quant as tq
     from qconvert.kernels.bitpack import pack_rows
     from qconvert.kernels.dequant import (dequantize_axis0_torch, dequantize_codebook_torch, dequantize_grid_torch,
                                           dequantize_two_step_torch)
     from qconvert.kernels.floatq import element_table
-    from qconvert.kernels.ggml_ctypes import ggml_quantize
-    from qconvert.kernels.ggml_layouts import LAYOUTS
-    from qconvert.kernels.ggml_legacy import decode_blocks, pack_blocks, quantize_blocks, repack_grid
-    from qconvert.kernels.gptq_q4_0 import gptq4_to_q4_0
+    from qconvert.kernels.ggml.libggml import ggml_quantize
+    from qconvert.kernels.ggml.layouts import LAYOUTS
+    from qconvert.kernels.ggml.legacy import decode_blocks, pack_blocks, quantize_blocks, repack_grid
+    from qconvert.kernels.ggml.gptq_q4_0 import gptq4_to_q4_0
 
     os.environ["QCONVERT_KERNELS"] = "torch"  # the CPU references below must not route to Triton themselves
     done: dict[str, int] = {}
@@ -274,7 +275,7 @@ PRODUCED = Path(__file__).with_name("producer_fixtures")
 def probe_convert(work: Path, hf: Path, gptq: Path, hqq: Path, qqq: Path) -> dict:
     """Each conversion twice in this process, the default run (QCONVERT_KERNELS unset) and QCONVERT_KERNELS=triton:
     the bytes, the measured errors and each run's per-tensor kernels. hf, gptq, hqq, qqq: the tiny models."""
-    from qconvert.converters.cli import main
+    from qconvert.converters.apps.cli import main
 
     jobs = {"hf_q4_k_m": ("hf->gguf", hf, "--type", "q4_k_m", "--allow-requant"),
             "gptq_q4_0": ("gptq->gguf", gptq),
@@ -314,7 +315,7 @@ def probe_ptx() -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from qconvert.kernels import triton_dequant as td, triton_kquant as tk, triton_quant as tq
+    from qconvert.kernels.triton import dequant as td, kquant as tk, quant as tq
 
     calls = []
 

@@ -47,11 +47,11 @@ import torch
 from ...converters.errors import BadInput
 from ...converters.records import Grid, GridParams, PackedCodes, TensorRecord
 from ...converters.validate import ConfigView
-from ...kernels import triton_route
+from ...kernels.triton import route as triton_route
 from ...kernels.bitpack import SUPPORTED_PACK_BITS, unpack_rows
-from ..gptq import config_bits
-from ..model_shapes import ModelShapes
-from ..safetensors_dir import CheckpointDir, CheckpointSource, quantization_config_of, read_json
+from ..gptq.reader import config_bits
+from ...converters.model_shapes import ModelShapes
+from ..common.checkpoint import CheckpointDir, CheckpointSource, quantization_config_of, read_json
 
 __all__ = ["AutoRoundSource", "open_auto_round", "sniff_auto_round", "QUANT_METHODS", "PACKINGS",
            "unpack_stream", "AWQ_REVERSE_ORDER"]

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels import triton_route
+from ...kernels.triton import route as triton_route
 
 __all__ = ["AWQ_ORDER", "AWQ_REVERSE_ORDER", "PACK_FACTOR", "unpack_gemm", "pack_gemm", "stream_words",
            "unpack_stream", "pack_stream", "unpack_codes", "words_per_row", "gemv_zeros_width"]

@@ -28,8 +28,8 @@ import torch
 from ...converters.errors import BadInput
 from ...converters.records import Grid, GridParams, TensorRecord
 from ...converters.validate import ConfigView
-from ..model_shapes import ModelShapes
-from ..safetensors_dir import CheckpointDir, CheckpointSource, quantization_config_of, read_json
+from ...converters.model_shapes import ModelShapes
+from ..common.checkpoint import CheckpointDir, CheckpointSource, quantization_config_of, read_json
 from .layout import PACK_FACTOR, gemv_zeros_width, unpack_codes, unpack_stream, words_per_row
 
 __all__ = ["AwqSource", "open_awq", "is_awq", "READ_VERSIONS", "KNOWN_VERSIONS"]

@@ -34,9 +34,9 @@ import torch
 
 from ...converters.errors import BadInput
 from ...converters.records import Grid, GridParams, TensorRecord, codebook_name
-from ...kernels import triton_route
-from ..model_shapes import ModelShapes
-from ..safetensors_dir import CheckpointDir, CheckpointSource, quantization_config_of, read_json
+from ...kernels.triton import route as triton_route
+from ...converters.model_shapes import ModelShapes
+from ..common.checkpoint import CheckpointDir, CheckpointSource, quantization_config_of, read_json
 
 __all__ = ["BnbSource", "open_bnb", "sniff_bnb", "unpack_4bit", "nested_absmax", "INT8_RECIPROCAL", "BNB_BLOCKSIZES"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...converters.registry import FormatEntry, register_format
-from ..safetensors_dir import quantization_config_of
+from ..common.checkpoint import quantization_config_of
 from .reader import CtSource, open_ct
 from .writer import CtWriter
 

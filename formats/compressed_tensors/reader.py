@@ -28,10 +28,10 @@ import torch
 from ...converters.errors import BadInput
 from ...converters.records import Grid, GridParams, TensorRecord
 from ...converters.validate import ConfigView
-from ..model_shapes import ModelShapes
-from ..safetensors_dir import CheckpointDir, CheckpointSource, read_json
+from ...converters.model_shapes import ModelShapes
+from ..common.checkpoint import CheckpointDir, CheckpointSource, read_json
 from ...kernels.floatq import element_table, unpack_fp4
-from ..float_grids import RuntimeScales
+from ..common.float_grids import RuntimeScales
 from .schemes import FLOAT_FORMATS, FP4_FORMATS, INT_FORMATS, QuantArgs, parse_rules, unpack_dense
 
 __all__ = ["CtSource", "open_ct", "WEIGHT_PARTS"]

@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 
-from ...converters.align import EXACT, REFUSED, REQUANTIZE, Decision, TargetScheme, register_family
+from ...converters.checker import EXACT, REFUSED, REQUANTIZE, Decision, TargetScheme, register_family
 from ...converters.errors import BadInput
 from ...converters.records import GridParams
 from ...converters.validate import ConfigView
-from ...kernels import triton_route
+from ...kernels.triton import route as triton_route
 
 __all__ = ["QuantArgs", "ModuleRules", "parse_rules", "pack_dense", "unpack_dense", "CT_PACK", "READ_FORMATS",
            "STRATEGIES", "INT_FORMATS", "FLOAT_FORMATS", "FP4_FORMATS", "CT_FLOAT"]

@@ -25,9 +25,9 @@ import torch
 from ...converters.errors import BadInput
 from ...converters.records import Grid
 from ...converters.validate import ConfigView
-from ..float_grids import FloatModuleSource, block_grid_shape, expand_block_rows, float_grid, fp8_element
-from ..model_shapes import ModelShapes
-from ..safetensors_dir import CheckpointDir, quantization_config_of, read_json
+from ..common.float_grids import FloatModuleSource, block_grid_shape, expand_block_rows, float_grid, fp8_element
+from ...converters.model_shapes import ModelShapes
+from ..common.checkpoint import CheckpointDir, quantization_config_of, read_json
 
 __all__ = ["Fp8Source", "open_fp8", "sniff_fp8", "METHODS"]
 

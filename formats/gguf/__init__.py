@@ -3,8 +3,8 @@
 from pathlib import Path
 
 from ...converters.registry import FormatEntry, OptionSpec, register_format
-from ...kernels.ggml_layouts import LAYOUTS, TARGET_LAYOUTS
-from .kencode import QUANTIZERS
+from ...kernels.ggml.layouts import LAYOUTS, TARGET_LAYOUTS
+from ..common.ggml_codec import QUANTIZERS
 from .presets import PRESETS
 from .reader import open_gguf
 from .writer import GgufWriter

@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from ...kernels.ggml_layouts import LAYOUTS
+from ...kernels.ggml.layouts import LAYOUTS
 
 __all__ = ["Preset", "PRESETS", "ModelFacts", "preset_of", "preset_type", "use_more_bits", "quantized_by_llama_cpp",
            "model_facts_from_gguf_names", "quantize_order", "is_llm_type_70b", "n_dims"]

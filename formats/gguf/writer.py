@@ -39,15 +39,15 @@ import gguf
 import numpy as np
 import torch
 
-from ...converters.align import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, best_aligned, check, decide, describe_grid
+from ...converters.checker import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, best_aligned, check, decide, describe_grid
 from ...converters.errors import BadInput, QConvertError
 from ...converters.validate import ConfigView
 from ...converters.plan import BitIdentical, Options, TensorPlan, unknown_type
 from ...converters.records import Dense, Grid, TensorRecord
-from ...kernels.ggml_layouts import CODEBOOK_LAYOUTS, TARGET_LAYOUTS, BlockLayout  # grid, codebook (IQ4_*) types
-from ...kernels.ggml_legacy import decode_blocks, quantize_pack, repack_grid
-from ...kernels.gptq_q4_0 import gptq4_to_q4_0, q4_0_to_gptq4
-from .kencode import QUANTIZERS, QuantHow, encode_quantized
+from ...kernels.ggml.layouts import CODEBOOK_LAYOUTS, TARGET_LAYOUTS, BlockLayout  # grid, codebook (IQ4_*) types
+from ...kernels.ggml.legacy import decode_blocks, quantize_pack, repack_grid
+from ...kernels.ggml.gptq_q4_0 import gptq4_to_q4_0, q4_0_to_gptq4
+from ..common.ggml_codec import QUANTIZERS, QuantHow, encode_quantized
 from .metadata import add_model_metadata, check_writer_config, config_json_path, layer_count, rope_tensors
 from .archs import (EXPERT_COUNT_KEYS, arch_by_name, expert_count_key, gpt_oss_expert_part, kv_b_parts,
                     split_gpt_oss_experts, split_kv_b)
@@ -177,7 +177,7 @@ def _kv_b_records(rec: TensorRecord, parts: tuple[str, str], config, where) -> l
 
 def _kquants():
     try:
-        from ...kernels import kquants
+        from ...kernels.ggml import kquants
     except ImportError:
         return None
     return kquants
@@ -280,7 +280,7 @@ def _attach_quant(plan: TensorPlan, options: Options, keep_codes: bool) -> None:
         plan.verdict, plan.reason = REFUSED, refusal
         return
     if backend == "llama.cpp" and plan.verdict == REQUANTIZE:
-        from ...kernels.ggml_ctypes import available
+        from ...kernels.ggml.libggml import available
 
         if not available():
             raise QConvertError("--quantizer llama.cpp needs llama-cpp-python installed")
@@ -651,7 +651,8 @@ def _gptq_words_to_q4_0(item: Grid):
     out_features, in_features = item.shape
     block_scales = p.scales[:, p.group_of_column(in_features)[::32]].to(torch.float16)
     words = item.packed.words
-    from ...kernels import kquant_c, note_kernel, triton_device
+    from ...kernels import note_kernel, triton_device
+    from ...kernels.ggml import kquant_c
 
     if not words.is_cuda and kquant_c.available() and triton_device(words) is None:  # (Triton: gptq4_to_q4_0)
         # the same bytes in C, and the same proof: every word and scale rebuilt from the bytes, compared
@@ -735,11 +736,11 @@ def _encode_codebook(lay: BlockLayout, item: Dense | Grid, quant: QuantHow | Non
     """The codebook types: the dequantized weights through ggml's quantize_iq4_nl / _iq4_xs / _iq3_s / _iq3_xxs /
     _iq2_s / _iq2_xs / _iq2_xxs (our kernels, or llama.cpp's own with --quantizer llama.cpp), with the --imatrix
     weights when given; decoded as gguf-py decodes it."""
-    from ...kernels.iq2 import (dequantize_iq2_s, dequantize_iq2_xs, dequantize_iq2_xxs, quantize_iq2_s,
+    from ...kernels.ggml.iq2 import (dequantize_iq2_s, dequantize_iq2_xs, dequantize_iq2_xxs, quantize_iq2_s,
                                 quantize_iq2_xs, quantize_iq2_xxs)
-    from ...kernels.iq3_s import dequantize_iq3_s, dequantize_iq3_xxs, quantize_iq3_s, quantize_iq3_xxs
-    from ...kernels.iq4_nl import dequantize_iq4_nl, quantize_iq4_nl
-    from ...kernels.iq4_xs import dequantize_iq4_xs, quantize_iq4_xs
+    from ...kernels.ggml.iq3_s import dequantize_iq3_s, dequantize_iq3_xxs, quantize_iq3_s, quantize_iq3_xxs
+    from ...kernels.ggml.iq4_nl import dequantize_iq4_nl, quantize_iq4_nl
+    from ...kernels.ggml.iq4_xs import dequantize_iq4_xs, quantize_iq4_xs
 
     quantize, dequantize = {"IQ4_NL": (quantize_iq4_nl, dequantize_iq4_nl),
                             "IQ4_XS": (quantize_iq4_xs, dequantize_iq4_xs),
@@ -754,7 +755,7 @@ def _encode_codebook(lay: BlockLayout, item: Dense | Grid, quant: QuantHow | Non
     x2 = x.reshape(-1, shape[-1]).contiguous().numpy()
     imatrix = quant.imatrix if quant is not None else None
     if quant is not None and quant.backend == "llama.cpp":
-        from ...kernels.ggml_ctypes import ggml_quantize
+        from ...kernels.ggml.libggml import ggml_quantize
 
         data = ggml_quantize(x2, lay.name, imatrix, threads=max(1, torch.get_num_threads()))
     else:
@@ -800,7 +801,7 @@ def _encode_fp4(lay: BlockLayout, verdict: str, item: Dense | Grid, quant: Quant
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous().numpy()
     if quant is not None and quant.backend == "llama.cpp":
-        from ...kernels.ggml_ctypes import ggml_quantize
+        from ...kernels.ggml.libggml import ggml_quantize
 
         data = ggml_quantize(x2, lay.name, threads=max(1, torch.get_num_threads()))
     else:

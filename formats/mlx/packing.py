@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...kernels import triton_route
+from ...kernels.triton import route as triton_route
 
 __all__ = ["MLX_BITS", "MLX_GROUPS", "pack_mlx", "unpack_mlx", "packed_words", "mlx_affine_quantize"]
 

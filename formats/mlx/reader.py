@@ -22,8 +22,8 @@ import torch
 from ...converters.errors import BadInput, QConvertError
 from ...converters.records import Grid, GridParams, PackedCodes, TensorRecord
 from ...converters.validate import ConfigView
-from ..model_shapes import ModelShapes
-from ..safetensors_dir import CheckpointDir, CheckpointSource, read_json
+from ...converters.model_shapes import ModelShapes
+from ..common.checkpoint import CheckpointDir, CheckpointSource, read_json
 from .packing import MLX_BITS, MLX_GROUPS, unpack_mlx
 
 __all__ = ["MlxSource", "open_mlx", "looks_like_mlx"]

@@ -22,7 +22,7 @@ import re
 
 import torch
 
-from ...converters.align import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Decision, TargetScheme, register_family
+from ...converters.checker import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Decision, TargetScheme, register_family
 from ...converters.errors import QConvertError
 from ...converters.records import GridParams
 from .packing import MLX_BITS, MLX_GROUPS, packed_words

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from ...converters.align import EXACT, REFUSED, REQUANTIZE, decide
+from ...converters.checker import EXACT, REFUSED, REQUANTIZE, decide
 from ...converters.plan import Options, TensorPlan
 from ...converters.records import Dense, Grid, TensorRecord, describe_grid
 from ...kernels.dequant import dequantize_grid_torch
-from ..safetensors_dir import ShardWriter, copy_side_files, write_json
+from ..common.checkpoint import ShardWriter, copy_side_files, write_json
 from .packing import mlx_affine_quantize, pack_mlx
 from .schemes import bits_for, mlx_scheme, parse_mlx_type
 

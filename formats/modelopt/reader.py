@@ -29,9 +29,9 @@ from ...converters.errors import BadInput
 from ...converters.records import Grid
 from ...converters.validate import ConfigView
 from ...kernels.floatq import unpack_fp4
-from ..float_grids import FloatModuleSource, float_grid, fp8_element
-from ..model_shapes import ModelShapes
-from ..safetensors_dir import CheckpointDir, quantization_config_of, read_json
+from ..common.float_grids import FloatModuleSource, float_grid, fp8_element
+from ...converters.model_shapes import ModelShapes
+from ..common.checkpoint import CheckpointDir, quantization_config_of, read_json
 
 __all__ = ["ModelOptSource", "open_modelopt", "sniff_modelopt", "ALGOS"]
 

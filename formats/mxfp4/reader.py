@@ -27,8 +27,8 @@ from ...converters.errors import BadInput
 from ...converters.records import Grid, TensorRecord
 from ...converters.validate import ConfigView
 from ...kernels.floatq import unpack_fp4
-from ..float_grids import float_grid
-from ..safetensors_dir import CheckpointDir, CheckpointSource, quantization_config_of, read_json
+from ..common.float_grids import float_grid
+from ..common.checkpoint import CheckpointDir, CheckpointSource, quantization_config_of, read_json
 
 __all__ = ["Mxfp4Source", "open_mxfp4", "sniff_mxfp4"]
 

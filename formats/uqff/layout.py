@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from ...kernels import triton_route
+from ...kernels.triton import route as triton_route
 from ...kernels.bitpack import pack_rows, unpack_rows
 
 __all__ = ["TAG", "FAMILY_OF_TAG", "SUFFIXES", "GGML_TYPE_IDS", "GGML_NAME_OF_ID", "UqffType", "UQFF_TYPES",

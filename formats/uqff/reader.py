@@ -27,14 +27,14 @@ import torch
 
 from ...converters.errors import BadInput
 from ...converters.records import Dense, Grid, GridParams, PackedCodes, TensorRecord
-from ...kernels.ggml_kblocks import K_ZERO_POINT, unpack_k_blocks
+from ...kernels.ggml.kblocks import K_ZERO_POINT, unpack_k_blocks
 from ...kernels.floatq import element_table, unpack_fp4
-from ...kernels.ggml_layouts import LAYOUTS
-from ...kernels.ggml_legacy import unpack_blocks
+from ...kernels.ggml.layouts import LAYOUTS
+from ...kernels.ggml.legacy import unpack_blocks
 from ...kernels.hqq import axis0_expand
-from ..model_shapes import ModelShapes, layer_index
-from ..safetensors_dir import SIDE_FILES, read_json
-from ..safetensors_header import Descriptors, read_header, read_tensor
+from ...converters.model_shapes import ModelShapes, layer_index
+from ..common.checkpoint import SIDE_FILES, read_json
+from ..common.safetensors_header import Descriptors, read_header, read_tensor
 from .moe import STACKABLE_FAMILIES, canonical_expert_name, expected_shape, layer_weights, moe_model
 from .layout import (AFQ_BITS, AFQ_GROUPS, EXTRA_BLOCKS, FAMILY_OF_TAG, FP8_DTYPE_CODE, GGML_NAME_OF_ID, MAJOR,
                      READER_MINOR, decode_f8q8, decode_mxfp4, decode_q8_1, decode_q8_k, hqq_halves_unpack,
@@ -405,7 +405,7 @@ class UqffSource:
         the folder has them (model.safetensors.index.json, model.safetensors, model-N-of-M.safetensors,
         consolidated.safetensors; pytorch_model*.bin/.pt/.pth), else residual.safetensors, else nothing.
         Other .safetensors files beside them are not read (mistral.rs does not read them either)."""
-        from ..safetensors_dir import CheckpointDir
+        from ..common.checkpoint import CheckpointDir
 
         d = self.path
         if (d / "model.safetensors.index.json").is_file() or (d / "model.safetensors").is_file():
@@ -790,7 +790,7 @@ class UqffSource:
             where = store.location[name].name
         else:
             dtype, shape, where = store.dtype(name), store.shape(name), store.location[name]
-        from ..safetensors_dir import dtype_name as _dtype_name
+        from ..common.checkpoint import dtype_name as _dtype_name
 
         path = store.location[name] if isinstance(store, _Shards) else store.file_of(name)
         if dtype not in ("F32", "F16", "BF16"):  # norms, embeddings, biases, dense leftovers: mistral.rs loads floats
@@ -804,7 +804,7 @@ class UqffSource:
     @property
     def ignored_files(self) -> dict[str, str]:
         """Weight files in the folder that are neither its .uqff shards nor the residual tensors read."""
-        from ..safetensors_dir import weight_files_ignored
+        from ..common.checkpoint import weight_files_ignored
 
         used = {p.name for p in self.shard_paths}
         used |= {Path(p).name for p in getattr(self.residual, "shards", None) or ["residual.safetensors"]}

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ...converters.align import TargetScheme, float_scheme, ggml_scheme
-from ...kernels.ggml_layouts import LAYOUTS
+from ...converters.checker import TargetScheme, float_scheme, ggml_scheme
+from ...kernels.ggml.layouts import LAYOUTS
 from .layout import AFQ_BITS, AFQ_GROUPS, K_FALLBACK, UQFF_TYPES, UqffType
 
 __all__ = ["UQFF_SCHEMES", "candidates_for_bits", "REQUANT_DEFAULT", "scheme_for"]

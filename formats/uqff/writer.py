@@ -40,15 +40,15 @@ import numpy as np
 import torch
 
 from ... import __version__
-from ...converters.align import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Decision, best_aligned, check, describe_grid
+from ...converters.checker import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Decision, best_aligned, check, describe_grid
 from ...converters.errors import QConvertError
 from ...converters.plan import BitIdentical, Options, TensorPlan, unknown_type
 from ...converters.records import Dense, Grid, GridParams, TensorRecord
 from ...kernels.floatq import float_to_e8m0, pack_fp4
-from ...kernels.ggml_layouts import LAYOUTS
+from ...kernels.ggml.layouts import LAYOUTS
 from ...kernels.hqq import axis0_compact, axis0_expand
-from ..safetensors_dir import copy_side_files, write_json
-from ..safetensors_header import safetensors_tag
+from ..common.checkpoint import copy_side_files, write_json
+from ..common.safetensors_header import safetensors_tag
 from .reader import _without_quantization_config
 from .schemes import REQUANT_DEFAULT, candidates_for_bits, scheme_for
 from .moe import STACKABLE_FAMILIES, ExpertStacks, StackedTensor, expert_slot, mistralrs_moe_config, moe_model
@@ -87,7 +87,7 @@ def check_target(t: UqffType, rec: TensorRecord) -> tuple[Decision, dict]:
             return d.with_reason(prefix=note), info
         info["ggml"] = scheme.layout.name
         if d.kept_blocks:  # Q4_K/Q5_K blocks that hold the grid keep its codes, as in the GGUF writer
-            from ..gguf.kencode import QuantHow
+            from ..common.ggml_codec import QuantHow
 
             info["quant"] = QuantHow(keep_codes=True)
     elif d.group_size is not None:

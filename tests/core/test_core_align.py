@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qconvert.converters.align import (EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Decision, TargetScheme, best_aligned,
+from qconvert.converters.checker import (EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Decision, TargetScheme, best_aligned,
                                        check, register_family)
 from qconvert.converters.plan import Options
 from qconvert.converters.records import Grid, GridParams, TensorRecord
 from qconvert.formats.gguf.schemes import ALIGNED_CANDIDATES, GGUF_SCHEMES
-from qconvert.formats.gptq import GPTQ_SCHEMES
-from qconvert.formats.hqq import HQQ_KEEP
-from qconvert.formats.qqq import qqq_scheme
+from qconvert.formats.gptq.reader import GPTQ_SCHEMES
+from qconvert.formats.hqq.reader import HQQ_KEEP
+from qconvert.formats.qqq.reader import qqq_scheme
 from qconvert.formats.uqff.schemes import UQFF_SCHEMES
 
 
@@ -172,7 +172,7 @@ def test_the_gguf_writer_reads_kept_blocks_from_the_decision_not_its_text():
 
 
 def test_decide_names_the_aligned_alternative_and_the_fallback():
-    from qconvert.converters.align import decide
+    from qconvert.converters.checker import decide
 
     d = decide(grid(bits=8), (8, 64), GGUF_SCHEMES["Q4_0"], ALIGNED_CANDIDATES)
     assert d.verdict == REQUANTIZE and d.alternative == ("Q8_0", EXACT)

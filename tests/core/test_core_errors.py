@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from qconvert.converters import cli
+from qconvert.converters.apps import cli
 from qconvert.converters.errors import BadInput, QConvertError, RefusedPlan
 
 SHARD = Path("/models/m/model-00001-of-00002.safetensors")

@@ -26,8 +26,8 @@ from safetensors.torch import save_file
 
 import fixtures
 from qconvert.converters import registry
-from qconvert.converters.align import EXACT, REQUANTIZE, Decision, TargetScheme, check, register_family
-from qconvert.converters.cli import main
+from qconvert.converters.checker import EXACT, REQUANTIZE, Decision, TargetScheme, check, register_family
+from qconvert.converters.apps.cli import main
 from qconvert.converters.errors import BadInput
 from qconvert.converters.plan import TensorPlan
 from qconvert.converters.records import Dense, Grid, GridParams, TensorRecord, describe_record
@@ -148,7 +148,7 @@ def rowint8():
     global ROWINT8
     registry.all_formats()
     saved = dict(registry._REGISTRY), dict(registry._ALIASES)
-    from qconvert.converters import align
+    from qconvert.converters import checker as align
 
     saved_families = dict(align._HANDLERS)
     register_family("rowint8", _rowint8_family)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from qconvert.converters.align import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE
+from qconvert.converters.checker import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE
 from qconvert.converters.errors import RefusedPlan
 from qconvert.converters.plan import TensorPlan, check_plan, refusal_message, verdict_counts
 

@@ -1,0 +1,3 @@
+"""gptq"""
+
+from . import reader  # noqa: F401  (registers the format)

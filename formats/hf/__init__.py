@@ -1,0 +1,3 @@
+"""hf"""
+
+from . import reader  # noqa: F401  (registers the format)

@@ -1,0 +1,3 @@
+"""hqq"""
+
+from . import reader  # noqa: F401  (registers the format)

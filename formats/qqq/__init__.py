@@ -1,0 +1,3 @@
+"""qqq"""
+
+from . import reader  # noqa: F401  (registers the format)
