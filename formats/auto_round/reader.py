@@ -49,7 +49,7 @@ from ...converters.records import Grid, GridParams, PackedCodes, TensorRecord
 from ...converters.validate import ConfigView
 from ...kernels.triton import route as triton_route
 from ...kernels.bitpack import SUPPORTED_PACK_BITS, unpack_rows
-from ..gptq.reader import config_bits
+from ..common.quant_config import config_bits
 from ...converters.model_shapes import ModelShapes
 from ..common.checkpoint import CheckpointDir, CheckpointSource, quantization_config_of, read_json
 

@@ -36,6 +36,7 @@ from ...converters.errors import BadInput
 from ...converters.records import GridParams
 from ...converters.validate import ConfigView
 from ...kernels.triton import route as triton_route
+from ..common import block_schemes  # noqa: F401  (registers the float-block family its float targets follow)
 
 __all__ = ["QuantArgs", "ModuleRules", "parse_rules", "pack_dense", "unpack_dense", "CT_PACK", "READ_FORMATS",
            "STRATEGIES", "INT_FORMATS", "FLOAT_FORMATS", "FP4_FORMATS", "CT_FLOAT"]

@@ -28,7 +28,7 @@ from ...converters.checker import EXACT, REQUANTIZE, check, describe_grid
 from ...converters.errors import QConvertError
 from ...converters.plan import Options, TensorPlan
 from ...converters.records import Dense, Grid, GridParams, TensorRecord
-from ..gptq.reader import parse_gptq_type
+from ..common.gptq_type import parse_gptq_type
 from ..common.checkpoint import ShardWriter, copy_side_files, write_json
 from ...kernels.floatq import float_to_e8m0, pack_fp4
 from .schemes import CT_FLOAT, CT_PACK, pack_dense

@@ -11,10 +11,10 @@ _iq3_s / _iq3_xxs / _iq2_s / _iq2_xs / _iq2_xxs). The IQ2 types and IQ3_XXS need
 
 from __future__ import annotations
 
-from ...converters.checker import (EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Decision, TargetScheme, check, ggml_scheme,
-                                 register_family)
+from ...converters.checker import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Decision, TargetScheme, check, register_family
 from ...converters.records import GridParams
 from ...kernels.ggml.layouts import CODEBOOK_LAYOUTS, FP4_LAYOUTS, LAYOUTS, TARGET_LAYOUTS
+from ..common.block_schemes import ggml_scheme
 
 __all__ = ["GGUF_SCHEMES", "ALIGNED_CANDIDATES", "default_grid_type", "k_fallback", "imatrix_refusal"]
 

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 import gguf
 
 from ...converters.errors import BadInput, QConvertError
-from ...converters.validate import ConfigView, json_kind, read_json
+from ...converters.validate import json_kind, read_json
 from .metadata import field_values
 
 __all__ = [

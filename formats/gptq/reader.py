@@ -1,13 +1,8 @@
-"""GPTQ checkpoints (gptqmodel / AutoGPTQ / transformers): v1 (`gptq`) and v2 (`gptq_v2`).
+"""Reading GPTQ checkpoints (gptqmodel / AutoGPTQ / transformers): v1 (`gptq`) and v2 (`gptq_v2`).
 
 Per quantized linear `<prefix>`: `qweight` int32 [in*b/32, out] (codes packed along rows),
 `qzeros` int32 [G, out*b/32] (packed along columns), `scales` fp16 [G, out], `g_idx` int32 [in],
-optional `bias`. W = scales[g_idx] * (q - z). v2 stores the true zero point z; v1 stores z - 1.
-
-v1 decode: 2/4/8-bit words get the constant 0x55555555 / 0x11111111 / 0x01010101 added as whole
-int32 words (wrapping), because gptqmodel's writer subtracted it as whole words and a zero point of 0
-borrowed from its neighbour field; adding per field would decode the neighbour one too low. 3-bit zeros
-are converted field by field (gptqmodel 7.6 does the same: utils/model.py, convert_gptq_v1_to_v2_format_module).
+optional `bias`. W = scales[g_idx] * (q - z). v2 stores the true zero point z; v1 stores z - 1 (layout.py).
 
 Rotation (`"rotation": "hadamard" | "random"`, gptqmodel 7.6's quantization/rotation/): gptqmodel folds an exact Hadamard
 into every `mlp.down_proj` and re-applies it to the activation at run time (everything else a rotation
@@ -28,38 +23,22 @@ from typing import Iterator
 
 import torch
 
-from ... import __version__
-from ...converters.checker import (EXACT, REFUSED, REQUANTIZE, Decision, TargetScheme, check, check_grid_to_float,
-                                describe_grid)
-from ...converters.errors import BadInput, QConvertError
-from ...converters.plan import Options, TensorPlan
+from ...converters.errors import BadInput
 from ...converters.records import Dense, Grid, GridParams, PackedCodes, RotatedForm, TensorRecord
-from ...converters.validate import REQUIRED, ConfigView
-from ...converters.registry import FormatEntry, register_format
-from ...kernels.bitpack import SUPPORTED_PACK_BITS, chunk_geometry, pack_rows, unpack_rows
+from ...converters.validate import ConfigView
+from ...kernels.bitpack import SUPPORTED_PACK_BITS, chunk_geometry
 from ...kernels.hadamard import UnsupportedHadamard, fold_online_hadamard, require_foldable
 from ...converters.model_shapes import ModelShapes
-from ..common.checkpoint import (CheckpointDir, CheckpointSource, ShardWriter, copy_side_files, quantization_config_of,
-                              read_json, write_json)
+from ..common.checkpoint import CheckpointDir, CheckpointSource, quantization_config_of, read_json
+from .layout import decode_zeros
+from .schemes import ModuleScheme
+from ..common.quant_config import config_bits
 
-__all__ = ["GptqSource", "GptqWriter", "open_gptq", "V1_WORD_OFFSET"]
 
 _PARTS = ("qweight", "qzeros", "scales", "g_idx")
 _PART_DTYPES = {"qweight": {"I32": "int32"}, "qzeros": {"I32": "int32"},
                 "scales": {"F16": "float16", "BF16": "bfloat16", "F32": "float32"},
                 "g_idx": {"I32": "int32", "I64": "int64"}}
-# whole-word constant that turns v2 zero fields into v1 fields (one per field, 2/4/8-bit packing)
-V1_WORD_OFFSET = {2: 0x55555555, 4: 0x11111111, 8: 0x01010101}
-_DENSE_LINEAR = re.compile(r"^model\.layers\.\d+\..*_proj\.weight$")
-_EMBEDDING = re.compile(r"(^|\.)embed_tokens\.weight$")
-
-
-@dataclass(frozen=True)
-class ModuleScheme:
-    bits: int
-    group_size: int  # -1 = one group per row
-    sym: bool
-    desc_act: bool
 
 
 def _quant_config(path: Path, config: dict) -> tuple[dict, Path, str]:
@@ -89,26 +68,6 @@ def _zero_convention(qc: dict, where: Path | None = None, prefix: str = "") -> s
         raise BadInput(f"{prefix}{key} {fmt!r} is not gptq or gptq_v2 (planar/marlin/bitblas layouts are not "
                        "GPTQ v1/v2)", path=where)
     return "v2" if fmt == "gptq_v2" else "v1"
-
-
-MAX_BITS = 16  # what a module's bits may say before the supported widths are checked at its tensors
-
-
-def config_bits(view: ConfigView, key: str = "bits", default=REQUIRED) -> int:
-    """A bit width as gptqmodel reads one (_normalize_quant_bits): an integer, an integral float or a
-    string of digits ("4"); anything else (a list, "four", true) is refused naming the key."""
-    value = view.get(key)
-    if isinstance(value, str) and value.strip().isdigit() and len(value) <= 4:
-        return _in_range(view, key, int(value))
-    if isinstance(value, float) and value.is_integer():
-        return _in_range(view, key, int(value))
-    return view.int(key, default=default, lo=1, hi=MAX_BITS)
-
-
-def _in_range(view: ConfigView, key: str, bits: int) -> int:
-    if not 1 <= bits <= MAX_BITS:
-        raise BadInput(f"{view.prefix}{key} is {bits}: expected an integer in [1, {MAX_BITS}]", path=view.path)
-    return bits
 
 
 def _scheme_fields(view: ConfigView, base: ModuleScheme | None) -> ModuleScheme:
@@ -171,31 +130,6 @@ def _module_scheme(base: ModuleScheme, rules: list[_Rule], module: str) -> Modul
         if rule.regex.match(module):
             return None if rule.exclude else rule.scheme
     return base
-
-
-def decode_zeros(qzeros: torch.Tensor, bits: int, convention: str) -> torch.Tensor:
-    """[G, out*b/32] int32 -> [G, out] true zero points (int16)."""
-    words = qzeros
-    if convention == "v1" and bits in V1_WORD_OFFSET:
-        w = (qzeros.to(torch.int64) & 0xFFFFFFFF) + V1_WORD_OFFSET[bits]
-        words = (w & 0xFFFFFFFF).to(torch.int64)
-        words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    z = unpack_rows(words.T.contiguous(), bits).T.to(torch.int16)
-    if convention == "v1" and bits not in V1_WORD_OFFSET:  # 3-bit: field by field
-        z = (z + 1) % (1 << bits)
-    return z.contiguous()
-
-
-def encode_zeros(zeros: torch.Tensor, bits: int, convention: str) -> torch.Tensor:
-    """[G, out] true zero points -> [G, out*b/32] int32 in the given convention."""
-    z = zeros.to(torch.int64)
-    if convention == "v1" and bits not in V1_WORD_OFFSET:
-        z = (z - 1) % (1 << bits)
-    words = pack_rows(z.T.contiguous(), bits).T.contiguous()
-    if convention == "v1" and bits in V1_WORD_OFFSET:
-        w = ((words.to(torch.int64) & 0xFFFFFFFF) - V1_WORD_OFFSET[bits]) & 0xFFFFFFFF
-        words = torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
-    return words
 
 
 class GptqSource(CheckpointSource):
@@ -382,206 +316,7 @@ def open_gptq(path: Path, **_: object) -> GptqSource:
     return GptqSource(path)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Writer
-
-# the GPTQ target schemes (the alignment checker's view of what each writer stores): packed 2/3/4/8-bit codes
-# along the input features, integer zero points, fp16 scales, any group size, act-order index. v1 is
-# written symmetric only (gptqmodel 7.6 loads asymmetric v1 only from files it wrote itself, which
-# borrow one from the stored zero); v2 stores the zero point as it is.
-GPTQ_SCHEMES = {
-    "v1": TargetScheme("gptq", "gptq", zero="none", scale="fp16", act_order=True, code_bits=SUPPORTED_PACK_BITS),
-    "v2": TargetScheme("gptq-v2", "gptq", zero="int", scale="fp16", act_order=True, code_bits=SUPPORTED_PACK_BITS),
-}
-_TYPE_RE = re.compile(r"^(?:gptq:)?(?:b|q)?(?P<bits>[2348])(?:bit)?[-_:]?g(?P<group>-?\d+)(?P<asym>a|-asym)?$")
-
-
-def parse_gptq_type(text: str) -> ModuleScheme:
-    """`4g128` / `q4g128` / `4bit-g128` (sym), `4g32a` (asym), `8g-1` (per-channel)."""
-    m = _TYPE_RE.match(text.strip().lower())
-    if not m:
-        raise QConvertError(f"unknown GPTQ type {text!r}; write bits and group, e.g. 4g128, 4g32a (asym), 8g-1")
-    return ModuleScheme(int(m["bits"]), int(m["group"]), not m["asym"], False)
-
-
-class GptqWriter:
-    """Writes a GPTQ checkpoint directory in the v1 or v2 zero convention, loadable by gptqmodel."""
-
-    output_is_file = False
-
-    def __init__(self, convention: str):
-        self.convention = convention
-        self.name = "gptq-v2" if convention == "v2" else "gptq"
-
-    def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
-        if rec.rotated is not None:
-            return self._plan_rotated(rec, options, source)
-        explicit = options.explicit_type(rec.name) or options.type
-        if rec.is_grid:
-            p = rec.params
-            src = describe_grid(p, rec.shape[1])
-            # GPTQ quantizes the decoder blocks' linears only: a quantized embedding (GGUF token_embd) or
-            # output head is stored dequantized in fp16, as GPTQ models keep them. A quantized head would
-            # load in gptqmodel (`lm_head: true`) but not in transformers: its GPTQ loader (optimum)
-            # replaces the linears inside the blocks only, all with one bits/group_size, and leaves a
-            # quantized head's weight uninitialized (random logits)
-            if _EMBEDDING.search(rec.name) or rec.name == "lm_head.weight":
-                v = check_grid_to_float(p, "F16")
-                return TensorPlan(rec.name, rec.shape, src, "float16", v.verdict,
-                                  f"kept unquantized as in GPTQ models: {v.reason}", out_name=rec.name,
-                                  info={"dense": torch.float16})
-            if explicit:
-                want = parse_gptq_type(explicit)
-                same = (want.bits == p.bits and (want.group_size if want.group_size > 0 else rec.shape[1]) == p.group_size
-                        and (want.sym == p.symmetric or not want.sym))
-                if not want.sym and self.convention == "v1":
-                    return self._asym_v1_refusal(rec, src, explicit)
-                if not same:
-                    info = {"scheme": want}
-                    view = rec.four_bit_view  # a source's own 4-bit form of the tensor (QQQ grouped)
-                    if view is not None and want.bits == 4 and want.sym and want.group_size == view.group_size:
-                        info["grid_view"] = view.load
-                    return TensorPlan(rec.name, rec.shape, src, explicit, REQUANTIZE, "type differs from the source grid"
-                                      + ("; the source's own 4-bit codes are kept" if "grid_view" in info else ""),
-                                      alternative=self._aligned_type(p, rec.shape), out_name=rec.name, info=info)
-            v = self._check_grid(p, rec.shape)
-            target = f"gptq {p.bits}-bit g{p.group_size}" if p.n_groups > 1 else f"gptq {p.bits}-bit per-channel"
-            if v.verdict == REFUSED and self.convention == "v1" and not p.symmetric and p.integer_zeros:
-                return TensorPlan(rec.name, rec.shape, src, target, REFUSED, v.reason,
-                                  alternative="gptq-v2 output (exact): qconvert 'SRC->gptq-v2'", out_name=rec.name)
-            info = {}
-            if v.verdict == REQUANTIZE:
-                # v1 output is written symmetric: gptqmodel loads asymmetric v1 only from its own files
-                info["scheme"] = ModuleScheme(p.bits if p.bits in SUPPORTED_PACK_BITS else 4,
-                                              p.group_size if p.n_groups > 1 else -1, self.convention == "v1", False)
-            return TensorPlan(rec.name, rec.shape, src, target, v.verdict, v.reason, out_name=rec.name, info=info)
-        if explicit and len(rec.shape) == 2 and _DENSE_LINEAR.match(rec.name):
-            want = parse_gptq_type(explicit)
-            if not want.sym and self.convention == "v1":
-                return self._asym_v1_refusal(rec, rec.dtype, explicit)
-            return TensorPlan(rec.name, rec.shape, rec.dtype, explicit, REQUANTIZE,
-                              "dense weights quantized with round-to-nearest (no calibration)",
-                              out_name=rec.name, info={"scheme": want})
-        return TensorPlan(rec.name, rec.shape, rec.dtype, rec.dtype, EXACT, "copied", out_name=rec.name)
-
-    def _plan_rotated(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
-        """A rotated down_proj: GPTQ carries the rotation itself, so the stored (rotated) grid is planned as
-        any grid and the `rotation` key goes into the output config; gptqmodel re-applies the transform."""
-        rot = rec.rotated
-        grid_rec = TensorRecord(rec.name, rec.shape, "grid", rot.load, params=rot.params)
-        plan = self.plan_tensor(grid_rec, options, source)
-        plan.source = f"{plan.source} rotated ({rot.rotation})"
-        plan.target = f"{plan.target} + online Hadamard (rotation kept)"
-        plan.info.update(keeps_source_form=True, rotated_grid=rot.load, rotation=rot.rotation)
-        return plan
-
-    def _asym_v1_refusal(self, rec: TensorRecord, src: str, explicit: str) -> TensorPlan:
-        return TensorPlan(rec.name, rec.shape, src, explicit, REFUSED,
-                          "asymmetric GPTQ is written as v2: gptqmodel loads asymmetric v1 only from its own files",
-                          alternative=f"gptq-v2 output: qconvert 'SRC->gptq-v2' --type {explicit}", out_name=rec.name)
-
-    def _aligned_type(self, p: GridParams, shape: tuple[int, ...]) -> str:
-        """The advice when `--type` asks for another grid than the source's: without `--type` every tensor
-        keeps its own grid, which is exact when GPTQ holds it (one `--type` may not fit every tensor: a
-        g128 checkpoint's 128-wide rows are single groups); "" when it does not hold it."""
-        return "no --type (every tensor keeps its own grid: exact)" if self._check_grid(p, shape).verdict == EXACT else ""
-
-    def _check_grid(self, p: GridParams, shape: tuple[int, ...]) -> Decision:
-        return check(p, shape, GPTQ_SCHEMES[self.convention])
-
-    def check_model(self, source, plans, options) -> None:
-        return None
-
-    def open(self, path: Path, source, plans: list[TensorPlan], options: Options) -> "GptqSession":
-        return GptqSession(self, Path(path), source, plans)
-
-
-class GptqSession:
-    """Streams GPTQ tensors into safetensors shards; writes config and side files at the end."""
-
-    def __init__(self, writer: GptqWriter, path: Path, source, plans: list[TensorPlan]):
-        self.writer, self.path, self.source = writer, path, source
-        self.shards = ShardWriter(path)
-        self.schemes: dict[str, ModuleScheme] = {}
-        self.dense_linears: list[str] = []
-        self.rotation: str | None = None
-
-    def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor:
-        rotated = plan.info.get("rotated_grid")
-        if rotated is not None:
-            # `item` is the folded stand-in; store the rotated grid and keep the rotation in the config.
-            # What gptqmodel computes from it is the grid with the transform folded: return that to measure.
-            item, self.rotation = rotated(), plan.info["rotation"]
-        if "dense" in plan.info:
-            item = Dense(item.dequantize(plan.info["dense"]))
-        elif "grid_view" in plan.info:
-            item = plan.info["grid_view"]()
-        elif plan.verdict == REQUANTIZE:
-            scheme = plan.info["scheme"]
-            w = item.dequantize(torch.float32)
-            item = Grid.rtn(w, scheme.bits, scheme.group_size, scheme.sym)
-        if isinstance(item, Grid):
-            prefix = plan.name[: -len(".weight")] if plan.name.endswith(".weight") else plan.name
-            self._add_grid(prefix, item)
-            decoded = item.dequantize(torch.float32)
-            return fold_online_hadamard(decoded) if rotated is not None else decoded
-        if len(plan.shape) == 2 and _DENSE_LINEAR.match(plan.name):
-            self.dense_linears.append(plan.name[: -len(".weight")])
-        self.shards.put(plan.name, item.tensor)
-        return item.tensor.to(torch.float32)
-
-    def _add_grid(self, prefix: str, grid: Grid) -> None:
-        p = grid.params
-        out_features, in_features = grid.shape
-        put = self.shards.put
-        packed = grid.packed
-        if packed is not None and packed.layout == "gptq-rows" and packed.bits == p.bits:
-            put(f"{prefix}.qweight", packed.words)  # same packing: the source words as they are
-        else:
-            put(f"{prefix}.qweight", pack_rows(grid.codes.T.contiguous(), p.bits))
-        put(f"{prefix}.qzeros", encode_zeros(p.zeros.T.contiguous(), p.bits, self.writer.convention))
-        put(f"{prefix}.scales", p.scales.T.contiguous().to(torch.float16))
-        put(f"{prefix}.g_idx", p.group_of_column(in_features).to(torch.int32))
-        group = p.group_size if p.n_groups > 1 else -1
-        self.schemes[prefix] = ModuleScheme(p.bits, group, p.symmetric, not p.contiguous_groups(in_features))
-
-    def close(self) -> None:
-        self.shards.close()
-        qc = self._quant_config()
-        write_json(self.path / "config.json", {**self.source.config, "quantization_config": qc})
-        write_json(self.path / "quantize_config.json", qc)
-        copy_side_files(self.source, self.path)
-
-    def _quant_config(self) -> dict:
-        if not self.schemes:
-            raise QConvertError("nothing to write as GPTQ: the source has no quantized tensors (pass --type, e.g. 4g128)")
-        counts: dict[ModuleScheme, int] = {}
-        for s in self.schemes.values():
-            counts[s] = counts.get(s, 0) + 1
-        base = max(counts, key=counts.get)
-        fmt = "gptq_v2" if self.writer.convention == "v2" else "gptq"
-        dynamic = {}
-        for prefix, s in self.schemes.items():
-            if s != base:
-                dynamic[f"+:^{re.escape(prefix)}$"] = {"bits": s.bits, "group_size": s.group_size, "sym": s.sym,
-                                                      "desc_act": s.desc_act}
-        for prefix in self.dense_linears:
-            dynamic[f"-:^{re.escape(prefix)}$"] = {}
-        qc = {"bits": base.bits, "group_size": base.group_size, "desc_act": base.desc_act, "sym": base.sym,
-              "lm_head": False, "method": "gptq", "quant_method": "gptq",
-              "format": fmt, "checkpoint_format": fmt, "pack_dtype": "int32"}
-        if fmt == "gptq_v2":
-            # gptqmodel's `meta` marks its own files; auto-round's loader in transformers refuses files that
-            # carry it (they may be v2), and v1 files load the same in gptqmodel without it
-            qc["meta"] = {"quantizer": [f"qconvert:{__version__}"]}
-        if dynamic:
-            qc["dynamic"] = dynamic
-        if self.rotation:
-            qc["rotation"] = self.rotation
-        return qc
-
-
-def _sniff(convention: str):
+def sniff_gptq(convention: str):
     def sniff(path: Path) -> bool:
         qc = quantization_config_of(path)
         if not isinstance(qc, dict) or not qc or str(qc.get("quant_method", qc.get("method", ""))).lower() != "gptq":
@@ -591,21 +326,3 @@ def _sniff(convention: str):
         except BadInput:  # an unreadable format label: the v1 reader opens it and names the key
             return convention == "v1"
     return sniff
-
-
-# the --type vocabulary as parse_gptq_type reads it; v1 output refuses asymmetric grids (see _asym_v1_refusal)
-_GPTQ_TYPE_HELP = (f"BITSgGROUP, bits {', '.join(map(str, SUPPORTED_PACK_BITS))}, group -1 for per-channel: "
-                   "4g128, 4g32, 8g-1; {asym}; without --type each grid keeps its own")
-
-register_format(FormatEntry("gptq", aliases=("gptq-v1", "autogptq"),
-                            description="GPTQ checkpoint, v1 zero-point convention (stored zero = z - 1)",
-                            open_reader=open_gptq, writer=GptqWriter("v1"), sniff=_sniff("v1"),
-                            type_help=_GPTQ_TYPE_HELP.format(asym="symmetric only (asymmetric output is gptq-v2)"),
-                            examples=("qconvert 'gguf->gptq' model-q4_0.gguf model-gptq/",
-                                      "qconvert 'hf->gptq' model/ model-gptq/ --type 4g128 --allow-requant")))
-register_format(FormatEntry("gptq-v2", aliases=("gptqv2",),
-                            description="GPTQ checkpoint, v2 convention (true zero points)",
-                            open_reader=open_gptq, writer=GptqWriter("v2"), sniff=_sniff("v2"),
-                            type_help=_GPTQ_TYPE_HELP.format(asym="a trailing a is asymmetric: 4g32a"),
-                            examples=("qconvert 'gptq->gptq-v2' model-gptq/ model-gptq-v2/",
-                                      "qconvert 'hf->gptq-v2' model/ model-gptq-v2/ --type 4g32a --allow-requant")))

@@ -37,7 +37,7 @@ from ..common.checkpoint import SIDE_FILES, read_json
 from ..common.safetensors_header import Descriptors, read_header, read_tensor
 from .moe import STACKABLE_FAMILIES, canonical_expert_name, expected_shape, layer_weights, moe_model
 from .layout import (AFQ_BITS, AFQ_GROUPS, EXTRA_BLOCKS, FAMILY_OF_TAG, FP8_DTYPE_CODE, GGML_NAME_OF_ID, MAJOR,
-                     READER_MINOR, decode_f8q8, decode_mxfp4, decode_q8_1, decode_q8_k, hqq_halves_unpack,
+                     READER_MINOR, decode_f8q8, decode_q8_1, decode_q8_k, hqq_halves_unpack,
                      unpack_afq)
 
 __all__ = ["UqffSource", "open_uqff", "shard_set", "is_uqff_file"]

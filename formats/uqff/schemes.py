@@ -1,19 +1,92 @@
 """The UQFF target types (mistral.rs' ISQ names) as alignment schemes, and mistral.rs' rules beside them.
 
-One scheme per `layout.UQFF_TYPES` entry; the alignment checker (converters/align.py) decides every
-verdict from them. Quirks of mistral.rs that are not the scheme's (its K fallback, the run dtype an
-Unquant layer needs) are the hooks below.
+One scheme per `layout.UQFF_TYPES` entry; the checker (converters/checker.py) decides every verdict from
+them. The families of mistral.rs' own types are registered here: `afq` (MLX's affine scheme), `hqq-axis0`
+(hqq's strided-row groups) and `codebook` (F8Q8); its GGUF block types and float blocks follow the shared
+`ggml` and `float-block` families (formats/common/block_schemes.py). Quirks of mistral.rs that are not the
+scheme's (its K fallback, the run dtype an Unquant layer needs) are the hooks below.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...converters.checker import TargetScheme, float_scheme, ggml_scheme
+from ...converters.checker import (EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Decision, Source, TargetScheme,
+                                   float_scheme, register_family)
+from ...converters.records import GridParams
 from ...kernels.ggml.layouts import LAYOUTS
+from ...kernels.hqq import axis0_compact
+from ..common.block_schemes import ggml_scheme
 from .layout import AFQ_BITS, AFQ_GROUPS, K_FALLBACK, UQFF_TYPES, UqffType
 
 __all__ = ["UQFF_SCHEMES", "candidates_for_bits", "REQUANT_DEFAULT", "scheme_for"]
+
+
+def _afq(src: Source, shape, s: TargetScheme, native, prefer_groups=()) -> Decision:
+    """mistral.rs' AFQ (MLX's affine scheme): value = scale * q + bias per group of 32/64/128 along a row,
+    scales and biases stored in float32 by our writer (mistral.rs dequantizes in the stored dtype)."""
+    in_features = shape[-1]
+    p = src if isinstance(src, GridParams) else None
+    if p is not None and p.axis == 1 and p.contiguous_groups(in_features) and p.bits <= s.bits:
+        g = next((g for g in s.groups if p.group_size % g == 0 and in_features % g == 0), None)
+        if g is not None:
+            keep = dict(group_size=g, keeps_codes=True)
+            if p.compute_dtype != torch.float32:
+                return Decision(NEAR_EXACT, f"codes kept; the source dequantizes in {str(p.compute_dtype)[6:]}, "
+                                            "AFQ in float32", **keep)
+            if p.mins is not None:
+                return Decision(EXACT, f"codes, scales and mins kept in float32 (group {g})", **keep)
+            if p.integer_zeros:
+                return Decision(NEAR_EXACT, f"codes and scales kept; bias = -scale*zero in float32 (group {g})", **keep)
+            return Decision(NEAR_EXACT, f"codes kept; the float zero point becomes bias = -scale*zero (group {g})",
+                            **keep)
+    g = 64 if in_features % 64 == 0 else 32 if in_features % 32 == 0 else None
+    if g is None:
+        return Decision(REFUSED, f"rows of {in_features} are not whole AFQ groups of 32")
+    why = ("dense weights quantized with AFQ's affine rule" if p is None else
+           "the grid's groups (act-order, axis 0 or size) or bits do not map onto AFQ groups")
+    return Decision(REQUANTIZE, why + f" (group {g})", group_size=g)
+
+
+def _hqq_axis0(src: Source, shape, s: TargetScheme, native, prefer_groups: tuple[int, ...] = ()) -> Decision:
+    """mistral.rs' HQQ: hqq's axis-0 layout (a group is a column of W.reshape(group, -1)), scales and zeros
+    [1, numel/group] in the source's compute dtype."""
+    p = src if isinstance(src, GridParams) else None
+    in_features = shape[-1]
+    layout = None
+    if p is not None and p.axis == 0 and p.row_idx is None and p.bits <= s.bits:
+        # the compact [1, M] meta of an hqq layout of this grid, the source's own group size first
+        layout = axis0_compact(p.scales, p.zeros, tuple(shape), s.bits, prefer_groups)
+    if layout is not None:
+        store = p.compute_dtype if p.compute_dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+        keep = dict(group_size=layout[0], meta_dtype=store, keeps_codes=True)
+        if store == p.scales.dtype or (torch.equal(p.scales.to(store).to(p.scales.dtype), p.scales)
+                                       and torch.equal(p.zeros.to(store).to(p.zeros.dtype), p.zeros)):
+            return Decision(EXACT, f"codes, scales and zeros kept (axis 0, group {layout[0]}, {str(store)[6:]})", **keep)
+        return Decision(NEAR_EXACT, f"codes kept; scales and zeros round to {str(store)[6:]}", **keep)
+    gs = s.group
+    if shape[0] * in_features % gs:  # hqq's W.reshape(gs, -1): the element count must divide (not the rows)
+        return Decision(REFUSED, f"the {shape[0]}x{in_features} weight is not whole HQQ axis-0 groups of {gs}")
+    if p is None:
+        why = f"dense {src} weights quantized with HQQ (axis 0, group {gs})"
+    elif p.axis == 1 and p.zeros.is_floating_point() and p.mins is None:
+        why = "HQQ axis-1 groups run along the input features; mistral.rs' HQQ holds axis 0 only"
+    else:
+        why = "mistral.rs' HQQ groups run down strided output rows (axis 0)"
+    return Decision(REQUANTIZE, why, group_size=gs)
+
+
+def _codebook(src: Source, shape, s: TargetScheme, native, prefer_groups=()) -> Decision:
+    """Codebook targets no grid keeps its codes in (mistral.rs' F8Q8)."""
+    if s.block and shape[-1] % s.block:
+        return Decision(REFUSED, f"rows of {shape[-1]} are not whole {s.name.upper()} blocks of {s.block}")
+    return Decision(REQUANTIZE, f"{s.name} has no integer grid; weights are quantized with mistral.rs' {s.name} rule")
+
+
+register_family("afq", _afq)
+register_family("hqq-axis0", _hqq_axis0)
+register_family("codebook", _codebook)
+
 
 
 def _scheme(t: UqffType) -> TargetScheme:
@@ -58,4 +131,3 @@ def scheme_for(t: UqffType, in_features: int) -> tuple[TargetScheme, str]:
         fb = K_FALLBACK[t.ggml]
         return ggml_scheme(fb, scheme_name=t.name), f"{t.ggml} needs rows of 256, mistral.rs' fallback {fb}: "
     return s, ""
-

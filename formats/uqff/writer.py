@@ -50,6 +50,7 @@ from ...kernels.hqq import axis0_compact, axis0_expand
 from ..common.checkpoint import copy_side_files, write_json
 from ..common.safetensors_header import safetensors_tag
 from .reader import _without_quantization_config
+from ..common.block_schemes import block_layout
 from .schemes import REQUANT_DEFAULT, candidates_for_bits, scheme_for
 from .moe import STACKABLE_FAMILIES, ExpertStacks, StackedTensor, expert_slot, mistralrs_moe_config, moe_model
 from .layout import (FP8_DTYPE_CODE, GGML_TYPE_IDS, MAJOR, TAG, UQFF_TYPES,
@@ -85,7 +86,7 @@ def check_target(t: UqffType, rec: TensorRecord) -> tuple[Decision, dict]:
     if scheme.family == "ggml":
         if d.verdict == REFUSED and not d.copied:
             return d.with_reason(prefix=note), info
-        info["ggml"] = scheme.layout.name
+        info["ggml"] = block_layout(scheme).name
         if d.kept_blocks:  # Q4_K/Q5_K blocks that hold the grid keep its codes, as in the GGUF writer
             from ..common.ggml_codec import QuantHow
 

@@ -182,6 +182,6 @@ def test_decide_names_the_aligned_alternative_and_the_fallback():
 
 def test_a_uqff_scheme_is_named_as_mistral_rs_names_it_and_checked_as_its_ggml_blocks():
     s = UQFF_SCHEMES["q4_0"]
-    assert (s.name, s.layout.name) == ("q4_0", "Q4_0")
+    assert (s.name, block_layout(s).name) == ("q4_0", "Q4_0")
     assert check(grid(), (8, 64), s).verdict == EXACT
     assert check(grid(), (8, 64), s, native="Q4_0").copied
