@@ -32,7 +32,8 @@ from pathlib import Path
 from .errors import BadInput
 from .validate import ConfigView
 
-__all__ = ["ModelShapes", "Layout", "known_layout", "check_dtype", "MAX_LAYERS", "MAX_DIM"]
+__all__ = ["ModelShapes", "Layout", "known_layout", "check_dtype", "MAX_LAYERS", "MAX_DIM", "HfArchitecture",
+           "register_architecture", "canonical_name"]
 
 MAX_LAYERS = 1 << 16  # the deepest released models have ~130 layers
 MAX_DIM = 1 << 24  # vocabularies reach ~260k, hidden and intermediate sizes ~50k
@@ -248,3 +249,52 @@ def known_layout(config: dict, where: Path) -> Layout | None:
     top_required = TOP_REQUIRED if tied else (*TOP_REQUIRED, "lm_head.weight")
     return Layout(model_type, KNOWN_LAYOUTS[model_type], tuple(required), frozenset(optional - set(required)),
                   top_required, frozenset({"lm_head.weight", "model.rotary_emb.inv_freq"}), because)
+
+
+# --------------------------------------------------------------------------------------------------
+# What the core knows of a transformers model class beyond its shapes: one entry per class
+@dataclass(frozen=True)
+class HfArchitecture:
+    """A transformers model class (config.json `architectures`) and the names its loader expects where
+    producers save others: `renames`, (regular expression, replacement) pairs applied in order."""
+
+    class_name: str
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def canonical(self, name: str) -> str:
+        for pattern, replacement in self.renames:
+            name = re.sub(pattern, replacement, name)
+        return name
+
+
+_ARCHITECTURES: dict[str, HfArchitecture] = {}
+
+
+def register_architecture(arch: HfArchitecture) -> HfArchitecture:
+    """Add a model class's entry (an entry registered twice must be the same one)."""
+    if _ARCHITECTURES.get(arch.class_name, arch) != arch:
+        raise ValueError(f"architecture {arch.class_name!r} is already registered")
+    _ARCHITECTURES[arch.class_name] = arch
+    return arch
+
+
+def canonical_name(name: str, config: dict) -> str:
+    """The name transformers loads a tensor by for the model's class: the source's name, except where a
+    producer renamed modules (writers write it; verify matches the two sides by it)."""
+    named = config.get("architectures") or []
+    for class_name, arch in _ARCHITECTURES.items():
+        if class_name in named:
+            name = arch.canonical(name)
+    return name
+
+
+# gptqmodel saves Mixtral's experts under Qwen-style names (mlp.experts.E.gate_proj / up_proj / down_proj,
+# router mlp.gate); transformers' Mixtral checkpoints, and the key mapping its loader applies, name them
+# block_sparse_moe.experts.E.w1 / w3 / w2 and block_sparse_moe.gate: under the other names transformers
+# would leave the experts random (measured: logits off by 2)
+register_architecture(HfArchitecture("MixtralForCausalLM", renames=(
+    (r"\.mlp\.experts\.(\d+)\.gate_proj\.", r".block_sparse_moe.experts.\1.w1."),
+    (r"\.mlp\.experts\.(\d+)\.up_proj\.", r".block_sparse_moe.experts.\1.w3."),
+    (r"\.mlp\.experts\.(\d+)\.down_proj\.", r".block_sparse_moe.experts.\1.w2."),
+    (r"\.mlp\.gate\.", ".block_sparse_moe.gate."),
+)))

@@ -1,25 +1,45 @@
-"""The plan: one `TensorPlan` per source tensor, decided before a byte is written.
+"""The plan and the writer contract: one `TensorPlan` per source tensor, decided before a byte is written.
 
-Writers implement `Writer` (plan one tensor, open a session) and `WriterSession` (add one tensor,
-returning what the target will decode to, so that the runner can measure the error against the
-source dequantization). Planning reads every record's small parameters, which also validates every
-shard before the output is touched.
+A writer is a subclass of `Writer`, which declares every hook the runner calls, each with its default, so
+that a writer overrides what it needs and nothing is probed by name (as transformers' `HfQuantizer` does):
+
+    for_conversion(source, options) -> Writer      the writer for one conversion (default: itself), holding
+                                                   what it decides once per model (GGUF's architecture)
+    adapt_records(records, source) -> records      the records it takes (default: the source's); GGUF splits
+                                                   some tensors into several of its own
+    plan_records(records, options, source)         (record, plan) pairs (default: plan_tensor per record, in
+                                                   stream order); GGUF looks at every name first for a mix
+    plan_tensor(rec, options, source) -> plan      required: the verdict for one tensor, from the checker
+    check_model(source, plans, options)            refuse what the target cannot hold as a whole (default: none)
+    writes_several_files(options) -> bool          the output is several files named after OUT (default False)
+    open(path, source, plans, options) -> session  required: start writing
+    alternative_hint(scheme, verdict) -> str       how the aligned alternative a refusal proposes is written
+
+and a `WriterSession` stores one tensor at a time (`add`, required), may hand back the float32 source values
+it dequantized to encode it (`take_reference`, default None) and finishes the output (`close`, required).
+
+`Writer.plan(rec, decision, ...)` formats a plan from the checker's `Decision` in one place: verdict, reason,
+and the aligned alternative as the writer writes it. What a writer decided for a tensor beyond that travels
+as its own typed `action` (a small dataclass of the writer's, read back by its session), never as text.
+Planning reads every record's small parameters, which also validates every shard before the output is touched.
 """
 
 from __future__ import annotations
 
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Any, Iterable, Iterator
 
 import torch
 
-from .checker import NEAR_EXACT, REFUSED, REQUANTIZE, EXACT
+from .checker import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Decision
 from .errors import QConvertError, RefusedPlan
-from .records import Dense, Grid, ModelSource, TensorRecord
+from .records import Dense, Grid, ModelSource, TensorRecord, describe_record
 
-__all__ = ["Options", "TensorPlan", "Writer", "WriterSession", "BitIdentical", "refusal_message", "check_plan"]
+__all__ = ["Options", "TensorPlan", "Writer", "WriterSession", "BitIdentical", "refusal_message", "check_plan",
+           "verdict_counts", "unknown_type"]
 
 
 @dataclass
@@ -47,7 +67,10 @@ class TensorPlan:
     reason: str = ""
     alternative: str = ""  # an aligned choice that would avoid requantization, e.g. "--type q4_0 (exact)"
     out_name: str = ""  # the tensor's name in the target
-    info: dict = field(default_factory=dict)  # writer-private facts decided at plan time
+    action: Any = None  # what the writer decided for this tensor: its own dataclass, read back by its session
+    # the writer stores the source's own form behind a lossy stand-in (a rotated GPTQ grid), so the stand-in's
+    # loss does not apply (run.mark_standin)
+    keeps_source_form: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,29 +82,75 @@ class BitIdentical:
     how: str
 
 
-class WriterSession(Protocol):
+class WriterSession(ABC):
+    """One conversion's output being written, a tensor at a time."""
+
+    @abstractmethod
     def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor | BitIdentical:
         """Store one tensor; return the float32 values the target decodes to, in the source's layout
         (or `BitIdentical` when the written bytes were shown identical to the source's packed codes)."""
-        ...
 
+    def take_reference(self) -> torch.Tensor | None:
+        """The float32 source values the last `add` dequantized to encode its tensor, once, or None: the runner
+        then measures against them instead of dequantizing the source a second time."""
+        return None
+
+    @abstractmethod
     def close(self) -> None:
-        ...
+        """Finish the output (configs, side files, headers written last)."""
 
 
-class Writer(Protocol):
+class Writer(ABC):
+    """A format's writer: see the module docstring for every hook and its default."""
+
     name: str
-    output_is_file: bool
+    output_is_file: bool = False  # the output is one file (GGUF), else a folder
 
+    def for_conversion(self, source: ModelSource, options: Options) -> "Writer":
+        """The writer for one conversion: a fresh object holding what is decided once per model (nothing is
+        stored on the source or on the registered writer). Default: this writer, which holds nothing."""
+        return self
+
+    def adapt_records(self, records: Iterable[TensorRecord], source: ModelSource) -> Iterator[TensorRecord]:
+        """The records this writer takes, in order. Default: the source's as they are."""
+        return iter(records)
+
+    def plan_records(self, records: Iterable[TensorRecord], options: Options,
+                     source: ModelSource) -> Iterator[tuple[TensorRecord, TensorPlan]]:
+        """Every record with its plan, in stream order. Default: `plan_tensor` of each as it arrives (a bad
+        record is refused when it is reached)."""
+        for rec in records:
+            yield rec, self.plan_tensor(rec, options, source)
+
+    @abstractmethod
     def plan_tensor(self, rec: TensorRecord, options: Options, source: ModelSource) -> TensorPlan:
-        ...
+        """The plan of one tensor: its target type and the checker's verdict (formatted by `plan`)."""
 
     def check_model(self, source: ModelSource, plans: list[TensorPlan], options: Options) -> None:
-        """Refuse, before writing, what the target cannot hold as a whole (tokenizer, architecture)."""
-        ...
+        """Refuse, before writing, what the target cannot hold as a whole (tokenizer, architecture). Default:
+        nothing to refuse."""
+        return None
 
+    def writes_several_files(self, options: Options) -> bool:
+        """True when the output is several files named after OUT (split GGUF parts: run.atomic_output)."""
+        return False
+
+    @abstractmethod
     def open(self, path: Path, source: ModelSource, plans: list[TensorPlan], options: Options) -> WriterSession:
-        ...
+        """Start writing to `path` (a temporary name the runner renames on success)."""
+
+    def alternative_hint(self, scheme: str, verdict: str) -> str:
+        """The aligned alternative a Decision names, as a user of this writer asks for it."""
+        return f"--type {scheme} ({verdict})"
+
+    def plan(self, rec: TensorRecord, decision: Decision, target: str, *, out_name: str | None = None,
+             action: Any = None, source: str | None = None, reason_prefix: str = "") -> TensorPlan:
+        """The plan of `rec` from the checker's decision: verdict, reason (after `reason_prefix`) and the aligned
+        alternative (`alternative_hint`), formatted here once for every writer."""
+        alternative = self.alternative_hint(*decision.alternative) if decision.alternative else ""
+        return TensorPlan(rec.name, rec.shape, describe_record(rec) if source is None else source, target,
+                          decision.verdict, reason_prefix + decision.reason, alternative=alternative,
+                          out_name=rec.name if out_name is None else out_name, action=action)
 
 
 def refusal_message(plans: Iterable[TensorPlan], allow_requant: bool) -> str | None:

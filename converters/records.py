@@ -50,18 +50,17 @@ so that a model is never held whole.
 
 from __future__ import annotations
 
-import re
-
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
 from ..kernels.packings import packing
 
-__all__ = ["GridParams", "PackedCodes", "Grid", "Dense", "TensorRecord", "ModelSource", "describe_record",
-           "describe_grid", "float_element", "describe_float_grid", "RotatedForm", "FourBitView", "QqqLayer"]
+__all__ = ["GridParams", "PackedCodes", "Grid", "Dense", "TensorRecord", "NativeForm", "ModelSource", "describe_record",
+           "describe_grid", "float_element", "describe_float_grid", "register_codebook", "codebook_name"]
 
 
 @dataclass(frozen=True)
@@ -295,32 +294,24 @@ class Dense:
 
 
 @dataclass(frozen=True)
-class RotatedForm:
-    """The stored form behind a lossy stand-in: a rotated GPTQ down_proj's grid, which a target that carries
-    the rotation itself (GPTQ output, `rotation` in its config) keeps instead of the folded float weights."""
+class NativeForm:
+    """A form of the tensor as its source stores it, beyond the values the record yields, for a writer that can
+    keep it. `kind` names what it is, `facts` are the small values a writer checks before taking it, `load()`
+    gives the form itself. The kinds readers give today:
 
-    load: Callable[[], "Grid"]
-    params: GridParams
-    rotation: str  # gptqmodel's name of the transform ("hadamard")
+    - "rotated-grid": the grid behind a folded stand-in (a rotated GPTQ down_proj: `lossy_standin` says why
+      the values leave it); facts `params` (its GridParams) and `rotation` (gptqmodel's name, "hadamard");
+      load() -> Grid. A GPTQ target carries the rotation itself and keeps this grid.
+    - "qqq-layer": a QQQ module's stored tensors (B, s_channel, s_group...); facts `mode` ("channel" |
+      "grouped"), `group_size`, `prefix`; load() -> {part: tensor}. A QQQ target of the same layout copies them.
+    - "4bit-grid": the source's own 4-bit grid of a tensor it stores otherwise (QQQ's grouped layers: codes
+      with the group scale before its int8 rounding); facts `group_size`; load() -> Grid. A target asked for
+      4-bit groups of that size keeps these codes.
+    """
 
-
-@dataclass(frozen=True)
-class FourBitView:
-    """A source's own 4-bit grid of a tensor it stores otherwise (QQQ's grouped layers: codes with the group
-    scale before its int8 rounding), for a target asked for 4-bit groups of `group_size`."""
-
-    group_size: int
-    load: Callable[[], "Grid"]
-
-
-@dataclass(frozen=True)
-class QqqLayer:
-    """Where a QQQ reader's layer came from, so that a QQQ writer of the same layout copies its words."""
-
-    prefix: str
-    mode: str  # "channel" | "grouped"
-    group_size: int
-    load_words: Callable[[], dict]  # the module's stored tensors (B, s_channel, s_group...), as they are
+    kind: str
+    load: Callable[[], Any]
+    facts: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -343,13 +334,15 @@ class TensorRecord:
     source_groups: tuple[int, ...] = ()  # the group size(s) the source stored it with (HQQ axis 0), tried first
     layer_flags: dict = field(default_factory=dict)  # format -> a layer's own flags a writer of that format carries
     lossy_standin: str = ""  # why these values are a stand-in that leaves the source's grid (see run.py)
-    rotated: RotatedForm | None = None
-    four_bit_view: FourBitView | None = None
-    qqq_layer: QqqLayer | None = None
+    native_forms: tuple[NativeForm, ...] = ()  # the stored forms a writer of the source's format can keep
 
     @property
     def is_grid(self) -> bool:
         return self.params is not None
+
+    def native_form(self, kind: str) -> NativeForm | None:
+        """The source's stored form of that kind (NativeForm), or None."""
+        return next((f for f in self.native_forms if f.kind == kind), None)
 
 
 def describe_grid(p: GridParams, in_features: int) -> str:
@@ -366,14 +359,16 @@ def describe_grid(p: GridParams, in_features: int) -> str:
     return f"{p.bits}-bit {group} {sym}{act}{axis}"
 
 
-# bitsandbytes 0.50 functional.py get_4bit_type: the two 16-value tables its 4-bit types index
-_NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-        -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-        0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-        0.7229568362236023, 1.0)
-_FP4 = tuple(v / 12.0 for v in (0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, -0, -0.0625, -8.0, -12.0, -4.0, -6.0,
-                                -2.0, -3.0))  # normalized to [-1, 1] as get_4bit_type does
-KNOWN_CODEBOOKS = {"nf4": _NF4, "fp4": _FP4}
+# named codebooks (a format registers the tables its producer indexes: bitsandbytes' nf4 and fp4), so that a
+# codebook grid is described by name
+_CODEBOOKS: dict[str, tuple[float, ...]] = {}
+
+
+def register_codebook(name: str, values: tuple[float, ...]) -> None:
+    """Name a codebook table (compared as float32 with a grid's table by `codebook_name`)."""
+    if _CODEBOOKS.get(name, values) != values:
+        raise ValueError(f"codebook {name!r} is already registered with other values")
+    _CODEBOOKS[name] = tuple(values)
 
 
 _FLOAT_ELEMENTS: dict[str, torch.Tensor] = {}
@@ -417,8 +412,8 @@ def describe_float_grid(p: GridParams, in_features: int) -> str:
 
 
 def codebook_name(codebook: torch.Tensor) -> str:
-    """"nf4" / "fp4" when the table is bitsandbytes' own (as float32), else "custom"."""
-    for name, values in KNOWN_CODEBOOKS.items():
+    """The registered name of the table ("nf4" / "fp4": bitsandbytes' own, as float32), else "custom"."""
+    for name, values in _CODEBOOKS.items():
         if codebook.numel() == len(values) and torch.equal(codebook.to(torch.float32),
                                                            torch.tensor(values, dtype=torch.float32)):
             return name
@@ -432,57 +427,47 @@ def describe_record(rec: "TensorRecord") -> str:
     return describe_grid(rec.params, rec.shape[-1])
 
 
-class ModelSource(Protocol):
+class ModelSource(ABC):
     """What a reader returns: config, tokenizer files and a lazy stream of tensor records.
 
-    Optional capabilities a source may offer, which writers look up by name (`getattr(source, name, None)`)
-    and do without when absent -- every one is listed here, and nothing else is asked of a source:
-    - `ignored_files: dict[str, str]`: weight files beside the model that are not part of it, with why;
-    - `not_carried: dict[str, str]`: tensors of the model that no record carries, with why (activation and
-      KV-cache scales of float-quantized checkpoints: a runtime's choice, not weights);
-    - `write_gguf_tokenizer(writer)`: copy its own `tokenizer.ggml.*` keys into a gguf.GGUFWriter (a GGUF
-      source: the tokenizer travels verbatim instead of being rebuilt from tokenizer files);
-    - `container: str`: the file form it was read from when a format has several (hqq: "safetensors" or
-      "qmodel"), so that a writer of that format keeps it;
-    - `group_size: int`: a QQQ source's group size, the QQQ writer's default target group.
-    Writers keep their own state in the per-conversion object `for_conversion(source, options)` returns,
-    never on the source.
+    Every capability a writer or the runner may use is declared here with its default, so that nothing is
+    looked up by name: a source overrides what it has.
     """
 
     path: Path
     format_name: str
     config: dict  # the model's config.json, quantization_config removed
     quant_config: dict  # the source's quantization config (empty for dense models)
+    container: str = ""  # the file form it was read from when a format has several (hqq: "safetensors" | "qmodel")
 
+    @abstractmethod
     def records(self) -> Iterator[TensorRecord]:
         """Yield every tensor, shard by shard, in file order."""
-        ...
 
+    @abstractmethod
     def side_files(self) -> dict[str, Path]:
         """Files to carry through (tokenizer.json, tokenizer_config.json, generation_config.json...)."""
-        ...
 
+    @abstractmethod
     def describe(self) -> dict:
         """A summary for `qconvert inspect`."""
-        ...
 
+    @property
+    def ignored_files(self) -> dict[str, str]:
+        """Weight files beside the model that are not part of it, with why."""
+        return {}
 
-# gptqmodel saves Mixtral's experts under Qwen-style names (mlp.experts.E.gate_proj / up_proj / down_proj,
-# router mlp.gate); transformers' Mixtral checkpoints, and the key mapping its loader applies, name them
-# block_sparse_moe.experts.E.w1 / w3 / w2 and block_sparse_moe.gate: under the other names transformers
-# would leave the experts random (measured: logits off by 2)
-_MIXTRAL_NAMES = tuple((re.compile(a), b) for a, b in (
-    (r"\.mlp\.experts\.(\d+)\.gate_proj\.", r".block_sparse_moe.experts.\1.w1."),
-    (r"\.mlp\.experts\.(\d+)\.up_proj\.", r".block_sparse_moe.experts.\1.w3."),
-    (r"\.mlp\.experts\.(\d+)\.down_proj\.", r".block_sparse_moe.experts.\1.w2."),
-    (r"\.mlp\.gate\.", ".block_sparse_moe.gate."),
-))
+    @property
+    def not_carried(self) -> dict[str, str]:
+        """Tensors of the model that no record carries, with why (activation and KV-cache scales of
+        float-quantized checkpoints: a runtime's choice, not weights)."""
+        return {}
 
+    def weight_files(self) -> list[str]:
+        """The files the model's tensors are read from, to name one in a refusal (relative to `path`)."""
+        return []
 
-def canonical_name(name: str, config: dict) -> str:
-    """The name transformers loads a tensor by for the model's class: the source's name, except where a
-    producer renamed modules (writers write it; verify matches the two sides by it)."""
-    if "MixtralForCausalLM" in (config.get("architectures") or []):
-        for pattern, replacement in _MIXTRAL_NAMES:
-            name = pattern.sub(replacement, name)
-    return name
+    def write_gguf_tokenizer(self, writer) -> bool:
+        """Copy its own `tokenizer.ggml.*` keys into a gguf.GGUFWriter and say so (a GGUF source: the tokenizer
+        travels verbatim instead of being rebuilt from tokenizer files); False when it has none."""
+        return False

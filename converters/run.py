@@ -1,17 +1,17 @@
-"""The runner: plan, check, then convert one tensor at a time into a temporary output, measure every
-tensor's error against the source dequantization, and rename the output into place only on success.
+"""The runner: open the source, plan every tensor once, check the plan, then convert one tensor at a time into
+a temporary output (output.py), measuring every tensor's error against the source dequantization (report.py),
+and rename the output into place only on success.
+
+One pass per record: planning streams the writer's records once and keeps each with its plan; the write loop
+takes those (record, plan) pairs in the same order. A record holds its small parameters (scales, zero points,
+the act-order index) and loads its codes only when written, so what is held between the two is the plan of
+every tensor and those parameters, never the codes or a dequantized copy.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import shutil
-import socket
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,86 +19,39 @@ from tqdm import tqdm
 
 from .checker import EXACT, NEAR_EXACT, REQUANTIZE
 from .errors import BadInput, QConvertError
-from .plan import BitIdentical, Options, TensorPlan, check_plan, verdict_counts
-from .registry import get_format
-from .validate import ConfigView
 from .model_shapes import Layout, known_layout
-from ..kernels import kernel_trace
+from .output import atomic_output
+from .plan import BitIdentical, Options, TensorPlan, Writer, check_plan
+from .records import ModelSource, TensorRecord
+from .registry import get_format
+from .report import Report, TensorResult, kernel_summary, measure
+from .validate import ConfigView
+from ..kernels import kernel_trace, resolve_device, use_device
 
-__all__ = ["convert", "verify", "open_source", "plan_conversion", "TensorResult", "Report", "atomic_output"]
-
-
-@dataclass
-class TensorResult:
-    plan: TensorPlan
-    max_abs_err: float | None = None
-    rmse: float | None = None
-    kernel: dict | None = None  # stage -> the path that ran it: {"dequantize": "triton", "quantize": "c"}
-
-    def as_dict(self) -> dict:
-        p = self.plan
-        return {"name": p.name, "out_name": p.out_name, "shape": list(p.shape), "source": p.source,
-                "target": p.target, "verdict": p.verdict, "reason": p.reason,
-                "max_abs_err": self.max_abs_err, "rmse": self.rmse,
-                **({"kernel": self.kernel} if self.kernel is not None else {})}
+__all__ = ["convert", "open_source", "plan_conversion", "resolve_device_option", "device_scope",
+           "check_required_tensors"]
 
 
-@dataclass
-class Report:
-    source_format: str
-    target_format: str
-    source_path: str
-    output_path: str | None
-    results: list[TensorResult] = field(default_factory=list)
-    seconds: float = 0.0
-    dry_run: bool = False
-    ignored_files: dict = field(default_factory=dict)  # files beside the source that are not part of the model
-    not_carried: dict = field(default_factory=dict)  # tensors of the source no record carries, with why
-    logits: dict | None = None  # `verify --logits`: quality.LogitReport.as_dict()
-
-    def summary(self) -> dict:
-        plans = [r.plan for r in self.results]
-        errs = [r.max_abs_err for r in self.results if r.max_abs_err is not None]
-        return {"tensors": len(plans), "verdicts": verdict_counts(plans),
-                "max_abs_err": max(errs) if errs else None, "seconds": round(self.seconds, 3),
-                "dry_run": self.dry_run}
-
-    def as_dict(self) -> dict:
-        return {"source": {"format": self.source_format, "path": self.source_path, "ignored_files": self.ignored_files,
-                           "not_carried": self.not_carried},
-                "target": {"format": self.target_format, "path": self.output_path},
-                "tensors": [r.as_dict() for r in self.results], "summary": self.summary(),
-                **({"logits": self.logits} if self.logits is not None else {})}
-
-    def write_json(self, path: Path) -> None:
-        Path(path).write_text(json.dumps(self.as_dict(), indent=2) + "\n")
-
-
-def open_source(fmt: str, path: Path, options: Options | None = None):
+def open_source(fmt: str, path: Path, options: Options | None = None) -> ModelSource:
     entry = get_format(fmt)
     if not entry.can_read:
         raise QConvertError(f"format {entry.name!r} cannot be read yet")
     return entry.open_reader(Path(path), **((options.extra if options else {}) or {}))
 
 
-def writer_records(source, writer):
-    """The records a writer takes, in order: the source's, unless the writer's format splits some tensors
-    into several of its own (a writer's optional `adapt_records(records, source)`; GGUF's DeepSeek
-    kv_b_proj becomes the attn_k_b and attn_v_b llama.cpp loads). Planning and writing both read it, so
-    they see the same records in the same order."""
-    adapt = getattr(writer, "adapt_records", None)
-    return source.records() if adapt is None else adapt(source.records(), source)
-
-
-def plan_conversion(source, writer, options: Options, progress: bool = True) -> list[TensorPlan]:
-    plans, names, files = [], [], {}
-    for rec in tqdm(writer_records(source, writer), desc="Checking", unit="tensor", disable=not progress, leave=False):
-        names.append(rec.name)
-        files[rec.name] = rec.source_file
-        plans.append(_mark_standin(rec, writer.plan_tensor(rec, options, source)))
-    check_required_tensors(source, names, files)
+def plan_conversion(source: ModelSource, writer: Writer, options: Options,
+                    progress: bool = True) -> list[tuple[TensorRecord, TensorPlan]]:
+    """Every record the writer takes with its plan, in stream order (the one pass over the source), after the
+    model-wide checks: the tensors every model needs, and the writer's own (check_model)."""
+    records = writer.adapt_records(source.records(), source)
+    pairs = []
+    for rec, plan in tqdm(writer.plan_records(records, options, source), desc="Checking", unit="tensor",
+                          disable=not progress, leave=False):
+        pairs.append((rec, mark_standin(rec, plan)))
+    plans = [plan for _, plan in pairs]
+    check_required_tensors(source, [rec.name for rec, _ in pairs], {rec.name: rec.source_file for rec, _ in pairs})
     writer.check_model(source, plans, options)
-    return plans
+    return pairs
 
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
@@ -121,12 +74,12 @@ def check_required_tensors(source, names: list[str], files: dict[str, str] | Non
     different tensors in different layers, so no per-layer rule is safe for them.
 
     `files` maps names to the records' source_file, to name the file in a refusal."""
-    path = Path(getattr(source, "path", "") or ".")
+    path = Path(source.path or ".")
     files = files or {}
     if not names:
-        shards = getattr(getattr(source, "ckpt", None), "shards", None) or []
+        shards = source.weight_files()
         raise BadInput("the checkpoint holds no tensors", path=path / shards[0] if len(shards) == 1 else path)
-    config = getattr(source, "config", None)
+    config = source.config
     if not isinstance(config, dict):
         return
     where = path / "config.json" if path.is_dir() and (path / "config.json").exists() else path
@@ -191,137 +144,31 @@ def _not_in_layout(name: str, layout: Layout, n_layers: int | None) -> str:
             "foreign tensor")
 
 
-def _mark_standin(rec, plan: TensorPlan) -> TensorPlan:
+def mark_standin(rec: TensorRecord, plan: TensorPlan) -> TensorPlan:
     """A source may yield a float stand-in for a quantized tensor whose own form the target cannot hold
     (a rotated GPTQ down_proj with its online transform folded in): `rec.lossy_standin` says why.
     Storing the stand-in loses the source's grid, so the plan is `requantize` whatever the target type,
-    unless the writer kept the source's own form (`info["keeps_source_form"]`)."""
+    unless the writer kept the source's own form (`plan.keeps_source_form`)."""
     why = rec.lossy_standin
-    if why and plan.verdict in (EXACT, NEAR_EXACT) and not plan.info.get("keeps_source_form"):
+    if why and plan.verdict in (EXACT, NEAR_EXACT) and not plan.keeps_source_form:
         plan.verdict, plan.reason = REQUANTIZE, f"{why} (stored as: {plan.reason})" if plan.reason else why
     return plan
 
 
-@contextmanager
-def atomic_output(out: Path, is_file: bool, force: bool, several_files: bool = False):
-    """Yield a temporary path next to `out`; rename it to `out` only if the block succeeds.
-
-    `several_files`: the writer may write more files next to `out` than `out` itself (split GGUF
-    parts named after it). It gets `<temporary folder>/<out's name>` and writes every file in that
-    folder; only when all are written are they renamed next to `out`, after checking that none would
-    replace an existing file without `force`."""
-    out = Path(out)
-    if out.exists() and not force:
-        raise QConvertError("output exists; pass --force to replace it", path=out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(out.parent)
-    tmp = out.with_name(f".{out.name}{_TMP_MARK}{_HOST}-{os.getpid()}")
-    _remove(tmp)
-    if not is_file or several_files:
-        tmp.mkdir()
+def resolve_device_option(device: str | torch.device | None) -> torch.device:
+    """`--device` as a torch.device, found once (kernels.resolve_device): an absent device is a QConvertError
+    (one line, exit 2) before anything is read or written."""
+    if isinstance(device, torch.device):
+        return device
     try:
-        if not several_files:
-            yield tmp
-            if out.exists():
-                _remove(out)
-            os.replace(tmp, out)
-            return
-        yield tmp / out.name
-        written = sorted(tmp.iterdir())
-        clashes = [out.with_name(p.name) for p in written if out.with_name(p.name).exists()]
-        if clashes and not force:
-            raise QConvertError("output exists; pass --force to replace it", path=clashes[0])
-        for p in written:
-            _remove(out.with_name(p.name))
-            os.replace(p, out.with_name(p.name))
-    finally:
-        _remove(tmp)
-
-
-# A temporary output is `.<out name>.qconvert-tmp-<host>-<pid>`: a run killed with SIGKILL cannot remove
-# its own, so every run removes those beside its output whose process (on this host) is gone.
-_TMP_MARK = ".qconvert-tmp-"
-_HOST = socket.gethostname().replace("-", "_") or "host"
-_TMP_NAME = re.compile(r"^\..+\.qconvert-tmp-(?P<host>[^-]+)-(?P<pid>\d+)$")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
-def remove_stale_temporaries(folder: Path) -> list[Path]:
-    """Remove the temporaries in `folder` left by qconvert runs on this host whose process no longer
-    exists (killed runs); those of live runs, and of other hosts sharing the folder, stay."""
-    removed = []
-    try:
-        entries = list(Path(folder).iterdir())
-    except OSError:
-        return removed
-    for entry in entries:
-        m = _TMP_NAME.match(entry.name)
-        if m and m["host"] == _HOST and int(m["pid"]) != os.getpid() and not _alive(int(m["pid"])):
-            _remove(entry)
-            removed.append(entry)
-    return removed
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
-_MEASURE_CHUNK = 1 << 18  # elements of source dequantization alive at once while measuring (about 40 B each)
-
-
-def _measure(item, decoded: torch.Tensor, reference: torch.Tensor | None = None) -> tuple[float, float]:
-    """Max abs error and RMSE of `decoded` against the source's float32 dequantization, computed a
-    band of rows at a time so that measuring never holds a second full-size float copy. `reference`:
-    that dequantization when the writer already made it to encode the tensor (the same values, so the
-    same numbers), else each band of the source is dequantized here."""
-    if decoded.numel() == 0:
-        return 0.0, 0.0
-    if reference is not None and tuple(reference.shape) != tuple(decoded.shape):
-        reference = None
-    rows = decoded.shape[0] if decoded.dim() > 1 else 1
-    step = max(1, _MEASURE_CHUNK // max(1, decoded.numel() // rows))
-    max_err, sum_sq = 0.0, 0.0
-    for start in range(0, rows, step):
-        stop = min(rows, start + step)
-        if reference is not None:
-            ref = reference[start:stop] if decoded.dim() > 1 else reference
-        else:
-            part = item.row_slice(start, stop) if decoded.dim() > 1 else item
-            ref = part.dequantize(torch.float32)
-        got = decoded[start:stop] if decoded.dim() > 1 else decoded
-        diff = (got.to(torch.float32) - ref).abs()
-        max_err = max(max_err, float(diff.max()))
-        sum_sq += float(diff.double().pow(2).sum())
-    return max_err, (sum_sq / decoded.numel()) ** 0.5
-
-
-def device_scope(device: str | None):
-    """`with device_scope(options.device):` the kernels run on that device (kernels.use_device); an absent
-    device is a QConvertError (one line, exit 2) before anything is read or written."""
-    from ..kernels import resolve_device, use_device
-
-    try:
-        dev = resolve_device(device)
+        return resolve_device(device)
     except ValueError as e:
         raise QConvertError(str(e)) from None
-    return use_device(dev)
 
 
-def kernel_summary(trace: dict) -> dict:
-    """kernels.kernel_trace's {stage: [paths]} -> {stage: "triton"} ("triton+c" where parts took each)."""
-    return {stage: "+".join(paths) for stage, paths in trace.items()}
+def device_scope(device: str | torch.device | None):
+    """`with device_scope(options.device):` the kernels run on that device (kernels.use_device)."""
+    return use_device(resolve_device_option(device))
 
 
 def convert(src_format: str, src_path: Path, dst_format: str, out_path: Path | None,
@@ -340,39 +187,31 @@ def _convert(src_format: str, src_path: Path, dst_format: str, out_path: Path | 
     target = get_format(dst_format)
     if not target.can_write:
         raise QConvertError(f"format {target.name!r} cannot be written yet")
-    writer = target.writer
     if out_path is not None and not dry_run and Path(out_path).exists() and not force:
         raise QConvertError("output exists; pass --force to replace it", path=out_path)
     source = open_source(src_format, src_path, options)
     # a writer that decides something once per model (the GGUF architecture, the QQQ target group) gives a
     # fresh object holding it for this conversion: nothing is stored on the source or the shared writer
-    begin = getattr(writer, "for_conversion", None)
-    if begin is not None:
-        writer = begin(source, options)
-    plans = plan_conversion(source, writer, options, progress)
+    writer = target.writer.for_conversion(source, options)
+    pairs = plan_conversion(source, writer, options, progress)
+    plans = [plan for _, plan in pairs]
     report = Report(source.format_name, target.name, str(src_path), None if dry_run else str(out_path),
-                    dry_run=dry_run, ignored_files=dict(getattr(source, "ignored_files", None) or {}),
-                    not_carried=dict(getattr(source, "not_carried", None) or {}))
+                    dry_run=dry_run, ignored_files=dict(source.ignored_files), not_carried=dict(source.not_carried))
     if dry_run:
         report.results = [TensorResult(p) for p in plans]
         report.seconds = time.perf_counter() - start
         return report
     check_plan(plans, options.allow_requant)
 
-    by_name = {p.name: p for p in plans}
-    several = bool(getattr(writer, "writes_several_files", lambda _: False)(options))
-    with atomic_output(Path(out_path), writer.output_is_file, force, several) as tmp:
+    with atomic_output(Path(out_path), writer.output_is_file, force, writer.writes_several_files(options)) as tmp:
         session = writer.open(tmp, source, plans, options)
-        bar = tqdm(total=len(plans), desc="Converting", unit="tensor", disable=not progress, leave=False)
-        for rec in writer_records(source, writer):
-            plan = by_name[rec.name]
+        for rec, plan in tqdm(pairs, desc="Converting", unit="tensor", disable=not progress, leave=False):
             with kernel_trace() as used:  # which path dequantized and quantized it: the report's "kernel"
                 item = rec.load()
                 decoded = session.add(plan, item)
-            take = getattr(session, "take_reference", None)  # the writer's own dequantization of the source
-            reference = take() if take is not None else None
+            reference = session.take_reference()  # the writer's own dequantization of the source, if it made one
             max_err, rmse = ((0.0, 0.0) if isinstance(decoded, BitIdentical)
-                             else _measure(item, decoded, reference))
+                             else measure(item, decoded, reference))
             del item, decoded, reference
             if plan.verdict == EXACT and max_err != 0.0:
                 raise QConvertError(f"internal error: planned exact but measured max error {max_err:g}",
@@ -380,50 +219,6 @@ def _convert(src_format: str, src_path: Path, dst_format: str, out_path: Path | 
             if plan.verdict == NEAR_EXACT and max_err == 0.0:
                 plan.verdict = EXACT  # measured, not assumed: the rounding happened to be exact
             report.results.append(TensorResult(plan, max_err, rmse, kernel_summary(used)))
-            bar.update()
-        bar.close()
         session.close()
-    report.seconds = time.perf_counter() - start
-    return report
-
-
-def verify(src_path: Path, out_path: Path, src_format: str | None = None, out_format: str | None = None,
-           progress: bool = True, device: str | None = None) -> Report:
-    """_verify with the dequantizations on `device` (kernels.use_device)."""
-    with device_scope(device):
-        return _verify(src_path, out_path, src_format, out_format, progress)
-
-
-def _verify(src_path: Path, out_path: Path, src_format: str | None = None, out_format: str | None = None,
-            progress: bool = True) -> Report:
-    """Re-read a converted model with qconvert's readers and measure every tensor against the source.
-
-    Independent of the conversion's own report: both sides are opened from disk by format, matched by
-    their Hugging Face names, dequantized to float32 and compared. Verdicts here are what the numbers
-    say: `exact` (max error 0), `differs` (with the error), `missing` (not in the output).
-    """
-    from .records import canonical_name, describe_record
-    from .registry import detect_format
-
-    start = time.perf_counter()
-    source = open_source(src_format or detect_format(src_path), src_path)
-    output = open_source(out_format or detect_format(out_path), out_path)
-    # matched by the names transformers loads them by (a writer may rename what a producer renamed)
-    out_records = {canonical_name(r.name, output.config): r for r in output.records()}
-    report = Report(source.format_name, output.format_name, str(src_path), str(out_path))
-    for rec in tqdm(list(source.records()), desc="Verifying", unit="tensor", disable=not progress, leave=False):
-        target = out_records.get(canonical_name(rec.name, source.config))
-        if target is None:
-            plan = TensorPlan(rec.name, rec.shape, describe_record(rec), "-", "missing", "not in the output")
-            report.results.append(TensorResult(plan))
-            continue
-        if tuple(target.shape) != tuple(rec.shape):
-            raise QConvertError(f"shape {tuple(target.shape)} in the output, {tuple(rec.shape)} in the source",
-                                path=out_path, tensor=rec.name)
-        with kernel_trace() as used:
-            max_err, rmse = _measure(rec.load(), target.load().dequantize(torch.float32))
-        plan = TensorPlan(rec.name, rec.shape, describe_record(rec), describe_record(target),
-                          "exact" if max_err == 0.0 else "differs")
-        report.results.append(TensorResult(plan, max_err, rmse, kernel_summary(used)))
     report.seconds = time.perf_counter() - start
     return report

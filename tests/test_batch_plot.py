@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from qconvert.converters.apps.batch import JobResult
+from qconvert.converters.apps.batch_jobs import JobResult
 from qconvert.converters.apps.batch_plot import layer_error_figure, layer_errors, load_job_reports, plot_layer_errors
 from helpers import run_cli
 

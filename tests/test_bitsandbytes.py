@@ -20,15 +20,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from helpers import edit_safetensors, expect_user_error, gguf_dequant, gguf_tensors, llama_logits, run_cli, \
-    transformers_logits
+from helpers import (edit_safetensors, expect_user_error, gguf_dequant, gguf_tensors, llama_logits, run_cli,
+                     transformers_logits)
 from qconvert.converters.checker import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, check
 from qconvert.converters.records import describe_grid
 from qconvert.formats.bitsandbytes.reader import INT8_RECIPROCAL, BnbSource
 from qconvert.formats.gguf.schemes import GGUF_SCHEMES
-from qconvert.formats.gptq.reader import GPTQ_SCHEMES
-from qconvert.formats.hqq.reader import HQQ_KEEP
-from qconvert.formats.qqq.reader import qqq_scheme
+from qconvert.formats.gptq import GPTQ_SCHEMES
+from qconvert.formats.hqq import HQQ_KEEP
+from qconvert.formats.qqq import qqq_scheme
 from qconvert.formats.uqff.schemes import UQFF_SCHEMES
 
 REPO = Path(__file__).resolve().parent.parent

@@ -24,8 +24,8 @@ from synthetic_gptq import make_synthetic_gptq
 
 from qconvert.converters.apps import cli
 from qconvert.converters.registry import all_formats
-from qconvert.converters.run import _HOST, remove_stale_temporaries
-from qconvert.formats.gptq.reader import reader as gptq
+from qconvert.converters.output import _HOST, remove_stale_temporaries
+from qconvert.formats import gptq
 
 ALIGNED = re.compile(r"aligned choice: (.+?)(?:; pass --allow-requant|$)")
 

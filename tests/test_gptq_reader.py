@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fixtures
-from qconvert.converters.apps.cli import detect_format
+from qconvert.converters.registry import detect_format
 from qconvert.formats.gptq.reader import GptqSource
 
 
@@ -44,7 +44,7 @@ def test_scheme_is_read_from_the_data(fx, variant):
 
 def test_v1_zero_point_zero_needs_whole_word_decoding(fx):
     """The asym v1 file has zero point 0 in group 0; per-field +1 would decode its neighbour one too low."""
-    from qconvert.formats.gptq.reader import decode_zeros
+    from qconvert.formats.gptq.layout import decode_zeros
     from qconvert.kernels.bitpack import unpack_rows
     from safetensors.torch import load_file
 

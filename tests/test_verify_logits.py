@@ -180,14 +180,15 @@ def test_a_top_k_of_mistralrs_estimates_kl_and_keeps_top1_exact(wide_uqffs):
     KL over the top-20 (both sides renormalised) of the same order, and no perplexity where a true next
     token falls outside the 20."""
     from qconvert.converters.apps import logits as quality
+    from qconvert.converters.apps.runtimes import MistralRsRuntime, register_runtime
 
     src, outs = wide_uqffs
     full = quality.compare_logits("hf", src, "uqff", outs["q4_0"], [quality.bundled_text()])
-    quality.register_runtime("uqff", lambda p, f: quality.MistralRsRuntime(p, f, top_k=20))
+    register_runtime("uqff", lambda p, f: MistralRsRuntime(p, f, top_k=20))
     try:
         top = quality.compare_logits("hf", src, "uqff", outs["q4_0"], [quality.bundled_text()])
     finally:
-        quality.register_runtime("uqff", quality.MistralRsRuntime)
+        register_runtime("uqff", MistralRsRuntime)
     assert full.support == "full vocabulary" and top.support == "top-20 of mistral.rs (output)"
     assert top.tokens == full.tokens == 128 and top.top1_agreement == full.top1_agreement
     assert 0 < top.kl_mean and 0.1 < top.kl_mean / full.kl_mean < 10, (top.kl_mean, full.kl_mean)
@@ -211,7 +212,7 @@ def test_mistralrs_top_k_equals_a_direct_mistralrs_call(wide_uqffs, tmp_path):
     """The runtime's last position (the whole prompt) equals mistral.rs asked directly, in the tests' own
     runner (tests/fixtures_uqff.py: its own subprocess, the model's chat template, top-3)."""
     import fixtures_uqff as FU
-    from qconvert.converters.apps.logits import MistralRsRuntime
+    from qconvert.converters.apps.runtimes import MistralRsRuntime
 
     out = wide_uqffs[1]["q4_0"]
     direct = FU.mistralrs_logprobs(out, tmp_path / "lp.json", from_uqff="q4_0-0.uqff", steps=1)
@@ -267,7 +268,7 @@ def test_a_uqff_mistralrs_cannot_run_is_a_one_line_refusal(wide_uqffs, tmp_path)
     import shutil
 
     from qconvert.converters.errors import QConvertError
-    from qconvert.converters.apps.logits import MistralRsRuntime
+    from qconvert.converters.apps.runtimes import MistralRsRuntime
 
     src, outs = wide_uqffs
     proc = _verify_logits_without("mistralrs", src, outs["q4_0"])

@@ -34,68 +34,21 @@ import json
 import logging
 import math
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import time
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 from ... import __version__
 from ...kernels import usable_cpus
 from ..errors import QConvertError
+from .batch_jobs import PAIR, BatchJob, JobResult
 
 __all__ = ["BatchJob", "JobResult", "load_manifest", "run_batch", "default_workers", "job_memory_bytes"]
-
-_PAIR = re.compile(r"^(?P<src>[A-Za-z0-9_.\-]+?)(?:->|:|=>)(?P<dst>[A-Za-z0-9_.\-]+)$")
-
-
-@dataclass(frozen=True)
-class BatchJob:
-    src: Path
-    pair: str  # "gptq->gguf", or "auto->gguf" for a matrix job (the source format detected)
-    out: Path
-    options: tuple[str, ...] = ()
-
-    @property
-    def target(self) -> str:
-        return _PAIR.match(self.pair)["dst"]
-
-    def argv(self, report: Path) -> list[str]:
-        src_fmt = _PAIR.match(self.pair)["src"]
-        head = ["convert", str(self.src), str(self.out), "--to", self.target] if src_fmt == "auto" else \
-            [self.pair, str(self.src), str(self.out)]
-        return head + list(self.options) + ["--quiet", "--report", str(report)]
-
-
-@dataclass
-class JobResult:
-    src: str
-    pair: str
-    out: str
-    status: str  # "done" | "skipped" | "failed" | "planned"
-    error: str = ""
-    seconds: float = 0.0
-    bytes: int = 0
-    verdicts: dict = field(default_factory=dict)
-    max_abs_err: float | None = None
-    rms_err: float | None = None
-    options: list[str] = field(default_factory=list)
-    # `--verify`: `qconvert verify SRC OUT --logits` of the job's output (quality.LogitReport's figures)
-    verify: str = ""  # "" not asked | "measured" | the one-line error that stopped it | "above --max-kl ..."
-    kl_mean: float | None = None
-    kl_max: float | None = None
-    top1_agreement: float | None = None
-    ppl_source: float | None = None
-    ppl_output: float | None = None
-    gate: str = ""  # `--max-kl X`: "passed", or why not ("KL mean 0.16 above --max-kl 0.05"); set per run
-
-    @property
-    def verify_failed(self) -> bool:
-        return bool(self.verify) and self.verify != "measured" or self.gate.startswith("failed")
 
 
 # -- the manifest ---------------------------------------------------------------------------------------------
@@ -141,7 +94,7 @@ def load_manifest(manifest: Path) -> list[BatchJob]:
         where = f"jobs[{i}]"
         if not isinstance(j, dict) or not all(isinstance(j.get(k), str) for k in ("src", "pair", "out")):
             raise _bad(manifest, f"{where} needs src, pair and out (strings)")
-        if not _PAIR.match(j["pair"]):
+        if not PAIR.match(j["pair"]):
             raise _bad(manifest, f"{where}.pair {j['pair']!r} is not SRC->DST")
         jobs.append(BatchJob(base / j["src"], j["pair"], base / j["out"], _strings(j.get("options"), manifest,
                                                                                     f"{where}.options")))

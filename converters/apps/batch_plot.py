@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Sequence
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from .batch import JobResult
+    from .batch_jobs import JobResult
 
 __all__ = ["layer_errors", "layer_error_figure", "plot_layer_errors", "matplotlib_available",
            "load_job_reports", "INSTALL_HINT"]

@@ -294,16 +294,12 @@ def _run_conversion(src_format: str | None, target_name: str, params: dict) -> N
         report.write_json(params["report_path"])
 
 
-def _checked_device(name: str) -> str:
-    """--device as given, once kernels.resolve_device finds it here: an absent device is refused in one line
-    (exit 2) before anything is read or written."""
-    from ...kernels import resolve_device
+def _checked_device(name: str):
+    """--device as a torch.device, found here once (run.resolve_device_option): an absent device is refused in
+    one line (exit 2) before anything is read or written."""
+    from ..run import resolve_device_option
 
-    try:
-        resolve_device(name)
-    except ValueError as e:
-        raise QConvertError(str(e)) from None
-    return name
+    return resolve_device_option(name)
 
 
 def _make_convert_command(src: str, dst: str) -> click.Command:
@@ -425,7 +421,7 @@ def verify_command(src_path, out_path, src_format, out_format, report_path, stri
                    max_tokens, device):
     """Re-read OUT and measure every tensor against SRC's dequantization (both read from disk); with --logits,
     compare the two models' predictions too."""
-    from ..run import verify
+    from .verify import verify
 
     if prompts_path is not None and not logits:
         raise QConvertError("--prompts is for --logits")

@@ -33,7 +33,7 @@ from typing import Iterator
 import torch
 
 from ...converters.errors import BadInput
-from ...converters.records import Grid, GridParams, TensorRecord, codebook_name
+from ...converters.records import Grid, GridParams, TensorRecord, codebook_name, register_codebook
 from ...kernels.triton import route as triton_route
 from ...converters.model_shapes import ModelShapes
 from ..common.checkpoint import CheckpointDir, CheckpointSource, quantization_config_of, read_json
@@ -45,6 +45,16 @@ INT8_RECIPROCAL = 7.874015718698502e-3
 # functional.py dequantize_4bit: the blocksizes bitsandbytes accepts
 BNB_BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 QUANT_TYPES = ("nf4", "fp4")
+# functional.py get_4bit_type: the two 16-value tables the 4-bit types index (registered, so that a grid is
+# described by its table's name: "4-bit nf4 codebook blocksize 64")
+NF4_TABLE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+             -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+             0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+             0.7229568362236023, 1.0)
+FP4_TABLE = tuple(v / 12.0 for v in (0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, -0, -0.0625, -8.0, -12.0, -4.0,
+                                     -6.0, -2.0, -3.0))  # normalized to [-1, 1] as get_4bit_type does
+register_codebook("nf4", NF4_TABLE)
+register_codebook("fp4", FP4_TABLE)
 _OUT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _4BIT_PART = re.compile(r"^(?P<prefix>.+)\.weight\.(?P<part>absmax|quant_map|nested_absmax|nested_quant_map|"
                         r"quant_state\.bitsandbytes__\w+)$")

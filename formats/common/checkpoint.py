@@ -19,7 +19,7 @@ import torch
 from ...converters.errors import BadInput
 from ...converters.validate import json_kind, read_json as _read_json
 from .safetensors_header import Descriptors, SafetensorsHeader, read_header, read_tensor
-from ...converters.records import Dense, TensorRecord
+from ...converters.records import Dense, ModelSource, TensorRecord
 
 __all__ = ["CheckpointDir", "CheckpointSource", "read_json", "SIDE_FILES", "dtype_name", "weight_files_ignored",
            "WEIGHT_SUFFIXES"]
@@ -457,14 +457,17 @@ def quantization_config_of(path: Path) -> dict | None:
     return qc if isinstance(qc, dict) else None  # not an object: for the reader to refuse, naming the key
 
 
-class CheckpointSource:
+class CheckpointSource(ModelSource):
     """What every reader of a safetensors checkpoint folder shares: its `ckpt` (a CheckpointDir) gives the
-    side files to carry and the weight files it ignores (ModelSource's optional `ignored_files`)."""
+    side files to carry, the files the tensors come from and the weight files it ignores."""
 
     ckpt: CheckpointDir
 
     def side_files(self) -> dict[str, Path]:
         return self.ckpt.side_files()
+
+    def weight_files(self) -> list[str]:
+        return list(self.ckpt.shards)
 
     @property
     def ignored_files(self) -> dict[str, str]:

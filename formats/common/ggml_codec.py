@@ -1,9 +1,13 @@
-"""How a tensor planned for a quantized ggml type is encoded when the plan asked for more than the
-default reference quantizer: a grid's codes kept inside Q4_K/Q5_K super-blocks, an importance
-matrix (`--imatrix`), or llama.cpp's own quantizer (`--quantizer llama.cpp`).
+"""The ggml block codec GGUF and UQFF both write: one tensor in, its block bytes and the float32 values they
+decode to out (`encode_tensor`), for every ggml type a writer targets.
 
-`QuantHow` is decided at plan time (GgufWriter.plan_tensor) and carried in `TensorPlan.info["quant"]`;
-`encode_quantized` runs at write time, one tensor at a time.
+Per target: a source holding that very ggml type copies its blocks; GPTQ 4-bit symmetric words go straight
+into Q4_0 blocks (proved by decoding them back); float types are a cast; a grid the checker let keep its codes
+is repacked (legacy types), or its codes kept in the Q4_K/Q5_K super-blocks that hold them; the codebook (IQ)
+and FP4 types quantize with ggml's reference quantizers (kernels/ggml/, byte-identical), and everything else
+with the legacy or K quantizers. `QuantHow` says when a plan asked for more than the default reference
+quantizer: kept codes, an importance matrix (`--imatrix`), or llama.cpp's own quantizer (`--quantizer
+llama.cpp`); it is decided at plan time and carried in the writer's action.
 """
 
 from __future__ import annotations
@@ -15,6 +19,12 @@ import torch
 
 from ...kernels.ggml.layouts import BlockLayout
 from ...kernels.ggml.legacy import decode_blocks, quantize_pack
+from ...converters.checker import EXACT, NEAR_EXACT
+from ...converters.errors import QConvertError
+from ...converters.plan import BitIdentical
+from ...converters.records import Dense, Grid
+from ...kernels.ggml.gptq_q4_0 import gptq4_to_q4_0, q4_0_to_gptq4
+from ...kernels.ggml.legacy import repack_grid
 
 __all__ = ["QuantHow", "encode_quantized", "QUANTIZERS"]
 
@@ -101,3 +111,177 @@ def encode_quantized(lay: BlockLayout, item, how: QuantHow, source=None) -> tupl
     shape = x.shape
     data = _quantize_rows(lay, x.reshape(-1, shape[-1]), how)
     return data, _decode(lay, data, shape)
+
+
+def _kquants():
+    try:
+        from ...kernels.ggml import kquants
+    except ImportError:
+        return None
+    return kquants
+
+
+def _gptq_words_to_q4_0(item: Grid):
+    """The fast exact path: GPTQ 4-bit symmetric words straight into Q4_0 blocks, then back again to
+    prove the bytes hold exactly the source words and scales."""
+    p = item.params
+    out_features, in_features = item.shape
+    block_scales = p.scales[:, p.group_of_column(in_features)[::32]].to(torch.float16)
+    words = item.packed.words
+    from ...kernels import note_kernel, triton_device
+    from ...kernels.ggml import kquant_c
+
+    if not words.is_cuda and kquant_c.available() and triton_device(words) is None:  # (Triton: gptq4_to_q4_0)
+        # the same bytes in C, and the same proof: every word and scale rebuilt from the bytes, compared
+        note_kernel("repack", "c")
+        data, bad = kquant_c.gptq4_to_q4_0(words.numpy(), block_scales.numpy(), max(1, torch.get_num_threads()))
+        if bad:
+            raise AssertionError("Q4_0 bytes do not decode back to the GPTQ words")  # a bug, never user input
+        return data, BitIdentical("Q4_0 blocks decode back to the source's GPTQ words and fp16 scales")
+    data = gptq4_to_q4_0(words, block_scales)
+    words_back, scales_back = q4_0_to_gptq4(data)
+    if not (torch.equal(words_back, words) and torch.equal(scales_back, block_scales)):
+        raise AssertionError("Q4_0 bytes do not decode back to the GPTQ words")  # a bug, never user input
+    return data.numpy(), BitIdentical("Q4_0 blocks decode back to the source's GPTQ words and fp16 scales")
+
+
+def _fast_path_applies(lay: BlockLayout, verdict: str, item) -> bool:
+    packed = getattr(item, "packed", None)
+    return (lay.name == "Q4_0" and verdict == EXACT and packed is not None and packed.layout == "gptq-rows"
+            and packed.bits == 4 and item.params.symmetric)
+
+
+class SourceValues:
+    """An item's float32 dequantization, computed at most once: what the encoder quantizes is also what the
+    runner measures the written tensor against (GgufSession.take_reference)."""
+
+    __slots__ = ("item", "values")
+
+    def __init__(self, item: Dense | Grid):
+        self.item, self.values = item, None
+
+    def __call__(self) -> torch.Tensor:
+        if self.values is None:
+            self.values = self.item.dequantize(torch.float32)
+        return self.values
+
+
+def encode_tensor(lay: BlockLayout, verdict: str, item: Dense | Grid,
+                  quant: QuantHow | None = None,
+                  source: SourceValues | None = None) -> tuple[np.ndarray, torch.Tensor | BitIdentical]:
+    """-> (bytes as uint8 numpy, float32 values the bytes decode to in the item's shape, or a proof
+    that the bytes are bit-identical to the source's packed codes). `source`: the item's float32
+    dequantization, shared with the caller (computed here when a path needs it)."""
+    if source is None:
+        source = SourceValues(item)
+    packed = getattr(item, "packed", None)
+    if packed is not None and packed.layout == f"ggml:{lay.name}":
+        # the source holds this very ggml type: its blocks are the answer, byte for byte
+        return packed.words.numpy(), BitIdentical(f"{lay.name} blocks copied from the source unchanged")
+    if _fast_path_applies(lay, verdict, item):
+        return _gptq_words_to_q4_0(item)
+    if lay.kind == "float":
+        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[lay.name]
+        t = (source() if dtype == torch.float32 else item.dequantize(dtype)).contiguous()
+        return t.view(torch.uint8).numpy(), t.to(torch.float32)
+    if isinstance(item, Grid) and verdict in (EXACT, NEAR_EXACT) and lay.kind == "legacy":
+        p = item.params
+        out_features, in_features = item.shape
+        block_group = p.group_of_column(in_features)[:: lay.block]
+        data = repack_grid(lay, item.codes, p.scales, p.zeros, block_group, mins=p.mins)
+        return data.numpy(), decode_blocks(lay, data)
+    if lay.kind == "codebook":
+        if verdict == EXACT:  # the checker's "blocks copied" needs the source's blocks, found above
+            raise QConvertError(f"{lay.name} blocks to copy are missing from the source record")
+        return _encode_codebook(lay, item, quant)
+    if lay.kind == "fp4":
+        return _encode_fp4(lay, verdict, item, quant)
+    if quant is not None and quant.needed:  # kept grid codes, an imatrix or llama.cpp's quantizer (kencode.py)
+        return encode_quantized(lay, item, quant, source)
+    x = source()
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if lay.kind == "legacy":
+        data = quantize_pack(lay, x2)
+        return data.numpy(), decode_blocks(lay, data).view(shape)
+    kq = _kquants()
+    data = kq.quantize_k(x2.numpy(), lay.name)
+    return data, torch.from_numpy(kq.dequantize_k(data, lay.name)).view(shape)
+
+
+def _encode_codebook(lay: BlockLayout, item: Dense | Grid, quant: QuantHow | None) -> tuple[np.ndarray, torch.Tensor]:
+    """The codebook types: the dequantized weights through ggml's quantize_iq4_nl / _iq4_xs / _iq3_s / _iq3_xxs /
+    _iq2_s / _iq2_xs / _iq2_xxs (our kernels, or llama.cpp's own with --quantizer llama.cpp), with the --imatrix
+    weights when given; decoded as gguf-py decodes it."""
+    from ...kernels.ggml.iq2 import (dequantize_iq2_s, dequantize_iq2_xs, dequantize_iq2_xxs, quantize_iq2_s,
+                                quantize_iq2_xs, quantize_iq2_xxs)
+    from ...kernels.ggml.iq3_s import dequantize_iq3_s, dequantize_iq3_xxs, quantize_iq3_s, quantize_iq3_xxs
+    from ...kernels.ggml.iq4_nl import dequantize_iq4_nl, quantize_iq4_nl
+    from ...kernels.ggml.iq4_xs import dequantize_iq4_xs, quantize_iq4_xs
+
+    quantize, dequantize = {"IQ4_NL": (quantize_iq4_nl, dequantize_iq4_nl),
+                            "IQ4_XS": (quantize_iq4_xs, dequantize_iq4_xs),
+                            "IQ3_S": (quantize_iq3_s, dequantize_iq3_s),
+                            "IQ2_S": (quantize_iq2_s, dequantize_iq2_s),
+                            "IQ2_XS": (quantize_iq2_xs, dequantize_iq2_xs),
+                            "IQ3_XXS": (quantize_iq3_xxs, dequantize_iq3_xxs),
+                            "IQ2_XXS": (quantize_iq2_xxs, dequantize_iq2_xxs)}[lay.name]
+
+    x = item.dequantize(torch.float32)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous().numpy()
+    imatrix = quant.imatrix if quant is not None else None
+    if quant is not None and quant.backend == "llama.cpp":
+        from ...kernels.ggml.libggml import ggml_quantize
+
+        data = ggml_quantize(x2, lay.name, imatrix, threads=max(1, torch.get_num_threads()))
+    else:
+        data = quantize(x2, imatrix)
+    return data, torch.from_numpy(dequantize(data, shape[-1])).view(shape)
+
+
+def tensor_scale_of(params) -> float | None:
+    """The float32 value of the `.scale` tensor llama.cpp multiplies an NVFP4 weight's matmul by, for a float
+    grid with a global scale (None without one): ModelOpt's weight_scale_2 as it is, compressed-tensors'
+    weight_global_scale as its float32 reciprocal (1.0 / scale, as llama.cpp's converter stores it)."""
+    g = getattr(params, "global_scale", None)
+    if g is None:
+        return None
+    g = g.to(torch.float32).reshape(())
+    return float(torch.tensor(1.0, dtype=torch.float32) / g) if params.global_scale_op == "div" else float(g)
+
+
+def _encode_fp4(lay: BlockLayout, verdict: str, item: Dense | Grid, quant: QuantHow | None
+                ) -> tuple[np.ndarray, torch.Tensor]:
+    """MXFP4 / NVFP4 blocks. An E2M1 float grid the checker let keep its codes is repacked (the codes, and the
+    block scales as E8M0 exponents or UE4M3 bytes: the source's own bits); anything else is dequantized and
+    quantized by ggml's reference quantizer (kernels/floatq.py, byte-identical to quantize_row_mxfp4_ref /
+    quantize_row_nvfp4_ref), or llama.cpp's own with --quantizer llama.cpp. -> (bytes, float32 values the
+    file decodes to, an NVFP4 tensor's `.scale` applied)."""
+    from ...kernels import floatq
+
+    if isinstance(item, Grid) and verdict in (EXACT, NEAR_EXACT) and getattr(item.params, "element", None) == "e2m1":
+        p = item.params
+        rows, n = item.shape
+        codes = item.codes.numpy()
+        if lay.name == "MXFP4":
+            e = floatq.float_to_e8m0(p.folded_scales()[:, torch.arange(0, n, 32) // p.group_size]).numpy()
+            data = floatq.pack_ggml_mxfp4(codes, e)
+            return data, torch.from_numpy(floatq.decode_ggml_mxfp4(data, n))
+        ts = tensor_scale_of(p)
+        block = p.scales.to(torch.float32) if ts is not None else p.folded_scales()
+        d = block[:, torch.arange(0, n, 16) // p.group_size].to(torch.float8_e4m3fn).view(torch.uint8) & 0x7F
+        data = floatq.pack_ggml_nvfp4(codes, d.numpy())
+        decoded = torch.from_numpy(floatq.decode_ggml_nvfp4(data, n))
+        return data, decoded if ts is None else decoded * torch.tensor(ts, dtype=torch.float32)
+    x = item.dequantize(torch.float32)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous().numpy()
+    if quant is not None and quant.backend == "llama.cpp":
+        from ...kernels.ggml.libggml import ggml_quantize
+
+        data = ggml_quantize(x2, lay.name, threads=max(1, torch.get_num_threads()))
+    else:
+        data = floatq.quantize_ggml_mxfp4(x2) if lay.name == "MXFP4" else floatq.quantize_ggml_nvfp4(x2)
+    decode = floatq.decode_ggml_mxfp4 if lay.name == "MXFP4" else floatq.decode_ggml_nvfp4
+    return data, torch.from_numpy(decode(data, shape[-1])).view(shape)

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from ...converters.checker import EXACT, REQUANTIZE, check, describe_grid
+from ...converters.checker import EXACT, NEAR_EXACT, REQUANTIZE, check
 from ...converters.errors import QConvertError
-from ...converters.plan import Options, TensorPlan
-from ...converters.records import Dense, Grid, GridParams, TensorRecord
+from ...converters.plan import Options, TensorPlan, Writer, WriterSession
+from ...converters.records import Dense, Grid, GridParams, TensorRecord, describe_record
 from ..common.gptq_type import parse_gptq_type
 from ..common.checkpoint import ShardWriter, copy_side_files, write_json
 from ...kernels.floatq import float_to_e8m0, pack_fp4
@@ -92,41 +92,50 @@ def _zero_point_form(p: GridParams) -> GridParams:
     return GridParams(bits=p.bits, group_size=p.group_size, scales=p.scales, zeros=z, g_idx=p.g_idx)
 
 
-class CtWriter:
+@dataclass(frozen=True)
+class CtAction:
+    """How the session stores one tensor beyond copying it: a float grid's codes in the compressed-tensors float
+    format `float_format`; a quantized embedding or head dequantized to `dense`; or requantized at `scheme`
+    (plans whose verdict is requantize)."""
+
+    float_format: str = ""
+    dense: torch.dtype | None = None
+    scheme: WeightScheme | None = None
+
+
+class CtWriter(Writer):
     """compressed-tensors pack-quantized output."""
 
     name = "compressed-tensors"
-    output_is_file = False
 
     def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
         explicit = options.explicit_type(rec.name) or options.type
-        if rec.rotated is not None or rec.lossy_standin:
+        if rec.lossy_standin:
             # a folded stand-in (rotated GPTQ down_proj): the plain weights leave the grid
-            return self._requant_plan(rec, explicit or "4g128", rec.lossy_standin or "rotated grid")
+            return self._requant_plan(rec, explicit or "4g128", rec.lossy_standin)
         if rec.is_grid and _QUANTIZABLE.match(rec.name) and rec.params.element is not None and not explicit:
             plan = self._float_plan(rec)
             if plan is not None:
                 return plan
         if rec.is_grid and _QUANTIZABLE.match(rec.name):
             p = rec.params
-            src = describe_grid(p, rec.shape[1])
             if explicit:
                 want = parse_gptq_type(explicit)
                 group = want.group_size if want.group_size > 0 else rec.shape[1]
                 if (want.bits, group, want.sym) != (p.bits, p.group_size, p.symmetric):
-                    return self._requant_plan(rec, explicit, "type differs from the source grid", src)
+                    return self._requant_plan(rec, explicit, "type differs from the source grid", describe_record(rec))
             d = check(p, rec.shape, CT_PACK)
             target = f"pack-quantized {p.bits}-bit " + (f"g{p.group_size}" if p.n_groups > 1 else "per-channel")
-            info = {}
+            action = None
             if d.verdict == REQUANTIZE:
-                info["scheme"] = WeightScheme(p.bits if 1 <= p.bits <= 8 else 4, p.group_size,
-                                              p.symmetric, p.n_groups == 1)
-            return TensorPlan(rec.name, rec.shape, src, target, d.verdict, d.reason, out_name=rec.name, info=info)
+                action = CtAction(scheme=WeightScheme(p.bits if 1 <= p.bits <= 8 else 4, p.group_size,
+                                                      p.symmetric, p.n_groups == 1))
+            return self.plan(rec, d, target, action=action)
         if rec.is_grid:
             # embeddings and the head stay float, as compressed-tensors models keep them (lm_head is ignored)
-            return TensorPlan(rec.name, rec.shape, describe_grid(rec.params, rec.shape[-1]), "float16", "near-exact",
+            return TensorPlan(rec.name, rec.shape, describe_record(rec), "float16", NEAR_EXACT,
                               "kept unquantized (compressed-tensors quantizes the decoder linears): dequantized "
-                              "weights round once to fp16", out_name=rec.name, info={"dense": torch.float16})
+                              "weights round once to fp16", out_name=rec.name, action=CtAction(dense=torch.float16))
         if explicit and len(rec.shape) == 2 and _QUANTIZABLE.match(rec.name):
             return self._requant_plan(rec, explicit, "dense weights quantized with compressed-tensors' min-max "
                                                      "round-to-nearest (no calibration)")
@@ -138,8 +147,7 @@ class CtWriter:
         for fmt, scheme in CT_FLOAT.items():
             d = check(rec.params, rec.shape, scheme)
             if d.keeps_codes:
-                return TensorPlan(rec.name, rec.shape, describe_grid(rec.params, rec.shape[1]), fmt, d.verdict,
-                                  d.reason, out_name=rec.name, info={"float": fmt})
+                return self.plan(rec, d, fmt, action=CtAction(float_format=fmt))
         return None
 
     def _requant_plan(self, rec: TensorRecord, type_name: str, why: str, src: str | None = None) -> TensorPlan:
@@ -147,16 +155,13 @@ class CtWriter:
         group = want.group_size if want.group_size > 0 else rec.shape[1]
         scheme = WeightScheme(want.bits, group, want.sym, group >= rec.shape[1])
         return TensorPlan(rec.name, rec.shape, src or rec.dtype, f"pack-quantized {type_name}", REQUANTIZE, why,
-                          out_name=rec.name, info={"scheme": scheme})
-
-    def check_model(self, source, plans, options) -> None:
-        return None
+                          out_name=rec.name, action=CtAction(scheme=scheme))
 
     def open(self, path: Path, source, plans: list[TensorPlan], options: Options) -> "CtSession":
         return CtSession(Path(path), source)
 
 
-class CtSession:
+class CtSession(WriterSession):
     def __init__(self, path: Path, source):
         self.path, self.source = path, source
         self.shards = ShardWriter(path)
@@ -165,12 +170,13 @@ class CtSession:
         self.dense_linears: list[str] = []
 
     def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor:
-        if "float" in plan.info:
-            return self._add_float(plan.name[: -len(".weight")], item, plan.info["float"])
-        if "dense" in plan.info:
-            item = Dense(item.dequantize(torch.float32).to(plan.info["dense"]))
+        action: CtAction = plan.action or CtAction()
+        if action.float_format:
+            return self._add_float(plan.name[: -len(".weight")], item, action.float_format)
+        if action.dense is not None:
+            item = Dense(item.dequantize(torch.float32).to(action.dense))
         elif plan.verdict == REQUANTIZE:
-            s: WeightScheme = plan.info["scheme"]
+            s = action.scheme
             w = item.dequantize(torch.float32)
             if isinstance(item, Dense) and item.tensor.dtype in (torch.float16, torch.bfloat16):
                 # compressed-tensors quantizes a model in its own dtype, scales in that dtype too

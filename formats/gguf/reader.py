@@ -51,6 +51,7 @@ from .metadata import check_gguf_tensors, config_from_gguf, field_values
 from .archs import arch_by_name, merge_gpt_oss_experts, merge_kv_b
 from .names import expert_member, hf_tensor_name, inverse_permutation, is_expert_stack, qk_row_permutation
 from .tokenizer import tokenizer_files_from_gguf
+from ...converters.records import ModelSource
 
 __all__ = ["GgufSource", "GgufHeader", "open_gguf", "scan_header", "split_parts", "GRID_TYPES"]
 
@@ -400,7 +401,7 @@ def _type_name(t) -> str:
         return f"type {int(t.tensor_type)}"
 
 
-class GgufSource:
+class GgufSource(ModelSource):
     """A GGUF model (one file or every part of a split set) as a lazy stream of HF-named records."""
 
     format_name = "gguf"
@@ -734,7 +735,7 @@ class GgufSource:
             self._tokenizer_dir = tmp
         return {p.name: p for p in sorted(self._tokenizer_dir.iterdir())}
 
-    def write_gguf_tokenizer(self, writer: gguf.GGUFWriter) -> None:
+    def write_gguf_tokenizer(self, writer: gguf.GGUFWriter) -> bool:
         """Copy the `tokenizer.*` keys verbatim (types included) into a GGUF being written: a GGUF
         target keeps the source's tokenizer exactly, pre-tokenizer name and chat template included."""
         for key, f in self.fields.items():
@@ -746,6 +747,7 @@ class GgufSource:
             if vtype == gguf.GGUFValueType.ARRAY and not len(value):  # GGUF writers refuse empty arrays
                 raise BadInput(f"metadata {key} is an empty array", path=self.path)
             writer.add_key_value(key, value, vtype, sub_type=sub)
+        return True
 
     def describe(self) -> dict:
         counts: dict[str, int] = {}

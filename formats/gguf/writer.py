@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gguf
@@ -42,28 +42,29 @@ import torch
 from ...converters.checker import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, best_aligned, check, decide, describe_grid
 from ...converters.errors import BadInput, QConvertError
 from ...converters.validate import ConfigView
-from ...converters.plan import BitIdentical, Options, TensorPlan, unknown_type
+from ...converters.plan import BitIdentical, Options, TensorPlan, Writer, WriterSession, unknown_type
 from ...converters.records import Dense, Grid, TensorRecord
-from ...kernels.ggml.layouts import CODEBOOK_LAYOUTS, TARGET_LAYOUTS, BlockLayout  # grid, codebook (IQ4_*) types
-from ...kernels.ggml.legacy import decode_blocks, quantize_pack, repack_grid
-from ...kernels.ggml.gptq_q4_0 import gptq4_to_q4_0, q4_0_to_gptq4
-from ..common.ggml_codec import QUANTIZERS, QuantHow, encode_quantized
+from ...kernels.ggml.layouts import CODEBOOK_LAYOUTS, TARGET_LAYOUTS  # grid, codebook (IQ4_*) types
+from ..common.ggml_codec import QUANTIZERS, QuantHow
 from .metadata import add_model_metadata, check_writer_config, config_json_path, layer_count, rope_tensors
 from .archs import (EXPERT_COUNT_KEYS, arch_by_name, expert_count_key, gpt_oss_expert_part, kv_b_parts,
                     split_gpt_oss_experts, split_kv_b)
 from .names import expert_of, gguf_arch, layer_index, gguf_tensor_name, inverse_permutation, qk_row_permutation
-from .presets import (PRESETS, ModelFacts, model_facts_from_gguf_names, preset_of, preset_type,
-                      quantized_by_llama_cpp)
+from .presets import PRESETS, ModelFacts, model_facts_from_gguf_names, preset_of, preset_type, quantized_by_llama_cpp
+from .tokenizer import add_tokenizer
 from .schemes import ALIGNED_CANDIDATES, GGUF_SCHEMES, default_grid_type, imatrix_refusal, k_fallback
+from ..common.ggml_codec import SourceValues, _kquants, encode_tensor, tensor_scale_of
 
 __all__ = ["GgufWriter", "best_aligned_type", "default_grid_type", "FILE_TYPES"]
 
-# general.file_type for the dominant tensor type (llama.cpp's LlamaFileType)
-FILE_TYPES = {"MXFP4": 38, "NVFP4": 39,  # LLAMA_FTYPE_MOSTLY_MXFP4_MOE, _NVFP4 (gguf-py LlamaFileType)
-              "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10,
-              "Q3_K": 12, "Q4_K": 15, "Q5_K": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ3_S": 26, "IQ4_XS": 30, "BF16": 32,
-              "IQ2_XXS": 19, "IQ2_XS": 20, "IQ3_XXS": 23,  # IQ2_S: LLAMA_FTYPE_MOSTLY_IQ2_M (28 makes IQ2_XS)
-              "IQ2_S": 29}
+# general.file_type for the dominant tensor type: gguf-py's LlamaFileType MOSTLY_<TYPE>, except where
+# llama-quantize names a type's file otherwise (a K type by its _M mix, F32 ALL_F32, IQ2_S by IQ2_M: 28 makes
+# IQ2_XS, MXFP4 by its _MOE name)
+_FILE_TYPE_NAMES = {"F32": "ALL_F32", "Q3_K": "MOSTLY_Q3_K_M", "Q4_K": "MOSTLY_Q4_K_M", "Q5_K": "MOSTLY_Q5_K_M",
+                    "IQ2_S": "MOSTLY_IQ2_M", "MXFP4": "MOSTLY_MXFP4_MOE"}
+FILE_TYPES = {t: int(gguf.LlamaFileType[_FILE_TYPE_NAMES.get(t, f"MOSTLY_{t}")]) for t in (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+    "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "MXFP4", "NVFP4")}
 # tensors a checkpoint may carry that llama.cpp recomputes itself
 _DROPPED = re.compile(r"rotary_emb\.inv_freq$")
 _WRITABLE = tuple(GGUF_SCHEMES)
@@ -175,14 +176,6 @@ def _kv_b_records(rec: TensorRecord, parts: tuple[str, str], config, where) -> l
             for i, (name, shape) in enumerate(zip(parts, shapes))]
 
 
-def _kquants():
-    try:
-        from ...kernels.ggml import kquants
-    except ImportError:
-        return None
-    return kquants
-
-
 def best_aligned_type(p, shape) -> tuple[str, str] | None:
     """(type, verdict) of the cheapest type that holds the grid exactly, else near-exactly."""
     best = best_aligned(p, shape, ALIGNED_CANDIDATES)
@@ -265,6 +258,17 @@ def _imatrix_for(options: Options, out_name: str, shape, target: str) -> tuple[n
     return vec, "; weighted by the imatrix"
 
 
+@dataclass
+class GgufAction:
+    """What the session does with one tensor besides encoding it as its plan's target type."""
+
+    drop: bool = False  # not written (llama.cpp recomputes it, or loads no such tensor)
+    expert: int | None = None  # its index in the layer's stacked expert tensor
+    file_type: int | None = None  # the general.file_type the asked --type names (a mix, or llama-quantize's)
+    quant: QuantHow | None = None  # kept codes, an imatrix or llama.cpp's quantizer (common/ggml_codec.py)
+    tensor_scale: float | None = None  # NVFP4 with a global scale: llama.cpp's `.scale` for this tensor
+
+
 def _attach_quant(plan: TensorPlan, options: Options, keep_codes: bool) -> None:
     """Record how a quantized target is encoded when it is not simply the reference quantizer."""
     lay = TARGET_LAYOUTS[plan.target]
@@ -288,26 +292,34 @@ def _attach_quant(plan: TensorPlan, options: Options, keep_codes: bool) -> None:
     how = QuantHow(keep_codes=keep_codes, imatrix=imatrix,
                    backend=backend if plan.verdict == REQUANTIZE else "qconvert")
     if how.needed:
-        plan.info["quant"] = how
+        plan.action.quant = how
 
 
-class GgufWriter:
+class GgufWriter(Writer):
     name = "gguf"
     output_is_file = True
 
-    def __init__(self, arch: tuple[str, int] | None = None, facts: ModelFacts | None = None):
+    def __init__(self, arch: tuple[str, int] | None = None):
         self._arch_of_source = arch  # set by for_conversion: (GGUF architecture, layer count) of this model
-        self._facts = facts  # llama-quantize's view of the model, when --type names one of its mixes
+        self._facts: ModelFacts | None = None  # llama-quantize's view of the model, when --type names a mix
+        self._tokenizer: dict | None = None  # the tokenizer keys, built once (check_model) for the session
 
     def for_conversion(self, source, options: Options) -> "GgufWriter":
         """The writer for one conversion, holding the model's architecture (read once from config.json)."""
         where = config_json_path(source)
-        writer = GgufWriter((gguf_arch(source.config, where), layer_count(source.config, where)))
-        if preset_of(options.type) is not None:
-            arch, n_layers = writer._arch_of_source
-            writer._facts = preset_facts(writer.adapt_records(source.records(), source), source, arch, n_layers,
-                                         options)
-        return writer
+        return GgufWriter((gguf_arch(source.config, where), layer_count(source.config, where)))
+
+    def alternative_hint(self, scheme: str, verdict: str) -> str:
+        return f"--type {scheme.lower()} ({verdict})"
+
+    def plan_records(self, records, options: Options, source):
+        """With a llama-quantize mix, the type of a tensor depends on the whole model (how many attention and
+        expert tensors it has, as llama-quantize counts them first): the records are listed once and their
+        facts taken before planning; otherwise each record is planned as it arrives."""
+        if preset_of(options.type) is not None and self._facts is None:
+            records = list(records)
+            self._facts = preset_facts(records, source, *self._arch(source), options)
+        return super().plan_records(records, options, source)
 
     def _arch(self, source) -> tuple[str, int]:
         if self._arch_of_source is None:  # called without for_conversion (a direct plan_tensor call)
@@ -334,25 +346,25 @@ class GgufWriter:
         arch, n_layers = self._arch(source)
         if _DROPPED.search(rec.name):
             return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT, "recomputed by llama.cpp",
-                              info={"drop": True})
+                              action=GgufAction(drop=True))
         spec = arch_by_name(arch)
         if spec.tied_output_dropped and rec.name == "lm_head.weight":
             # llama.cpp's Gemma runs the embedding as the output projection and has no output tensor
             return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT,
                               f"{arch} uses the token embedding as its output (llama.cpp loads no output.weight)",
-                              info={"drop": True})
+                              action=GgufAction(drop=True))
         out_name = gguf_tensor_name(rec.name, arch, n_layers)
         layer = layer_index(rec.name)
         if out_name is None and spec.drops_extra_layers and layer is not None and layer >= n_layers:
             return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT,
                               f"layer {layer} is beyond num_hidden_layers {n_layers} (multi-token prediction): "
-                              f"llama.cpp's {arch} does not load it", info={"drop": True})
+                              f"llama.cpp's {arch} does not load it", action=GgufAction(drop=True))
         if out_name is None:
             return TensorPlan(rec.name, rec.shape, rec.dtype, "?", REFUSED,
                               f"no GGUF tensor for it in arch {arch}; llama.cpp refuses extra tensors")
         facts = self._facts
-        if facts is None and preset_of(options.type) is not None:  # a direct call, without for_conversion
-            facts = self.for_conversion(source, options)._facts
+        if facts is None and preset_of(options.type) is not None:  # a direct call, without plan_records
+            facts = preset_facts(self.adapt_records(source.records(), source), source, arch, n_layers, options)
         expert = expert_of(rec.name)
         # the shape llama.cpp's rules see: a stacked expert tensor's, experts outermost
         rule_shape = rec.shape if expert is None else (_expert_count(source), *rec.shape)
@@ -392,48 +404,54 @@ class GgufWriter:
             if spec.norm_shift and out_name.endswith("norm.weight") and v.verdict == EXACT:
                 v = replace(v, verdict=NEAR_EXACT, reason=f"{v.reason}; stored as {spec.norm_shift:g} + w as "
                             f"llama.cpp's {arch} reads its norms (the float32 addition rounds)")
-        plan = TensorPlan(rec.name, rec.shape, src, target, v.verdict, rule_note + fallback_note + v.reason,
-                          out_name=out_name)
-        if expert is not None:
-            plan.info["expert"] = expert
+        action = GgufAction(expert=expert)
         preset = preset_of(options.type)
         if preset is not None:
-            plan.info["file_type"] = preset.file_type  # general.file_type names the preset, not a tensor type
+            action.file_type = preset.file_type  # general.file_type names the preset, not a tensor type
         elif options.type and options.type.strip().upper() in FILE_TYPES:
             # llama-quantize names the type asked for (IQ4_XS: 30) even where fallbacks outnumber it
-            plan.info["file_type"] = FILE_TYPES[options.type.strip().upper()]
+            action.file_type = FILE_TYPES[options.type.strip().upper()]
+        if rec.is_grid and target == "NVFP4" and v.keeps_codes:
+            action.tensor_scale = tensor_scale_of(rec.params)
+        plan = self.plan(rec, v, target, source=src, out_name=out_name, action=action,
+                         reason_prefix=rule_note + fallback_note)
         _attach_quant(plan, options, keep_codes=bool(v.kept_blocks))
-        if rec.is_grid and target == "NVFP4" and v.keeps_codes and tensor_scale_of(rec.params) is not None:
-            plan.info["tensor_scale"] = tensor_scale_of(rec.params)
-        if v.alternative:
-            plan.alternative = f"--type {v.alternative[0].lower()} ({v.alternative[1]})"
         if TARGET_LAYOUTS[target].kind == "k" and v.verdict == REQUANTIZE and _kquants() is None:
             plan.verdict, plan.reason = REFUSED, f"the {target} quantizer is not available in this build"
         return plan
 
     def check_model(self, source, plans, options) -> None:
         arch, _ = self._arch(source)
-        kept = [p for p in plans if p.out_name and p.out_name != "?" and not p.info.get("drop")]
+        kept = [p for p in plans if p.out_name and p.out_name != "?" and not p.action.drop]
         shapes = {name: stack_shape(members) for name, members in
-                  gguf_tensors_in_order(kept, _expert_count(source) if any("expert" in p.info for p in kept) else 0,
+                  gguf_tensors_in_order(kept, _expert_count(source) if any(p.action.expert is not None for p in kept) else 0,
                                         config_json_path(source))}
         check_writer_config(source.config, arch, shapes,
                             config_json_path(source), names={p.out_name: p.name for p in kept},
                             unmapped=[p.name for p in plans if not p.out_name])
-        # the tokenizer is checked by the session before writing; do it here too so dry runs see it
-        arch, _ = self._arch(source)
-        probe = gguf.GGUFWriter(path=None, arch=arch)
-        n_vocab = next((p.shape[0] for p in plans if p.out_name == "token_embd.weight"), None)
-        if n_vocab is None:
-            raise QConvertError("the model has no token embedding (model.embed_tokens.weight)", path=source.path)
-        _add_tokenizer(probe, source, n_vocab)
+        # the tokenizer is built (and checked) here, once, so that dry runs see it too; the session writes it
+        self._tokenizer_keys(source, plans)
+
+    def _tokenizer_keys(self, source, plans: list[TensorPlan]) -> dict:
+        """The tokenizer's GGUF keys {key: gguf GGUFValue}, built once per conversion on a writer without a file
+        (the keys it adds beyond its own general.architecture)."""
+        if self._tokenizer is None:
+            arch, _ = self._arch(source)
+            probe = gguf.GGUFWriter(path=None, arch=arch)
+            n_vocab = next((p.shape[0] for p in plans if p.out_name == "token_embd.weight"), None)
+            if n_vocab is None:
+                raise QConvertError("the model has no token embedding (model.embed_tokens.weight)", path=source.path)
+            before = set(probe.kv_data[0])
+            _add_tokenizer(probe, source, n_vocab)
+            self._tokenizer = {k: v for k, v in probe.kv_data[0].items() if k not in before}
+        return self._tokenizer
 
     def writes_several_files(self, options: Options) -> bool:
         """With --split-max-size the output is a set of `-0000i-of-0000N.gguf` parts (see run.atomic_output)."""
         return bool(options.extra.get("split_max_size"))
 
     def open(self, path: Path, source, plans: list[TensorPlan], options: Options) -> "GgufSession":
-        return GgufSession(Path(path), source, plans, *self._arch(source),
+        return GgufSession(Path(path), source, plans, *self._arch(source), self._tokenizer_keys(source, plans),
                            split_max_size=int(options.extra.get("split_max_size") or 0))
 
 
@@ -450,12 +468,12 @@ def gguf_tensors_in_order(plans: list[TensorPlan], n_experts: int, where: object
         groups.setdefault(p.out_name, []).append(p)
         last[p.out_name] = i
     for name, members in groups.items():
-        if "expert" not in members[0].info:
+        if members[0].action.expert is None:
             if len(members) > 1:
                 raise BadInput(f"{len(members)} tensors of the checkpoint map to {name} ({members[0].name}, "
                                f"{members[1].name})", path=where, tensor=members[1].name)
             continue
-        have = sorted(p.info["expert"] for p in members)
+        have = sorted(p.action.expert for p in members)
         if have != list(range(n_experts)):
             missing = sorted(set(range(n_experts)) - set(have))
             dup = sorted({e for e in have if have.count(e) > 1})
@@ -465,55 +483,51 @@ def gguf_tensors_in_order(plans: list[TensorPlan], n_experts: int, where: object
                            tensor=members[0].name)
         for p in members[1:]:
             if tuple(p.shape) != tuple(members[0].shape) or p.target != members[0].target:
-                raise BadInput(f"expert {p.info['expert']} is {list(p.shape)} as {p.target} but expert "
-                               f"{members[0].info['expert']} is {list(members[0].shape)} as {members[0].target}: "
+                raise BadInput(f"expert {p.action.expert} is {list(p.shape)} as {p.target} but expert "
+                               f"{members[0].action.expert} is {list(members[0].shape)} as {members[0].target}: "
                                f"one stacked tensor {name} holds them", path=where, tensor=p.name)
-        members.sort(key=lambda p: p.info["expert"])
+        members.sort(key=lambda p: p.action.expert)
     return sorted(groups.items(), key=lambda item: last[item[0]])
 
 
 def stack_shape(members: list[TensorPlan]) -> tuple[int, ...]:
     """The HF-order shape of the GGUF tensor `members` fill: one record's, or the experts' stacked."""
     first = members[0]
-    return tuple(first.shape) if "expert" not in first.info else (len(members), *first.shape)
+    return tuple(first.shape) if first.action.expert is None else (len(members), *first.shape)
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, source, n_vocab: int) -> None:
     """The tokenizer keys: copied verbatim from a GGUF source, else built from its tokenizer files."""
-    copy = getattr(source, "write_gguf_tokenizer", None)
-    if copy is not None:
-        copy(writer)
-        return
-    from .tokenizer import add_tokenizer
-
-    add_tokenizer(writer, Path(source.path), source.config, n_vocab)
+    if not source.write_gguf_tokenizer(writer):
+        add_tokenizer(writer, Path(source.path), source.config, n_vocab)
 
 
-class GgufSession:
+class GgufSession(WriterSession):
     """Writes the planned tensors in order. With `split_max_size` (bytes) gguf-py starts a new part
     whenever the next tensor would overflow the current one; the parts are named
     `<stem>-0000i-of-0000N.gguf` next to `path` (llama.cpp loads the set from its first part)."""
 
-    def __init__(self, path: Path, source, plans: list[TensorPlan], arch: str, n_layers: int,
+    def __init__(self, path: Path, source, plans: list[TensorPlan], arch: str, n_layers: int, tokenizer: dict,
                  split_max_size: int = 0):
         self.source, self.arch = source, arch
         self.writer = gguf.GGUFWriter(path=str(path), arch=arch, split_max_size=split_max_size)
         w = self.writer
-        kept = [p for p in plans if not p.info.get("drop")]
+        kept = [p for p in plans if not p.action.drop]
         counts: dict[str, int] = {}
         for p in kept:
             if len(p.shape) == 2:
                 counts[p.target] = counts.get(p.target, 0) + 1
         dominant = max(counts, key=counts.get) if counts else "F32"
-        preset_file_type = next((p.info["file_type"] for p in kept if "file_type" in p.info), None)
+        preset_file_type = next((p.action.file_type for p in kept if p.action.file_type is not None), None)
         add_model_metadata(w, source.config, arch,
                            file_type=FILE_TYPES.get(dominant, 0) if preset_file_type is None else preset_file_type)
-        n_vocab = next(p.shape[0] for p in kept if p.out_name == "token_embd.weight")
-        _add_tokenizer(w, source, n_vocab)
+        for key, value in tokenizer.items():  # the keys check_model built (GgufWriter._tokenizer_keys)
+            w.add_key_value(key, value.value, value.type, sub_type=value.sub_type)
         self.extra = list(rope_tensors(source.config, arch))
         self.norm_shift = arch_by_name(arch).norm_shift
-        n_experts = _expert_count(source) if any("expert" in p.info for p in kept) else 0
+        n_experts = _expert_count(source) if any(p.action.expert is not None for p in kept) else 0
         self.pending: dict[str, _ExpertSpill] = {}  # stacks of experts being filled
+        self.reference: torch.Tensor | None = None  # the last add's source values (take_reference)
         self.spill_dir = Path(path).parent
         self.stack_size: dict[str, int] = {}
         for name, members in gguf_tensors_in_order(kept, n_experts, config_json_path(source)):
@@ -525,9 +539,9 @@ class GgufSession:
             byte_shape = [*shape[:-1], lay.row_bytes(shape[-1])]  # gguf-py converts bytes back to elements
             w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes,
                               raw_dtype=gguf.GGMLQuantizationType(lay.ggml_type))
-            if "expert" in first.info:
+            if first.action.expert is not None:
                 self.stack_size[name] = len(members)
-            scales = [m.info.get("tensor_scale") for m in members]
+            scales = [m.action.tensor_scale for m in members]
             if any(v is not None for v in scales):  # NVFP4 global scales: llama.cpp's `.scale`, [1] or [experts]
                 self.extra.append((name.removesuffix(".weight") + ".scale",
                                    np.array([1.0 if v is None else v for v in scales], dtype=np.float32)))
@@ -538,7 +552,7 @@ class GgufSession:
         w.write_ti_data_to_file()
 
     def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor:
-        if plan.info.get("drop"):
+        if plan.action.drop:
             return item.dequantize(torch.float32)
         lay = TARGET_LAYOUTS[plan.target]
         perm = qk_row_permutation(plan.name, self.source.config, self.arch)
@@ -549,7 +563,7 @@ class GgufSession:
         if shift:  # Gemma: llama.cpp multiplies by the stored norm, transformers by 1 + w
             item = Dense(item.dequantize(torch.float32) + shift)
         source = SourceValues(item)
-        data, decoded = encode_tensor(lay, plan.verdict, item, plan.info.get("quant"), source=source)
+        data, decoded = encode_tensor(lay, plan.verdict, item, plan.action.quant, source=source)
         if shift:
             decoded = decoded - shift
         self._write(plan, data.reshape(-1))
@@ -564,21 +578,21 @@ class GgufSession:
         """The float32 source values the last `add` dequantized to encode its tensor (in the record's row
         order), once, or None: the runner measures the error against them instead of dequantizing the
         source a second time."""
-        ref, self.reference = getattr(self, "reference", None), None
+        ref, self.reference = self.reference, None
         return ref
 
     def _write(self, plan: TensorPlan, data: np.ndarray) -> None:
         """Append a tensor's bytes. An expert goes to its slot in a spill file until its stack is complete,
         then the stack is copied into the GGUF in chunks: the experts of a layer arrive interleaved across
         its three stacks (and may span shards), and holding them in memory would hold a layer."""
-        if "expert" not in plan.info:
+        if plan.action.expert is None:
             self.writer.write_tensor_data(data)
             return
         name = plan.out_name
         if name not in self.pending:
             self.pending[name] = _ExpertSpill(self.spill_dir, self.stack_size[name], data.nbytes)
         spill = self.pending[name]
-        spill.put(plan.info["expert"], data)
+        spill.put(plan.action.expert, data)
         if spill.complete:
             del self.pending[name]
             with spill:
@@ -644,167 +658,3 @@ def _write_tensor_from_file(writer: gguf.GGUFWriter, f, nbytes: int) -> None:
     writer.state = gguf.gguf_writer.WriterState.WEIGHTS
 
 
-def _gptq_words_to_q4_0(item: Grid):
-    """The fast exact path: GPTQ 4-bit symmetric words straight into Q4_0 blocks, then back again to
-    prove the bytes hold exactly the source words and scales."""
-    p = item.params
-    out_features, in_features = item.shape
-    block_scales = p.scales[:, p.group_of_column(in_features)[::32]].to(torch.float16)
-    words = item.packed.words
-    from ...kernels import note_kernel, triton_device
-    from ...kernels.ggml import kquant_c
-
-    if not words.is_cuda and kquant_c.available() and triton_device(words) is None:  # (Triton: gptq4_to_q4_0)
-        # the same bytes in C, and the same proof: every word and scale rebuilt from the bytes, compared
-        note_kernel("repack", "c")
-        data, bad = kquant_c.gptq4_to_q4_0(words.numpy(), block_scales.numpy(), max(1, torch.get_num_threads()))
-        if bad:
-            raise AssertionError("Q4_0 bytes do not decode back to the GPTQ words")  # a bug, never user input
-        return data, BitIdentical("Q4_0 blocks decode back to the source's GPTQ words and fp16 scales")
-    data = gptq4_to_q4_0(words, block_scales)
-    words_back, scales_back = q4_0_to_gptq4(data)
-    if not (torch.equal(words_back, words) and torch.equal(scales_back, block_scales)):
-        raise AssertionError("Q4_0 bytes do not decode back to the GPTQ words")  # a bug, never user input
-    return data.numpy(), BitIdentical("Q4_0 blocks decode back to the source's GPTQ words and fp16 scales")
-
-
-def _fast_path_applies(lay: BlockLayout, verdict: str, item) -> bool:
-    packed = getattr(item, "packed", None)
-    return (lay.name == "Q4_0" and verdict == EXACT and packed is not None and packed.layout == "gptq-rows"
-            and packed.bits == 4 and item.params.symmetric)
-
-
-class SourceValues:
-    """An item's float32 dequantization, computed at most once: what the encoder quantizes is also what the
-    runner measures the written tensor against (GgufSession.take_reference)."""
-
-    __slots__ = ("item", "values")
-
-    def __init__(self, item: Dense | Grid):
-        self.item, self.values = item, None
-
-    def __call__(self) -> torch.Tensor:
-        if self.values is None:
-            self.values = self.item.dequantize(torch.float32)
-        return self.values
-
-
-def encode_tensor(lay: BlockLayout, verdict: str, item: Dense | Grid,
-                  quant: QuantHow | None = None,
-                  source: SourceValues | None = None) -> tuple[np.ndarray, torch.Tensor | BitIdentical]:
-    """-> (bytes as uint8 numpy, float32 values the bytes decode to in the item's shape, or a proof
-    that the bytes are bit-identical to the source's packed codes). `source`: the item's float32
-    dequantization, shared with the caller (computed here when a path needs it)."""
-    if source is None:
-        source = SourceValues(item)
-    packed = getattr(item, "packed", None)
-    if packed is not None and packed.layout == f"ggml:{lay.name}":
-        # the source holds this very ggml type: its blocks are the answer, byte for byte
-        return packed.words.numpy(), BitIdentical(f"{lay.name} blocks copied from the source unchanged")
-    if _fast_path_applies(lay, verdict, item):
-        return _gptq_words_to_q4_0(item)
-    if lay.kind == "float":
-        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[lay.name]
-        t = (source() if dtype == torch.float32 else item.dequantize(dtype)).contiguous()
-        return t.view(torch.uint8).numpy(), t.to(torch.float32)
-    if isinstance(item, Grid) and verdict in (EXACT, NEAR_EXACT) and lay.kind == "legacy":
-        p = item.params
-        out_features, in_features = item.shape
-        block_group = p.group_of_column(in_features)[:: lay.block]
-        data = repack_grid(lay, item.codes, p.scales, p.zeros, block_group, mins=p.mins)
-        return data.numpy(), decode_blocks(lay, data)
-    if lay.kind == "codebook":
-        if verdict == EXACT:  # the checker's "blocks copied" needs the source's blocks, found above
-            raise QConvertError(f"{lay.name} blocks to copy are missing from the source record")
-        return _encode_codebook(lay, item, quant)
-    if lay.kind == "fp4":
-        return _encode_fp4(lay, verdict, item, quant)
-    if quant is not None and quant.needed:  # kept grid codes, an imatrix or llama.cpp's quantizer (kencode.py)
-        return encode_quantized(lay, item, quant, source)
-    x = source()
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if lay.kind == "legacy":
-        data = quantize_pack(lay, x2)
-        return data.numpy(), decode_blocks(lay, data).view(shape)
-    kq = _kquants()
-    data = kq.quantize_k(x2.numpy(), lay.name)
-    return data, torch.from_numpy(kq.dequantize_k(data, lay.name)).view(shape)
-
-
-def _encode_codebook(lay: BlockLayout, item: Dense | Grid, quant: QuantHow | None) -> tuple[np.ndarray, torch.Tensor]:
-    """The codebook types: the dequantized weights through ggml's quantize_iq4_nl / _iq4_xs / _iq3_s / _iq3_xxs /
-    _iq2_s / _iq2_xs / _iq2_xxs (our kernels, or llama.cpp's own with --quantizer llama.cpp), with the --imatrix
-    weights when given; decoded as gguf-py decodes it."""
-    from ...kernels.ggml.iq2 import (dequantize_iq2_s, dequantize_iq2_xs, dequantize_iq2_xxs, quantize_iq2_s,
-                                quantize_iq2_xs, quantize_iq2_xxs)
-    from ...kernels.ggml.iq3_s import dequantize_iq3_s, dequantize_iq3_xxs, quantize_iq3_s, quantize_iq3_xxs
-    from ...kernels.ggml.iq4_nl import dequantize_iq4_nl, quantize_iq4_nl
-    from ...kernels.ggml.iq4_xs import dequantize_iq4_xs, quantize_iq4_xs
-
-    quantize, dequantize = {"IQ4_NL": (quantize_iq4_nl, dequantize_iq4_nl),
-                            "IQ4_XS": (quantize_iq4_xs, dequantize_iq4_xs),
-                            "IQ3_S": (quantize_iq3_s, dequantize_iq3_s),
-                            "IQ2_S": (quantize_iq2_s, dequantize_iq2_s),
-                            "IQ2_XS": (quantize_iq2_xs, dequantize_iq2_xs),
-                            "IQ3_XXS": (quantize_iq3_xxs, dequantize_iq3_xxs),
-                            "IQ2_XXS": (quantize_iq2_xxs, dequantize_iq2_xxs)}[lay.name]
-
-    x = item.dequantize(torch.float32)
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1]).contiguous().numpy()
-    imatrix = quant.imatrix if quant is not None else None
-    if quant is not None and quant.backend == "llama.cpp":
-        from ...kernels.ggml.libggml import ggml_quantize
-
-        data = ggml_quantize(x2, lay.name, imatrix, threads=max(1, torch.get_num_threads()))
-    else:
-        data = quantize(x2, imatrix)
-    return data, torch.from_numpy(dequantize(data, shape[-1])).view(shape)
-
-
-def tensor_scale_of(params) -> float | None:
-    """The float32 value of the `.scale` tensor llama.cpp multiplies an NVFP4 weight's matmul by, for a float
-    grid with a global scale (None without one): ModelOpt's weight_scale_2 as it is, compressed-tensors'
-    weight_global_scale as its float32 reciprocal (1.0 / scale, as llama.cpp's converter stores it)."""
-    g = getattr(params, "global_scale", None)
-    if g is None:
-        return None
-    g = g.to(torch.float32).reshape(())
-    return float(torch.tensor(1.0, dtype=torch.float32) / g) if params.global_scale_op == "div" else float(g)
-
-
-def _encode_fp4(lay: BlockLayout, verdict: str, item: Dense | Grid, quant: QuantHow | None
-                ) -> tuple[np.ndarray, torch.Tensor]:
-    """MXFP4 / NVFP4 blocks. An E2M1 float grid the checker let keep its codes is repacked (the codes, and the
-    block scales as E8M0 exponents or UE4M3 bytes: the source's own bits); anything else is dequantized and
-    quantized by ggml's reference quantizer (kernels/floatq.py, byte-identical to quantize_row_mxfp4_ref /
-    quantize_row_nvfp4_ref), or llama.cpp's own with --quantizer llama.cpp. -> (bytes, float32 values the
-    file decodes to, an NVFP4 tensor's `.scale` applied)."""
-    from ...kernels import floatq
-
-    if isinstance(item, Grid) and verdict in (EXACT, NEAR_EXACT) and getattr(item.params, "element", None) == "e2m1":
-        p = item.params
-        rows, n = item.shape
-        codes = item.codes.numpy()
-        if lay.name == "MXFP4":
-            e = floatq.float_to_e8m0(p.folded_scales()[:, torch.arange(0, n, 32) // p.group_size]).numpy()
-            data = floatq.pack_ggml_mxfp4(codes, e)
-            return data, torch.from_numpy(floatq.decode_ggml_mxfp4(data, n))
-        ts = tensor_scale_of(p)
-        block = p.scales.to(torch.float32) if ts is not None else p.folded_scales()
-        d = block[:, torch.arange(0, n, 16) // p.group_size].to(torch.float8_e4m3fn).view(torch.uint8) & 0x7F
-        data = floatq.pack_ggml_nvfp4(codes, d.numpy())
-        decoded = torch.from_numpy(floatq.decode_ggml_nvfp4(data, n))
-        return data, decoded if ts is None else decoded * torch.tensor(ts, dtype=torch.float32)
-    x = item.dequantize(torch.float32)
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1]).contiguous().numpy()
-    if quant is not None and quant.backend == "llama.cpp":
-        from ...kernels.ggml.libggml import ggml_quantize
-
-        data = ggml_quantize(x2, lay.name, threads=max(1, torch.get_num_threads()))
-    else:
-        data = floatq.quantize_ggml_mxfp4(x2) if lay.name == "MXFP4" else floatq.quantize_ggml_nvfp4(x2)
-    decode = floatq.decode_ggml_mxfp4 if lay.name == "MXFP4" else floatq.decode_ggml_nvfp4
-    return data, torch.from_numpy(decode(data, shape[-1])).view(shape)

@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 
 from ...converters.errors import BadInput
-from ...converters.records import Dense, Grid, GridParams, PackedCodes, RotatedForm, TensorRecord
+from ...converters.records import Dense, Grid, GridParams, NativeForm, PackedCodes, TensorRecord
 from ...converters.validate import ConfigView
 from ...kernels.bitpack import SUPPORTED_PACK_BITS, chunk_geometry
 from ...kernels.hadamard import UnsupportedHadamard, fold_online_hadamard, require_foldable
@@ -244,8 +244,10 @@ class GptqSource(CheckpointSource):
                            f"fields hold {mid}, the v2 convention; set checkpoint_format to \"gptq_v2\"",
                            path=where, tensor=tensor)
 
-    def _load_grid(self, prefix: str) -> Grid:
-        params, (out_features, in_features), qweight_name = self._params(prefix)
+    def _load_grid(self, prefix: str, parsed: tuple | None = None) -> Grid:
+        """The module's grid: its parameters as `_params` parsed them for its record (`parsed`, so that they
+        are read once per conversion), its codes read now."""
+        params, _, qweight_name = parsed or self._params(prefix)
         qweight = self.ckpt.get(qweight_name)
         if qweight.dtype != torch.int32:
             raise BadInput(f"qweight dtype {qweight.dtype} is not int32", path=self.ckpt.file_of(qweight_name),
@@ -257,8 +259,10 @@ class GptqSource(CheckpointSource):
         """A down_proj of a rotated checkpoint: gptqmodel re-applies a Hadamard M to its input at run time
         (y = W_q (x M)), so the weight that means the same thing without that step is W_q M^T, a float
         tensor off the grid. It is yielded as that Dense tensor (what every target sees), with the stored
-        grid kept as `rotated` for a target that carries the rotation itself (GPTQ / GPTQ-v2 output)."""
-        params, shape, qweight_name = self._params(prefix)
+        grid kept as its native "rotated-grid" form for a target that carries the rotation itself (GPTQ /
+        GPTQ-v2 output)."""
+        parsed = self._params(prefix)
+        params, shape, qweight_name = parsed
         try:
             require_foldable(shape[1])
         except UnsupportedHadamard as e:
@@ -267,10 +271,12 @@ class GptqSource(CheckpointSource):
         standin = (f"rotation {self.rotation!r}: gptqmodel re-applies a Hadamard transform to down_proj's input at "
                    f"run time and the target has no equivalent, so it is folded into the weights (W M^T), which "
                    f"leaves the {params.bits}-bit grid")
+        grid = lambda: self._load_grid(prefix, parsed)  # noqa: E731
         return TensorRecord(f"{prefix}.weight", shape, "float32",
-                            lambda p=prefix: Dense(fold_online_hadamard(self._load_grid(p).dequantize(torch.float32))),
+                            lambda: Dense(fold_online_hadamard(grid().dequantize(torch.float32))),
                             source_file=shard, lossy_standin=standin,
-                            rotated=RotatedForm(lambda p=prefix: self._load_grid(p), params, self.rotation))
+                            native_forms=(NativeForm("rotated-grid", grid,
+                                                     {"params": params, "rotation": self.rotation}),))
 
     # -- the ModelSource interface ----------------------------------------------------------------
     def records(self) -> Iterator[TensorRecord]:
@@ -279,8 +285,9 @@ class GptqSource(CheckpointSource):
     def _module_record(self, prefix: str, shard: str) -> TensorRecord:
         if self.rotation and _ONLINE_HADAMARD.search(prefix):
             return self._folded_record(prefix, shard)
-        params, shape, _ = self._params(prefix)
-        return TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p),
+        parsed = self._params(prefix)
+        params, shape, _ = parsed
+        return TensorRecord(f"{prefix}.weight", shape, "grid", lambda: self._load_grid(prefix, parsed),
                             params=params, source_file=shard)
 
     def describe(self) -> dict:

@@ -4,15 +4,17 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from ... import __version__
-from ...converters.checker import EXACT, REFUSED, REQUANTIZE, Decision, check, check_grid_to_float, describe_grid
+from ...converters.checker import EXACT, REFUSED, REQUANTIZE, Decision, check, check_grid_to_float
 from ...converters.errors import QConvertError
-from ...converters.plan import Options, TensorPlan
-from ...converters.records import Dense, Grid, GridParams, TensorRecord
+from ...converters.plan import Options, TensorPlan, Writer, WriterSession
+from ...converters.records import Dense, Grid, GridParams, NativeForm, TensorRecord, describe_record
 from ...kernels.bitpack import SUPPORTED_PACK_BITS, pack_rows
 from ...kernels.hadamard import fold_online_hadamard
 from ..common.checkpoint import ShardWriter, copy_side_files, write_json
@@ -23,79 +25,90 @@ from .schemes import GPTQ_SCHEMES, ModuleScheme, parse_gptq_type
 _DENSE_LINEAR = re.compile(r"^model\.layers\.\d+\..*_proj\.weight$")
 _EMBEDDING = re.compile(r"(^|\.)embed_tokens\.weight$")
 
-class GptqWriter:
-    """Writes a GPTQ checkpoint directory in the v1 or v2 zero convention, loadable by gptqmodel."""
 
-    output_is_file = False
+@dataclass(frozen=True)
+class GptqAction:
+    """What the session does with one tensor, beyond storing the source's grid or dense tensor as it is."""
+
+    dense: torch.dtype | None = None  # a quantized embedding or head, stored dequantized in this dtype
+    scheme: ModuleScheme | None = None  # requantized with round-to-nearest at this scheme
+    grid_view: Callable[[], Grid] | None = None  # store the source's own 4-bit grid instead (NativeForm "4bit-grid")
+    rotated_grid: Callable[[], Grid] | None = None  # store the rotated grid behind a folded stand-in
+    rotation: str | None = None  # ... and keep gptqmodel's `rotation` key
+
+
+class GptqWriter(Writer):
+    """Writes a GPTQ checkpoint directory in the v1 or v2 zero convention, loadable by gptqmodel."""
 
     def __init__(self, convention: str):
         self.convention = convention
         self.name = "gptq-v2" if convention == "v2" else "gptq"
 
     def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
-        if rec.rotated is not None:
-            return self._plan_rotated(rec, options, source)
+        rotated = rec.native_form("rotated-grid")
+        if rotated is not None:
+            return self._plan_rotated(rec, rotated, options, source)
         explicit = options.explicit_type(rec.name) or options.type
         if rec.is_grid:
             p = rec.params
-            src = describe_grid(p, rec.shape[1])
             # GPTQ quantizes the decoder blocks' linears only: a quantized embedding (GGUF token_embd) or
             # output head is stored dequantized in fp16, as GPTQ models keep them. A quantized head would
             # load in gptqmodel (`lm_head: true`) but not in transformers: its GPTQ loader (optimum)
             # replaces the linears inside the blocks only, all with one bits/group_size, and leaves a
             # quantized head's weight uninitialized (random logits)
             if _EMBEDDING.search(rec.name) or rec.name == "lm_head.weight":
-                v = check_grid_to_float(p, "F16")
-                return TensorPlan(rec.name, rec.shape, src, "float16", v.verdict,
-                                  f"kept unquantized as in GPTQ models: {v.reason}", out_name=rec.name,
-                                  info={"dense": torch.float16})
+                return self.plan(rec, check_grid_to_float(p, "F16"), "float16",
+                                 reason_prefix="kept unquantized as in GPTQ models: ",
+                                 action=GptqAction(dense=torch.float16))
             if explicit:
                 want = parse_gptq_type(explicit)
                 same = (want.bits == p.bits and (want.group_size if want.group_size > 0 else rec.shape[1]) == p.group_size
                         and (want.sym == p.symmetric or not want.sym))
                 if not want.sym and self.convention == "v1":
-                    return self._asym_v1_refusal(rec, src, explicit)
+                    return self._asym_v1_refusal(rec, explicit)
                 if not same:
-                    info = {"scheme": want}
-                    view = rec.four_bit_view  # a source's own 4-bit form of the tensor (QQQ grouped)
-                    if view is not None and want.bits == 4 and want.sym and want.group_size == view.group_size:
-                        info["grid_view"] = view.load
-                    return TensorPlan(rec.name, rec.shape, src, explicit, REQUANTIZE, "type differs from the source grid"
-                                      + ("; the source's own 4-bit codes are kept" if "grid_view" in info else ""),
-                                      alternative=self._aligned_type(p, rec.shape), out_name=rec.name, info=info)
+                    view = rec.native_form("4bit-grid")  # a source's own 4-bit form of the tensor (QQQ grouped)
+                    keep = view is not None and want.bits == 4 and want.sym and want.group_size == view.facts["group_size"]
+                    action = GptqAction(scheme=want, grid_view=view.load if keep else None)
+                    return TensorPlan(rec.name, rec.shape, describe_record(rec), explicit, REQUANTIZE,
+                                      "type differs from the source grid"
+                                      + ("; the source's own 4-bit codes are kept" if keep else ""),
+                                      alternative=self._aligned_type(p, rec.shape), out_name=rec.name, action=action)
             v = self._check_grid(p, rec.shape)
             target = f"gptq {p.bits}-bit g{p.group_size}" if p.n_groups > 1 else f"gptq {p.bits}-bit per-channel"
             if v.verdict == REFUSED and self.convention == "v1" and not p.symmetric and p.integer_zeros:
-                return TensorPlan(rec.name, rec.shape, src, target, REFUSED, v.reason,
+                return TensorPlan(rec.name, rec.shape, describe_record(rec), target, REFUSED, v.reason,
                                   alternative="gptq-v2 output (exact): qconvert 'SRC->gptq-v2'", out_name=rec.name)
-            info = {}
+            action = None
             if v.verdict == REQUANTIZE:
                 # v1 output is written symmetric: gptqmodel loads asymmetric v1 only from its own files
-                info["scheme"] = ModuleScheme(p.bits if p.bits in SUPPORTED_PACK_BITS else 4,
-                                              p.group_size if p.n_groups > 1 else -1, self.convention == "v1", False)
-            return TensorPlan(rec.name, rec.shape, src, target, v.verdict, v.reason, out_name=rec.name, info=info)
+                action = GptqAction(scheme=ModuleScheme(p.bits if p.bits in SUPPORTED_PACK_BITS else 4,
+                                                        p.group_size if p.n_groups > 1 else -1,
+                                                        self.convention == "v1", False))
+            return self.plan(rec, v, target, action=action)
         if explicit and len(rec.shape) == 2 and _DENSE_LINEAR.match(rec.name):
             want = parse_gptq_type(explicit)
             if not want.sym and self.convention == "v1":
-                return self._asym_v1_refusal(rec, rec.dtype, explicit)
+                return self._asym_v1_refusal(rec, explicit)
             return TensorPlan(rec.name, rec.shape, rec.dtype, explicit, REQUANTIZE,
                               "dense weights quantized with round-to-nearest (no calibration)",
-                              out_name=rec.name, info={"scheme": want})
+                              out_name=rec.name, action=GptqAction(scheme=want))
         return TensorPlan(rec.name, rec.shape, rec.dtype, rec.dtype, EXACT, "copied", out_name=rec.name)
 
-    def _plan_rotated(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
+    def _plan_rotated(self, rec: TensorRecord, rotated: NativeForm, options: Options, source) -> TensorPlan:
         """A rotated down_proj: GPTQ carries the rotation itself, so the stored (rotated) grid is planned as
         any grid and the `rotation` key goes into the output config; gptqmodel re-applies the transform."""
-        rot = rec.rotated
-        grid_rec = TensorRecord(rec.name, rec.shape, "grid", rot.load, params=rot.params)
+        rotation = rotated.facts["rotation"]
+        grid_rec = TensorRecord(rec.name, rec.shape, "grid", rotated.load, params=rotated.facts["params"])
         plan = self.plan_tensor(grid_rec, options, source)
-        plan.source = f"{plan.source} rotated ({rot.rotation})"
+        plan.source = f"{plan.source} rotated ({rotation})"
         plan.target = f"{plan.target} + online Hadamard (rotation kept)"
-        plan.info.update(keeps_source_form=True, rotated_grid=rot.load, rotation=rot.rotation)
+        plan.keeps_source_form = True
+        plan.action = replace(plan.action or GptqAction(), rotated_grid=rotated.load, rotation=rotation)
         return plan
 
-    def _asym_v1_refusal(self, rec: TensorRecord, src: str, explicit: str) -> TensorPlan:
-        return TensorPlan(rec.name, rec.shape, src, explicit, REFUSED,
+    def _asym_v1_refusal(self, rec: TensorRecord, explicit: str) -> TensorPlan:
+        return TensorPlan(rec.name, rec.shape, describe_record(rec), explicit, REFUSED,
                           "asymmetric GPTQ is written as v2: gptqmodel loads asymmetric v1 only from its own files",
                           alternative=f"gptq-v2 output: qconvert 'SRC->gptq-v2' --type {explicit}", out_name=rec.name)
 
@@ -108,14 +121,11 @@ class GptqWriter:
     def _check_grid(self, p: GridParams, shape: tuple[int, ...]) -> Decision:
         return check(p, shape, GPTQ_SCHEMES[self.convention])
 
-    def check_model(self, source, plans, options) -> None:
-        return None
-
     def open(self, path: Path, source, plans: list[TensorPlan], options: Options) -> "GptqSession":
         return GptqSession(self, Path(path), source, plans)
 
 
-class GptqSession:
+class GptqSession(WriterSession):
     """Streams GPTQ tensors into safetensors shards; writes config and side files at the end."""
 
     def __init__(self, writer: GptqWriter, path: Path, source, plans: list[TensorPlan]):
@@ -126,24 +136,24 @@ class GptqSession:
         self.rotation: str | None = None
 
     def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor:
-        rotated = plan.info.get("rotated_grid")
-        if rotated is not None:
+        action: GptqAction = plan.action or GptqAction()
+        if action.rotated_grid is not None:
             # `item` is the folded stand-in; store the rotated grid and keep the rotation in the config.
             # What gptqmodel computes from it is the grid with the transform folded: return that to measure.
-            item, self.rotation = rotated(), plan.info["rotation"]
-        if "dense" in plan.info:
-            item = Dense(item.dequantize(plan.info["dense"]))
-        elif "grid_view" in plan.info:
-            item = plan.info["grid_view"]()
+            item, self.rotation = action.rotated_grid(), action.rotation
+        if action.dense is not None:
+            item = Dense(item.dequantize(action.dense))
+        elif action.grid_view is not None:
+            item = action.grid_view()
         elif plan.verdict == REQUANTIZE:
-            scheme = plan.info["scheme"]
+            scheme = action.scheme
             w = item.dequantize(torch.float32)
             item = Grid.rtn(w, scheme.bits, scheme.group_size, scheme.sym)
         if isinstance(item, Grid):
             prefix = plan.name[: -len(".weight")] if plan.name.endswith(".weight") else plan.name
             self._add_grid(prefix, item)
             decoded = item.dequantize(torch.float32)
-            return fold_online_hadamard(decoded) if rotated is not None else decoded
+            return fold_online_hadamard(decoded) if action.rotated_grid is not None else decoded
         if len(plan.shape) == 2 and _DENSE_LINEAR.match(plan.name):
             self.dense_linears.append(plan.name[: -len(".weight")])
         self.shards.put(plan.name, item.tensor)

@@ -6,20 +6,21 @@ sharded safetensors plus config.json and the tokenizer files, so that
 from __future__ import annotations
 
 import re
-
 from pathlib import Path
 
 import torch
 
-from ...converters.checker import EXACT, REFUSED, check_dense_to_float, check_grid_to_float, describe_grid
+from ...converters.checker import EXACT, REFUSED, check_dense_to_float, check_grid_to_float
 from ...converters.errors import QConvertError
-from ...converters.plan import Options, TensorPlan, unknown_type
-from ...converters.records import Dense, Grid, TensorRecord, canonical_name
+from ...converters.model_shapes import canonical_name
+from ...converters.plan import Options, TensorPlan, Writer, WriterSession, unknown_type
+from ...converters.records import Dense, Grid, TensorRecord
 from ..common.checkpoint import ShardWriter, copy_side_files, write_json
 
 
 HF_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _TORCH_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
 
 def parse_hf_type(text: str | None) -> str:
     key = (text or "bf16").upper().replace("FLOAT32", "F32").replace("FLOAT16", "F16").replace("BFLOAT16", "BF16")
@@ -31,28 +32,20 @@ def parse_hf_type(text: str | None) -> str:
 _PER_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
-class HfWriter:
+class HfWriter(Writer):
     name = "hf"
-    output_is_file = False
 
     def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
-        plan = self._plan(rec, options)
-        if plan.out_name:
-            plan.out_name = canonical_name(plan.out_name, source.config)
-        return plan
-
-    def _plan(self, rec: TensorRecord, options: Options) -> TensorPlan:
         target = parse_hf_type(options.explicit_type(rec.name) or options.type)
+        # written under the name transformers loads it by (a producer may have renamed it)
+        out_name = canonical_name(rec.name, source.config)
         if rec.is_grid:
-            v = check_grid_to_float(rec.params, target)
-            return TensorPlan(rec.name, rec.shape, describe_grid(rec.params, rec.shape[1]), target, v.verdict,
-                              v.reason, out_name=rec.name)
+            return self.plan(rec, check_grid_to_float(rec.params, target), target, out_name=out_name)
         if rec.dtype not in ("float32", "float16", "bfloat16"):
             if rec.dtype in ("int32", "int64", "int8", "uint8", "bool"):
-                return TensorPlan(rec.name, rec.shape, rec.dtype, rec.dtype, EXACT, "copied", out_name=rec.name)
+                return TensorPlan(rec.name, rec.shape, rec.dtype, rec.dtype, EXACT, "copied", out_name=out_name)
             return TensorPlan(rec.name, rec.shape, rec.dtype, target, REFUSED, f"dtype {rec.dtype} is not supported")
-        v = check_dense_to_float(rec.dtype, target)
-        return TensorPlan(rec.name, rec.shape, rec.dtype, target, v.verdict, v.reason, out_name=rec.name)
+        return self.plan(rec, check_dense_to_float(rec.dtype, target), target, out_name=out_name)
 
     def check_model(self, source, plans, options) -> None:
         # transformers' GptOss holds each layer's experts fused ([experts, in, out], gate/up interleaved) and
@@ -64,13 +57,12 @@ class HfWriter:
                 raise QConvertError(f"gpt-oss experts are read one per expert here ({expert}) and transformers' "
                                     "GptOss loads them only fused: convert to gguf first (--type f32), then "
                                     "gguf->hf, which fuses them", path=source.path)
-        return None
 
     def open(self, path: Path, source, plans: list[TensorPlan], options: Options) -> "HfSession":
         return HfSession(Path(path), source, parse_hf_type(options.type))
 
 
-class HfSession:
+class HfSession(WriterSession):
     def __init__(self, path: Path, source, dtype_name: str):
         self.path, self.source = path, source
         self.dtype = HF_TYPES[dtype_name]

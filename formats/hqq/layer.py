@@ -31,8 +31,8 @@ LAYER_KEYS = ("W_q", "nbits", "group_size", "shape", "scale", "zero", "axis", "p
 _REQUIRED = ("W_q", "nbits", "group_size", "shape", "scale", "zero", "axis", "packing")
 # keys only an HQQ layer has (a dense model's tensors are .weight / .bias): one without its W_q is a broken layer
 _HQQ_ONLY_KEYS = frozenset(LAYER_KEYS) - {"W_q", "shape", "scale"}
-_DECODER_LINEAR = re.compile(r"^model\.layers\.\d+\..*_proj\.weight$")
-_EMBEDDING = re.compile(r"(?:^|\.)(?:embed_tokens|wte|word_embeddings)\.weight$")
+DECODER_LINEAR = re.compile(r"^model\.layers\.\d+\..*_proj\.weight$")
+EMBEDDING = re.compile(r"(?:^|\.)(?:embed_tokens|wte|word_embeddings)\.weight$")
 _INT_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _MAX_INT = 1 << 53
 _MAX_DIM = 1 << 24  # no released model has a dimension near this

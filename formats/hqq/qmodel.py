@@ -21,6 +21,7 @@ from ..common.safetensors_header import safetensors_tag
 from ..common.checkpoint import read_json
 from .layer import HqqLayer, QMODEL, _DENSE_DTYPES, _LayerDecoder, _check_bias, _check_codes, _grid_record, _unpacked
 from .folder import _check_complete, _describe, _quantization_config, _side_files
+from ...converters.records import ModelSource
 
 
 # --------------------------------------------------------------------------------------------------
@@ -196,7 +197,7 @@ def load_qmodel(path: Path) -> dict:
     return data
 
 
-class HqqPickleSource:
+class HqqPickleSource(ModelSource):
     """An hqq library `save_quantized` directory: qmodel.pt + config.json."""
 
     format_name = "hqq"

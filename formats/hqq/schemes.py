@@ -51,7 +51,7 @@ def parse_hqq_type(text: str | None) -> tuple[str | None, HqqScheme | None]:
     return style, scheme
 
 
-def _scheme_fits(scheme: HqqScheme, shape: tuple[int, int]) -> str:
+def scheme_fits(scheme: HqqScheme, shape: tuple[int, int]) -> str:
     """'' when hqq can store a weight of this shape with this scheme, else why not."""
     out_features, in_features = shape
     gs = scheme.group_size
@@ -65,15 +65,15 @@ def _scheme_fits(scheme: HqqScheme, shape: tuple[int, int]) -> str:
     return ""
 
 
-def _axis0_layout(p: GridParams, shape: tuple[int, int], prefer: tuple[int, ...] = ()):
+def axis0_layout(p: GridParams, shape: tuple[int, int], prefer: tuple[int, ...] = ()):
     """(group_size, scale [1, M], zero [1, M]) of the hqq layout an axis-0 grid is stored in, or None."""
     return axis0_compact(p.scales, p.zeros, shape, p.bits, prefer)
 
 
-def _source_scheme(p: GridParams, shape: tuple[int, int], prefer: tuple[int, ...] = ()) -> HqqScheme:
+def source_scheme(p: GridParams, shape: tuple[int, int], prefer: tuple[int, ...] = ()) -> HqqScheme:
     """The grid's own hqq scheme (axis 0: the group size of its hqq layout, not records.py's out / p)."""
     if p.axis == 0:
-        layout = _axis0_layout(p, shape, prefer) if p.row_idx is None else None
+        layout = axis0_layout(p, shape, prefer) if p.row_idx is None else None
         return HqqScheme(p.bits, layout[0] if layout else p.group_size, 0)
     return HqqScheme(p.bits, p.group_size, p.axis)
 
@@ -90,10 +90,10 @@ def _grid_as_hqq(p, shape: tuple[int, int], s: TargetScheme, native=None, prefer
         return Decision(REQUANTIZE, "act-order groups are not hqq groups")
     if p.axis == 0 and p.row_idx is not None:
         return Decision(REQUANTIZE, "reordered axis-0 rows are not hqq groups")
-    if p.axis == 0 and _axis0_layout(p, shape, prefer) is None:
+    if p.axis == 0 and axis0_layout(p, shape, prefer) is None:
         return Decision(REFUSED, f"no hqq axis-0 group size gives these {tuple(p.scales.shape)} scales with "
                                  f"{packing_for_bits(p.bits).name} packing")
-    why = _scheme_fits(_source_scheme(p, shape, prefer), shape)
+    why = scheme_fits(source_scheme(p, shape, prefer), shape)
     if why:
         return Decision(REFUSED, why)
     if not torch.is_floating_point(p.zeros) and not bool((p.zeros.abs() <= 256).all()):

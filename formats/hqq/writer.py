@@ -4,47 +4,61 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 import torch
 
-from ...converters.checker import EXACT, REFUSED, REQUANTIZE, check, describe_grid
+from ...converters.checker import EXACT, REFUSED, REQUANTIZE, check
 from ...converters.errors import QConvertError
-from ...converters.plan import Options, TensorPlan
-from ...converters.records import Dense, Grid, GridParams, TensorRecord
+from ...converters.plan import Options, TensorPlan, Writer, WriterSession
+from ...converters.records import Dense, Grid, GridParams, TensorRecord, describe_record
 from ...kernels.hqq import axis0_expand, codes_to_grouped, pack_hqq, packing_for_bits, quantize_hqq
 from ..common.checkpoint import ShardWriter, copy_side_files, write_json
-from .layer import HqqLayer, QMODEL, _DECODER_LINEAR, _EMBEDDING, SUPPORTED_BITS, axis0_params
-from .schemes import HQQ_KEEP, HqqScheme, _axis0_layout, _scheme_fits, _source_scheme, parse_hqq_type
+from .layer import HqqLayer, QMODEL, DECODER_LINEAR, EMBEDDING, SUPPORTED_BITS, axis0_params
+from .schemes import HQQ_KEEP, HqqScheme, axis0_layout, scheme_fits, source_scheme, parse_hqq_type
 
 
-class HqqWriter:
+@dataclass(frozen=True)
+class HqqAction:
+    """How the session stores one tensor: "grid" (the source's grid kept, with the source layer's own hqq
+    `flags` and the axis-0 group it was stored with), "requant" (quantized with hqq's rule at `scheme`),
+    "dequant" (a quantized embedding, stored dequantized in `dtype`) or "dense" (copied)."""
+
+    kind: str
+    dtype: torch.dtype | None = None
+    scheme: HqqScheme | None = None
+    flags: Mapping = field(default_factory=dict)
+    axis0_groups: tuple[int, ...] = ()
+
+
+class HqqWriter(Writer):
     name = "hqq"
-    output_is_file = False
 
     def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
         _, scheme = parse_hqq_type(options.explicit_type(rec.name) or options.type)
-        if rec.is_grid and _EMBEDDING.search(rec.name):
+        if rec.is_grid and EMBEDDING.search(rec.name):
             # hqq (and transformers' HQQ loader) quantize nn.Linear only: a quantized token embedding (UQFF
             # 1.2, GGUF) is stored as its dequantized values in the source's compute dtype, which is exact
             cd = rec.params.compute_dtype
-            return TensorPlan(rec.name, rec.shape, describe_grid(rec.params, rec.shape[1]), str(cd)[6:], EXACT,
+            return TensorPlan(rec.name, rec.shape, describe_record(rec), str(cd)[6:], EXACT,
                               f"hqq quantizes linear layers only: the embedding is stored dequantized ({str(cd)[6:]})",
-                              out_name=rec.name, info={"kind": "dequant", "dtype": cd})
+                              out_name=rec.name, action=HqqAction("dequant", dtype=cd))
         if rec.is_grid:
             p = rec.params
-            src = describe_grid(p, rec.shape[1])
+            src = describe_record(rec)
             prefer = tuple(g for g in rec.source_groups if g > 0)  # the hqq group it was stored with
-            own = _source_scheme(p, rec.shape, prefer)
+            own = source_scheme(p, rec.shape, prefer)
             same = scheme is None or scheme == own
             kept = check(p, rec.shape, HQQ_KEEP, prefer_groups=prefer)
             verdict, reason = (kept.verdict, kept.reason) if same else (REQUANTIZE, "scheme differs from the source grid")
             if verdict == EXACT:
                 return TensorPlan(rec.name, rec.shape, src, own.label(), EXACT, reason, out_name=rec.name,
-                                  info={"kind": "grid", "hqq": rec.layer_flags.get("hqq", {}), "axis0_group_size": prefer})
+                                  action=HqqAction("grid", flags=rec.layer_flags.get("hqq", {}), axis0_groups=prefer))
             want = scheme or HqqScheme(p.bits if p.bits in SUPPORTED_BITS else 4,
                                        p.group_size if p.axis == 1 else 64, 1)
-            why = _scheme_fits(want, rec.shape)
+            why = scheme_fits(want, rec.shape)
             if why:
                 return TensorPlan(rec.name, rec.shape, src, want.label(), REFUSED, why, out_name=rec.name)
             alt = ""
@@ -52,25 +66,22 @@ class HqqWriter:
                 alt = f"--type {own.bits}g{own.group_size}a{own.axis} (exact)"
             return TensorPlan(rec.name, rec.shape, src, want.label(), REQUANTIZE,
                               reason + "; quantized again with hqq's rule", alternative=alt, out_name=rec.name,
-                              info={"kind": "requant", "scheme": want})
-        if scheme is not None and len(rec.shape) == 2 and _DECODER_LINEAR.match(rec.name):
-            why = _scheme_fits(scheme, rec.shape)
+                              action=HqqAction("requant", scheme=want))
+        if scheme is not None and len(rec.shape) == 2 and DECODER_LINEAR.match(rec.name):
+            why = scheme_fits(scheme, rec.shape)
             if why:
                 return TensorPlan(rec.name, rec.shape, rec.dtype, scheme.label(), REFUSED, why, out_name=rec.name)
             return TensorPlan(rec.name, rec.shape, rec.dtype, scheme.label(), REQUANTIZE,
                               "dense weights quantized with hqq's rule (no calibration)", out_name=rec.name,
-                              info={"kind": "requant", "scheme": scheme})
+                              action=HqqAction("requant", scheme=scheme))
         return TensorPlan(rec.name, rec.shape, rec.dtype, rec.dtype, EXACT, "copied", out_name=rec.name,
-                          info={"kind": "dense"})
-
-    def check_model(self, source, plans, options) -> None:
-        return None
+                          action=HqqAction("dense"))
 
     def style(self, source, options: Options) -> str:
         style, _ = parse_hqq_type(options.type)
         style = style or options.extra.get("hqq_style")
         if style is None:
-            style = "qmodel" if getattr(source, "container", "") == "qmodel" else "safetensors"
+            style = "qmodel" if source.container == "qmodel" else "safetensors"
         if style not in ("safetensors", "qmodel"):
             raise QConvertError(f"unknown HQQ container {style!r}; choose safetensors or qmodel")
         return style
@@ -79,16 +90,18 @@ class HqqWriter:
         return HqqSession(Path(path), source, plans, self.style(source, options))
 
 
-def _layer_state(grid: Grid, notes: dict) -> dict:
+def _layer_state(grid: Grid, flags: Mapping, axis0_groups: tuple[int, ...]) -> dict:
     """The HQQLinear state (python values) of one grid: codes packed, scale/zero in hqq's keepdim shapes,
-    both in the compute dtype (hqq casts them to it at load, so values not exact there would change)."""
+    both in the compute dtype (hqq casts them to it at load, so values not exact there would change). `flags`:
+    the source layer's own hqq flags (view_as_float, nbits 1.58, optimize...); `axis0_groups`: the axis-0 group
+    sizes to try first."""
     p = grid.params
     out_features, in_features = shape = grid.shape
     packing = packing_for_bits(p.bits)
     cd = p.compute_dtype
     group_size, scale, zero = p.group_size, p.scales, p.zeros
     if p.axis == 0:  # the compact [1, M] meta of the hqq layout (the planner checked there is one)
-        layout = _axis0_layout(p, shape, tuple(notes.get("axis0_group_size", ())))
+        layout = axis0_layout(p, shape, axis0_groups)
         if layout is None:
             raise QConvertError(f"no hqq axis-0 layout holds scales of shape {tuple(p.scales.shape)}")
         group_size, scale, zero = layout
@@ -97,7 +110,7 @@ def _layer_state(grid: Grid, notes: dict) -> dict:
     keep = (n_groups, 1) if p.axis == 1 else (1, n_groups)
     scale = scale.to(cd).reshape(keep).contiguous()
     zero = zero.to(cd).reshape(keep).contiguous()
-    hq = notes.get("hqq", {})
+    hq = flags
     view_as_float = bool(hq.get("view_as_float", False))
     if view_as_float:
         words = words.view(cd)
@@ -130,7 +143,7 @@ def encode_value(value) -> torch.Tensor:
     raise TypeError(type(value))
 
 
-class HqqSession:
+class HqqSession(WriterSession):
     """Streams HQQ layers into either container."""
 
     def __init__(self, path: Path, source, plans: list[TensorPlan], style: str):
@@ -148,11 +161,12 @@ class HqqSession:
             self.parts: list[tuple[str, str, Path]] = []  # (module, key, file)
 
     def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor:
-        kind = plan.info.get("kind")
-        if kind == "dequant":
-            item = Dense(item.dequantize(plan.info["dtype"]))
-        if kind == "requant":
-            s = plan.info["scheme"]
+        action: HqqAction = plan.action
+        flags, axis0_groups = (action.flags, action.axis0_groups) if action.kind == "grid" else ({}, ())
+        if action.kind == "dequant":
+            item = Dense(item.dequantize(action.dtype))
+        if action.kind == "requant":
+            s = action.scheme
             w = item.dequantize(torch.float32)
             codes, scale, zero = quantize_hqq(w, s.bits, s.group_size, s.axis)
             if s.axis == 0:
@@ -162,29 +176,20 @@ class HqqSession:
             else:
                 params = GridParams(bits=s.bits, group_size=s.group_size, scales=scale.reshape(w.shape[0], -1),
                                     zeros=zero.reshape(w.shape[0], -1), axis=1, compute_dtype=torch.float32)
-            item, plan_notes = Grid(params, codes), {"axis0_group_size": (s.group_size,)}
-        else:
-            plan_notes = {}
+            item, axis0_groups = Grid(params, codes), (s.group_size,)
         if isinstance(item, Grid):
             prefix = plan.name[: -len(".weight")] if plan.name.endswith(".weight") else plan.name
-            state = _layer_state(item, {**self._notes_of(plan), **plan_notes})
+            state = _layer_state(item, flags, axis0_groups)
             self._put_layer(prefix, state)
             self.grid_modules.add(prefix)
             p = item.params
             self.schemes[(p.bits, p.group_size, p.axis, state["view_as_float"], state["round_zero"])] += 1
             return self._decode_back(state, item.shape)
         tensor = item.tensor
-        if len(plan.shape) == 2 and _DECODER_LINEAR.match(plan.name):
+        if len(plan.shape) == 2 and DECODER_LINEAR.match(plan.name):
             self.dense_linears.append(plan.name[: -len(".weight")])
         self._put_dense(plan.name, tensor)
         return tensor.to(torch.float32)
-
-    def _notes_of(self, plan: TensorPlan) -> dict:
-        """hqq's own flags of the source layer (view_as_float, nbits 1.58, optimize...) and its axis-0 group
-        size to keep, if any."""
-        if plan.info.get("kind") != "grid":
-            return {}
-        return {"hqq": plan.info.get("hqq", {}), "axis0_group_size": tuple(plan.info.get("axis0_group_size", ()))}
 
     def _decode_back(self, state: dict, shape) -> torch.Tensor:
         """What hqq decodes from the state written: unpack the written words and dequantize them."""

@@ -19,13 +19,14 @@ save_config writes them; tokenizer and generation files are copied. Shards strea
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ...converters.checker import EXACT, REFUSED, REQUANTIZE, decide
-from ...converters.plan import Options, TensorPlan
-from ...converters.records import Dense, Grid, TensorRecord, describe_grid
+from ...converters.plan import Options, TensorPlan, Writer, WriterSession
+from ...converters.records import Dense, Grid, TensorRecord
 from ...kernels.dequant import dequantize_grid_torch
 from ..common.checkpoint import ShardWriter, copy_side_files, write_json
 from .packing import mlx_affine_quantize, pack_mlx
@@ -48,63 +49,67 @@ def model_dtype(config: dict) -> torch.dtype:
     return torch.float16
 
 
-class MlxWriter:
+@dataclass(frozen=True)
+class MlxAction:
+    """A linear stored as an mlx affine grid: `bits` and `group`, from the source's codes (`keep`) or quantized
+    with mlx's own rule. Tensors without an action are stored as they are (dequantized to the model dtype when
+    the source holds a grid)."""
+
+    bits: int
+    group: int
+    keep: bool
+
+
+class MlxWriter(Writer):
     """The registered writer; `for_conversion` gives the per-conversion one that knows the model dtype."""
 
     name = "mlx"
-    output_is_file = False
 
     def __init__(self, store: torch.dtype | None = None):
         self.store = store
 
     def for_conversion(self, source, options: Options) -> "MlxWriter":
-        return MlxWriter(model_dtype(getattr(source, "config", None) or {}))
+        return MlxWriter(model_dtype(source.config or {}))
+
+    def alternative_hint(self, scheme: str, verdict: str) -> str:
+        return f"no --type (the source grid as {scheme}: {verdict})"
 
     # -- planning ------------------------------------------------------------------------------------
     def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
-        store = self.store or model_dtype(getattr(source, "config", None) or {})
+        store = self.store or model_dtype(source.config or {})
         explicit = options.explicit_type(rec.name) or options.type
         want = parse_mlx_type(explicit) if explicit else None
         if rec.is_grid:
             p = rec.params
-            src = describe_grid(p, rec.shape[-1])
             bits = want.bits if want else (bits_for(p.bits) or 8)
             scheme = mlx_scheme(bits, want.group if want else 0, store)
             auto = mlx_scheme(bits_for(p.bits) or 8, 0, store)
             d = decide(p, rec.shape, scheme, [auto] if want else [], prefer_groups=rec.source_groups)
-            return self._plan(rec, src, d, bits)
+            return self._plan(rec, d, bits)
         if want is not None and len(rec.shape) == 2 and _QUANTIZABLE.match(rec.name):
             d = decide(rec.dtype, rec.shape, mlx_scheme(want.bits, want.group, store))
             if d.verdict != REFUSED:
-                return self._plan(rec, rec.dtype, d, want.bits)
+                return self._plan(rec, d, want.bits)
             # mlx_lm.convert leaves a layer whose rows are not whole groups unquantized (quantize_model's
             # predicate), and mlx-lm loads it as a plain layer: so does this writer
             return TensorPlan(rec.name, rec.shape, rec.dtype, rec.dtype, EXACT, f"kept unquantized: {d.reason}",
-                              out_name=rec.name, info={"dense": True})
-        return TensorPlan(rec.name, rec.shape, rec.dtype, rec.dtype, EXACT, "copied", out_name=rec.name,
-                          info={"dense": True})
+                              out_name=rec.name)
+        return TensorPlan(rec.name, rec.shape, rec.dtype, rec.dtype, EXACT, "copied", out_name=rec.name)
 
-    def _plan(self, rec: TensorRecord, src: str, d, bits: int) -> TensorPlan:
+    def _plan(self, rec: TensorRecord, d, bits: int) -> TensorPlan:
         target = f"mlx {bits}-bit g{d.group_size}" if d.group_size else f"mlx {bits}-bit"
-        alternative = ""
-        if d.alternative:
-            alternative = f"no --type (the source grid as {d.alternative[0]}: {d.alternative[1]})"
-        elif d.verdict == REQUANTIZE and rec.is_grid and not rec.params.contiguous_groups(rec.shape[-1]):
-            alternative = "gptq-v2 or gguf output, which keep an act-order grid"
-        info = {"bits": bits, "group": d.group_size, "keep": d.keeps_codes}
-        if d.verdict == REFUSED:
-            info = {}
-        return TensorPlan(rec.name, rec.shape, src, target, d.verdict, d.reason, alternative=alternative,
-                          out_name=rec.name, info=info)
-
-    def check_model(self, source, plans: list[TensorPlan], options: Options) -> None:
-        return None
+        plan = self.plan(rec, d, target,
+                         action=None if d.verdict == REFUSED else MlxAction(bits, d.group_size, d.keeps_codes))
+        if not d.alternative and d.verdict == REQUANTIZE and rec.is_grid and \
+                not rec.params.contiguous_groups(rec.shape[-1]):
+            plan.alternative = "gptq-v2 or gguf output, which keep an act-order grid"
+        return plan
 
     def open(self, path: Path, source, plans: list[TensorPlan], options: Options) -> "MlxSession":
         return MlxSession(Path(path), source, self.store or model_dtype(source.config or {}))
 
 
-class MlxSession:
+class MlxSession(WriterSession):
     max_shard_bytes = 2 * 1024**3  # ShardWriter's default (mlx_lm.convert's own shards are 5 GB at most)
 
     def __init__(self, path: Path, source, store: torch.dtype):
@@ -114,19 +119,20 @@ class MlxSession:
         self.dense_linears: list[str] = []
 
     def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor:
-        if plan.info.get("dense"):
+        action: MlxAction | None = plan.action
+        if action is None:
             if _QUANTIZABLE.match(plan.name) and len(plan.shape) == 2:
                 self.dense_linears.append(plan.name[: -len(".weight")])
             tensor = item.tensor if isinstance(item, Dense) else item.dequantize(self.store)
             self.shards.put(plan.name, tensor)
             return tensor.to(torch.float32)
-        bits, group = plan.info["bits"], plan.info["group"]
-        if plan.info["keep"]:
+        bits, group = action.bits, action.group
+        if action.keep:
             codes, scales, biases = self._kept(item, group)
         else:
             codes, scales, biases = mlx_affine_quantize(item.dequantize(torch.float32), bits, group, self.store)
         prefix = plan.name[: -len(".weight")]
-        self.shards.put(f"{prefix}.weight", self._words(item, codes, bits, plan.info["keep"]))
+        self.shards.put(f"{prefix}.weight", self._words(item, codes, bits, action.keep))
         self.shards.put(f"{prefix}.scales", scales.contiguous())
         self.shards.put(f"{prefix}.biases", biases.contiguous())
         self.schemes[prefix] = (bits, group)

@@ -13,11 +13,12 @@ from ...kernels.qqq_perm import (CHANNEL_SCALE_PERM, GROUP_SCALE_PERM, pack_qqq_
                                  unpermute_chunks)
 
 
+MODULE_PARTS = ("B", "s_channel", "s_group")  # the stored tensors of one linear (besides its bias)
 SUPPORTED_GROUPS = (-1, 128)
 INT8_STEPS = 16  # the largest second-level scale that keeps (c - 8) * s_group inside int8
 
 
-def _mode(group_size: int, in_features: int) -> str:
+def layout_mode(group_size: int, in_features: int) -> str:
     return "grouped" if group_size not in (-1, in_features) else "channel"
 
 

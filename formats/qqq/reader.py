@@ -42,16 +42,15 @@ from typing import Iterator
 import torch
 
 from ...converters.errors import BadInput
-from ...converters.records import FourBitView, Grid, GridParams, QqqLayer, TensorRecord
+from ...converters.records import Grid, GridParams, NativeForm, TensorRecord
 from ...converters.validate import ConfigView
 from ...kernels.qqq_perm import CHANNEL_SCALE_PERM, GROUP_SCALE_PERM, check_qqq_dims, qqq_codes, unpermute_chunks
 from ..common.quant_config import config_bits
 from ...converters.model_shapes import ModelShapes
 from ..common.checkpoint import CheckpointDir, CheckpointSource, quantization_config_of, read_json
-from .layout import SUPPORTED_GROUPS, _mode, qqq_runtime_grid, runtime_channel_scale
+from .layout import MODULE_PARTS, SUPPORTED_GROUPS, layout_mode, qqq_runtime_grid, runtime_channel_scale
 
 
-_PARTS = ("B", "s_channel", "s_group")
 
 
 def _method(qc: dict) -> str:
@@ -106,7 +105,7 @@ class QqqSource(CheckpointSource):
                            "GPTQ formats, so what it means here is undefined", path=where)
         if qc.get("dynamic"):
             raise BadInput("per-module `dynamic` overrides in a QQQ checkpoint are not supported", path=where)
-        self.modules = self.ckpt.group_modules(_PARTS, primary="B")
+        self.modules = self.ckpt.group_modules(MODULE_PARTS, primary="B")
 
     # -- one module -----------------------------------------------------------------------------
     def _geometry(self, prefix: str) -> tuple[int, int, str]:
@@ -123,7 +122,7 @@ class QqqSource(CheckpointSource):
         why = check_qqq_dims(in_features, out_features)
         if why:
             raise BadInput(why, path=where, tensor=b_name)
-        return in_features, out_features, _mode(self.group_size, in_features)
+        return in_features, out_features, layout_mode(self.group_size, in_features)
 
     def _scales(self, prefix: str) -> tuple[torch.Tensor, torch.Tensor | None, int, int, str]:
         """-> (s_channel [out] fp32, s_group [out, G] fp16 or None, in, out, mode), unpermuted."""
@@ -186,10 +185,6 @@ class QqqSource(CheckpointSource):
         zeros = torch.full(scale.shape, 8, dtype=torch.int16)
         return Grid(GridParams(bits=4, group_size=self.group_size, scales=scale, zeros=zeros), codes=codes)
 
-    def _view(self, prefix: str, mode: str) -> FourBitView | None:
-        """The 4-bit view of a grouped layer, for a target asked for 4-bit groups of this size."""
-        return FourBitView(self.group_size, lambda p=prefix: self.four_bit_grid(p)) if mode == "grouped" else None
-
     def raw_module(self, prefix: str) -> dict[str, torch.Tensor]:
         """The stored tensors of one linear as they are (for a QQQ -> QQQ copy)."""
         parts = self.modules[prefix]
@@ -204,11 +199,15 @@ class QqqSource(CheckpointSource):
 
     def _module_record(self, prefix: str, shard: str) -> TensorRecord:
         params, shape = self._params(prefix)
-        mode = _mode(self.group_size, shape[1])
+        mode = layout_mode(self.group_size, shape[1])
+        # the stored words, for a QQQ target of the same layout; a grouped layer's own 4-bit grid, for a target
+        # asked for 4-bit groups of this size
+        forms = (NativeForm("qqq-layer", lambda: self.raw_module(prefix),
+                            {"prefix": prefix, "mode": mode, "group_size": self.group_size}),)
+        if mode == "grouped":
+            forms += (NativeForm("4bit-grid", lambda: self.four_bit_grid(prefix), {"group_size": self.group_size}),)
         return TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p),
-                            params=params, source_file=shard,
-                            qqq_layer=QqqLayer(prefix, mode, self.group_size, lambda p=prefix: self.raw_module(p)),
-                            four_bit_view=self._view(prefix, mode))
+                            params=params, source_file=shard, native_forms=forms)
 
     def describe(self) -> dict:
         modes: dict[str, int] = {}

@@ -13,10 +13,10 @@ from ...converters.checker import EXACT, REFUSED, REQUANTIZE, Decision, TargetSc
 from ...converters.errors import QConvertError
 from ...converters.records import GridParams
 from ...kernels.qqq_perm import check_qqq_dims
-from .layout import _mode, exact_channel_scale
+from .layout import exact_channel_scale, layout_mode
 
 
-def _parse_qqq_type(text: str) -> int:
+def parse_qqq_type(text: str) -> int:
     """`g128` / `4g128` / `128` -> 128, `g-1` / `4g-1` / `-1` / `channel` -> -1."""
     key = text.strip().lower().replace("qqq:", "")
     if key in ("channel", "per-channel"):
@@ -69,7 +69,7 @@ register_family("qqq", _qqq_decision)
 
 def qqq_scheme(group: int, in_features: int) -> TargetScheme:
     """QQQ's target for a layer: per-channel (group -1, or a group as wide as the row) or grouped."""
-    per_channel = _mode(group, in_features) == "channel"
+    per_channel = layout_mode(group, in_features) == "channel"
     return TargetScheme("qqq", "qqq", bits=4, group=in_features if per_channel else group, zero="none",
                         scale="fp16" if per_channel else "int8 under fp16", offset=8)
 

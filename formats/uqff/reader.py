@@ -39,6 +39,7 @@ from .moe import STACKABLE_FAMILIES, canonical_expert_name, expected_shape, laye
 from .layout import (AFQ_BITS, AFQ_GROUPS, EXTRA_BLOCKS, FAMILY_OF_TAG, FP8_DTYPE_CODE, GGML_NAME_OF_ID, MAJOR,
                      READER_MINOR, decode_f8q8, decode_q8_1, decode_q8_k, hqq_halves_unpack,
                      unpack_afq)
+from ...converters.records import ModelSource
 
 __all__ = ["UqffSource", "open_uqff", "shard_set", "is_uqff_file"]
 
@@ -272,7 +273,7 @@ def _torch_dtype_name(dtype: torch.dtype) -> str:
     return _TORCH_NAME.get(dtype, str(dtype).replace("torch.", ""))
 
 
-class UqffSource:
+class UqffSource(ModelSource):
     """A UQFF model directory (or one `.uqff` file of it), read lazily layer by layer."""
 
     format_name = "uqff"

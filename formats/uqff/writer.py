@@ -34,6 +34,7 @@ import json
 import os
 import re
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -53,9 +54,10 @@ from .reader import _without_quantization_config
 from ..common.block_schemes import block_layout
 from .schemes import REQUANT_DEFAULT, candidates_for_bits, scheme_for
 from .moe import STACKABLE_FAMILIES, ExpertStacks, StackedTensor, expert_slot, mistralrs_moe_config, moe_model
-from .layout import (FP8_DTYPE_CODE, GGML_TYPE_IDS, MAJOR, TAG, UQFF_TYPES,
-                     UqffType, decode_f8q8, decode_mxfp4, encode_f8q8, encode_fp8, encode_mxfp4, hqq_halves_pack,
-                     pack_afq)
+from .layout import (FP8_DTYPE_CODE, GGML_TYPE_IDS, MAJOR, TAG, UQFF_TYPES, UqffType, decode_f8q8, decode_mxfp4,
+                     encode_f8q8, encode_fp8, encode_mxfp4, hqq_halves_pack, pack_afq)
+from ...converters.plan import Writer, WriterSession
+from ..common.ggml_codec import QuantHow, encode_tensor
 
 __all__ = ["UqffWriter", "MAX_SHARD_BYTES", "parse_uqff_type"]
 
@@ -76,28 +78,54 @@ def parse_uqff_type(text: str) -> UqffType:
     return UQFF_TYPES[key]
 
 
+@dataclass
+class UqffAction:
+    """Where and how the session stores one tensor. `where`: "residual" (residual.safetensors, as it is), "uqff"
+    (a layer of UQFF type `type`), "uqff-expert" (one expert of the stacked layer `stack`) or "uqff-bias" (a
+    layer's bias, beside it in the .uqff: check_model moves a residual bias there when its layer is stored).
+    The rest is what the checker decided for a layer: the ggml type a GGUF-block layer stores (`ggml`, and
+    `quant` when K blocks keep codes), the group of an AFQ / HQQ layer and whether its codes are kept
+    (`aligned`, with HQQ's `meta_dtype` and the source layer's own `hqq_flags`)."""
+
+    where: str
+    type: str = ""
+    bias_of: str | None = None  # a residual bias: the layer prefix it belongs to
+    stack: str = ""  # an expert: its stacked layer, index and part ("weight" | "bias")
+    expert: int | None = None
+    expert_part: str = "weight"
+    ggml: str = ""
+    quant: QuantHow | None = None
+    group_size: int | None = None
+    aligned: bool = False
+    meta_dtype: torch.dtype | None = None
+    hqq_flags: dict = field(default_factory=dict)
+
+
+def _where(plan: TensorPlan) -> str | None:
+    return plan.action.where if plan.action is not None else None
+
+
 # -- the checker's verdict, in the facts the session needs ------------------------------------------------
 def check_target(t: UqffType, rec: TensorRecord) -> tuple[Decision, dict]:
-    """(decision, facts the session needs) for storing `rec` as UQFF type `t` (converters/align.check)."""
+    """(decision, the UqffAction fields the session needs) for storing `rec` as UQFF type `t`
+    (converters/checker.check)."""
     scheme, note = scheme_for(t, rec.shape[-1])
     d = check(rec.params if rec.params is not None else rec.dtype, rec.shape, scheme,
               native=rec.native_type, prefer_groups=rec.source_groups)
-    info: dict = {}
+    facts: dict = {}
     if scheme.family == "ggml":
         if d.verdict == REFUSED and not d.copied:
-            return d.with_reason(prefix=note), info
-        info["ggml"] = block_layout(scheme).name
+            return d.with_reason(prefix=note), facts
+        facts["ggml"] = block_layout(scheme).name
         if d.kept_blocks:  # Q4_K/Q5_K blocks that hold the grid keep its codes, as in the GGUF writer
-            from ..common.ggml_codec import QuantHow
-
-            info["quant"] = QuantHow(keep_codes=True)
+            facts["quant"] = QuantHow(keep_codes=True)
     elif d.group_size is not None:
-        info["group_size"] = d.group_size
+        facts["group_size"] = d.group_size
         if d.keeps_codes:
-            info["aligned"] = True
+            facts["aligned"] = True
         if scheme.family == "hqq-axis0" and d.keeps_codes:
-            info.update(meta_dtype=d.meta_dtype, hqq_flags=dict(rec.layer_flags.get("uqff", {})))
-    return d.with_reason(prefix=note), info
+            facts.update(meta_dtype=d.meta_dtype, hqq_flags=dict(rec.layer_flags.get("uqff", {})))
+    return d.with_reason(prefix=note), facts
 
 
 def _best_aligned(rec: TensorRecord, stacked: bool = False) -> tuple[str, str] | None:
@@ -110,12 +138,11 @@ def _best_aligned(rec: TensorRecord, stacked: bool = False) -> tuple[str, str] |
     return (best[0].name, best[1].verdict) if best else None
 
 
-class UqffWriter:
+class UqffWriter(Writer):
     name = "uqff"
-    output_is_file = False
 
     def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
-        moe = moe_model(getattr(source, "config", None) or {})
+        moe = moe_model(source.config or {})
         slot = expert_slot(rec.name, moe)
         out_name = moe.out_name(rec.name) if moe else rec.name
         explicit = options.explicit_type(rec.name)
@@ -129,11 +156,10 @@ class UqffWriter:
         if rec.dtype not in ("float32", "float16", "bfloat16") and rec.dtype not in ("int32", "int64", "uint8"):
             return TensorPlan(rec.name, rec.shape, rec.dtype, "residual", REFUSED, f"dtype {rec.dtype} not supported")
         bias = bool(_LAYER_BIAS.search(rec.name))
-        info = {"where": "residual", "bias_of": rec.name[: -len(".bias")] if bias else None}
+        action = UqffAction("residual", bias_of=rec.name[: -len(".bias")] if bias else None)
         if slot is not None:  # a dense expert (its stack is checked whole in check_model)
-            info["stack"], info["expert"] = slot.stack, slot.expert
-            info["expert_part"] = slot.part
-        return TensorPlan(rec.name, rec.shape, rec.dtype, rec.dtype, EXACT, "copied", out_name=out_name, info=info)
+            action.stack, action.expert, action.expert_part = slot.stack, slot.expert, slot.part
+        return TensorPlan(rec.name, rec.shape, rec.dtype, rec.dtype, EXACT, "copied", out_name=out_name, action=action)
 
     def _plan_layer(self, rec: TensorRecord, wanted: str | None, slot=None, out_name: str | None = None) -> TensorPlan:
         p = rec.params
@@ -149,13 +175,14 @@ class UqffWriter:
         else:
             best = _best_aligned(rec, stacked)
             t = UQFF_TYPES[best[0] if best else REQUANT_DEFAULT.get(p.bits, "afq4")]
-        v, info = check_target(t, rec)
-        target = f"{t.name}" + (f" ({info['ggml']})" if info.get("ggml") and info["ggml"] != t.ggml else "")
+        v, facts = check_target(t, rec)
+        action = UqffAction("uqff", type=t.name, **facts)
+        target = f"{t.name}" + (f" ({action.ggml})" if action.ggml and action.ggml != t.ggml else "")
         plan = TensorPlan(rec.name, rec.shape, src, target, v.verdict, v.reason, out_name=out_name or rec.name,
-                          info={"where": "uqff", "type": t.name, **info})
+                          action=action)
         if stacked:
             plan.out_name = f"{slot.stack}.weight"
-            plan.info.update(where="uqff-expert", stack=slot.stack, expert=slot.expert)
+            action.where, action.stack, action.expert = "uqff-expert", slot.stack, slot.expert
             if t.family not in STACKABLE_FAMILIES:
                 # mistralrs-quant's UQFF reader: "does not support stacked expert gather" for HQQ / FP8 / F8Q8
                 plan.verdict, plan.reason = REFUSED, (f"experts are stacked into one layer per projection, and "
@@ -164,15 +191,15 @@ class UqffWriter:
         if plan.verdict in (REQUANTIZE, REFUSED) and p is not None:
             best = _best_aligned(rec, stacked)
             if best:
-                plan.alternative = f"--type {best[0]} ({best[1]})"
+                plan.alternative = self.alternative_hint(*best)
         return plan
 
     def check_model(self, source, plans: list[TensorPlan], options: Options) -> None:
-        _check_stacks(plans, moe_model(getattr(source, "config", None) or {}), source.path)
-        layers = {p.name[: -len(".weight")] for p in plans if p.info.get("where") in ("uqff", "uqff-expert")}
+        _check_stacks(plans, moe_model(source.config or {}), source.path)
+        layers = {p.name[: -len(".weight")] for p in plans if _where(p) in ("uqff", "uqff-expert")}
         for p in plans:  # a layer's bias travels with it in the .uqff (its presence is the "has bias" flag)
-            if p.info.get("bias_of") in layers:
-                p.info["where"] = "uqff-bias"
+            if p.action is not None and p.action.bias_of in layers:
+                p.action.where = "uqff-bias"
         if not layers and plans:
             raise QConvertError("nothing to store as UQFF layers: the source has no quantized tensors; pass "
                                 "--type (e.g. --type q4k)", path=source.path)
@@ -191,30 +218,30 @@ def _check_stacks(plans: list[TensorPlan], moe, path) -> None:
     [E, out] biases are not written here)."""
     stacks: dict[str, list[TensorPlan]] = {}
     for p in plans:
-        if p.info.get("stack"):
-            stacks.setdefault(p.info["stack"], []).append(p)
+        if p.action is not None and p.action.stack:
+            stacks.setdefault(p.action.stack, []).append(p)
     for key, members in stacks.items():
-        weights = [p for p in members if p.info.get("expert_part", "weight") == "weight"]
-        stored = [p for p in weights if p.info["where"] == "uqff-expert"]
+        weights = [p for p in members if p.action.expert_part == "weight"]
+        stored = [p for p in weights if p.action.where == "uqff-expert"]
         if not stored:
             continue  # dense experts stay per-expert tensors in the residual (mistral.rs stacks them itself)
         if len(stored) != len(weights):
-            dense = next(p for p in weights if p.info["where"] != "uqff-expert")
+            dense = next(p for p in weights if p.action.where != "uqff-expert")
             raise QConvertError(f"an expert of {key} would stay dense while the others are stored as "
-                                f"{stored[0].info['type']}: mistral.rs loads the experts of a projection as one "
+                                f"{stored[0].action.type}: mistral.rs loads the experts of a projection as one "
                                 "stacked layer; give them all one --tensor-type", tensor=dense.name)
-        biases = [p for p in members if p.info.get("expert_part") == "bias"]
+        biases = [p for p in members if p.action.expert_part == "bias"]
         if biases:
             raise QConvertError("expert biases are not supported in stacked UQFF expert layers here",
                                 tensor=biases[0].name)
-        experts = sorted(p.info["expert"] for p in stored)
+        experts = sorted(p.action.expert for p in stored)
         n = moe.num_experts if moe is not None and moe.num_experts else len(experts)
         if experts != list(range(n)):
             missing = sorted(set(range(n)) - set(experts))
             raise QConvertError(f"{key} needs experts 0..{n - 1} (config.json: {n} experts); "
                                 f"{'missing ' + str(missing[:4]) if missing else 'found ' + str(experts[-1])}",
                                 path=path, tensor=stored[0].name)
-        facts = {(p.info["type"], p.info.get("ggml"), p.info.get("group_size"), tuple(p.shape)) for p in stored}
+        facts = {(p.action.type, p.action.ggml, p.action.group_size, tuple(p.shape)) for p in stored}
         if len(facts) > 1:
             shown = ", ".join(sorted({f"{t} {list(s)}" for t, _, _, s in facts}))
             raise QConvertError(f"the experts of {key} would be stored differently ({shown}); a stacked layer has "
@@ -224,10 +251,10 @@ def _check_stacks(plans: list[TensorPlan], moe, path) -> None:
 
 def uqff_minor(plans: list[TensorPlan]) -> int:
     """The lowest 1.x minor that covers the layers: 1.2 stores token embeddings as layers, 1.1 Unquant."""
-    layers = [p for p in plans if p.info.get("where") in ("uqff", "uqff-expert")]
+    layers = [p for p in plans if _where(p) in ("uqff", "uqff-expert")]
     if any(_EMBEDDING.search(p.name) for p in layers):
         return 2
-    if any(UQFF_TYPES[p.info["type"]].family == "unquant" for p in layers):
+    if any(UQFF_TYPES[p.action.type].family == "unquant" for p in layers):
         return 1
     return 0
 
@@ -314,17 +341,17 @@ def _u32(v) -> torch.Tensor:
     return torch.tensor(v, dtype=torch.uint32)
 
 
-class UqffSession:
+class UqffSession(WriterSession):
     def __init__(self, path: Path, source, plans: list[TensorPlan], max_bytes: int):
         self.path, self.source = path, source
         counts: dict[str, int] = {}
         stacks: dict[str, tuple[int, str]] = {}
         for p in plans:
-            if p.info.get("where") in ("uqff", "uqff-expert"):
-                counts[p.info["type"]] = counts.get(p.info["type"], 0) + 1
-            if p.info.get("where") == "uqff-expert":
-                n = stacks.get(p.info["stack"], (0, ""))[0]
-                stacks[p.info["stack"]] = (n + 1, UQFF_TYPES[p.info["type"]].family)
+            if _where(p) in ("uqff", "uqff-expert"):
+                counts[p.action.type] = counts.get(p.action.type, 0) + 1
+            if _where(p) == "uqff-expert":
+                n = stacks.get(p.action.stack, (0, ""))[0]
+                stacks[p.action.stack] = (n + 1, UQFF_TYPES[p.action.type].family)
         self.stacks = ExpertStacks(stacks)  # check_model made each stack whole: experts 0..n-1, one type
         self.stem = max(counts, key=counts.get) if counts else "model"
         minor = uqff_minor(plans)
@@ -333,7 +360,8 @@ class UqffSession:
 
     # -- one tensor ---------------------------------------------------------------------------------------
     def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor | BitIdentical:
-        where = plan.info.get("where")
+        action: UqffAction = plan.action
+        where = action.where
         if where == "residual":
             self.residual.put(plan.out_name, item.tensor)
             return item.tensor.to(torch.float32)
@@ -343,12 +371,12 @@ class UqffSession:
             bias = item.tensor.to(torch.float32) if item.tensor.is_floating_point() else item.tensor
             self.shards.put_layer({plan.out_name: bias})
             return bias
-        t = UQFF_TYPES[plan.info["type"]]
+        t = UQFF_TYPES[action.type]
         tensors, decoded = getattr(self, f"_encode_{t.family}")(t, plan, item)
         if where == "uqff-expert":
             # one expert of a stacked layer: held encoded until the stack's last expert arrives
-            key = plan.info["stack"]
-            tensors = self.stacks.add(key, plan.info["expert"], tensors)
+            key = action.stack
+            tensors = self.stacks.add(key, action.expert, tensors)
             if tensors is None:
                 return decoded
         else:
@@ -357,10 +385,8 @@ class UqffSession:
         return decoded
 
     def _encode_gguf(self, t: UqffType, plan: TensorPlan, item):
-        from ..gguf.writer import encode_tensor
-
-        name = plan.info["ggml"]
-        data, decoded = encode_tensor(LAYOUTS[name], plan.verdict, item, plan.info.get("quant"))
+        name = plan.action.ggml
+        data, decoded = encode_tensor(LAYOUTS[name], plan.verdict, item, plan.action.quant)
         tensors = {"": torch.from_numpy(np.ascontiguousarray(data).reshape(-1)).to(torch.uint8),
                    "weight.format": _u8(TAG["gguf"]), "weight.dtype": _u32(GGML_TYPE_IDS[name]),
                    "weight.shape": _u32(list(plan.shape))}
@@ -374,22 +400,23 @@ class UqffSession:
 
     def _encode_hqq(self, t: UqffType, plan: TensorPlan, item):
         out, n = plan.shape
-        if plan.info.get("aligned"):
+        action: UqffAction = plan.action
+        if action.aligned:
             p = item.params
-            store = plan.info["meta_dtype"]
-            layout = axis0_compact(p.scales, p.zeros, (out, n), t.bits, (plan.info["group_size"],))
-            if layout is None or layout[0] != plan.info["group_size"]:
+            store = action.meta_dtype
+            layout = axis0_compact(p.scales, p.zeros, (out, n), t.bits, (action.group_size,))
+            if layout is None or layout[0] != action.group_size:
                 raise QConvertError("the grid's axis-0 scales changed between planning and writing", tensor=plan.name)
             gs, scales, zeros = layout
             codes, scales, zeros = item.codes, scales.to(store), zeros.to(store)
             # a UQFF source's informational flags are kept as it stored them (0 steps: not optimized here)
-            flags = plan.info.get("hqq_flags") or {}
+            flags = action.hqq_flags
             steps, round_zeros = flags.get("optimization_steps", 0), flags.get("round_zeros", 0)
             channel_wise = flags.get("channel_wise", 1)
         else:
             from ...kernels.hqq import quantize_hqq
 
-            gs, store, steps = plan.info["group_size"], torch.float32, 10  # mistral.rs ISQ: 10 steps, no round
+            gs, store, steps = action.group_size, torch.float32, 10  # mistral.rs ISQ: 10 steps, no round
             round_zeros, channel_wise = 0, 1
             codes, scales, zeros = quantize_hqq(item.dequantize(torch.float32), t.bits, gs, axis=0, optimize=True,
                                                 round_zero=False, iters=steps)
@@ -406,8 +433,8 @@ class UqffSession:
 
     def _encode_afq(self, t: UqffType, plan: TensorPlan, item):
         out, n = plan.shape
-        g = plan.info["group_size"]
-        if plan.info.get("aligned"):
+        g = plan.action.group_size
+        if plan.action.aligned:
             p = item.params
             rep = p.group_size // g  # a source group of 128 is two AFQ groups of 64 with the same scale
             s = p.scales.to(torch.float32)

@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from qconvert.converters.checker import (EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Decision, TargetScheme, best_aligned,
-                                       check, register_family)
+                                         check, register_family)
 from qconvert.converters.plan import Options
 from qconvert.converters.records import Grid, GridParams, TensorRecord
 from qconvert.formats.gguf.schemes import ALIGNED_CANDIDATES, GGUF_SCHEMES
-from qconvert.formats.gptq.reader import GPTQ_SCHEMES
-from qconvert.formats.hqq.reader import HQQ_KEEP
-from qconvert.formats.qqq.reader import qqq_scheme
+from qconvert.formats.gptq import GPTQ_SCHEMES
+from qconvert.formats.hqq import HQQ_KEEP
+from qconvert.formats.qqq import qqq_scheme
+from qconvert.formats.common.block_schemes import block_layout
 from qconvert.formats.uqff.schemes import UQFF_SCHEMES
 
 
@@ -168,7 +169,7 @@ def test_the_gguf_writer_reads_kept_blocks_from_the_decision_not_its_text():
                        lambda: Grid(p, torch.zeros(8, 256, dtype=torch.uint8)), params=p)
     writer = GgufWriter(("llama", 1))
     plan = writer.plan_tensor(rec, Options(type="q4_k"), source=type("S", (), {"config": {}, "quant_config": {}})())
-    assert plan.verdict == EXACT and plan.info["quant"].keep_codes
+    assert plan.verdict == EXACT and plan.action.quant.keep_codes
 
 
 def test_decide_names_the_aligned_alternative_and_the_fallback():

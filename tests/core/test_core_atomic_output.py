@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from qconvert.converters.errors import QConvertError
-from qconvert.converters.run import atomic_output, remove_stale_temporaries
+from qconvert.converters.output import atomic_output, remove_stale_temporaries
 
 TMP_MARK = "qconvert-tmp"
 
