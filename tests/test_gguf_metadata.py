@@ -19,8 +19,9 @@ import torch
 
 from qconvert.converters.errors import BadInput, QConvertError
 from qconvert.formats.gguf import tokenizer as gtok
-from qconvert.formats.gguf.metadata import (add_model_metadata, config_from_gguf, rope_freqs_tensor,
-                                            rope_parameters)
+from qconvert.formats.gguf.metadata import add_model_metadata
+from qconvert.formats.gguf.config import config_from_gguf
+from qconvert.formats.gguf.hparams import rope_freqs_tensor, rope_parameters
 from qconvert.formats.gguf.names import (gguf_arch, gguf_tensor_name, hf_tensor_name, inverse_permutation,
                                          qk_row_permutation)
 from qconvert.formats.gguf.tokenizer import (PRE_TOKENIZERS, add_tokenizer, detect_pre_tokenizer,

@@ -21,23 +21,25 @@ import gguf
 import torch
 
 from ...converters.errors import BadInput, QConvertError
-from .archs import ARCHS, arch_by_name, arch_for_config, expert_name, supported_classes
+from .archs import arch_by_name, arch_for_config, expert_name, registered, supported_classes
+from .hparams import head_dim
 
 __all__ = [
-    "SUPPORTED_ARCHS",
+    "supported_archs",
     "gguf_arch",
     "gguf_tensor_name",
     "hf_tensor_name",
     "layer_index",
     "qk_row_permutation",
     "inverse_permutation",
-    "head_dim",
     "expert_of",
     "expert_member",
     "is_expert_stack",
 ]
 
-SUPPORTED_ARCHS: tuple[str, ...] = tuple(ARCHS)
+def supported_archs() -> tuple[str, ...]:
+    """The GGUF architectures qconvert writes and reads (archs: the registered entries)."""
+    return registered()
 
 
 def _supported_list() -> str:
@@ -59,7 +61,7 @@ def gguf_arch(config: Mapping, path: object | None = None) -> str:
 def _arch_enum(arch: str) -> gguf.MODEL_ARCH:
     spec = arch_by_name(arch)
     if spec is None:
-        raise QConvertError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}")
+        raise QConvertError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(supported_archs())}")
     return spec.enum
 
 
@@ -142,50 +144,8 @@ def expert_member(stacked_hf_name: str, index: int) -> str:
     return f"{head}.experts.{index}.{tail}"
 
 
-# HF module names per block, in the order the inverse map prefers them (transformers naming). Several HF
-# names map to one GGUF name across families (Mixtral's block_sparse_moe.experts.w1 and Qwen's
-# mlp.experts.gate_proj are both ffn_gate_exps): each architecture lists the ones its HF class uses.
+# the model-wide HF modules every architecture shares; the per-block ones are each entry's hf_block
 _HF_GLOBAL = ("model.embed_tokens", "model.norm", "lm_head")
-_HF_DENSE_BLOCK = (
-    "input_layernorm",
-    "post_attention_layernorm",
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "self_attn.q_norm",
-    "self_attn.k_norm",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
-_HF_MIXTRAL_MOE = ("block_sparse_moe.gate", "block_sparse_moe.experts.w1", "block_sparse_moe.experts.w2",
-                   "block_sparse_moe.experts.w3")
-_HF_QWEN_MOE = ("mlp.gate", "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj",
-                "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj",
-                "mlp.shared_expert_gate")
-_HF_DEEPSEEK = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.q_a_proj",
-                "self_attn.q_a_layernorm", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
-                "self_attn.kv_a_layernorm", "self_attn.kv_b_proj", "self_attn.k_b_proj", "self_attn.v_b_proj",
-                "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp.gate",
-                "mlp.gate.e_score_correction", "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj",
-                "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj")
-# gpt-oss: post_attention_layernorm is llama.cpp's attn_post_norm (the FFN's input norm); the experts'
-# stacks are named as the per-layer stacks (archs.split_gpt_oss_experts makes them from the fused tensors)
-_HF_GPT_OSS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
-               "self_attn.v_proj", "self_attn.o_proj", "self_attn.sinks", "mlp.router", "mlp.experts.gate_proj",
-               "mlp.experts.up_proj", "mlp.experts.down_proj")
-_HF_BLOCK_BY_ARCH = {
-    "deepseek2": _HF_DEEPSEEK,
-    "gpt-oss": _HF_GPT_OSS,
-    "llama": _HF_DENSE_BLOCK + _HF_MIXTRAL_MOE,
-    "qwen2moe": _HF_DENSE_BLOCK + _HF_QWEN_MOE,
-    "qwen3moe": _HF_DENSE_BLOCK + _HF_QWEN_MOE,
-    "gemma2": _HF_DENSE_BLOCK + ("pre_feedforward_layernorm", "post_feedforward_layernorm"),
-    "gemma3": _HF_DENSE_BLOCK + ("pre_feedforward_layernorm", "post_feedforward_layernorm"),
-    "phi3": ("input_layernorm", "post_attention_layernorm", "self_attn.qkv_proj", "self_attn.o_proj",
-             "mlp.gate_up_proj", "mlp.down_proj"),
-}
 
 
 @lru_cache(maxsize=16)
@@ -194,7 +154,7 @@ def _inverse_map(arch: str) -> dict[str, str]:
     for every block)."""
     tmap = _name_map(arch)
     inv: dict[str, str] = {}
-    block = _HF_BLOCK_BY_ARCH.get(arch, _HF_DENSE_BLOCK)
+    block = arch_by_name(arch).hf_block
     for hf in list(_HF_GLOBAL) + [f"model.layers.0.{m}" for m in block]:
         g = tmap.get_name(hf)
         if g is not None:
@@ -232,17 +192,6 @@ def hf_tensor_name(gguf_name: str, arch: str, n_layers: int) -> str | None:
 def is_expert_stack(gguf_name: str) -> bool:
     """Whether a GGUF tensor stacks one tensor per expert (``blk.N.ffn_{gate,up,down}_exps.weight``)."""
     return bool(re.match(r"^blk\.\d+\.ffn_(gate|up|down)_exps\.weight$", gguf_name))
-
-
-def head_dim(config: Mapping) -> int:
-    """Attention head dimension: ``head_dim`` if set, else hidden_size // num_attention_heads."""
-    hd = config.get("head_dim")
-    if hd:
-        return int(hd)
-    try:
-        return int(config["hidden_size"]) // int(config["num_attention_heads"])
-    except KeyError as e:
-        raise BadInput(f"config.json lacks {e.args[0]}") from None
 
 
 _QK_RE = re.compile(r"(?:^|\.)self_attn\.([qk])_proj(?:\.|$)")

@@ -47,7 +47,8 @@ from ...kernels.ggml.kblocks import K_ZERO_POINT, unpack_k_blocks
 from ...kernels import floatq
 from ...kernels.ggml.layouts import CODEBOOK_LAYOUTS, FP4_LAYOUTS, LAYOUTS
 from ...kernels.ggml.legacy import unpack_blocks
-from .metadata import check_gguf_tensors, config_from_gguf, field_values
+from .checks import check_gguf_tensors
+from .config import config_from_gguf, field_values
 from .archs import arch_by_name, merge_gpt_oss_experts, merge_kv_b
 from .names import expert_member, hf_tensor_name, inverse_permutation, is_expert_stack, qk_row_permutation
 from .tokenizer import tokenizer_files_from_gguf

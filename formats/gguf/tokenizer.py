@@ -30,7 +30,7 @@ import gguf
 
 from ...converters.errors import BadInput, QConvertError
 from ...converters.validate import json_kind, read_json
-from .metadata import field_values
+from .config import field_values
 
 __all__ = [
     "PRE_TOKENIZERS",

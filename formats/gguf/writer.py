@@ -46,7 +46,8 @@ from ...converters.plan import BitIdentical, Options, TensorPlan, Writer, Writer
 from ...converters.records import Dense, Grid, TensorRecord
 from ...kernels.ggml.layouts import CODEBOOK_LAYOUTS, TARGET_LAYOUTS  # grid, codebook (IQ4_*) types
 from ..common.ggml_codec import QUANTIZERS, QuantHow
-from .metadata import add_model_metadata, check_writer_config, config_json_path, layer_count, rope_tensors
+from .checks import check_writer_config, config_json_path, layer_count
+from .metadata import add_model_metadata, rope_tensors
 from .archs import (EXPERT_COUNT_KEYS, arch_by_name, expert_count_key, gpt_oss_expert_part, kv_b_parts,
                     split_gpt_oss_experts, split_kv_b)
 from .names import expert_of, gguf_arch, layer_index, gguf_tensor_name, inverse_permutation, qk_row_permutation

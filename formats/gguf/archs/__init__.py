@@ -1,0 +1,29 @@
+"""The model families qconvert writes to GGUF and reads back: one entry (`GgufArch`) per llama.cpp architecture.
+
+An entry says which Hugging Face classes map to it, how its hyper-parameters become `{arch}.*` metadata (as
+llama.cpp's convert_hf_to_gguf.py writes them and its llama-model.cpp reads them) and come back into a
+config.json, which HF modules its blocks hold, which tensors every layer must have, and its tensor quirks:
+
+- `permute_qk`: llama's q/k rows are reordered from HF's rotate-half rope to ggml's NORM rope (names.py);
+- `norm_shift`: Gemma's RMSNorm multiplies by `1 + w` while llama.cpp multiplies by the stored value,
+  so every `*norm.weight` is written as `w + 1` (and read back as `value - 1`);
+- experts: HF keeps one 2-D tensor per expert (`...experts.<e>.gate_proj.weight`), GGUF one 3-D tensor
+  per layer (`blk.N.ffn_gate_exps.weight`, experts outermost); the stacking is the writer's
+  (writer.GgufSession), the naming `expert_name` here;
+- gpt-oss keeps its experts fused and transposed ([experts, in, out], gate and up columns interleaved in
+  gate_up_proj, biases per expert): gpt_oss.py turns them into llama.cpp's stacks and back.
+
+A new architecture is one module here that calls `register_arch` (base.py), imported below; the names
+themselves come from gguf-py's `TensorNameMap` for the architecture (names.py).
+"""
+
+from . import llama, qwen, gemma, deepseek2, phi3, gpt_oss  # noqa: F401  (each registers its entries, in this order)
+from .base import (EXPERT_COUNT_KEYS, GgufArch, arch_by_name, arch_for_config, expert_count, expert_count_key,
+                   expert_name, register_arch, registered, supported_classes)
+from .deepseek2 import kv_b_parts, merge_kv_b, split_kv_b
+from .gpt_oss import GPT_OSS_SWIGLU, gpt_oss_expert_part, gpt_oss_layer_types, merge_gpt_oss_experts, split_gpt_oss_experts
+
+__all__ = ["GgufArch", "register_arch", "registered", "arch_by_name", "arch_for_config", "supported_classes",
+           "expert_name", "EXPERT_COUNT_KEYS", "expert_count", "expert_count_key", "kv_b_parts", "split_kv_b",
+           "merge_kv_b", "gpt_oss_expert_part", "split_gpt_oss_experts", "merge_gpt_oss_experts", "GPT_OSS_SWIGLU",
+           "gpt_oss_layer_types"]

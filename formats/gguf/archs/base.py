@@ -1,0 +1,200 @@
+"""The architecture entry (`GgufArch`) and its registry, with what every entry shares: the routed experts'
+names and counts, and the MoE fields of a config rebuilt from GGUF metadata.
+
+An entry holds everything qconvert knows of one llama.cpp architecture (see archs/__init__.py); the entries
+themselves live one module per family beside this one and register with `register_arch`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import gguf
+
+from ..hparams import MAX_WIDTH
+
+__all__ = ["GgufArch", "register_arch", "registered", "arch_by_name", "arch_for_config", "supported_classes",
+           "expert_name", "EXPERT_COUNT_KEYS", "expert_count_key", "expert_count", "expert_keys", "moe_config",
+           "HF_DENSE_BLOCK"]
+
+MetadataHook = Callable[[gguf.GGUFWriter, Mapping], None]
+# (the config being rebuilt, get(key, default, required, kind, **bounds) of the arch's typed metadata, the
+# file's tensor names or None, the typed metadata view) -> None: fills the architecture's own fields
+ConfigHook = Callable[[dict, Callable[..., Any], "set[str] | None", Any], None]
+
+
+def _no_config(cfg: dict, get, names, cv) -> None:
+    return None
+
+
+# HF module names per block, in the order the inverse map prefers them (transformers naming). Several HF
+# names map to one GGUF name across families (Mixtral's block_sparse_moe.experts.w1 and Qwen's
+# mlp.experts.gate_proj are both ffn_gate_exps): each architecture lists the ones its HF class uses.
+HF_DENSE_BLOCK = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+
+MetadataHook = Callable[[gguf.GGUFWriter, Mapping], None]
+
+
+def _no_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class GgufArch:
+    name: str  # general.architecture
+    hf_classes: tuple[str, ...]  # config.json `architectures` entries that map here
+    model_types: tuple[str, ...]  # config.json `model_type` values that map here (no `architectures`)
+    hf_class: str  # the class gguf->hf writes
+    model_type: str
+    permute_qk: bool = False
+    norm_shift: float = 0.0
+    moe: bool = False  # has routed experts (ffn_*_exps)
+    # the architecture's own keys, after the ones every family shares (metadata.add_model_metadata)
+    extra_metadata: MetadataHook = _no_extra
+    # per layer, the tensors llama.cpp's loader requires besides the attention / FFN ones below
+    block_extra: tuple[str, ...] = ()
+    attention: tuple[str, ...] = ("attn_q", "attn_k", "attn_v", "attn_output")
+    norms: tuple[str, ...] = ("attn_norm", "ffn_norm")
+    dense_ffn: tuple[str, ...] = ("ffn_gate", "ffn_up", "ffn_down")
+    tied_output_dropped: bool = False  # llama.cpp's converter drops lm_head (Gemma: the embedding serves)
+    # multi-head latent attention (DeepSeek): llama.cpp runs it as MQA over the compressed KV, so the shared
+    # keys write one KV head and no per-head key/value length (the architecture's own keys do)
+    mla: bool = False
+    # layers at or beyond num_hidden_layers that llama.cpp's loader ignores (DeepSeek-V3's multi-token
+    # prediction layer, model.layers.<num_hidden_layers>): dropped with a note instead of refused
+    drops_extra_layers: bool = False
+    # what the config asks that llama.cpp's graph for this architecture does not do (it hard-codes it):
+    # a list of warnings for the user, the conversion goes on
+    caveats: Callable[[Mapping], list[str]] = field(default=lambda config: [], repr=False)
+    # the HF module names of one block that map to GGUF names (names.hf_tensor_name's inverse map)
+    hf_block: tuple[str, ...] = HF_DENSE_BLOCK
+    # config_from_gguf's hook for the architecture's own config.json fields (ConfigHook)
+    config_from_gguf: ConfigHook = field(default=_no_config, repr=False)
+    # rope types this architecture carries beyond linear / yarn / llama3 (Phi-3's longrope factor tables)
+    extra_rope_types: tuple[str, ...] = ()
+
+    @property
+    def enum(self) -> gguf.MODEL_ARCH:
+        return _ENUM_BY_NAME[self.name]
+
+
+_ENUM_BY_NAME = {name: enum for enum, name in gguf.MODEL_ARCH_NAMES.items()}
+
+
+# the registered entries by general.architecture, in registration order (the order of every "supported" list)
+_ARCHS: dict[str, GgufArch] = {}
+
+
+def register_arch(arch: GgufArch) -> GgufArch:
+    """Add an architecture (its name is the llama.cpp general.architecture; a name or an HF class registered
+    twice with another entry is an error)."""
+    if _ARCHS.get(arch.name, arch) is not arch:
+        raise ValueError(f"GGUF architecture {arch.name!r} is already registered")
+    taken = {c: a.name for a in _ARCHS.values() if a is not arch for c in a.hf_classes}
+    clash = [c for c in arch.hf_classes if c in taken]
+    if clash:
+        raise ValueError(f"{clash[0]} already maps to GGUF architecture {taken[clash[0]]!r}")
+    _ARCHS[arch.name] = arch
+    return arch
+
+
+def registered() -> tuple[str, ...]:
+    """Every registered architecture's name, in registration order."""
+    return tuple(_ARCHS)
+
+
+def arch_by_name(name: str) -> GgufArch | None:
+    return _ARCHS.get(name)
+
+
+def supported_classes() -> list[str]:
+    return sorted(c for a in _ARCHS.values() for c in a.hf_classes)
+
+
+def arch_for_config(config: Mapping) -> tuple[GgufArch | None, str]:
+    """(the architecture of an HF config.json dict, or None; what the config names, for a refusal).
+    `architectures[0]` decides; `model_type` is the fallback when there is no `architectures`."""
+    archs = config.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    if not isinstance(archs, list):  # an object or a number: named in the refusal
+        archs = [archs]
+    for a in _ARCHS.values():
+        if any(isinstance(c, str) and c in a.hf_classes for c in archs):
+            return a, ""
+    if not archs:
+        mt = config.get("model_type")
+        for a in _ARCHS.values():
+            if isinstance(mt, str) and mt in a.model_types:
+                return a, ""
+        return None, f"model_type {mt!r}" if mt else "no architectures/model_type in config.json"
+    return None, f"architecture {', '.join(map(str, archs))}"
+
+
+# `...experts.<e>.<rest>`: one expert's tensor of a MoE layer (Mixtral's block_sparse_moe.experts.3.w1,
+# Qwen-MoE's mlp.experts.3.gate_proj); shared experts (`shared_expert.`, `shared_experts.`) do not match
+_EXPERT = re.compile(r"^(?P<head>.*\.experts)\.(?P<index>0|[1-9][0-9]*)\.(?P<tail>.+)$")
+
+
+def expert_name(hf_name: str) -> tuple[str, int] | None:
+    """(the name of the stacked tensor the expert belongs to, the expert's index), or None:
+    `model.layers.0.mlp.experts.3.up_proj.weight` -> (`model.layers.0.mlp.experts.up_proj.weight`, 3)."""
+    m = _EXPERT.match(hf_name)
+    if m is None:
+        return None
+    return f"{m['head']}.{m['tail']}", int(m["index"])
+
+
+# config.json's key for the routed experts per MoE layer: Mixtral (and transformers 5's Qwen-MoE), older
+# Qwen-MoE configs, DeepSeek
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def expert_count_key(config: Mapping) -> str | None:
+    """The first of EXPERT_COUNT_KEYS the config sets, or None (a dense model)."""
+    return next((key for key in EXPERT_COUNT_KEYS if config.get(key) is not None), None)
+
+
+def expert_count(config: Mapping) -> int | None:
+    """The routed experts per MoE layer config.json declares (Mixtral, Qwen-MoE, DeepSeek name it differently)."""
+    key = expert_count_key(config)
+    return None if key is None else config[key]
+
+
+# --------------------------------------------------------------------------------------------------
+# per-architecture metadata (the keys the shared writer does not know)
+# --------------------------------------------------------------------------------------------------
+def expert_keys(writer: gguf.GGUFWriter, config: Mapping) -> None:
+    # transformers 5 calls Qwen-MoE's count num_local_experts as Mixtral's; older configs num_experts
+    if expert_count(config) is not None:
+        writer.add_expert_count(int(expert_count(config)))
+    if config.get("num_experts_per_tok") is not None:
+        writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+
+
+def moe_config(cfg: dict, get, names, cv) -> None:
+    """The routed-expert fields every MoE family shares (transformers 5 names the count num_local_experts,
+    as Mixtral always did, and still reads num_experts from older Qwen-MoE configs)."""
+    n_expert = get("expert_count", lo=1, hi=1 << 16)
+    if n_expert is None:
+        return
+    cfg["num_local_experts"] = n_expert
+    cfg["num_experts_per_tok"] = get("expert_used_count", required=True, lo=1, hi=n_expert)
+    ff_exp = get("expert_feed_forward_length", lo=1, hi=MAX_WIDTH)
+    if ff_exp is not None:
+        cfg["moe_intermediate_size"] = ff_exp
