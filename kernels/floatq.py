@@ -230,7 +230,7 @@ def _c_uint8_of_float(v: np.ndarray) -> np.ndarray:
 
 def quantize_ggml_mxfp4(x: np.ndarray) -> np.ndarray:
     """float32 [rows, n] (n a multiple of 32) -> block_mxfp4 bytes, as ggml's quantize_row_mxfp4_ref."""
-    from . import note_kernel  # the report's "kernel": no Triton twin of this quantizer
+    from .dispatch import note_kernel  # the report's "kernel": no Triton twin of this quantizer
 
     note_kernel("quantize", "numpy")
     x = np.ascontiguousarray(x, dtype=F32)
@@ -248,7 +248,7 @@ def quantize_ggml_mxfp4(x: np.ndarray) -> np.ndarray:
 
 def quantize_ggml_nvfp4(x: np.ndarray) -> np.ndarray:
     """float32 [rows, n] (n a multiple of 64) -> block_nvfp4 bytes, as ggml's quantize_row_nvfp4_ref."""
-    from . import note_kernel  # the report's "kernel": no Triton twin of this quantizer
+    from .dispatch import note_kernel  # the report's "kernel": no Triton twin of this quantizer
 
     note_kernel("quantize", "numpy")
     x = np.ascontiguousarray(x, dtype=F32)

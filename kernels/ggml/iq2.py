@@ -60,7 +60,7 @@ _EPS = F32(1e-15)  # GROUP_MAX_EPS (IQ2_XS, IQ2_XXS)
 def quantize_iq2_s(x: np.ndarray, imatrix: np.ndarray | None = None, threads: int | None = None) -> np.ndarray:
     """float32 [rows, n] (n a multiple of 256) -> uint8 [rows, n // 256 * 82], ggml's quantize_iq2_s bytes.
     imatrix: [n] importance per column, or None. Bands of rows from `threads` threads, as quantize_iq3_s."""
-    from .. import note_kernel  # the report's "kernel": no Triton twin of this quantizer
+    from ..dispatch import note_kernel  # the report's "kernel": no Triton twin of this quantizer
 
     note_kernel("quantize", "numpy")
     return quantize_bands(x, imatrix, threads, "IQ2_S", SUPER_BLOCK, IQ2_BYTES["IQ2_S"], _iq2_s_band)
@@ -98,7 +98,7 @@ def _iq2_s_band(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
 def quantize_iq2_xs(x: np.ndarray, imatrix: np.ndarray | None = None, threads: int | None = None) -> np.ndarray:
     """float32 [rows, n] (n a multiple of 256) -> uint8 [rows, n // 256 * 74], ggml's quantize_iq2_xs bytes.
     imatrix: [n] importance per column, required (ggml asserts it). Bands of rows as quantize_iq2_s."""
-    from .. import note_kernel  # the report's "kernel": no Triton twin of this quantizer
+    from ..dispatch import note_kernel  # the report's "kernel": no Triton twin of this quantizer
 
     note_kernel("quantize", "numpy")
     if imatrix is None:
@@ -152,7 +152,7 @@ def dequantize_iq2_xs(data: np.ndarray, n: int) -> np.ndarray:
 def quantize_iq2_xxs(x: np.ndarray, imatrix: np.ndarray | None = None, threads: int | None = None) -> np.ndarray:
     """float32 [rows, n] (n a multiple of 256) -> uint8 [rows, n // 256 * 66], ggml's quantize_iq2_xxs bytes.
     imatrix: [n] importance per column, required (ggml asserts it). Bands of rows as quantize_iq2_s."""
-    from .. import note_kernel  # the report's "kernel": no Triton twin of this quantizer
+    from ..dispatch import note_kernel  # the report's "kernel": no Triton twin of this quantizer
 
     note_kernel("quantize", "numpy")
     if imatrix is None:

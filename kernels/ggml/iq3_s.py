@@ -64,7 +64,7 @@ def quantize_iq3_s(x: np.ndarray, imatrix: np.ndarray | None = None, threads: in
     """float32 [rows, n] (n a multiple of 256) -> uint8 [rows, n // 256 * 110], ggml's quantize_iq3_s bytes.
     imatrix: [n] importance per column (llama-quantize --imatrix), or None. Bands of rows are quantized from
     `threads` threads (default: the usable CPUs, at most 8); the bytes do not depend on the split."""
-    from .. import note_kernel  # the report's "kernel": no Triton twin of this quantizer
+    from ..dispatch import note_kernel  # the report's "kernel": no Triton twin of this quantizer
 
     note_kernel("quantize", "numpy")
     return quantize_bands(x, imatrix, threads, "IQ3_S", SUPER_BLOCK, SUPER_BLOCK_BYTES, _quantize_band)
@@ -155,7 +155,7 @@ _EPS_IQ3_XXS = F32(1e-8)  # GROUP_MAX_EPS_IQ3_XXS
 def quantize_iq3_xxs(x: np.ndarray, imatrix: np.ndarray | None = None, threads: int | None = None) -> np.ndarray:
     """float32 [rows, n] (n a multiple of 256) -> uint8 [rows, n // 256 * 98], ggml's quantize_iq3_xxs bytes.
     imatrix: [n] importance per column, or None. Bands of rows as quantize_iq3_s."""
-    from .. import note_kernel  # the report's "kernel": no Triton twin of this quantizer
+    from ..dispatch import note_kernel  # the report's "kernel": no Triton twin of this quantizer
 
     note_kernel("quantize", "numpy")
     return quantize_bands(x, imatrix, threads, "IQ3_XXS", SUPER_BLOCK, IQ3_XXS_BYTES, _iq3_xxs_band)

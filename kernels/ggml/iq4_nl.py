@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .. import usable_cpus
+from ..dispatch import usable_cpus
 
 __all__ = ["KVALUES", "BLOCK", "BLOCK_BYTES", "best_index", "seq_sum", "block_weights", "block_scales",
            "pack_nibbles", "quantize_bands", "quantize_iq4_nl", "dequantize_iq4_nl"]
@@ -182,7 +182,7 @@ def quantize_iq4_nl(x: np.ndarray, imatrix: np.ndarray | None = None, threads: i
     imatrix: [n] importance per column (llama-quantize --imatrix), or None. Bands of rows are quantized
     from `threads` threads (default: the usable CPUs, at most 8; numpy releases the GIL in its array
     operations); every block is independent, so the bytes do not depend on the split."""
-    from .. import note_kernel  # the report's "kernel": no Triton twin of this quantizer
+    from ..dispatch import note_kernel  # the report's "kernel": no Triton twin of this quantizer
 
     note_kernel("quantize", "numpy")
     return quantize_bands(x, imatrix, threads, "IQ4_NL", BLOCK, BLOCK_BYTES, _quantize_band)

@@ -63,7 +63,7 @@ def quantize_iq4_xs(x: np.ndarray, imatrix: np.ndarray | None = None, threads: i
     """float32 [rows, n] (n a multiple of 256) -> uint8 [rows, n // 256 * 136], ggml's quantize_iq4_xs bytes.
     imatrix: [n] importance per column (llama-quantize --imatrix), or None. Bands of rows are quantized from
     `threads` threads (default: the usable CPUs, at most 8); the bytes do not depend on the split."""
-    from .. import note_kernel  # the report's "kernel": no Triton twin of this quantizer
+    from ..dispatch import note_kernel  # the report's "kernel": no Triton twin of this quantizer
 
     note_kernel("quantize", "numpy")
     return quantize_bands(x, imatrix, threads, "IQ4_XS", SUPER_BLOCK, SUPER_BLOCK_BYTES, _quantize_band)

@@ -61,7 +61,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .. import usable_cpus
+from ..dispatch import usable_cpus
 from . import kquant_c, kquant_fused
 from .layouts import K_TYPES as _LAYOUT_K_TYPES
 from .layouts import LAYOUTS

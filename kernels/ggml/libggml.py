@@ -50,7 +50,7 @@ def _lib():
 def ggml_quantize(x: np.ndarray, type_name: str, imatrix: np.ndarray | None = None, threads: int = 1) -> np.ndarray:
     """float32 [rows, n] -> uint8 [rows, row_bytes] from ggml_quantize_chunk (imatrix: [n] or None),
     rows split over `threads` threads."""
-    from .. import note_kernel  # the report's "kernel": no Triton twin of this quantizer
+    from ..dispatch import note_kernel  # the report's "kernel": no Triton twin of this quantizer
 
     note_kernel("quantize", "llama.cpp")
     lay = TARGET_LAYOUTS[type_name.upper()]  # grid and codebook types (IQ4_NL) alike

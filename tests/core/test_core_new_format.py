@@ -1,16 +1,22 @@
-"""What a new format touches, shown by adding one from outside the package through the public API alone.
+"""What a new format touches, and what a new architecture touches, each shown by adding one from outside the
+package through the public API alone (docs/layout.md walks through the same two).
 
-"rowint8" is a toy format: a folder with config.json and `weights.safetensors`, every 2-D weight stored as
-int8 codes `<name>.q` with one fp16 scale per output row `<name>.scale` (W = scale * q), everything else as it
-is. Adding it takes exactly what a format folder in formats/ holds:
+A format. "rowint8" is a toy format: a folder with config.json and `weights.safetensors`, every 2-D weight stored
+as int8 codes `<name>.q` with one fp16 scale per output row `<name>.scale` (W = scale * q), everything else as
+it is. Adding it takes exactly what a format folder in formats/ holds:
 
 1. its scheme table: one `TargetScheme` (family "rowint8", registered with its handler through
    `register_family`, because no built-in family reads per-row int8 codes) -- the checker decides its verdicts;
-2. a reader yielding `TensorRecord`s (grids with `GridParams`, dense tensors as they are);
-3. a writer: `plan_tensor` asks `check()` and turns the Decision into a `TensorPlan`; the session stores a
+2. a reader: a `ModelSource` yielding `TensorRecord`s (grids with `GridParams`, dense tensors as they are);
+3. a writer: a `Writer` whose `plan_tensor` asks `check()` and turns the Decision into a plan with `Writer.plan`
+   (what it decided beyond the verdict travels as its own typed action), and a `WriterSession` that stores a
    tensor and returns what it decodes to, so the runner measures the error;
 4. `register_format(FormatEntry(...))` with a sniff, options and type vocabulary -- and then every command works:
    `qconvert 'hf->rowint8'`, `'rowint8->gguf'` (exact into Q8_0: the checker sees the grid), `inspect`, `verify`.
+
+An architecture. A model class llama.cpp runs under another architecture name is one `register_arch(GgufArch(...))`
+(formats/gguf/archs/: its HF classes, its GGUF name, which tensors each layer has, its quirks and hooks); the
+names come from gguf-py's TensorNameMap for that architecture, and both directions (hf->gguf, gguf->hf) follow.
 """
 
 from __future__ import annotations
@@ -29,8 +35,8 @@ from qconvert.converters import registry
 from qconvert.converters.checker import EXACT, REQUANTIZE, Decision, TargetScheme, check, register_family
 from qconvert.converters.apps.cli import main
 from qconvert.converters.errors import BadInput
-from qconvert.converters.plan import TensorPlan
-from qconvert.converters.records import Dense, Grid, GridParams, TensorRecord, describe_record
+from qconvert.converters.plan import TensorPlan, Writer, WriterSession
+from qconvert.converters.records import Dense, Grid, GridParams, ModelSource, TensorRecord
 
 WEIGHTS = "weights.safetensors"
 
@@ -52,7 +58,7 @@ ROWINT8 = None  # the scheme, made once the family is registered (in the fixture
 
 
 # -- 2. the reader -------------------------------------------------------------------------------------------
-class RowInt8Source:
+class RowInt8Source(ModelSource):
     format_name = "rowint8"
 
     def __init__(self, path: Path, **_):
@@ -96,12 +102,16 @@ class RowInt8Source:
 
 
 # -- 3. the writer -------------------------------------------------------------------------------------------
-class RowInt8Session:
+class AsRows:
+    """The writer's action for a weight it stores as int8 rows (plans without one are copied)."""
+
+
+class RowInt8Session(WriterSession):
     def __init__(self, path: Path, source):
         self.path, self.source, self.tensors = Path(path), source, {}
 
     def add(self, plan: TensorPlan, item) -> torch.Tensor:
-        if plan.info.get("as_grid"):
+        if isinstance(plan.action, AsRows):
             if plan.verdict == EXACT:
                 codes, scale = item.codes.to(torch.int16) - 128, item.params.scales[:, 0].to(torch.float16)
             else:  # the format's own quantizer: round to int8 per row
@@ -123,20 +133,15 @@ class RowInt8Session:
             shutil.copy(p, self.path / name)
 
 
-class RowInt8Writer:
+class RowInt8Writer(Writer):
     name = "rowint8"
-    output_is_file = False
 
     def plan_tensor(self, rec: TensorRecord, options, source) -> TensorPlan:
         as_grid = len(rec.shape) == 2 and rec.name.endswith("_proj.weight")
         if not as_grid:
-            return TensorPlan(rec.name, rec.shape, describe_record(rec), rec.dtype, EXACT, "copied", out_name=rec.name)
+            return self.plan(rec, Decision(EXACT, "copied"), rec.dtype)
         d = check(rec.params if rec.is_grid else rec.dtype, rec.shape, ROWINT8)
-        return TensorPlan(rec.name, rec.shape, describe_record(rec), "rowint8", d.verdict, d.reason,
-                          out_name=rec.name, info={"as_grid": True})
-
-    def check_model(self, source, plans, options) -> None:
-        return None
+        return self.plan(rec, d, "rowint8", action=AsRows())
 
     def open(self, path: Path, source, plans, options) -> RowInt8Session:
         return RowInt8Session(path, source)
@@ -204,3 +209,59 @@ def test_a_format_added_through_the_public_api_converts_both_ways(rowint8, tmp_p
     # a writer option of another format is refused by name
     rc, out, err = _run(capsys, "hf->rowint8", base, tmp_path / "x", "--imatrix", tmp_path / "i.dat")
     assert rc == 2 and "--imatrix applies to gguf output only (the target is rowint8)" in err
+
+
+# -- an architecture ------------------------------------------------------------------------------------------
+# A toy model class, "ToyLlamaForCausalLM" (model_type "toy_llama"), that llama.cpp would run as its `xverse`
+# architecture (llama's blocks, q/k rows permuted for ggml's rope as llama.cpp's converter does for Xverse): one
+# entry, and qconvert writes it to GGUF and reads it back.
+@pytest.fixture
+def toy_arch():
+    from qconvert.formats.gguf.archs import GgufArch, register_arch
+    from qconvert.formats.gguf.archs import base as arch_registry
+
+    saved = dict(arch_registry._ARCHS)
+    register_arch(GgufArch("xverse", ("ToyLlamaForCausalLM",), ("toy_llama",), "ToyLlamaForCausalLM", "toy_llama",
+                           permute_qk=True))
+    try:
+        yield
+    finally:
+        arch_registry._ARCHS.clear(), arch_registry._ARCHS.update(saved)
+
+
+def test_an_architecture_added_through_the_public_api_converts_both_ways(toy_arch, tmp_path, capsys):
+    import gguf
+    from safetensors.torch import load_file
+
+    base = tmp_path / "toy"
+    shutil.copytree(fixtures.ensure_base(fixtures.DEFAULT_ROOT, "base"), base)
+    capsys.readouterr()
+    config = json.loads((base / "config.json").read_text())
+    config.update(architectures=["ToyLlamaForCausalLM"], model_type="toy_llama")
+    (base / "config.json").write_text(json.dumps(config))
+    rc, out, err = _run(capsys, "hf->gguf", base, tmp_path / "toy.gguf", "--type", "f32", "--quiet")
+    assert rc == 0 and "exact" in out, err
+    reader = gguf.GGUFReader(str(tmp_path / "toy.gguf"))
+    arch = reader.fields["general.architecture"]
+    assert bytes(arch.parts[arch.data[0]]).decode() == "xverse"
+    names = {t.name for t in reader.tensors}
+    assert {"token_embd.weight", "blk.0.attn_q.weight", "blk.1.ffn_down.weight", "output.weight"} <= names
+    # and back: the entry names the HF class and type, the names map back, every tensor bit for bit
+    rc, out, err = _run(capsys, "gguf->hf", tmp_path / "toy.gguf", tmp_path / "back", "--type", "f32", "--quiet")
+    assert rc == 0, err
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert back["architectures"] == ["ToyLlamaForCausalLM"] and back["model_type"] == "toy_llama"
+    original = {}
+    for f in sorted(base.glob("*.safetensors")):
+        original.update(load_file(str(f)))
+    again = {}
+    for f in sorted((tmp_path / "back").glob("*.safetensors")):
+        again.update(load_file(str(f)))
+    assert set(again) == set(original)
+    assert all(torch.equal(again[n], original[n].to(torch.float32)) for n in original)
+    # an architecture nobody registered is refused in one line, naming the supported ones
+    config.update(architectures=["NobodyForCausalLM"], model_type="nobody")
+    (base / "config.json").write_text(json.dumps(config))
+    rc, out, err = _run(capsys, "hf->gguf", base, tmp_path / "no.gguf")
+    assert rc == 2 and "architecture NobodyForCausalLM is not supported for GGUF output" in err \
+        and "ToyLlamaForCausalLM" in err, err
