@@ -22,17 +22,18 @@ Run: .venv/bin/python scripts/producers/auto_round.py [OUT_DIR]
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-# this file is named auto_round.py: keep its own folder off the path so `import auto_round` finds the package
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-DEFAULT_OUT = ROOT / "tests" / "producer_fixtures" / "auto_round"
+# _common.py, beside this file, holds the scaffolding the producers share: this folder is on sys.path for that
+# one import only, since this file is named auto_round.py and `import auto_round` must find the package
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+_common.leave_import_path()
+DEFAULT_OUT = _common.PRODUCER_FIXTURES / "auto_round"
 CALIBRATION_TEXT = ("The quick brown fox jumps over the lazy dog while the small cat sleeps in the warm sun; "
                     "numbers like 12, 345 and 6789 appear between words, and punctuation: commas, dots!")
 PROMPT_IDS = [1, 17, 42, 99, 7, 300, 256, 5, 64, 128, 33, 411]
@@ -62,33 +63,12 @@ VARIANTS = {
     "gptqmodel_asym": dict(bits=4, group_size=64, sym=False, layer_config=None, format="auto_round:gptqmodel"),
 }
 COMMITTED = ("sym4_g32", "asym4_g128", "mixed_asym")
-
-
-def _env() -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               CUDA_VISIBLE_DEVICES="")
-    return env
+PACKAGES = ("auto-round", "torch", "transformers", "gptqmodel", "safetensors")  # their versions go into versions.json
 
 
 def build_base(out: Path) -> Path:
     """The tiny llama (tests/fixtures.py), one decoder layer, tied embeddings (lm_head = embed_tokens)."""
-    sys.path.insert(0, str(ROOT.parent))
-    sys.path.insert(0, str(ROOT))
-    from tests.fixtures import build_tiny_llama
-    from safetensors.torch import load_file, save_file
-
-    base = out / "_base"
-    build_tiny_llama(base, seed=2024, tie=True)
-    cfg = json.loads((base / "config.json").read_text())
-    cfg["num_hidden_layers"] = 1
-    for key in ("layer_types",):
-        if isinstance(cfg.get(key), list):
-            cfg[key] = cfg[key][:1]
-    (base / "config.json").write_text(json.dumps(cfg, indent=2))
-    sd = load_file(str(base / "model.safetensors"))
-    sd = {k: v for k, v in sd.items() if not k.startswith("model.layers.") or k.startswith("model.layers.0.")}
-    save_file(sd, str(base / "model.safetensors"), metadata={"format": "pt"})
-    return base
+    return _common.tiny_llama_first_layer(out / "_base", per_layer_keys=("layer_types",), seed=2024, tie=True)
 
 
 def quantize(base: Path, dest: Path, spec: dict) -> None:
@@ -131,7 +111,7 @@ def load_and_dump(dest: Path) -> None:
     save_file({"logits": logits, "ids": torch.tensor(PROMPT_IDS)}, str(dest / "logits.safetensors"))
     kinds = sorted({f"{type(m).__module__}.{type(m).__name__}" for _, m in model.named_modules()
                     if hasattr(m, "qweight")})
-    (dest / "loader.json").write_text(json.dumps({"quant_linear": kinds}, indent=2) + "\n")
+    _common.write_json(dest / "loader.json", {"quant_linear": kinds}, indent=2, sort_keys=False)
 
 
 def dequantized_weight(mod):
@@ -160,12 +140,6 @@ def dequantized_weight(mod):
     return captured[0].T.contiguous()
 
 
-def versions() -> dict:
-    import importlib.metadata as md
-
-    return {p: md.version(p) for p in ("auto-round", "torch", "transformers", "gptqmodel", "safetensors")}
-
-
 def make(out: Path, names) -> None:
     """Quantize and dump the named variants into `out`, each step in its own process."""
     out.mkdir(parents=True, exist_ok=True)
@@ -175,7 +149,8 @@ def make(out: Path, names) -> None:
         if dest.exists():
             shutil.rmtree(dest)
         for step in ("quantize", "dump"):
-            subprocess.run([sys.executable, __file__, str(out), step, name], check=True, env=_env(), cwd=ROOT)
+            subprocess.run([sys.executable, __file__, str(out), step, name], check=True,
+                           env=_common.offline_env(CUDA_VISIBLE_DEVICES=""), cwd=_common.REPO)
         for junk in dest.glob("*.py"):
             junk.unlink()
     shutil.rmtree(out / "_base")
@@ -199,7 +174,7 @@ sym4_g32 scheme applied to the dense checkpoint DENSE (the format contract's rea
         make(out, argv[3].split(","))
         return
     make(out, COMMITTED)
-    (out / "versions.json").write_text(json.dumps(versions(), indent=2) + "\n")
+    _common.write_json(out / "versions.json", _common.package_versions(*PACKAGES), indent=2, sort_keys=False)
 
 
 if __name__ == "__main__":

@@ -29,51 +29,32 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-# the folder's sibling scripts are named after packages (bitsandbytes.py, awq.py would shadow AutoAWQ's `awq`)
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+# _common.py, beside this file, holds the scaffolding the producers share: this folder is on sys.path for that
+# one import only, since the sibling scripts are named after packages (awq.py would shadow AutoAWQ's `awq`)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
 
-REPO = _HERE.parents[1]
-VENV = REPO / ".venvs" / "autoawq"
-OUT_ROOT = REPO / "tests" / "producer_fixtures" / "awq"
+_common.leave_import_path()
+VENV = _common.REPO / ".venvs" / "autoawq"
+OUT_ROOT = _common.PRODUCER_FIXTURES / "awq"
 PINS = ("torch==2.13.0", "autoawq==0.2.9")
 DEPS = ("transformers==4.51.3", "accelerate", "safetensors", "tokenizers", "numpy", "datasets<4", "huggingface-hub<1.0",
         "zstandard")
 # group 32: GEMV pads its zeros to a multiple of 4 words and its scales to 8 columns a word (calculate_zeros_width)
 GROUP = 32
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _fixtures():
-    return _load("qconvert_test_fixtures", REPO / "tests" / "fixtures.py")
+PACKAGES = ("autoawq", "torch", "transformers", "accelerate", "safetensors")  # their versions go into versions.json
+_common.offline_defaults()
 
 
 def ensure_venv() -> Path:
-    py = VENV / "bin" / "python"
-    if not py.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", PINS[0]], check=True)  # the CPU build first
-        subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", PINS[1]], check=True)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", *DEPS], check=True)
-    return py
+    return _common.ensure_venv(VENV, PINS[0], ["--no-deps", PINS[1]], list(DEPS))
 
 
 # -- in the autoawq venv ----------------------------------------------------------------------------------
@@ -150,40 +131,31 @@ def quantize_both(base: Path, calib: list[list[int]], gemv_dir: Path, gemm_dir: 
             "weights": {name: reference[name].numel() for name in reference}}
 
 
-def versions() -> dict:
-    from importlib.metadata import version
-
-    return {p: version(p) for p in ("autoawq", "torch", "transformers", "accelerate", "safetensors")}
-
-
 def child_main(base: Path, calib_path: Path, gemv_dir: Path, gemm_dir: Path) -> None:
     calib = json.loads(Path(calib_path).read_text())
     info = quantize_both(base, calib, gemv_dir, gemm_dir)
     for out, role in ((gemv_dir, "GEMV (reference.safetensors: AutoAWQ's dequantize_gemm of the GEMM twin)"),
                       (gemm_dir, "GEMM twin of ../autoawq_gemv (same codes; oracle there)")):
-        for junk in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        for junk in _common.SIDE_FILES:
             if out is gemm_dir and (out / junk).exists():
                 (out / junk).unlink()  # the twin stays small: the reader needs config.json and the weights
-        with open(out / "versions.json", "w") as f:
-            json.dump({"producer": "AutoAWQ (CPU, pure-torch packing)", "role": role, **versions(),
-                       "quant_config": {"zero_point": True, "q_group_size": GROUP, "w_bit": 4},
-                       "calibration": "tests/fixtures.py calibration_data() token ids", **info},
-                      f, indent=1, sort_keys=True)
-            f.write("\n")
+        _common.write_versions(out, "AutoAWQ (CPU, pure-torch packing)", PACKAGES, role=role,
+                               quant_config={"zero_point": True, "q_group_size": GROUP, "w_bit": 4},
+                               calibration="tests/fixtures.py calibration_data() token ids", **info)
 
 
 # -- in the main venv -------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = _common.parser(__doc__)
     ap.add_argument("--child", nargs=4, metavar=("BASE", "CALIB", "GEMV", "GEMM"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         child_main(*map(Path, args.child))
         return 0
     py = ensure_venv()
-    fx = _fixtures()
-    awq_producer = _load("qconvert_awq_producer", _HERE / "awq.py")
+    fx = _common.fixtures()
+    awq_producer = _common.load_by_path("qconvert_awq_producer", _common.HERE / "awq.py")
     with tempfile.TemporaryDirectory() as tmp:
         base = awq_producer.build_base(fx, Path(tmp) / "base")
         calib = Path(tmp) / "calib.json"

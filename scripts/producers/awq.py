@@ -21,21 +21,18 @@ process to recompute the oracle live (gptqmodel patches transformers in the proc
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import json
-import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-# Python puts a script's own folder first on sys.path, and this folder's sibling scripts are named after the
-# packages they drive (bitsandbytes.py, mlx.py): gptqmodel importing bitsandbytes would get the sibling script
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if (Path(p or ".").resolve() != _HERE)]
-OUT_ROOT = REPO / "tests" / "producer_fixtures" / "awq"
+# _common.py, beside this file, holds the scaffolding the producers share: this folder is on sys.path for that
+# one import only, since the sibling scripts are named after packages (see _common.leave_import_path)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+_common.leave_import_path()
+OUT_ROOT = _common.PRODUCER_FIXTURES / "awq"
 N_LAYERS = 1
 # gptqmodel 7.6 AWQ_EXPORT_FORMATS: gemm, gemv, gemv_fast, marlin, bitblas, llm-awq. Only GEMM packs on a CPU
 # machine: its GEMV/GEMV_FAST QuantLinears list CUDA/ROCm devices only (nn_modules/qlinear/gemv_awq.py).
@@ -52,33 +49,14 @@ TEST_VARIANTS = {
     "gemm_8bit_g32_sym": dict(group_size=32, fmt="gemm", bits=8, sym=True),
 }
 
-os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+PACKAGES = ("gptqmodel", "torch", "transformers", "safetensors")  # their versions go into versions.json
 
-
-def _fixtures():
-    spec = importlib.util.spec_from_file_location("qconvert_test_fixtures", REPO / "tests" / "fixtures.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+_common.offline_defaults(GPTQMODEL_CPU_WORKERS="2")
 
 
 def build_base(fx, out: Path) -> Path:
     """tests/fixtures.py build_tiny_llama with N_LAYERS decoder layers (its config builder, one field changed)."""
-    original = fx._model_config
-
-    def fewer_layers(arch, tie):
-        config, cls = original(arch, tie)
-        config.num_hidden_layers = N_LAYERS
-        return config, cls
-
-    fx._model_config = fewer_layers
-    try:
-        return fx.build_tiny_llama(out, seed=1234)
-    finally:
-        fx._model_config = original
+    return _common.tiny_llama_with_layers(fx, out, N_LAYERS, seed=1234)
 
 
 def quantize_awq(fx, base: Path, out: Path, group_size: int, fmt: str, bits: int = 4, sym: bool = False) -> Path:
@@ -106,7 +84,6 @@ def quantize_awq(fx, base: Path, out: Path, group_size: int, fmt: str, bits: int
 def gptqmodel_reference(ckpt: Path, ref_path: Path, prompt: list[int]) -> Path:
     """gptqmodel's own dequantized weights and logits of an AWQ checkpoint (CPU torch kernel, fp16)."""
     import torch
-    from safetensors.torch import save_file
     from gptqmodel import BACKEND, GPTQModel
     from gptqmodel.nn_modules.qlinear import AWQuantLinear
     from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
@@ -129,20 +106,9 @@ def gptqmodel_reference(ckpt: Path, ref_path: Path, prompt: list[int]) -> Path:
             if not torch.equal(mod(eye) - bias, w):
                 raise RuntimeError(f"{name}: forward(I) differs from dequantize_gemm")
             tensors[f"{name}.weight"] = w.t().contiguous()
-        if not tensors:
-            raise RuntimeError(f"no AWQ linears found in {ckpt}")
-        ids = torch.tensor([list(prompt)], dtype=torch.long)
-        tensors["__logits__"] = hf(input_ids=ids).logits.float().contiguous()
-    ref_path = Path(ref_path)
-    ref_path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(ref_path), metadata={"source": f"gptqmodel {gptqmodel_version}"})
-    return ref_path
-
-
-def versions() -> dict:
-    from importlib.metadata import version
-
-    return {p: version(p) for p in ("gptqmodel", "torch", "transformers", "safetensors")}
+    if not tensors:
+        raise RuntimeError(f"no AWQ linears found in {ckpt}")
+    return _common.save_reference(tensors, hf, prompt, ref_path, f"gptqmodel {gptqmodel_version}")
 
 
 def make_variant(fx, base: Path, name: str, out: Path | None = None) -> Path:
@@ -150,17 +116,12 @@ def make_variant(fx, base: Path, name: str, out: Path | None = None) -> Path:
     out = out or OUT_ROOT / name
     quantize_awq(fx, base, out, spec["group_size"], spec["fmt"], spec.get("bits", 4), spec.get("sym", False))
     gptqmodel_reference(out, out / "reference.safetensors", fx.prompt_ids())
-    with open(out / "versions.json", "w") as f:
-        json.dump({"producer": "gptqmodel AWQ (CPU)", **versions(), "variant": spec,
-                   "prompt_ids": fx.prompt_ids()}, f, indent=1, sort_keys=True)
-        f.write("\n")
+    _common.write_versions(out, "gptqmodel AWQ (CPU)", PACKAGES, variant=spec, prompt_ids=fx.prompt_ids())
     return out
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", action="append", choices=sorted(VARIANTS))
-    ap.add_argument("--reference", nargs=2, metavar=("CKPT", "OUT"))
+    ap = _common.variant_parser(__doc__, VARIANTS)
     ap.add_argument("--make", nargs=2, metavar=("NAME", "OUT"), help="make one variant (of VARIANTS or "
                     f"TEST_VARIANTS: {', '.join(TEST_VARIANTS)}) into OUT, with its reference and versions.json")
     ap.add_argument("--quantize", nargs=2, metavar=("BASE", "OUT"),
@@ -168,7 +129,7 @@ def main(argv=None) -> int:
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--bits", type=int, default=4, choices=range(2, 9), help="with --quantize: 2..8")
     args = ap.parse_args(argv)
-    fx = _fixtures()
+    fx = _common.fixtures()
     if args.quantize:
         quantize_awq(fx, Path(args.quantize[0]), Path(args.quantize[1]), args.group_size, "gemm", args.bits)
         return 0

@@ -23,54 +23,33 @@ tied embeddings (no separate lm_head tensor), so that the three variants stay un
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import json
-import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-# this file is named like the package it drives: run as a script, its folder is sys.path[0] and
-# `import bitsandbytes` would import this file itself
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-OUT_ROOT = REPO / "tests" / "producer_fixtures" / "bitsandbytes"
+# _common.py, beside this file, holds the scaffolding the producers share: this folder is on sys.path for that
+# one import only, since this file is named like the package it drives (see _common.leave_import_path)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+_common.leave_import_path()
+OUT_ROOT = _common.PRODUCER_FIXTURES / "bitsandbytes"
 N_LAYERS = 1
 VARIANTS = {
     "nf4_dq": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True),
     "fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=False),
     "int8": dict(load_in_8bit=True),
 }
+PACKAGES = ("bitsandbytes", "torch", "transformers", "safetensors")  # their versions go into versions.json
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def _fixtures():
-    spec = importlib.util.spec_from_file_location("qconvert_test_fixtures", REPO / "tests" / "fixtures.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+_common.offline_defaults()
 
 
 def build_base(fx, out: Path) -> Path:
     """tests/fixtures.py build_tiny_llama, tied, with N_LAYERS decoder layers (its config builder, one field
     changed)."""
-    original = fx._model_config
-
-    def fewer_layers(arch, tie):
-        config, cls = original(arch, tie)
-        config.num_hidden_layers = N_LAYERS
-        return config, cls
-
-    fx._model_config = fewer_layers
-    try:
-        return fx.build_tiny_llama(out, seed=1234, tie=True)
-    finally:
-        fx._model_config = original
+    return _common.tiny_llama_with_layers(fx, out, N_LAYERS, seed=1234, tie=True)
 
 
 def _quiet() -> None:
@@ -95,9 +74,8 @@ def quantize(base: Path, out: Path, spec: dict) -> Path:
     model = AutoModelForCausalLM.from_pretrained(str(base), quantization_config=cfg, device_map="cpu",
                                                  dtype=torch.float16)
     model.save_pretrained(str(out))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (base / name).exists():
-            shutil.copy(base / name, out / name)
+    # the tokenizer files only: generation_config.json stays as save_pretrained wrote it
+    _common.copy_side_files(base, out, ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"))
     return out
 
 
@@ -105,7 +83,6 @@ def bnb_reference(ckpt: Path, ref_path: Path, prompt: list[int]) -> Path:
     """bitsandbytes' own dequantized weights and logits of a saved bnb checkpoint, re-loaded by transformers."""
     import bitsandbytes as bnb
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     _quiet()
@@ -123,20 +100,9 @@ def bnb_reference(ckpt: Path, ref_path: Path, prompt: list[int]) -> Path:
             if tuple(w.shape) != (mod.out_features, mod.in_features):
                 raise RuntimeError(f"{name}: dequantized {tuple(w.shape)}")
             tensors[f"{name}.weight"] = w.contiguous()
-        if not tensors:
-            raise RuntimeError(f"no bitsandbytes linears found in {ckpt}")
-        ids = torch.tensor([list(prompt)], dtype=torch.long)
-        tensors["__logits__"] = model(input_ids=ids).logits.float().contiguous()
-    ref_path = Path(ref_path)
-    ref_path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(ref_path), metadata={"source": f"bitsandbytes {bnb.__version__}"})
-    return ref_path
-
-
-def versions() -> dict:
-    from importlib.metadata import version
-
-    return {p: version(p) for p in ("bitsandbytes", "torch", "transformers", "safetensors")}
+    if not tensors:
+        raise RuntimeError(f"no bitsandbytes linears found in {ckpt}")
+    return _common.save_reference(tensors, model, prompt, ref_path, f"bitsandbytes {bnb.__version__}")
 
 
 def make_variant(fx, base: Path, name: str) -> Path:
@@ -144,25 +110,21 @@ def make_variant(fx, base: Path, name: str) -> Path:
     out = OUT_ROOT / name
     quantize(base, out, spec)
     bnb_reference(out, out / "reference.safetensors", fx.prompt_ids())
-    with open(out / "versions.json", "w") as f:
-        json.dump({"producer": "transformers BitsAndBytesConfig + bitsandbytes (CPU)", **versions(),
-                   "variant": spec, "prompt_ids": fx.prompt_ids()}, f, indent=1, sort_keys=True)
-        f.write("\n")
+    _common.write_versions(out, "transformers BitsAndBytesConfig + bitsandbytes (CPU)", PACKAGES, variant=spec,
+                           prompt_ids=fx.prompt_ids())
     return out
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", action="append", choices=sorted(VARIANTS))
-    ap.add_argument("--reference", nargs=2, metavar=("CKPT", "OUT"),
-                    help="only re-load CKPT with transformers + bitsandbytes and write its oracle to OUT")
+    ap = _common.variant_parser(__doc__, VARIANTS,
+                                "only re-load CKPT with transformers + bitsandbytes and write its oracle to OUT")
     ap.add_argument("--sample", nargs=2, metavar=("DENSE", "OUT"),
                     help="quantize any dense llama DENSE into OUT as nf4 with double quant (the format contract's sample)")
     args = ap.parse_args(argv)
     if args.sample:
         quantize(Path(args.sample[0]), Path(args.sample[1]), VARIANTS["nf4_dq"])
         return 0
-    fx = _fixtures()
+    fx = _common.fixtures()
     if args.reference:
         bnb_reference(Path(args.reference[0]), Path(args.reference[1]), fx.prompt_ids())
         return 0

@@ -20,22 +20,21 @@ decoder layer, so that the seven cases stay under 2 MB together.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-# this file's own name would shadow the compressed_tensors package: its folder leaves the import path
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+# _common.py, beside this file, holds the scaffolding the producers share: this folder is on sys.path for that
+# one import only, since this file's own name would shadow the compressed_tensors package
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-VENV = REPO / ".venvs" / "llmcompressor"
-OUT = REPO / "tests" / "producer_fixtures" / "compressed_tensors"
+_common.leave_import_path()
+VENV = _common.REPO / ".venvs" / "llmcompressor"
+OUT = _common.PRODUCER_FIXTURES / "compressed_tensors"
 PINS = ("torch==2.13.0", "llmcompressor==0.14.0.1", "compressed-tensors==0.19.0")
+PACKAGES = ("llmcompressor", "compressed-tensors", "transformers", "torch")  # their versions go into versions.json
 
 
 def _int_group(bits: int, group: int | None, sym: bool, strategy: str, actorder=None) -> dict:
@@ -76,40 +75,13 @@ CASES = {
 }
 
 
-def _in_venv() -> bool:
-    return Path(sys.prefix).resolve() == VENV.resolve()
-
-
 def ensure_venv() -> Path:
-    py = VENV / "bin" / "python"
-    if not py.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", PINS[0]], check=True)  # the CPU build first
-        subprocess.run([str(py), "-m", "pip", "install", "-q", *PINS[1:]], check=True)
-    return py
-
-
-def _fixtures_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("qconvert_test_fixtures", REPO / "tests" / "fixtures.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _common.ensure_venv(VENV, PINS[0], list(PINS[1:]))
 
 
 def build_base(out: Path) -> Path:
     """tests/fixtures.py's tiny Llama (tied embeddings), decoder layer 1 removed."""
-    from safetensors.torch import load_file, save_file
-
-    fx = _fixtures_module()
-    fx.build_tiny_llama(out, seed=1234, tie=True)
-    tensors = {k: v for k, v in load_file(str(out / "model.safetensors")).items() if ".layers.1." not in k}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["num_hidden_layers"] = 1
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return out
+    return _common.tiny_llama_first_layer(out, seed=1234, tie=True)
 
 
 def calibration(n: int = 16, length: int = 64, seed: int = 2024):
@@ -142,9 +114,7 @@ def produce(name: str, base: Path, out: Path) -> None:
         shutil.rmtree(out)
     model.save_pretrained(str(out), save_compressed=True)
     tok.save_pretrained(str(out))
-    for side in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-        if (base / side).exists():  # the original tokenizer files, not the re-saved ones (machine-local keys)
-            shutil.copy2(base / side, out / side)
+    _common.copy_side_files(base, out)  # the original tokenizer files, not the re-saved ones (machine-local keys)
     for junk in ("recipe.yaml",):
         if (out / junk).exists():
             (out / junk).unlink()
@@ -159,38 +129,15 @@ def oracle(ckpt: Path) -> dict:
     model = AutoModelForCausalLM.from_pretrained(str(ckpt), quantization_config=CompressedTensorsConfig(
         run_compressed=False))
     qc = json.loads((ckpt / "config.json").read_text())["quantization_config"]
-    found = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) and ".layers." in name:
-            w = mod.weight.detach().contiguous().cpu()
-            raw = w.view(torch.uint8) if w.element_size() > 1 else w
-            found[f"{name}.weight"] = {"dtype": str(w.dtype)[6:], "shape": list(w.shape),
-                                       "sha256": hashlib.sha256(raw.numpy().tobytes()).hexdigest()}
+    found = {f"{name}.weight": _common.tensor_digest(mod.weight) for name, mod in model.named_modules()
+             if isinstance(mod, torch.nn.Linear) and ".layers." in name}
     return {"format": qc.get("format"), "weights": found}
 
 
-def versions() -> dict:
-    import importlib.metadata as md
-
-    return {p: md.version(p) for p in ("llmcompressor", "compressed-tensors", "transformers", "torch")}
-
-
 def main(argv: list[str]) -> int:
-    if not _in_venv():
-        py = ensure_venv()
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-                   TOKENIZERS_PARALLELISM="false")
-        return subprocess.run([str(py), __file__, *argv], env=env).returncode
-    names = argv or list(CASES)
-    OUT.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="ct_producer_") as tmp:
-        base = build_base(Path(tmp) / "base")
-        for name in names:
-            case = OUT / name
-            produce(name, base, case)
-            (case / "oracle.json").write_text(json.dumps(oracle(case), indent=1, sort_keys=True) + "\n")
-            print(f"{name}: {sum(p.stat().st_size for p in case.iterdir())} bytes", flush=True)
-    (OUT / "versions.json").write_text(json.dumps(versions(), indent=1, sort_keys=True) + "\n")
+    if not _common.in_venv(VENV):
+        return _common.rerun(ensure_venv(), __file__, argv, HF_DATASETS_OFFLINE="1")
+    _common.make_cases(OUT, argv or list(CASES), "ct_producer_", build_base, produce, oracle, PACKAGES)
     return 0
 
 

@@ -20,8 +20,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-OUT = REPO / "tests" / "producer_fixtures" / "mlx"
+# _common.py, beside this file, holds the scaffolding the producers share: this folder is on sys.path for that
+# one import only, since the scripts here are named after the packages they drive (transformers, loaded here
+# by tests/fixtures.py, must not take mlx.py or bitsandbytes.py for the packages)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+_common.leave_import_path()
+REPO = _common.REPO
+OUT = _common.PRODUCER_FIXTURES / "mlx"
 MLX_PY = REPO / ".venvs" / "mlx" / "bin" / "python"
 DRIVER = REPO / "tests" / "mlx_driver.py"
 BITS, GROUP = 4, 64
@@ -35,9 +42,7 @@ def _mlx(*args) -> str:
 
 
 def main() -> int:
-    sys.path.insert(0, str(REPO / "tests"))
-    import fixtures
-
+    fixtures = _common.fixtures()
     if not MLX_PY.exists():
         subprocess.run(["bash", str(REPO / "scripts" / "test_env.d" / "40-mlx.sh")], check=True)
     with tempfile.TemporaryDirectory(prefix="qconvert-mlx-producer-") as tmp:
@@ -50,9 +55,9 @@ def main() -> int:
     versions = subprocess.run([str(MLX_PY), "-c", "import importlib.metadata as m, json; print(json.dumps("
                                "{p: m.version(p) for p in ('mlx', 'mlx-lm', 'transformers')}))"],
                               capture_output=True, text=True, check=True).stdout
-    (OUT / "versions.json").write_text(json.dumps({"producer": "mlx_lm.convert(quantize=True)", "q_bits": BITS,
-                                                   "q_group_size": GROUP, "base": "tests/fixtures.py BASES['base']",
-                                                   "packages": json.loads(versions)}, indent=2) + "\n")
+    _common.write_json(OUT / "versions.json", {"producer": "mlx_lm.convert(quantize=True)", "q_bits": BITS,
+                                               "q_group_size": GROUP, "base": "tests/fixtures.py BASES['base']",
+                                               "packages": json.loads(versions)}, indent=2, sort_keys=False)
     print(f"wrote {OUT}")
     return 0
 

@@ -19,56 +19,31 @@ decoder layer; calibration is 4 seeded random prompts of 32 tokens.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib.util
-import json
-import os
 import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-# this file is named like the package it drives: its folder leaves the import path
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+# _common.py, beside this file, holds the scaffolding the producers share: this folder is on sys.path for that
+# one import only, since this file is named like the package it drives
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-VENV = REPO / ".venvs" / "modelopt"
-OUT = REPO / "tests" / "producer_fixtures" / "modelopt"
+_common.leave_import_path()
+VENV = _common.REPO / ".venvs" / "modelopt"
+OUT = _common.PRODUCER_FIXTURES / "modelopt"
 PINS = ("torch==2.13.0", "nvidia-modelopt[hf]==0.47.0")
+PACKAGES = ("nvidia-modelopt", "transformers", "torch")  # their versions go into versions.json
 # case -> ModelOpt's preset config name
 CASES = {"nvfp4": "NVFP4_DEFAULT_CFG", "fp8": "FP8_DEFAULT_CFG", "mxfp4": "MXFP4_DEFAULT_CFG"}
 
 
-def _in_venv() -> bool:
-    return Path(sys.prefix).resolve() == VENV.resolve()
-
-
 def ensure_venv() -> Path:
-    py = VENV / "bin" / "python"
-    if not py.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", PINS[0]], check=True)  # the CPU build first
-        pin = VENV / "torch-pin.txt"
-        pin.write_text(PINS[0] + "\n")
-        subprocess.run([str(py), "-m", "pip", "install", "-q", "-c", str(pin), *PINS[1:]], check=True)
-    return py
+    return _common.ensure_venv(VENV, PINS[0], list(PINS[1:]), constrain_torch=True)
 
 
 def build_base(out: Path) -> Path:
     """tests/fixtures.py's tiny Llama (untied lm_head), decoder layer 1 removed, in bfloat16."""
-    from safetensors.torch import load_file, save_file
-
-    spec = importlib.util.spec_from_file_location("qconvert_test_fixtures", REPO / "tests" / "fixtures.py")
-    fx = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fx)
-    fx.build_tiny_llama(out, seed=1234, tie=False)
-    tensors = {k: v for k, v in load_file(str(out / "model.safetensors")).items() if ".layers.1." not in k}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["num_hidden_layers"] = 1
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return out
+    return _common.tiny_llama_first_layer(out, seed=1234, tie=False)
 
 
 def produce(name: str, base: Path, out: Path) -> None:
@@ -90,15 +65,7 @@ def produce(name: str, base: Path, out: Path) -> None:
     if out.exists():
         shutil.rmtree(out)
     export_hf_checkpoint(model, export_dir=str(out))
-    for side in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-        if (base / side).exists():
-            shutil.copy2(base / side, out / side)
-
-
-def _sha(w) -> dict:
-    w = w.detach().contiguous().cpu()
-    raw = w.view(__import__("torch").uint8) if w.element_size() > 1 else w
-    return {"dtype": str(w.dtype)[6:], "shape": list(w.shape), "sha256": hashlib.sha256(raw.numpy().tobytes()).hexdigest()}
+    _common.copy_side_files(base, out)
 
 
 def oracle(ckpt: Path) -> dict:
@@ -123,33 +90,17 @@ def oracle(ckpt: Path) -> dict:
                                                                   block_sizes={-1: 32})
         else:  # FP8
             deq = FP8QTensor(w.shape, torch.float32, w).dequantize(torch.float32, scale=scale)
-        found[key] = _sha(deq)
+        found[key] = _common.tensor_digest(deq)
     return {"weights": found}
 
 
-def versions() -> dict:
-    import importlib.metadata as md
-
-    return {p: md.version(p) for p in ("nvidia-modelopt", "transformers", "torch")}
-
-
 def main(argv: list[str]) -> int:
-    if not _in_venv():
-        py = ensure_venv()
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-        return subprocess.run([str(py), __file__, *argv], env=env).returncode
+    if not _common.in_venv(VENV):
+        return _common.rerun(ensure_venv(), __file__, argv)
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", nargs="*", choices=list(CASES))
     names = ap.parse_args(argv).only or list(CASES)
-    OUT.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="modelopt_producer_") as tmp:
-        base = build_base(Path(tmp) / "base")
-        for name in names:
-            case = OUT / name
-            produce(name, base, case)
-            (case / "oracle.json").write_text(json.dumps(oracle(case), indent=1, sort_keys=True) + "\n")
-            print(f"{name}: {sum(p.stat().st_size for p in case.iterdir())} bytes", flush=True)
-    (OUT / "versions.json").write_text(json.dumps(versions(), indent=1, sort_keys=True) + "\n")
+    _common.make_cases(OUT, names, "modelopt_producer_", build_base, produce, oracle, PACKAGES)
     return 0
 
 
