@@ -1,4 +1,4 @@
-"""A bounded fuzz run (scripts/fuzz.py) of every reader on mutated real checkpoints: each case must end `ok`
+"""A bounded fuzz run (scripts/fuzz) of every reader on mutated real checkpoints: each case must end `ok`
 (exit 0, with the seed's own tensors when the mutation was structural) or `refused` (exit 2, one line naming
 a file of the input, nothing left at OUT) -- never a traceback, a hang, an allocation beyond the input's
 size, a malformed refusal, a warning before the error line, or silently different tensors.
@@ -22,7 +22,7 @@ import fixtures_qqq
 import fixtures_uqff
 
 REPO = Path(__file__).resolve().parent.parent
-FUZZ = REPO / "scripts" / "fuzz.py"
+FUZZ = REPO / "scripts" / "fuzz"  # a package: `python scripts/fuzz` runs its __main__.py
 HQQ_PY = REPO / ".venvs" / "hqq" / "bin" / "python"
 HQQ_ROOT = REPO / "tests" / "_fixtures" / "hqq"
 READERS = ("gptq", "gptq-v2", "qqq", "hqq", "hqq-pt", "gguf", "uqff", "hf")
@@ -70,7 +70,7 @@ def test_fuzz_every_reader(seeds, tmp_path):
         by_signature.setdefault((f["reader"], f["outcome"], f["signature"]), []).append(f)
     report = "\n".join(
         f"{reader} {outcome} x{len(cases)}: {sig}\n    e.g. case {cases[0]['case']} ({cases[0]['seed']}): "
-        f"{cases[0]['mutation']}\n    {cases[0]['line'][:300]}\n    reproduce: python scripts/fuzz.py --replay "
+        f"{cases[0]['mutation']}\n    {cases[0]['line'][:300]}\n    reproduce: python scripts/fuzz --replay "
         f"'{json.dumps({'reader': reader, 'seed': cases[0]['seed'], 'case': cases[0]['case'], 'master_seed': MASTER_SEED})}'"
         for (reader, outcome, sig), cases in sorted(by_signature.items()))
     assert not bad, f"{len(bad)} of {len(READERS) * CASES} fuzz cases broke the bad-input contract:\n{report}"
