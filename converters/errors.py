@@ -13,10 +13,10 @@ class QConvertError(Exception):
         self.tensor = tensor
         self.detail = message
         where = ", ".join(p for p in (self.path, f"tensor {tensor}" if tensor else None) if p)
-        super().__init__(_printable(f"{where}: {message}" if where else message))
+        super().__init__(printable(f"{where}: {message}" if where else message))
 
 
-def _printable(text: str) -> str:
+def printable(text: str) -> str:
     """The message as one printable line: names and values read from a damaged file can hold newlines,
     NULs or terminal escapes, which are shown escaped (\\n, \\x00) instead of written raw."""
     if not text.isprintable():

@@ -14,7 +14,7 @@ from functools import lru_cache
 import torch
 
 __all__ = ["usable_cpus", "kernel_backend", "resolve_device", "use_device", "compute_device", "kernel_trace",
-           "note_kernel", "triton_device", "triton_importable"]
+           "note_kernel", "triton_device", "triton_importable", "current_trace"]
 
 
 def usable_cpus() -> int:
@@ -97,6 +97,11 @@ def kernel_trace():
         yield trace
     finally:
         _TRACE.reset(token)
+
+
+def current_trace() -> dict | None:
+    """The trace being recorded in this thread ({stage: [paths]}), or None outside kernel_trace."""
+    return _TRACE.get()
 
 
 def note_kernel(stage: str, path: str) -> None:

@@ -31,7 +31,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import click  # noqa: E402
 
 from ... import __version__  # noqa: E402
-from ..errors import QConvertError, _printable
+from ..errors import QConvertError, printable
 from ..plan import Options
 from ..registry import FormatEntry, OptionSpec, all_formats, declared_options, detect_format, get_format
 
@@ -493,7 +493,7 @@ def _fail(line: str, status: int, held: "_HeldWarnings", debug: bool) -> int:
 def _unexpected(e: BaseException, args: list[str]) -> str:
     paths = [a for a in args[1:] if not a.startswith("-") and Path(a).exists()]
     where = f"{paths[0]}: " if paths else ""
-    detail = _printable(" ".join(str(e).split()))[:160]
+    detail = printable(" ".join(str(e).split()))[:160]
     what = type(e).__name__ + (f" ({detail})" if detail else "")
     return (f"{where}unexpected {what}; this is a bug in qconvert: please report it with the output of "
             f"the same command run with --debug")

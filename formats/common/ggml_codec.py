@@ -113,7 +113,7 @@ def encode_quantized(lay: BlockLayout, item, how: QuantHow, source=None) -> tupl
     return data, _decode(lay, data, shape)
 
 
-def _kquants():
+def available_kquants():
     try:
         from ...kernels.ggml import kquants
     except ImportError:
@@ -204,7 +204,7 @@ def encode_tensor(lay: BlockLayout, verdict: str, item: Dense | Grid,
     if lay.kind == "legacy":
         data = quantize_pack(lay, x2)
         return data.numpy(), decode_blocks(lay, data).view(shape)
-    kq = _kquants()
+    kq = available_kquants()
     data = kq.quantize_k(x2.numpy(), lay.name)
     return data, torch.from_numpy(kq.dequantize_k(data, lay.name)).view(shape)
 

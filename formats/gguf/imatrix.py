@@ -73,11 +73,11 @@ def _read_legacy(path: Path) -> dict[str, np.ndarray]:
 def _read_gguf(path: Path) -> dict[str, np.ndarray]:
     import gguf
 
-    from .reader import _quiet, scan_header
+    from .reader import quiet_libraries, scan_header
 
     header = scan_header(path)  # every count and extent bounded by the file before gguf-py walks it
     try:
-        with _quiet():
+        with quiet_libraries():
             reader = gguf.GGUFReader(str(path))
     except Exception:  # noqa: BLE001 - the walk accepted the header; gguf-py disagreeing is still bad input
         raise BadInput("GGUF imatrix header that gguf-py cannot parse", path=path) from None

@@ -344,7 +344,7 @@ def _type_label(type_id: int) -> str:
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet_libraries():
     """gguf-py, numpy and torch may warn (or log) while a file is mapped; nothing of theirs may reach
     stderr before our own error line, whatever the caller set up."""
     loggers = [logging.getLogger(n) for n in ("gguf", "gguf.gguf_reader", "numpy")]
@@ -364,7 +364,7 @@ def _open(path: Path) -> tuple[gguf.GGUFReader, GgufHeader]:
     """The header walked and checked first (scan_header), then gguf-py's reader over the same bytes."""
     header = scan_header(path)
     try:
-        with _quiet():
+        with quiet_libraries():
             reader = gguf.GGUFReader(str(path), "r")
     except Exception:  # noqa: BLE001 - the walk accepted the header; gguf-py disagreeing is still bad input
         raise BadInput("GGUF header that gguf-py cannot parse although its layout is consistent", path=path) from None
@@ -420,7 +420,7 @@ class GgufSource(ModelSource):
             seen: set[str] = set()
             dup = next(n for n in names if n in seen or seen.add(n))
             raise BadInput("tensor appears twice across the split parts", path=self.path, tensor=dup)
-        with _quiet():
+        with quiet_libraries():
             self.kv = field_values(first)
         self.fields = first.fields
         self.config = config_from_gguf(self.kv, names, path=self.path)

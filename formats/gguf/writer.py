@@ -54,7 +54,7 @@ from .names import expert_of, gguf_arch, layer_index, gguf_tensor_name, inverse_
 from .presets import PRESETS, ModelFacts, model_facts_from_gguf_names, preset_of, preset_type, quantized_by_llama_cpp
 from .tokenizer import add_tokenizer
 from .schemes import ALIGNED_CANDIDATES, GGUF_SCHEMES, default_grid_type, imatrix_refusal, k_fallback
-from ..common.ggml_codec import SourceValues, _kquants, encode_tensor, tensor_scale_of
+from ..common.ggml_codec import SourceValues, available_kquants, encode_tensor, tensor_scale_of
 
 __all__ = ["GgufWriter", "best_aligned_type", "default_grid_type", "FILE_TYPES"]
 
@@ -417,7 +417,7 @@ class GgufWriter(Writer):
         plan = self.plan(rec, v, target, source=src, out_name=out_name, action=action,
                          reason_prefix=rule_note + fallback_note)
         _attach_quant(plan, options, keep_codes=bool(v.kept_blocks))
-        if TARGET_LAYOUTS[target].kind == "k" and v.verdict == REQUANTIZE and _kquants() is None:
+        if TARGET_LAYOUTS[target].kind == "k" and v.verdict == REQUANTIZE and available_kquants() is None:
             plan.verdict, plan.reason = REFUSED, f"the {target} quantizer is not available in this build"
         return plan
 

@@ -19,7 +19,7 @@ _PER_LAYER = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
               "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
-def _check_complete(config: dict, names: set[str], where: Path) -> None:
+def check_complete(config: dict, names: set[str], where: Path) -> None:
     """Every module config.json's model needs is there (`names`: `<module>.weight` of dense tensors and
     HQQ layers alike); checked only for the model types listed above."""
     from ...converters.validate import ConfigView
@@ -40,11 +40,11 @@ def _check_complete(config: dict, names: set[str], where: Path) -> None:
                        f"{', '.join(missing[:3])}{more}", path=where, tensor=missing[0])
 
 
-def _side_files(path: Path) -> dict[str, Path]:
+def folder_side_files(path: Path) -> dict[str, Path]:
     return {n: path / n for n in SIDE_FILES if (path / n).exists()}
 
 
-def _describe(fmt: str, container: str, layers: dict[str, HqqLayer], extra: dict) -> dict:
+def describe_checkpoint(fmt: str, container: str, layers: dict[str, HqqLayer], extra: dict) -> dict:
     schemes = Counter(f"{l.nbits_stored}-bit g{l.group_size} axis {l.axis} {l.packing} compute "
                       f"{str(l.compute_dtype)[6:]}{' view_as_float' if l.view_as_float else ''}"
                       for l in layers.values())
@@ -53,7 +53,7 @@ def _describe(fmt: str, container: str, layers: dict[str, HqqLayer], extra: dict
                       "columns; codes packed along dim 0 in slabs", **extra}
 
 
-def _quantization_config(cfg: dict, where: Path) -> dict:
+def quantization_config(cfg: dict, where: Path) -> dict:
     """config.json's quantization_config ({} when absent or empty); anything but an object is bad input."""
     if not cfg.get("quantization_config"):
         return {}

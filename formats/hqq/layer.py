@@ -28,16 +28,16 @@ SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 8)
 LAYER_KEYS = ("W_q", "nbits", "group_size", "shape", "scale", "zero", "axis", "packing", "unpack_view_dtype",
               "view_as_float", "quant_scale", "quant_zero", "compute_dtype", "offload_meta", "encoded_state_dict",
               "stores_quant_config", "channel_wise", "optimize", "round_zero")
-_REQUIRED = ("W_q", "nbits", "group_size", "shape", "scale", "zero", "axis", "packing")
+REQUIRED_KEYS = ("W_q", "nbits", "group_size", "shape", "scale", "zero", "axis", "packing")
 # keys only an HQQ layer has (a dense model's tensors are .weight / .bias): one without its W_q is a broken layer
-_HQQ_ONLY_KEYS = frozenset(LAYER_KEYS) - {"W_q", "shape", "scale"}
+HQQ_ONLY_KEYS = frozenset(LAYER_KEYS) - {"W_q", "shape", "scale"}
 DECODER_LINEAR = re.compile(r"^model\.layers\.\d+\..*_proj\.weight$")
 EMBEDDING = re.compile(r"(?:^|\.)(?:embed_tokens|wte|word_embeddings)\.weight$")
 _INT_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _MAX_INT = 1 << 53
 _MAX_DIM = 1 << 24  # no released model has a dimension near this
 # dtypes a non-HQQ tensor may have (norms, embeddings, dense linears, biases; integer buffers)
-_DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
+DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
                  torch.int16, torch.int32, torch.int64, torch.bool)
 
 
@@ -94,7 +94,7 @@ def axis0_params(bits: int, shape: tuple[int, int], scales: torch.Tensor, zeros:
 # decoding the per-layer state (both encodings) with validation
 
 
-class _LayerDecoder:
+class LayerDecoder:
     """Decodes one layer's values, from encoded safetensors tensors or from plain python values."""
 
     def __init__(self, values: dict, where: Path, prefix: str):
@@ -108,7 +108,7 @@ class _LayerDecoder:
 
     def tensor(self, key: str) -> torch.Tensor:
         v = self.values[key]
-        if isinstance(v, _ShapeOnly):  # W_q while planning: header facts only
+        if isinstance(v, ShapeOnly):  # W_q while planning: header facts only
             return v  # type: ignore[return-value]
         if not isinstance(v, torch.Tensor):
             raise self.bad(f"expected a tensor, found {type(v).__name__}", key)
@@ -172,7 +172,7 @@ class _LayerDecoder:
         return dims  # type: ignore[return-value]
 
     def decode(self) -> HqqLayer:
-        for key in _REQUIRED:
+        for key in REQUIRED_KEYS:
             if not self.has(key):
                 raise self.bad(f"HQQ layer has no {key}", key)
         if self.flag("quant_zero") or self.flag("quant_scale") or self.has("zero_q") or self.has("scale_q"):
@@ -243,7 +243,7 @@ class _LayerDecoder:
                         flags, nbits_stored=nbits)
 
 
-def _unpacked(layer: HqqLayer, where: Path, prefix: str) -> Grid:
+def unpacked_grid(layer: HqqLayer, where: Path, prefix: str) -> Grid:
     """The layer's grid with its codes unpacked (the decoder checked the word counts; this is the net)."""
     try:
         return layer.grid()
@@ -252,7 +252,7 @@ def _unpacked(layer: HqqLayer, where: Path, prefix: str) -> Grid:
                        tensor=f"{prefix}.W_q") from None
 
 
-def _check_bias(layer: HqqLayer, bias, where: Path, prefix: str) -> None:
+def check_bias(layer: HqqLayer, bias, where: Path, prefix: str) -> None:
     if bias is None:
         return
     if not isinstance(bias, torch.Tensor) or not bias.dtype.is_floating_point or tuple(bias.shape) != (layer.shape[0],):
@@ -261,14 +261,14 @@ def _check_bias(layer: HqqLayer, bias, where: Path, prefix: str) -> None:
                        path=where, tensor=f"{prefix}.bias")
 
 
-def _check_codes(layer: HqqLayer, codes: torch.Tensor, where: Path, prefix: str) -> None:
+def check_codes(layer: HqqLayer, codes: torch.Tensor, where: Path, prefix: str) -> None:
     top = 2 if layer.nbits_stored == 1.58 else (1 << layer.bits) - 1
     if codes.numel() and int(codes.max()) > top:
         raise BadInput(f"codes exceed {top}, the largest {layer.nbits_stored}-bit code", path=where,
                        tensor=f"{prefix}.W_q")
 
 
-def _grid_record(prefix: str, layer: HqqLayer, load_layer, source_file: str) -> TensorRecord:
+def grid_record(prefix: str, layer: HqqLayer, load_layer, source_file: str) -> TensorRecord:
     flags = {"hqq": {"packing": layer.packing, "view_as_float": layer.view_as_float,
                      "nbits": layer.nbits_stored, **layer.flags}}
     return TensorRecord(f"{prefix}.weight", layer.shape, "grid", load_layer, params=layer.params(),
@@ -276,7 +276,7 @@ def _grid_record(prefix: str, layer: HqqLayer, load_layer, source_file: str) -> 
                         source_groups=(layer.group_size,) if layer.axis == 0 else ())
 
 
-class _ShapeOnly:
+class ShapeOnly:
     """Stands in for W_q while planning: shape and dtype from the safetensors header, no data read."""
 
     def __init__(self, ckpt: CheckpointDir, name: str):

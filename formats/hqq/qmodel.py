@@ -19,8 +19,8 @@ from ...converters.records import Dense, Grid, TensorRecord
 from ...converters.model_shapes import ModelShapes
 from ..common.safetensors_header import safetensors_tag
 from ..common.checkpoint import read_json
-from .layer import HqqLayer, QMODEL, _DENSE_DTYPES, _LayerDecoder, _check_bias, _check_codes, _grid_record, _unpacked
-from .folder import _check_complete, _describe, _quantization_config, _side_files
+from .layer import HqqLayer, QMODEL, DENSE_DTYPES, LayerDecoder, check_bias, check_codes, grid_record, unpacked_grid
+from .folder import check_complete, describe_checkpoint, quantization_config, folder_side_files
 from ...converters.records import ModelSource
 
 
@@ -208,7 +208,7 @@ class HqqPickleSource(ModelSource):
         self.path = path.parent if path.is_file() else path
         self.file = path if path.is_file() else path / QMODEL
         cfg = read_json(self.path / "config.json")
-        self.quant_config = _quantization_config(cfg, self.path / "config.json")
+        self.quant_config = quantization_config(cfg, self.path / "config.json")
         self.config = {k: v for k, v in cfg.items() if k != "quantization_config"}
         self.weights = load_qmodel(self.file)
         self.legacy = any("meta" in v for v in self.weights.values() if "W_q" in v)
@@ -216,7 +216,7 @@ class HqqPickleSource(ModelSource):
         for module, state in self.weights.items():
             if "W_q" in state:
                 self._layers[module] = self._decode(module, state)
-                _check_bias(self._layers[module], state.get("bias"), self.file, module)
+                check_bias(self._layers[module], state.get("bias"), self.file, module)
             else:
                 for key, value in state.items():
                     name = f"{module}.{key}"
@@ -225,14 +225,14 @@ class HqqPickleSource(ModelSource):
                     if not isinstance(value, torch.Tensor):
                         raise BadInput(f"expected a tensor, found {type(value).__name__}", path=self.file,
                                        tensor=name)
-                    if value.dtype not in _DENSE_DTYPES or value.is_sparse or value.dim() > 8:
+                    if value.dtype not in DENSE_DTYPES or value.is_sparse or value.dim() > 8:
                         raise BadInput(f"{value.dtype} tensor of {value.dim()} dimensions is not a weight this "
                                        "reader passes through", path=self.file, tensor=name)
         if not self._layers:
             raise BadInput("no HQQ layers (no entry with W_q)", path=self.file)
         names = {f"{m}.weight" for m in self._layers}
         names |= {f"{m}.{k}" if m else str(k) for m, state in self.weights.items() if m not in self._layers for k in state}
-        _check_complete(self.config, names, self.file)
+        check_complete(self.config, names, self.file)
         self.shapes = ModelShapes(self.config, self.path / "config.json")
 
     def _decode(self, module: str, state: dict) -> HqqLayer:
@@ -242,18 +242,18 @@ class HqqPickleSource(ModelSource):
             if not isinstance(meta, dict):
                 raise BadInput("legacy meta is not a dict", path=self.file, tensor=f"{module}.meta")
             values.update(meta)
-        return _LayerDecoder(values, self.file, module).decode()
+        return LayerDecoder(values, self.file, module).decode()
 
     def _load_grid(self, module: str) -> Grid:
         layer = self._layers[module]
-        grid = _unpacked(layer, self.file, module)
-        _check_codes(layer, grid.codes, self.file, module)
+        grid = unpacked_grid(layer, self.file, module)
+        check_codes(layer, grid.codes, self.file, module)
         return grid
 
     def records(self) -> Iterator[TensorRecord]:
         for module, state in self.weights.items():
             if module in self._layers:
-                yield _grid_record(module, self._layers[module], lambda m=module: self._load_grid(m), self.file.name)
+                yield grid_record(module, self._layers[module], lambda m=module: self._load_grid(m), self.file.name)
                 bias = state.get("bias")
                 if bias is not None:
                     yield self._dense(f"{module}.bias", bias)
@@ -269,8 +269,8 @@ class HqqPickleSource(ModelSource):
         return TensorRecord(name, tuple(t.shape), str(t.dtype)[6:], lambda t=t: Dense(t), source_file=self.file.name)
 
     def side_files(self) -> dict[str, Path]:
-        return _side_files(self.path)
+        return folder_side_files(self.path)
 
     def describe(self) -> dict:
-        return _describe("hqq", "hqq qmodel.pt (legacy meta)" if self.legacy else "hqq qmodel.pt", self._layers,
+        return describe_checkpoint("hqq", "hqq qmodel.pt (legacy meta)" if self.legacy else "hqq qmodel.pt", self._layers,
                          {"modules": len(self.weights)})

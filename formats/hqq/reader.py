@@ -12,11 +12,11 @@ from ...converters.errors import BadInput
 from ...converters.records import Grid, TensorRecord
 from ...converters.model_shapes import ModelShapes
 from ..common.checkpoint import CheckpointDir, CheckpointSource, read_json
-from .layer import (HqqLayer, LAYER_KEYS, QMODEL, _HQQ_ONLY_KEYS, _LayerDecoder, _REQUIRED, _check_codes, _grid_record,
-                    _unpacked)
+from .layer import (HqqLayer, LAYER_KEYS, QMODEL, HQQ_ONLY_KEYS, LayerDecoder, REQUIRED_KEYS, check_codes, grid_record,
+                    unpacked_grid)
 from .qmodel import HqqPickleSource
-from .folder import _check_complete, _describe, _quantization_config
-from .layer import _ShapeOnly
+from .folder import check_complete, describe_checkpoint, quantization_config
+from .layer import ShapeOnly
 
 
 # --------------------------------------------------------------------------------------------------
@@ -32,7 +32,7 @@ class HqqSafetensorsSource(CheckpointSource):
     def __init__(self, path: Path):
         self.path = Path(path)
         cfg = read_json(self.path / "config.json")
-        self.quant_config = _quantization_config(cfg, self.path / "config.json")
+        self.quant_config = quantization_config(cfg, self.path / "config.json")
         if self.quant_config and str(self.quant_config.get("quant_method", "")).lower() != "hqq":
             raise BadInput(f"quant_method is {self.quant_config.get('quant_method')!r}, not hqq",
                            path=self.path / "config.json")
@@ -51,15 +51,15 @@ class HqqSafetensorsSource(CheckpointSource):
                 # e.g. a GPTQ `.qweight` or a dense `.weight` left beside the layer: which one would a loader
                 # use? transformers' HQQ loader takes the 19 keys; we refuse rather than guess
                 raise BadInput(f"stray tensor beside the HQQ layer {prefix}: an HQQ layer holds only "
-                               f"{', '.join(_REQUIRED)} and hqq's flags (and bias)", path=self.ckpt.file_of(name),
+                               f"{', '.join(REQUIRED_KEYS)} and hqq's flags (and bias)", path=self.ckpt.file_of(name),
                                tensor=name)
         if not self.modules:
             raise BadInput("no HQQ layers (no <module>.W_q tensors) in the safetensors files", path=self.path)
         for name in self.ckpt.location:
             prefix, _, key = name.rpartition(".")
-            if key in _HQQ_ONLY_KEYS and prefix not in self.modules:
+            if key in HQQ_ONLY_KEYS and prefix not in self.modules:
                 raise BadInput(f"HQQ layer {key} without its {prefix}.W_q", path=self.ckpt.file_of(name), tensor=name)
-        _check_complete(self.config, {f"{m}.weight" for m in self.modules} | set(self.ckpt.location), self.path)
+        check_complete(self.config, {f"{m}.weight" for m in self.modules} | set(self.ckpt.location), self.path)
         self.shapes = ModelShapes(self.config, self.path / "config.json")  # the dense tensors against config.json
         for prefix, parts in self.modules.items():
             if "bias" in parts:
@@ -79,11 +79,11 @@ class HqqSafetensorsSource(CheckpointSource):
             if key == "bias":
                 continue
             if key == "W_q" and not with_codes:
-                values[key] = _ShapeOnly(self.ckpt, name)
+                values[key] = ShapeOnly(self.ckpt, name)
             else:
                 values[key] = self.ckpt.get(name)
         where = self.ckpt.file_of(parts["W_q"])
-        layer = _LayerDecoder(values, where, prefix).decode()
+        layer = LayerDecoder(values, where, prefix).decode()
         if not with_codes:
             self._layers[prefix] = layer
         return layer
@@ -91,8 +91,8 @@ class HqqSafetensorsSource(CheckpointSource):
     def _load_grid(self, prefix: str) -> Grid:
         layer = self.layer(prefix, with_codes=True)
         where = self.ckpt.file_of(self.modules[prefix]["W_q"])
-        grid = _unpacked(layer, where, prefix)
-        _check_codes(layer, grid.codes, where, prefix)
+        grid = unpacked_grid(layer, where, prefix)
+        check_codes(layer, grid.codes, where, prefix)
         return grid
 
     def records(self) -> Iterator[TensorRecord]:
@@ -103,14 +103,14 @@ class HqqSafetensorsSource(CheckpointSource):
                     continue
                 prefix, _, key = name.rpartition(".")
                 if key == "W_q":
-                    yield _grid_record(prefix, self.layer(prefix), lambda p=prefix: self._load_grid(p), shard)
+                    yield grid_record(prefix, self.layer(prefix), lambda p=prefix: self._load_grid(p), shard)
                 else:
                     self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard, self.ckpt.dtype(name))
                     yield self.ckpt.dense_record(name, shard)
 
     def describe(self) -> dict:
         layers = {p: self.layer(p) for p in self.modules}
-        return _describe("hqq", "transformers safetensors", layers,
+        return describe_checkpoint("hqq", "transformers safetensors", layers,
                          {"skip_modules": self.quant_config.get("skip_modules"), "shards": len(self.ckpt.shards),
                           "ignored_files": self.ignored_files})
 

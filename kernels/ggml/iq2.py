@@ -162,7 +162,7 @@ def quantize_iq2_xxs(x: np.ndarray, imatrix: np.ndarray | None = None, threads: 
 
 
 def _iq2_xxs_band(x: np.ndarray, qw: np.ndarray) -> np.ndarray:
-    from .kquants import _make_qp_quants  # the K quantizers' make_qp_quants (only IQ2_XXS needs kquants)
+    from .kquants import make_qp_quants  # the K quantizers' make_qp_quants (only IQ2_XXS needs kquants)
 
     rows, n = x.shape
     nsup = rows * (n // SUPER_BLOCK)
@@ -172,7 +172,7 @@ def _iq2_xxs_band(x: np.ndarray, qw: np.ndarray) -> np.ndarray:
         neg, XV, mx = even_signs(X, W)
         cols = np.flatnonzero(~(mx < _EPS))
         # the start: make_qp_quants(32, kMaxQ + 1, xval, L, weight), the trials' range eff_max = 3*scale
-        qp_scale, _ = _make_qp_quants(np.ascontiguousarray(XV[:, cols]), 4, np.ascontiguousarray(W[:, cols]))
+        qp_scale, _ = make_qp_quants(np.ascontiguousarray(XV[:, cols]), 4, np.ascontiguousarray(W[:, cols]))
         eff_max = qp_scale * F32(3)
         ok = ~(eff_max <= 0)  # `if (eff_max <= 0)`: dead as well
         live = cols[ok]

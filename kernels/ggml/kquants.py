@@ -440,7 +440,7 @@ class _QxRmse1:
         return V.T.astype(np.uint8)
 
 
-def _make_qp_quants(X, nmax, W):
+def make_qp_quants(X, nmax, W):
     """make_qp_quants(n, nmax, x, L, quant_weights) for M columns at once (X, W of shape (n, M)):
     the weighted quantization of a super-block's sub-block scales (or mins) to 0..nmax.
     Returns (scale [M], L (n, M) uint8). Like _make_q3_quants, the coordinate descent is sequential
@@ -681,8 +681,8 @@ def _quantize_q2_K_weighted(xc, X, QW, o, fused=False) -> None:
     srch = _Qkx2(X, W, 3, -0.9, 0.05, 36, False, fused)
     del W
     swT = np.ascontiguousarray(sw.reshape(k, 16).T)
-    dm, Ls = _make_qp_quants(np.ascontiguousarray(srch.scale.reshape(k, 16).T), 15, swT)
-    mm, Lm = _make_qp_quants(np.ascontiguousarray(srch.the_min.reshape(k, 16).T), 15, swT)
+    dm, Ls = make_qp_quants(np.ascontiguousarray(srch.scale.reshape(k, 16).T), 15, swT)
+    mm, Lm = make_qp_quants(np.ascontiguousarray(srch.the_min.reshape(k, 16).T), 15, swT)
     sc_byte = (Ls.T | (Lm.T << 4)).astype(np.uint8)  # C: uint8 Ls | (Lm << 4), wrapping
     d16 = _fp16_round(dm)
     dmin16 = _fp16_round(mm)
@@ -782,8 +782,8 @@ def _quantize_q45_K(x, nmax, rmin, nstep, block_bytes, imatrix=None):
         mins = srch.the_min.reshape(k, 8)
         if qwb is not None:
             swT = np.ascontiguousarray(sw.reshape(k, 8).T)
-            d_block, Ls = _make_qp_quants(np.ascontiguousarray(scales.T), 63, swT)
-            m_block, Lm = _make_qp_quants(np.ascontiguousarray(mins.T), 63, swT)
+            d_block, Ls = make_qp_quants(np.ascontiguousarray(scales.T), 63, swT)
+            m_block, Lm = make_qp_quants(np.ascontiguousarray(mins.T), 63, swT)
             ls = np.minimum(Ls.T, 63)
             lm = np.minimum(Lm.T, 63)
             d16 = _fp16_round(d_block)

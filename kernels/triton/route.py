@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..dispatch import compute_device, note_kernel, triton_device
+from ..dispatch import compute_device, current_trace, note_kernel, triton_device
 
 __all__ = ["dequantize_routed", "hqq_unpack", "qqq_codes", "bitstream", "legacy_quantize", "legacy_repack",
            "legacy_decode", "gptq_q4_0_repack", "k_quantize", "k_decode", "TRITON_K_TYPES", "TRITON_K_IMATRIX_TYPES"]
@@ -122,9 +122,7 @@ def bitstream(words: torch.Tensor, bits: int, count: int, word_bits: int = 32,
 
 
 def _noted(stage: str) -> int:
-    from ..dispatch import _TRACE
-
-    trace = _TRACE.get()
+    trace = current_trace()
     return -1 if trace is None else len(trace.get(stage, ()))
 
 
