@@ -132,7 +132,7 @@ class Writer(ABC):
         return None
 
     def writes_several_files(self, options: Options) -> bool:
-        """True when the output is several files named after OUT (split GGUF parts: run.atomic_output)."""
+        """True when the output is several files named after OUT (split GGUF parts: output.atomic_output)."""
         return False
 
     @abstractmethod

@@ -42,7 +42,7 @@ def _dequantize_gptq_c(kquant_c, packed, p) -> torch.Tensor:
 
 def dequantize_grid(grid, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Dequantize a `converters.records.Grid` (duck-typed: .params, .codes, .packed): a Triton kernel when one is
-    chosen (kernels/triton_route.py), else the torch / C path below; the trace notes which ran."""
+    chosen (kernels/triton/route.py), else the torch / C path below; the trace notes which ran."""
     from .triton.route import dequantize_routed
 
     return dequantize_routed(grid, dtype, _dequantize_grid_here)

@@ -71,7 +71,7 @@ def element_table(name: str, negative_zero: bool = True) -> torch.Tensor:
 
 # -- FP4 codes two to a byte, even element in the low nibble ----------------------------------------------
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., n/2] -> uint8 codes [..., n] (low nibble first): Triton where chosen (kernels/triton_route.py)."""
+    """uint8 [..., n/2] -> uint8 codes [..., n] (low nibble first): Triton where chosen (kernels/triton/route.py)."""
     p = packed.to(torch.uint8)
     if p.dim() >= 1 and p.numel():
         routed = triton_route.bitstream(p.reshape(-1, p.shape[-1]), 4, p.shape[-1] * 2, word_bits=8)

@@ -103,7 +103,7 @@ def _inverse_code_permutation(mode: str) -> torch.Tensor:
 def qqq_codes(B: torch.Tensor, mode: str, s_group: torch.Tensor | None = None, group_size: int = 0) -> torch.Tensor:
     """What a reader needs from `B`: the nibbles `[out, in]` (`unpack_qqq_codes`), or with `s_group` [out, G]
     (grouped mode, unpermuted, fp16) the runtime int8 weights + 128 (`int8_weights`): a Triton kernel where one
-    is chosen (kernels/triton_route.py), the torch functions otherwise."""
+    is chosen (kernels/triton/route.py), the torch functions otherwise."""
     routed = triton_route.qqq_codes(B, _inverse_code_permutation(mode), s_group, group_size)
     if routed is not None:
         return routed

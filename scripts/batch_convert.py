@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Batch conversion from a manifest: a thin wrapper of `qconvert batch` (converters/batch.py).
+"""Batch conversion from a manifest: a thin wrapper of `qconvert batch` (converters/apps/batch.py).
 
     python scripts/batch_convert.py MANIFEST [--workers N] [--report DIR] [--dry-run] [--force] [--ray [ADDRESS]]
 """

@@ -220,7 +220,7 @@ def run_batch_sampled(argv: list[str], outs: list[str], stderr_path: Path) -> Ba
 
 # -- the benchmark --------------------------------------------------------------------------------------------
 def single_argv(pair: str, src: Path, out: Path, options: tuple[str, ...], report: Path) -> list[str]:
-    # what the batch runs for each job (converters/batch.py BatchJob.argv), written as a user would
+    # what the batch runs for each job (converters/apps/batch.py BatchJob.argv), written as a user would
     return [sys.executable, "-m", "qconvert", pair, str(src), str(out), *options, "--quiet", "--report", str(report)]
 
 

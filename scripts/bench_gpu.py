@@ -10,7 +10,7 @@ Prints the device, then
   table of known parts; and the bandwidth of a plain device-to-device copy measured here), and whether the values
   equal the torch path's on the same device;
 - per quantizer: MB/s of bf16 input (the bf16 -> float32 cast included), the same for llama.cpp's CPU quantizer
-  (ggml_quantize_chunk, 2 threads, kernels/ggml_ctypes.py) on the same tensor, and whether the bytes are identical.
+  (ggml_quantize_chunk, 2 threads, kernels/ggml/libggml.py) on the same tensor, and whether the bytes are identical.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ bf16-rounded float32 tensors of real LLM shapes.
 Throughput is MB/s of bf16 input (2 bytes per weight), the best of --repeat runs, after a warm-up call
 at each thread count (torch.compile of the fused Q4_0/Q8_0 kernels happens once per process and thread
 count; the C K-quantizers are built once per machine and cached). Threads: our K quantizers
-(kernels/kquant_c.c) hand chunks of super-blocks to that many Python threads (ctypes releases the GIL),
+(kernels/ggml/kquant_c.c) hand chunks of super-blocks to that many Python threads (ctypes releases the GIL),
 the Q4_0/Q8_0 kernels run on torch's intra-op threads (set to the same count); llama.cpp's rows are split
 over a ThreadPoolExecutor calling ggml_quantize_chunk on row ranges. RMSE of the decoded weights against
 the input is printed for both, and whether the bytes are identical.

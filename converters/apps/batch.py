@@ -495,7 +495,7 @@ def job_counts(results: list[JobResult]) -> dict[str, int]:
 
 def write_reports(report_dir: Path, results: list[JobResult]) -> None:
     """REPORT/batch.json (every field of every job), REPORT/batch.md (the table a person reads) and
-    REPORT/batch.png (per-layer error of every job, and KL where measured; converters/batch_plot.py)."""
+    REPORT/batch.png (per-layer error of every job, and KL where measured; converters/apps/batch_plot.py)."""
     from .batch_plot import INSTALL_HINT, load_job_reports, matplotlib_available, plot_layer_errors
 
     counts = job_counts(results)

@@ -5,6 +5,8 @@
     qconvert convert SRC OUT --to gguf  (the same, the source format detected; or given with --from)
     qconvert formats                    (what each format can read and write)
     qconvert inspect PATH               (format, bits, group size and layout of a checkpoint)
+    qconvert verify SRC OUT [--logits]  (re-read OUT, measure every tensor against SRC; and run both models)
+    qconvert batch MANIFEST             (many conversions: local workers, or a Ray cluster with --ray)
 
 Exit status: 0 on success, 2 on bad input or a refused plan (one line on stderr, no traceback), 1 for an
 unexpected failure (a bug: one line naming the input; `--debug` shows the traceback), 130 on interrupt. No

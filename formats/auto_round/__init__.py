@@ -1,6 +1,6 @@
 """auto-round's native format (`quant_method` "auto-round"): a reader of its integer packings.
 
-auto-round's `auto_gptq` export (quant_method "gptq") is a GPTQ checkpoint and goes through formats/gptq.py;
+auto-round's `auto_gptq` export (quant_method "gptq") is a GPTQ checkpoint and goes through formats/gptq/;
 its native packings (auto_round:auto_gptq, auto_round, auto_round:gptqmodel, auto_round:auto_awq) are read
 here into integer grids (reader.py). Writing auto-round's format is not offered: gptq-v2 output holds the same
 grids and auto-round's loader reads GPTQ checkpoints.

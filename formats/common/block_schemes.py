@@ -31,7 +31,7 @@ def block_layout(scheme: TargetScheme) -> BlockLayout:
 
 
 def ggml_scheme(name: str, scheme_name: str | None = None) -> TargetScheme:
-    """A ggml block type as a target, from kernels.ggml_layouts (sizes from gguf-py)."""
+    """A ggml block type as a target, from kernels.ggml.layouts (sizes from gguf-py)."""
     lay = LAYOUTS[name]
     if lay.kind == "float":
         return replace(float_scheme(name, scheme_name=scheme_name), ggml_type=lay.ggml_type, block=1,
@@ -107,7 +107,7 @@ def _zeros_fit(p: GridParams, lay: BlockLayout) -> bool:
 
 def _kept_k_blocks(p: GridParams, shape, name: str) -> Decision | None:
     """Grid -> Q4_K/Q5_K: how many 256-super-blocks can hold the grid's codes and scales exactly
-    (kernels/kquant_grid.py); None when no block can (then the generic K verdict applies)."""
+    (kernels/ggml/kquant_grid.py); None when no block can (then the generic K verdict applies)."""
 
     fit = plan_kept_blocks(p, shape, name)
     if fit is None:

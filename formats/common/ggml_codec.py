@@ -196,7 +196,7 @@ def encode_tensor(lay: BlockLayout, verdict: str, item: Dense | Grid,
         return _encode_codebook(lay, item, quant)
     if lay.kind == "fp4":
         return _encode_fp4(lay, verdict, item, quant)
-    if quant is not None and quant.needed:  # kept grid codes, an imatrix or llama.cpp's quantizer (kencode.py)
+    if quant is not None and quant.needed:  # kept grid codes, an imatrix or llama.cpp's quantizer (QuantHow)
         return encode_quantized(lay, item, quant, source)
     x = source()
     shape = x.shape

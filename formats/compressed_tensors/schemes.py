@@ -308,8 +308,9 @@ def _ct_fp8(src, shape, s: TargetScheme, native, prefer_groups=()) -> Decision:
 
 register_family("ct-fp8", _ct_fp8, takes_codebooks=True)
 
-# the float formats, tried in this order for a float grid (converters/align.py's float-block family decides the
-# fp4 ones from the scale values): mxfp4 (E8M0 exponents per 32), nvfp4 (E4M3 per 16 over a global divisor)
+# the float formats, tried in this order for a float grid (the float-block family, formats/common/block_schemes.py,
+# decides the fp4 ones from the scale values): mxfp4 (E8M0 exponents per 32), nvfp4 (E4M3 per 16 over a global
+# divisor)
 CT_FLOAT = {
     "float-quantized": TargetScheme("float-quantized", "ct-fp8", bits=8, scale="source", element="e4m3"),
     "mxfp4-pack-quantized": TargetScheme("mxfp4-pack-quantized", "float-block", bits=4, group=32, block=32,

@@ -1,4 +1,4 @@
-"""GGUF (llama.cpp): layout facts in kernels.ggml_layouts, names/metadata/tokenizer here, the writer."""
+"""GGUF (llama.cpp): layout facts in kernels.ggml.layouts, names/metadata/tokenizer here, the writer."""
 
 from pathlib import Path
 

@@ -1,10 +1,10 @@
 """The GGUF target types: one table of schemes, and llama-quantize's rules as small hooks beside it.
 
-Every writable ggml type is a `TargetScheme` built from kernels.ggml_layouts (whose sizes are gguf-py's);
-the alignment checker (converters/align.py) decides every verdict from these. The codebook types (IQ4_NL,
+Every writable ggml type is a `TargetScheme` built from kernels.ggml.layouts (whose sizes are gguf-py's);
+the alignment checker (converters/checker.py) decides every verdict from these. The codebook types (IQ4_NL,
 IQ4_XS: codes index a fixed non-linear table; IQ3_S, IQ3_XXS, IQ2_S, IQ2_XS, IQ2_XXS: groups of 4 / 8 index a
 lattice codebook) are a family of their own, "ggml-codebook", registered here: no grid keeps its codes in them, so
-every source is requantized (kernels/iq4_nl.py, iq4_xs.py, iq3_s.py, iq2.py: ggml's quantize_iq4_nl / _iq4_xs /
+every source is requantized (kernels/ggml/iq4_nl.py, iq4_xs.py, iq3_s.py, iq2.py: ggml's quantize_iq4_nl / _iq4_xs /
 _iq3_s / _iq3_xxs / _iq2_s / _iq2_xs / _iq2_xxs). The IQ2 types and IQ3_XXS need an importance matrix
 (imatrix_refusal).
 """
@@ -58,7 +58,7 @@ def codebook_scheme(name: str) -> TargetScheme:
 
 
 def fp4_scheme(name: str) -> TargetScheme:
-    """A ggml FP4 float-block type (converters/align.py's "float-block" family): E2M1 codes times a block scale.
+    """A ggml FP4 float-block type (the "float-block" family, formats/common/block_schemes.py): E2M1 codes times a block scale.
     MXFP4: an E8M0 exponent per 32 elements. NVFP4: a UE4M3 scale per 16 (in 64-element blocks), and llama.cpp
     multiplies a matmul's result by the weight's `<name>.scale` tensor when the file has one (llama-model.cpp's
     generic pass loads every `.scale`; llama-graph.cpp build_lora_mm), which is where a global scale goes."""

@@ -14,12 +14,12 @@ With `--split-max-size` the output is a set of `-0000i-of-0000N.gguf` parts (ggu
 q2_k: presets.py), which picks the type per tensor as llama.cpp does and sets general.file_type.
 
 A grid planned for Q4_K/Q5_K keeps its codes in every super-block whose 6-bit sub-block scales can
-hold the grid's scales exactly (kernels/kquant_grid.py; the reason says how many blocks did); the
+hold the grid's scales exactly (kernels/ggml/kquant_grid.py; the reason says how many blocks did); the
 rest is requantized. `--imatrix FILE` weighs the K quantizers as llama-quantize --imatrix does, and
-`--quantizer llama.cpp` requantizes with llama.cpp's own ggml_quantize_chunk (kencode.py).
+`--quantizer llama.cpp` requantizes with llama.cpp's own ggml_quantize_chunk (formats/common/ggml_codec.py).
 
 `--type iq4_nl`, `iq4_xs`, `iq3_s`, `iq3_xxs`, `iq2_s`, `iq2_xs` and `iq2_xxs` (codebook types:
-kernels/iq4_nl.py, iq4_xs.py, iq3_s.py, iq2.py, byte-identical to ggml's quantize_iq4_nl / _iq4_xs / _iq3_s /
+kernels/ggml/iq4_nl.py, iq4_xs.py, iq3_s.py, iq2.py, byte-identical to ggml's quantize_iq4_nl / _iq4_xs / _iq3_s /
 _iq3_xxs / _iq2_s / _iq2_xs / _iq2_xxs, with the --imatrix weights too) requantize every source; no grid keeps
 its codes in them (schemes.py). Their rows that are not whole 256-blocks fall back to IQ4_NL; an IQ2 / IQ3_XXS
 tensor without an importance vector is refused, as llama-quantize refuses it (schemes.imatrix_refusal). A
@@ -448,7 +448,7 @@ class GgufWriter(Writer):
         return self._tokenizer
 
     def writes_several_files(self, options: Options) -> bool:
-        """With --split-max-size the output is a set of `-0000i-of-0000N.gguf` parts (see run.atomic_output)."""
+        """With --split-max-size the output is a set of `-0000i-of-0000N.gguf` parts (see output.atomic_output)."""
         return bool(options.extra.get("split_max_size"))
 
     def open(self, path: Path, source, plans: list[TensorPlan], options: Options) -> "GgufSession":

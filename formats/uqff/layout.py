@@ -49,13 +49,13 @@ SUFFIXES = {
     "mxfp4": ("weight", "weight.format", "weight.scales"),
 }
 FP8_DTYPE_CODE = 9  # F8E4M3 in UQFF's dtype code table
-# ggml type ids used in `weight.dtype` of tag 0 (names as kernels.ggml_layouts spells them)
+# ggml type ids used in `weight.dtype` of tag 0 (names as kernels.ggml.layouts spells them)
 # the ggml types a UQFF GGUF-block layer may hold, with gguf-py's type ids
 GGML_TYPE_IDS = {name: int(GGMLQuantizationType[name]) for name in (
     "F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K",
     "BF16")}
 GGML_NAME_OF_ID = {v: k for k, v in GGML_TYPE_IDS.items()}
-# the two ggml types kernels.ggml_layouts does not hold (no GGUF writer target); decoded here by hand
+# the two ggml types kernels.ggml.layouts does not hold (no GGUF writer target); decoded here by hand
 EXTRA_BLOCKS = {"Q8_1": (32, 36), "Q8_K": (256, 292)}  # (elements, bytes); Q8_1 is 36 bytes in candle
 # F8Q8 divides by F8E4M3::MAX, which the float8 0.7 crate linked into mistral.rs 0.9.5 evaluates to 416, not 448:
 # with 416 the decoding of mistral.rs' own F8Q8 layers matches its runtime exactly, with 448 it does not
@@ -70,7 +70,7 @@ class UqffType:
     name: str
     family: str
     bits: int = 0
-    ggml: str = ""  # tag 0: kernels.ggml_layouts name
+    ggml: str = ""  # tag 0: kernels.ggml.layouts name
     group_size: int = 0  # HQQ / AFQ default group
     unquant_dtype: torch.dtype | None = None
 

@@ -152,7 +152,7 @@ class _Shards:
         self._fds = Descriptors()
         self.location: dict[str, Path] = {}
         self.order: list[str] = []
-        # each header checked in our own words first (formats/safetensors_header.py); names sorted, as
+        # each header checked in our own words first (formats/common/safetensors_header.py); names sorted, as
         # safe_open lists them
         self.headers = {shard: read_header(shard) for shard in shards}
         self.views: dict[str, tuple[str, str, int, int]] = {}  # view -> (stacked tensor, how, expert, experts)
@@ -747,7 +747,7 @@ class UqffSource(ModelSource):
 
     # -- the ModelSource interface ------------------------------------------------------------------------
     def _check_shape(self, name: str, shape: tuple, where: Path) -> None:
-        """A tensor's shape against config.json (formats/model_shapes.py), and its layer index."""
+        """A tensor's shape against config.json (converters/model_shapes.py), and its layer index."""
         i = layer_index(name)
         if i is not None and self.shapes.layers is not None and i >= self.shapes.layers:
             raise BadInput(f"layer {i} is beyond config.json's num_hidden_layers {self.shapes.layers}", path=where,

@@ -28,7 +28,7 @@ def _swap_nibble_planes(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor,
 
 def gptq4_to_q4_0(qweight: torch.Tensor, block_scales: torch.Tensor) -> torch.Tensor:
     """qweight int32 [in/8, out], block_scales fp16 [out, in/32] -> Q4_0 bytes uint8 [out, in/32*18]
-    (the Triton twin, kernels/triton_quant.py, when Triton is chosen)."""
+    (the Triton twin, kernels/triton/quant.py, when Triton is chosen)."""
     from ..triton.route import gptq_q4_0_repack
 
     routed = gptq_q4_0_repack(qweight, block_scales)

@@ -1,6 +1,6 @@
 """The IQ2 types: groups of 8 values on a lattice codebook of 2-bit coordinates, signs apart, 2.06-2.56 bits per
 weight. Each reproduces ggml's quantizer (ggml-quants.c of llama-cpp-python 0.3.36's vendored llama.cpp), which
-`ggml_quantize_chunk` and so llama-quantize run; the search is kernels/iq_lattice.py's, shared with IQ3_S.
+`ggml_quantize_chunk` and so llama-quantize run; the search is kernels/ggml/iq_lattice.py's, shared with IQ3_S.
 
 IQ2_S (ggml type 22, 2.5625 bpw): a super-block covers 256 values in 82 bytes (ggml-common.h block_iq2_s): fp16
 `d`, 32 bytes `qs` (the low 8 bits of a 10-bit grid index per group of 8, group i8 = 2*ib + k of 16-block ib),
@@ -29,11 +29,11 @@ IQ2_XXS (type 16, 2.0625 bpw; block_iq2_xxs, 66 bytes): fp16 `d`, then per 32-bl
 four 8-bit indices of its groups of 8 (the 256-point grid), and their four 7-bit signs (bits 7*k..) under its 4-bit
 scale s (bits 28..31); a value decodes as `((d * (0.5 + s)) * 0.25) * grid[index][j] * sign`. quantize_iq2_xxs
 (quantize_row_iq2_xxs_impl), per 32-block: IQ2_XS's weights, signs and dead test; the start is make_qp_quants(32,
-4, xval, L, weight) (kernels/kquants.py's, the K quantizers' scale search), a block whose eff_max = 3*scale is
+4, xval, L, weight) (kernels/ggml/kquants.py's, the K quantizers' scale search), a block whose eff_max = 3*scale is
 not positive being dead too; 13 trials id = (5 + is*0.1)/eff_max, is = -6..6, then every group recoded from the
 kept scale (when positive); d stored as fp16(d); max_scale 0 clears the super-block's words.
 
-Exactness and limits as kernels/iq3_s.py: float32 in C's association order, sums element by element, inputs
+Exactness and limits as kernels/ggml/iq3_s.py: float32 in C's association order, sums element by element, inputs
 where C aborts raise ValueError, NaN inputs not reproduced. Speed (2048x4096 with an imatrix, one thread, README):
 numpy takes 4-8x ggml's C time; the neighbour lists of the 2-bit grids are long (IQ2_XS: about 58 candidates a
 group searched on weight-like data), each candidate costing a handful of array operations per coordinate.

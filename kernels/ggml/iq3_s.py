@@ -6,7 +6,7 @@ A super-block covers 256 consecutive values of a row in 110 bytes (ggml-common.h
 32-block ib), 32 bytes `signs` (bit i of byte 4*ib + k: the sign of value 8*k + i of block ib) and 4 bytes of
 4-bit block scales s (block ib in nibble ib % 2 of byte ib / 2). A value decodes as
 `(d * (1 + 2*s)) * grid[index][j] * (-1 if its sign bit else 1)` in float32 (ggml-quants.c dequantize_row_iq3_s;
-gguf-py quants.IQ3_S), the grid values odd integers 1..15 (kernels/iq_lattice.py, from kernels/iq_grids.py).
+gguf-py quants.IQ3_S), the grid values odd integers 1..15 (kernels/ggml/iq_lattice.py, from kernels/ggml/iq_grids.py).
 
 `quantize_iq3_s` reproduces ggml's `quantize_iq3_s` (ggml-quants.c, llama-cpp-python 0.3.36's vendored llama.cpp),
 which `ggml_quantize_chunk(GGML_TYPE_IQ3_S, ...)` and so llama-quantize run, with or without an importance matrix.
@@ -30,7 +30,7 @@ bits (indexed by the block) are 0. Such a super-block decodes wrongly in llama.c
 live super-block of weights is rare in real models).
 
 Exactness: every float32 expression in C's association order, every sum element after element (seq_sum), the
-neighbour search as kernels/iq_lattice.py; the C library llama-cpp-python ships is built for baseline x86-64
+neighbour search as kernels/ggml/iq_lattice.py; the C library llama-cpp-python ships is built for baseline x86-64
 without FMA contraction, so plain float32 numpy gives the same bytes (tests/test_iq3_s.py compares with
 ggml_quantize_chunk). Inputs where C aborts (its GGML_ASSERTs: no neighbour of finite error, a NaN scale: values
 whose squares or weighted sums overflow float32) raise ValueError here; NaN inputs are not reproduced.

@@ -19,7 +19,7 @@ without an importance matrix. Per block, quantize_row_iq4_nl_impl(32, 32, ..., n
 
 Exactness: the float32 expressions are evaluated in C's association order ((w*q)*x), and every
 per-block sum is accumulated element after element as C does. The C library llama-cpp-python ships is
-built for baseline x86-64 (no FMA contraction; see kernels/kquants.py), so plain float32 numpy gives
+built for baseline x86-64 (no FMA contraction; see kernels/ggml/kquants.py), so plain float32 numpy gives
 the same bytes (tests/test_iq4_nl.py compares with ggml_quantize_chunk). ggml's other entry point,
 quantize_row_iq4_nl_ref (ntry = -1, used by no converter), is not reproduced, nor are NaN inputs (C's
 `fabsf(x) > amax` skips a NaN, np.argmax takes it as the largest).
@@ -28,7 +28,7 @@ Speed: every block of a band of rows is processed at once (Python loops only ove
 and the 32 positions of a sum), bands from a thread pool; the nearest entry is a count of midpoints
 (best_index). Measured on 2048x4096 float32: 3.6 s on one thread, 2.0 s on two (ggml's C, one thread: 4.4 s).
 
-IQ4_XS (kernels/iq4_xs.py) runs the same quantize_row_iq4_nl_impl over 256-element super-blocks, so the
+IQ4_XS (kernels/ggml/iq4_xs.py) runs the same quantize_row_iq4_nl_impl over 256-element super-blocks, so the
 per-32-block steps live here for both: `block_weights` (C's weight[], sigma2 taken over the super-block),
 `block_scales` (the scale search), `best_index`, `pack_nibbles` and the banded driver `quantize_bands`.
 """

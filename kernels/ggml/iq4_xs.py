@@ -23,7 +23,7 @@ without an importance matrix. Per super-block, quantize_row_iq4_nl_impl(256, 32,
   is packed into scales_l / scales_h.
 
 Exactness: the shared steps are IQ4_NL's (float32 in C's association order, sums element after element,
-exact midpoint test: see kernels/iq4_nl.py); the rest is a few float32 operations per super-block done in
+exact midpoint test: see kernels/ggml/iq4_nl.py); the rest is a few float32 operations per super-block done in
 the same order (`-max_scale/32`, `1/d`, `id*scales[ib]`, `d*l`, `1/dl`, `idl*x`). The C library that
 llama-cpp-python ships is built for baseline x86-64 without FMA contraction, so plain float32 numpy gives
 the same bytes (tests/test_iq4_xs.py compares with ggml_quantize_chunk). NaN inputs are not reproduced

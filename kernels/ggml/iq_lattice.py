@@ -7,7 +7,7 @@ it is not, the quantizers pick, among u's precomputed neighbours, the grid point
 sum(w_i * (scale*q_i - x_i)**2) (ggml-quants.c iq3_find_best_neighbour / iq2_find_best_neighbour).
 
 `lattice(type)` builds the tables as iq3xs_init_impl / iq2xs_init_impl do, from the packed grid points of
-kernels/iq_grids.py: the grid's values; the map (grid index, or -1 off the grid) over kmap_size codes (4096 for
+kernels/ggml/iq_grids.py: the grid's values; the map (grid index, or -1 off the grid) over kmap_size codes (4096 for
 3 bits x 4; the C source's 43692 for 2 bits x 8, which covers every code of 0..2 the IQ2 quantizers produce);
 and for every code off the grid its neighbour list: the grid points at the `nwant` smallest distinct squared
 distances, ordered by (distance, index) as C's qsort with iq3_compare_func / iq2_compare_func leaves them

@@ -1,5 +1,5 @@
 /* qconvert: ggml's reference K-quantizers (quantize_row_q{2,3,4,5,6}_K_ref) written once more in plain C,
- * from the float32 numpy codecs of kernels/kquants.py, for speed: tiles of super-blocks are laid out
+ * from the float32 numpy codecs of kernels/ggml/kquants.py, for speed: tiles of super-blocks are laid out
  * element-major (one column per sub-block) in a small buffer, so that every step of the scale searches
  * is a loop over 32 independent sub-blocks that the compiler vectorizes, and a tile's whole search runs
  * in the L1 cache.
@@ -7,7 +7,7 @@
  * Exactness: every value is computed by the same float32 expression, in the same association order, as
  * ggml's C (and the numpy code); sums run over a sub-block's elements in order. Vectorizing across
  * sub-blocks changes no result; the build uses -ffp-contract=off and no fast-math (no FMA, no
- * reassociation, no reciprocal). Conditional updates are selects. kernels/kquant_c.py builds and loads
+ * reassociation, no reciprocal). Conditional updates are selects. kernels/ggml/kquant_c.py builds and loads
  * this file; tests/test_kquants.py compares it with the numpy codecs and with ggml.
  *
  * Also here: the legacy reference quantizers (quantize_row_q4_0_ref .. q8_0_ref, tests/test_legacy_vs_ggml.py),
@@ -634,7 +634,7 @@ int qc_quantize_k(int type, const float *x, uint8_t *y, int64_t nb) {
 }
 
 /* --------------------------------------------------------------------------------------------------
- * dequantizers: the float32 expressions of kernels/kquants.py's dequantize_q*_K (and C's), nb blocks */
+ * dequantizers: the float32 expressions of kernels/ggml/kquants.py's dequantize_q*_K (and C's), nb blocks */
 
 static void get_k4(const uint8_t *s, int j, uint8_t *sc, uint8_t *m) {
     if (j < 4) {
@@ -785,7 +785,7 @@ int qc_dequant_gptq(const uint32_t *words, int bits, int64_t out_f, int64_t in_f
 }
 
 /* --------------------------------------------------------------------------------------------------
- * GPTQ 4-bit words <-> ggml Q4_0 blocks (kernels/gptq_q4_0.py says why the nibbles move as they do).
+ * GPTQ 4-bit words <-> ggml Q4_0 blocks (kernels/ggml/gptq_q4_0.py says why the nibbles move as they do).
  * words uint32 [in/8, out]: word 4b+h of output n holds inputs 32b+8h .. 32b+8h+7, one nibble each;
  * a Q4_0 block: fp16 d, then byte j (j < 16) = e_j | e_(j+16) << 4. Rows n_lo..n_hi. */
 static inline uint32_t spread_lo(uint32_t a, uint32_t b) {  /* bytes 0..3 of (a, b) interleaved: nibbles 0..3 */

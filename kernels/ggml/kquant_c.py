@@ -1,9 +1,9 @@
-"""The C twin of the reference K-quantizers (kernels/kquant_c.c; also the legacy Q4_0 .. Q8_0 quantizers, the GPTQ
+"""The C twin of the reference K-quantizers (kernels/ggml/kquant_c.c; also the legacy Q4_0 .. Q8_0 quantizers, the GPTQ
 word decode and the GPTQ -> Q4_0 repack): built once per machine with the system C compiler, cached, loaded with
 ctypes, and run on a pool of Python threads (a ctypes call releases the GIL).
 
-Why C. The numpy codecs in kernels/kquants.py make many passes over every chunk, and their compiled
-searches (kernels/kquant_fused.py) cost each new process 10-15 s of torch.compile tracing before the
+Why C. The numpy codecs in kernels/ggml/kquants.py make many passes over every chunk, and their compiled
+searches (kernels/ggml/kquant_fused.py) cost each new process 10-15 s of torch.compile tracing before the
 first tensor, and run on OpenMP threads that wait at barriers: with another process on one of two cores,
 every barrier waits for the descheduled thread. Here a tile of 32 sub-blocks is searched entirely in the
 L1 cache by loops the compiler vectorizes, the build is cached on disk (`cc` once per machine, 1-5 s), and the work is
@@ -13,7 +13,7 @@ simply takes fewer chunks, and nothing spins.
 Exactness: the same float32 expressions in the same order as ggml's C and the numpy codecs (compiled
 with -ffp-contract=off, no fast-math); tests/test_kquants.py checks the bytes against both.
 
-Without a C compiler, or with QCONVERT_COMPILE=0, `available()` is False and kernels/kquants.py uses its
+Without a C compiler, or with QCONVERT_COMPILE=0, `available()` is False and kernels/ggml/kquants.py uses its
 numpy (and torch.compile) paths; all give the same bytes. The cache folder is $QCONVERT_CACHE_DIR, else
 $XDG_CACHE_HOME/qconvert, else ~/.cache/qconvert (a temporary folder when none is writable).
 """
@@ -171,7 +171,7 @@ def quantize_legacy(x: np.ndarray, type_name: str, threads: int = 1) -> np.ndarr
 
 
 def dequantize(blocks: np.ndarray, type_name: str, threads: int = 1) -> np.ndarray:
-    """uint8 (nb, block_bytes) -> float32 (nb, 256): the values kernels/kquants.py's dequantizers give."""
+    """uint8 (nb, block_bytes) -> float32 (nb, 256): the values kernels/ggml/kquants.py's dequantizers give."""
     lib = _lib()
     if lib is None:
         raise RuntimeError("the C K-quantizers are not available")
@@ -223,7 +223,7 @@ def dequantize_gptq(words: np.ndarray, bits: int, in_features: int, scales: np.n
 def gptq4_to_q4_0(words: np.ndarray, d16: np.ndarray, threads: int = 1) -> tuple[np.ndarray, int]:
     """GPTQ 4-bit words int32 [in/8, out] and fp16 block scales [out, in/32] -> (Q4_0 bytes uint8
     [out, in/32*18], the number of source words and scales that the bytes do not give back when decoded
-    the other way: 0, or a bug). kernels/gptq_q4_0.py is the torch twin."""
+    the other way: 0, or a bug). kernels/ggml/gptq_q4_0.py is the torch twin."""
     lib = _lib()
     if lib is None:
         raise RuntimeError("the C kernels are not available")

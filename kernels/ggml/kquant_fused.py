@@ -1,6 +1,6 @@
-"""Compiled twins of the K-quant scale searches in kernels/kquants.py (`_QxRmse1`, `_Qkx2`).
+"""Compiled twins of the K-quant scale searches in kernels/ggml/kquants.py (`_QxRmse1`, `_Qkx2`).
 
-Where they run. Since the C quantizers (kernels/kquant_c.c) took over llama-quantize's default path (no
+Where they run. Since the C quantizers (kernels/ggml/kquant_c.c) took over llama-quantize's default path (no
 importance matrix), these searches serve the importance-weighted quantizers (--imatrix) on large tensors,
 and every K type where no C compiler is available. Each new process pays torch.compile's tracing once per
 function, sub-block length and thread count (10-15 s for Q4_K on this 2-core machine, measured), which is

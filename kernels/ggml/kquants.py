@@ -32,14 +32,14 @@ accepts a candidate, and later candidates use that min in `iscale*(x - min)` and
 this is reproduced.
 
 Speed. Without an importance matrix (llama-quantize's default) `quantize_k` runs the C twin of these
-codecs (kernels/kquant_c.c, built once per machine where a C compiler exists: the same expressions, a
+codecs (kernels/ggml/kquant_c.c, built once per machine where a C compiler exists: the same expressions, a
 tile of 32 sub-blocks searched in the L1 cache by vectorized loops, chunks spread over a thread pool;
 measured 2-7x llama.cpp's reference quantizer, Q3_K the slowest at 2.1-2.4x: scripts/bench_quantize.py). The numpy code
 below is the reference that the C code and the tests follow, and the path with an importance matrix or
 without a compiler: all super-blocks of a chunk are processed at once; Python loops run only over the
 candidate scales of the searches (<= 21) and, for Q3_K, over the 16 positions x <= 5 coordinate-descent
 passes. For tensors of >= 4M values the scale searches (make_qx_quants, make_qkx2/qkx3_quants; 80% of
-the time in numpy) run as compiled loops instead (kernels/kquant_fused.py: torch.compile, the same
+the time in numpy) run as compiled loops instead (kernels/ggml/kquant_fused.py: torch.compile, the same
 float32 expressions in the same order, so the same bytes), on torch's intra-op threads. Q3_K's
 coordinate descent and the make_qp_quants scale quantization stay in numpy.
 
@@ -215,7 +215,7 @@ def _blend(dst: np.ndarray, src: np.ndarray, mask: np.ndarray) -> None:
 
 
 def _fused_for(x: np.ndarray, name: str, imatrix) -> bool:
-    """Whether a tensor's searches run compiled (kernels/kquant_fused.py): large tensors, when enabled,
+    """Whether a tensor's searches run compiled (kernels/ggml/kquant_fused.py): large tensors, when enabled,
     of a type that has one (Q3_K without an importance matrix has none: its descent stays in numpy)."""
     has_search = name != "Q3_K" or imatrix is not None
     return has_search and x.size >= kquant_fused.MIN_VALUES and kquant_fused.available()
@@ -1051,7 +1051,7 @@ def quantize_k(x: np.ndarray, type_name, imatrix=None, threads: int | None = Non
     ("Q2_K".."Q6_K", "Q8_K"), as llama.cpp's reference quantizer (llama-quantize without imatrix;
     with `imatrix` [n], as llama-quantize --imatrix).
 
-    Without an importance matrix the C twin of the reference quantizers runs (kernels/kquant_c.c, where a C
+    Without an importance matrix the C twin of the reference quantizers runs (kernels/ggml/kquant_c.c, where a C
     compiler is available: 2-7x llama.cpp's own reference quantizer), its chunks taken by `threads`
     threads. Otherwise `threads` (default: default_threads()): on the compiled path (large tensors) the compiled
     searches run on that many torch intra-op threads (they hold the GIL, so Python threads would
@@ -1062,7 +1062,7 @@ def quantize_k(x: np.ndarray, type_name, imatrix=None, threads: int | None = Non
     if name == "Q8_K":
         _check_imatrix(imatrix)
         return quantize_q8_K(x)
-    from ..triton.route import k_quantize  # the Triton twin (kernels/triton_kquant.py) when chosen and covered
+    from ..triton.route import k_quantize  # the Triton twin (kernels/triton/kquant.py) when chosen and covered
 
     routed = k_quantize(x, name, imatrix, imatrix is None and kquant_c.available())
     if routed is not None:
@@ -1072,7 +1072,7 @@ def quantize_k(x: np.ndarray, type_name, imatrix=None, threads: int | None = Non
     x = np.asarray(x)
     rows = int(np.prod(x.shape[:-1])) if x.ndim > 1 else 1
     if imatrix is None and kquant_c.available():
-        # the reference quantizers in C (kernels/kquant_c.c): same bytes, chunks taken by a thread pool
+        # the reference quantizers in C (kernels/ggml/kquant_c.c): same bytes, chunks taken by a thread pool
         xb, shape = _as_blocks(x)
         return kquant_c.quantize(xb, name, threads).reshape(_out_shape(shape, BLOCK_BYTES[name]))
     if _fused_for(x, name, imatrix):

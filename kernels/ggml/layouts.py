@@ -10,12 +10,12 @@ Legacy types decode as `d * (q - offset)` (symmetric) or `d * q + m` (`has_min`)
 (and `m`) per block, codes `0 .. 2**bits - 1` (Q8_0: signed int8, offset 0).
 K types hold 256-element super-blocks with 6- or 8-bit sub-block scales.
 Codebook types hold 4-bit codes indexing a fixed table of values, no uniform grid: IQ4_NL 32-blocks of
-fp16 `d`, `d * table[q]` (kernels/iq4_nl.py); IQ4_XS 256-element super-blocks whose 32-element sub-blocks
-(`sub_block`) scale by `d * (ls - 32)`, ls a 6-bit code (kernels/iq4_xs.py); IQ3_S the same super-blocks whose
-groups of 4 values index a 512-point lattice, signs apart, under `d * (1 + 2*s)` (kernels/iq3_s.py; `bits` 3
+fp16 `d`, `d * table[q]` (kernels/ggml/iq4_nl.py); IQ4_XS 256-element super-blocks whose 32-element sub-blocks
+(`sub_block`) scale by `d * (ls - 32)`, ls a 6-bit code (kernels/ggml/iq4_xs.py); IQ3_S the same super-blocks whose
+groups of 4 values index a 512-point lattice, signs apart, under `d * (1 + 2*s)` (kernels/ggml/iq3_s.py; `bits` 3
 is the lattice's per coordinate, the type takes 3.44 bits per weight); IQ2_S groups of 8 on a 1024-point lattice
 of 2-bit coordinates under 16-block scales, IQ2_XS on a 512-point one, IQ2_XXS on a 256-point one under 32-block
-scales (kernels/iq2.py), IQ3_XXS groups of 4 on a 256-point lattice (kernels/iq3_s.py). They are writable targets
+scales (kernels/ggml/iq2.py), IQ3_XXS groups of 4 on a 256-point lattice (kernels/ggml/iq3_s.py). They are writable targets
 (TARGET_LAYOUTS) but not in LAYOUTS, the table of grid types that readers decode into GridParams (a codebook
 block is not `d * (q - offset)`; the GGUF reader reads such tensors as dense float32 through gguf-py).
 """
@@ -87,9 +87,9 @@ K_TYPES = tuple(t.name for t in _TABLE if t.kind == "k")
 
 # nibbles indexing kvalues_iq4nl (ggml-common.h): IQ4_NL 32-blocks of fp16 d + 16 bytes of codes; IQ4_XS
 # 256-element super-blocks of fp16 d, eight 6-bit sub-block scales (scales_h, scales_l) and 128 bytes of codes.
-# Lattice codebooks (kernels/iq_lattice.py): IQ3_S 256-element super-blocks of fp16 d, a 9-bit grid index per
-# group of 4 (qs, qh), a sign bit per value and a 4-bit scale per 32-block (block_iq3_s, kernels/iq3_s.py); IQ2_S
-# the same with a 10-bit index per group of 8 and a 4-bit scale per 16-block (block_iq2_s, kernels/iq2.py); IQ2_XS
+# Lattice codebooks (kernels/ggml/iq_lattice.py): IQ3_S 256-element super-blocks of fp16 d, a 9-bit grid index per
+# group of 4 (qs, qh), a sign bit per value and a 4-bit scale per 32-block (block_iq3_s, kernels/ggml/iq3_s.py); IQ2_S
+# the same with a 10-bit index per group of 8 and a 4-bit scale per 16-block (block_iq2_s, kernels/ggml/iq2.py); IQ2_XS
 # a uint16 per group of 8 (9-bit index, 7 sign bits: even parity) and 4-bit scales of 16-blocks (block_iq2_xs);
 # IQ3_XXS an 8-bit index per group of 4 and a uint32 of signs and 4-bit scale per 32-block (block_iq3_xxs); IQ2_XXS
 # per 32-block a uint32 of four 8-bit indices (groups of 8) and one of four 7-bit signs and the scale (block_iq2_xxs)

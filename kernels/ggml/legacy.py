@@ -7,7 +7,7 @@ Three operations per type, all on [rows, n] tensors with n a multiple of 32:
   the same signed-max choice, the same truncation after `+ 8.5` and the same fp32 inverse scale.
 - `decode_blocks(layout, data)`: bytes -> float32, the same arithmetic as gguf-py's dequantize.
 - `quantize_pack(layout, x)`: quantize_blocks + pack_blocks in one: ggml's reference quantizers in C
-  (kernels/kquant_c.c) where a C compiler built them; otherwise, for Q4_0 and Q8_0 on large tensors, the
+  (kernels/ggml/kquant_c.c) where a C compiler built them; otherwise, for Q4_0 and Q8_0 on large tensors, the
   element-wise passes run as one fused torch.compile kernel (see _fused below), else the eager codec.
 """
 
@@ -270,9 +270,9 @@ def quantize_pack(lay: BlockLayout, x: torch.Tensor, fused: bool | None = None, 
                   ) -> torch.Tensor:
     """float32 [rows, n] -> uint8 [rows, n/32*nbytes]: pack_blocks(quantize_blocks(x)), byte for byte.
 
-    Which path: the Triton twin (kernels/triton_quant.py) when Triton is chosen (kernels/triton_route.py); else,
+    Which path: the Triton twin (kernels/triton/quant.py) when Triton is chosen (kernels/triton/route.py); else,
     by default, the fused torch.compile kernel for Q8_0 on large tensors (QCONVERT_COMPILE != 0: its 2 threads
-    measured 2.5 GB/s, the C twin 1.0-1.5), ggml's reference quantizers in C (kernels/kquant_c.c) for the rest where
+    measured 2.5 GB/s, the C twin 1.0-1.5), ggml's reference quantizers in C (kernels/ggml/kquant_c.c) for the rest where
     they are built (Q4_0 1.5-1.9 GB/s, at or above the fused kernel, without its compilation; Q4_1 / Q5_0 / Q5_1
     about 10x the eager codec), else the fused kernel for large Q4_0, else the eager torch codec. `fused` or `c`
     given: that path. All give the same bytes."""

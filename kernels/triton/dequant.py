@@ -22,7 +22,7 @@ the same order as the torch / numpy path, so the same bits):
   the "post" global scale when there is one;
 - `dequantize_two_step_triton`: bitsandbytes LLM.int8, ((q - z) * a) * c;
 - `decode_legacy_triton` / `decode_k_triton`: GGUF Q4_0..Q8_0 and Q2_K..Q6_K block bytes -> float32, the
-  expressions of kernels/ggml_legacy.decode_blocks and kernels/kquants.dequantize_q*_K.
+  expressions of kernels/ggml/legacy.decode_blocks and kernels/kquants.dequantize_q*_K.
 The GPTQ words kernel reads 3-bit words too (codes 10 and 21 of every 32 straddle two words).
 And the unpacking a reader does before a grid exists: `unpack_hqq_triton` (HQQ's 8/4/3/2/1-bit slabs) and
 `qqq_codes_triton` (QQQ's Marlin tiles, with the grouped mode's int8 rounding and clamp), and

@@ -1,7 +1,7 @@
 """Triton twins of ggml's K-quant quantizers (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), with and without an importance
-matrix, byte for byte with the CPU path (kernels/kquants.py, itself ggml's quantize_row_q*_K_ref and
+matrix, byte for byte with the CPU path (kernels/ggml/kquants.py, itself ggml's quantize_row_q*_K_ref and
 quantize_row_q*_K_impl reimplemented). The algorithms are ggml's, reimplemented from their description in
-kernels/kquants.py: the same float32 operations in the same order, the same candidate order and tie rules.
+kernels/ggml/kquants.py: the same float32 operations in the same order, the same candidate order and tie rules.
 
 A tensor goes through four launches:
 
@@ -15,7 +15,7 @@ A tensor goes through four launches:
    writes the block header bytes and each sub-block's decoded d*sc (and dmin*m);
 3. the requantization of every value under those decoded scales (nearest_int((x + dm)/d), clamped), keeping the
    search's L where d*sc is 0, as C's `if (!d) continue` does;
-4. the packing of the codes into the block layout (kernels/kquants.py's byte layouts, ggml's block_q*_K).
+4. the packing of the codes into the block layout (kernels/ggml/kquants.py's byte layouts, ggml's block_q*_K).
 
 Exactness on a GPU: every division is `tl.div_rn` and every square root `tl.sqrt_rn` (Triton's plain `/` and
 `tl.sqrt` are approximate on NVIDIA GPUs), launches pass enable_fp_fusion=False (no a*b+c contracted into an

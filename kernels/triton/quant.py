@@ -1,5 +1,5 @@
 """Triton twins of ggml's legacy block quantizers (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and of the lossless repacks
-into those blocks, byte for byte with the CPU path (kernels/ggml_legacy.py, which is ggml's
+into those blocks, byte for byte with the CPU path (kernels/ggml/legacy.py, which is ggml's
 quantize_row_q*_ref).
 
 Every float32 operation of the C reference is one Triton operation here, in the same order: divisions are

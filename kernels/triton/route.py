@@ -21,7 +21,7 @@ from ..dispatch import compute_device, current_trace, note_kernel, triton_device
 __all__ = ["dequantize_routed", "hqq_unpack", "qqq_codes", "bitstream", "legacy_quantize", "legacy_repack",
            "legacy_decode", "gptq_q4_0_repack", "k_quantize", "k_decode", "TRITON_K_TYPES", "TRITON_K_IMATRIX_TYPES"]
 
-# the K types whose quantizer has a Triton twin (kernels/triton_kquant.py), without / with an importance matrix
+# the K types whose quantizer has a Triton twin (kernels/triton/kquant.py), without / with an importance matrix
 TRITON_K_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
 TRITON_K_IMATRIX_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
 
