@@ -49,7 +49,7 @@ from ...converters.records import Grid, GridParams, PackedCodes, TensorRecord
 from ...converters.validate import ConfigView
 from ...kernels.triton import route as triton_route
 from ...kernels.bitpack import SUPPORTED_PACK_BITS, unpack_rows
-from ..common.quant_config import config_bits
+from ..common.quant_config import config_bits, read_config
 from ...converters.model_shapes import ModelShapes
 from ..common.checkpoint import CheckpointDir, CheckpointSource, quantization_config_of, read_json
 
@@ -182,9 +182,9 @@ class AutoRoundSource(CheckpointSource):
     def __init__(self, path: Path):
         self.path = Path(path)
         self.ckpt = CheckpointDir(self.path)
-        cfg = read_json(self.path / "config.json")
-        self.quant_config, self.qc_file = _quant_config(self.path, cfg)
-        self.config = {k: v for k, v in cfg.items() if k != "quantization_config"}
+        conf = read_config(self.path)
+        self.quant_config, self.qc_file = _quant_config(self.path, conf.raw)
+        self.config = conf.model
         self.shapes = ModelShapes(self.config, self.path / "config.json")
         self.packing_format, self.layout, self.zero_convention = _packing(self.quant_config, self.qc_file)
         view = ConfigView(self.quant_config, self.qc_file, "quantization_config.")

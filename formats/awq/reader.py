@@ -29,8 +29,9 @@ from ...converters.errors import BadInput
 from ...converters.records import Grid, GridParams, TensorRecord
 from ...converters.validate import ConfigView
 from ...converters.model_shapes import ModelShapes
-from ..common.checkpoint import CheckpointDir, CheckpointSource, quantization_config_of, read_json
+from ..common.checkpoint import CheckpointDir, CheckpointSource, quantization_config_of
 from .layout import PACK_FACTOR, gemv_zeros_width, unpack_codes, unpack_stream, words_per_row
+from ..common.quant_config import CheckpointConfig, read_config
 
 __all__ = ["AwqSource", "open_awq", "is_awq", "READ_VERSIONS", "KNOWN_VERSIONS"]
 
@@ -48,18 +49,14 @@ def is_awq(qc: object) -> bool:
     return isinstance(qc, dict) and str(qc.get("quant_method", qc.get("method", ""))).lower() == "awq"
 
 
-def _quant_config(path: Path, config: dict) -> ConfigView:
+def _quant_config(conf: CheckpointConfig) -> ConfigView:
     """config.json's quantization_config, else quantize_config.json (as gptqmodel reads it)."""
-    where = path / "config.json"
-    qc = ConfigView(config, where).view("quantization_config", default=None)
-    if (qc is None or not qc.data) and (path / "quantize_config.json").exists():
-        where = path / "quantize_config.json"
-        qc = ConfigView(read_json(where), where)
+    qc = conf.quantization(fallback="quantize_config.json")
     if qc is None or not qc.data:
-        raise BadInput("no quantization_config in config.json and no quantize_config.json", path=path / "config.json")
+        raise BadInput("no quantization_config in config.json and no quantize_config.json", path=conf.path)
     method = qc.get("quant_method", qc.get("method"))
     if not isinstance(method, str) or method.lower() != "awq":
-        raise BadInput(f"{qc.prefix}quant_method is {method!r}, not awq", path=where)
+        raise BadInput(f"{qc.prefix}quant_method is {method!r}, not awq", path=qc.path)
     return qc
 
 
@@ -80,10 +77,10 @@ class AwqSource(CheckpointSource):
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        cfg = read_json(self.path / "config.json")
-        qc = _quant_config(self.path, cfg)
+        conf = read_config(self.path)
+        qc = _quant_config(conf)
         self.quant_config = qc.data
-        self.config = {k: v for k, v in cfg.items() if k != "quantization_config"}
+        self.config = conf.model
         self.bits = self._bits(qc)
         self.group_size = self._group_size(qc)
         self.version = self._version(qc)

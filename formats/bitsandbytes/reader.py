@@ -36,7 +36,8 @@ from ...converters.errors import BadInput
 from ...converters.records import Grid, GridParams, TensorRecord, codebook_name, register_codebook
 from ...kernels.triton import route as triton_route
 from ...converters.model_shapes import ModelShapes
-from ..common.checkpoint import CheckpointDir, CheckpointSource, quantization_config_of, read_json
+from ..common.checkpoint import CheckpointDir, CheckpointSource, quantization_config_of
+from ..common.quant_config import read_config
 
 __all__ = ["BnbSource", "open_bnb", "sniff_bnb", "unpack_4bit", "nested_absmax", "INT8_RECIPROCAL", "BNB_BLOCKSIZES"]
 
@@ -112,13 +113,13 @@ class BnbSource(CheckpointSource):
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        cfg = read_json(self.path / "config.json")
-        qc = cfg.get("quantization_config")
+        conf = read_config(self.path)
+        qc = conf.raw.get("quantization_config")
         if not isinstance(qc, dict) or str(qc.get("quant_method", "")).lower() != "bitsandbytes":
             raise BadInput("config.json's quantization_config is not quant_method \"bitsandbytes\"",
                            path=self.path / "config.json")
         self.quant_config = qc
-        self.config = {k: v for k, v in cfg.items() if k != "quantization_config"}
+        self.config = conf.model
         self.ckpt = CheckpointDir(self.path)
         self.shapes = ModelShapes(self.config, self.path / "config.json")
         self.modules4, self.modules8 = self._group()

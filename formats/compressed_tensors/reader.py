@@ -27,12 +27,12 @@ import torch
 
 from ...converters.errors import BadInput
 from ...converters.records import Grid, GridParams, TensorRecord
-from ...converters.validate import ConfigView
 from ...converters.model_shapes import ModelShapes
-from ..common.checkpoint import CheckpointDir, CheckpointSource, read_json
+from ..common.checkpoint import CheckpointDir, CheckpointSource
 from ...kernels.floatq import element_table, unpack_fp4
 from ..common.float_grids import RuntimeScales
 from .schemes import FLOAT_FORMATS, FP4_FORMATS, INT_FORMATS, QuantArgs, parse_rules, unpack_dense
+from ..common.quant_config import CheckpointConfig, read_config
 
 __all__ = ["CtSource", "open_ct", "WEIGHT_PARTS"]
 
@@ -44,9 +44,9 @@ _RUNTIME_PARTS = ("input_scale", "input_zero_point", "input_global_scale", "outp
 _SCALE_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
 
-def _quant_config(path: Path, cfg: dict) -> dict:
-    where = path / "config.json"
-    qc = ConfigView(cfg, where).view("quantization_config", default=None)
+def _quant_config(conf: CheckpointConfig) -> dict:
+    where = conf.path
+    qc = conf.quantization()
     if qc is None or not qc.data:
         raise BadInput("no quantization_config in config.json", path=where)
     method = qc.str("quant_method", default="")
@@ -72,9 +72,9 @@ class CtSource(RuntimeScales, CheckpointSource):
     def __init__(self, path: Path):
         self.path = Path(path)
         self.ckpt = CheckpointDir(self.path)
-        cfg = read_json(self.path / "config.json")
-        self.quant_config = _quant_config(self.path, cfg)
-        self.config = {k: v for k, v in cfg.items() if k != "quantization_config"}
+        conf = read_config(self.path)
+        self.quant_config = _quant_config(conf)
+        self.config = conf.model
         self.shapes = ModelShapes(self.config, self.path / "config.json")
         self.rules, self.global_format = parse_rules(self.quant_config, self.path / "config.json")
         self.modules = self._modules()

@@ -27,7 +27,8 @@ from ...converters.records import Grid
 from ...converters.validate import ConfigView
 from ..common.float_grids import FloatModuleSource, block_grid_shape, expand_block_rows, float_grid, fp8_element
 from ...converters.model_shapes import ModelShapes
-from ..common.checkpoint import CheckpointDir, quantization_config_of, read_json
+from ..common.checkpoint import CheckpointDir, quantization_config_of
+from ..common.quant_config import read_config
 
 __all__ = ["Fp8Source", "open_fp8", "sniff_fp8", "METHODS"]
 
@@ -52,9 +53,9 @@ class Fp8Source(FloatModuleSource):
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        where = self.path / "config.json"
-        cfg = read_json(where)
-        qc = ConfigView(cfg, where).view("quantization_config", default=None)
+        conf = read_config(self.path)
+        where = conf.path
+        qc = conf.quantization()
         if qc is None or not qc.data:
             raise BadInput("no quantization_config in config.json", path=where)
         self.method = str(qc.get("quant_method", "")).lower()
@@ -62,7 +63,7 @@ class Fp8Source(FloatModuleSource):
             raise BadInput(f"{qc.prefix}quant_method is {qc.get('quant_method')!r}, not one of {', '.join(METHODS)}",
                            path=where)
         self.quant_config = qc.data
-        self.config = {k: v for k, v in cfg.items() if k != "quantization_config"}
+        self.config = conf.model
         self.block = self._block(qc) if self.method == "fp8" else None
         fmt = qc.get("fmt", "e4m3")
         if self.method == "fp8" and fmt != "e4m3":

@@ -29,10 +29,10 @@ from ...converters.validate import ConfigView
 from ...kernels.bitpack import SUPPORTED_PACK_BITS, chunk_geometry
 from ...kernels.hadamard import UnsupportedHadamard, fold_online_hadamard, require_foldable
 from ...converters.model_shapes import ModelShapes
-from ..common.checkpoint import CheckpointDir, CheckpointSource, quantization_config_of, read_json
+from ..common.checkpoint import CheckpointDir, CheckpointSource, quantization_config_of
 from .layout import decode_zeros
 from .schemes import ModuleScheme
-from ..common.quant_config import config_bits
+from ..common.quant_config import CheckpointConfig, config_bits, read_config
 
 
 _PARTS = ("qweight", "qzeros", "scales", "g_idx")
@@ -41,23 +41,18 @@ _PART_DTYPES = {"qweight": {"I32": "int32"}, "qzeros": {"I32": "int32"},
                 "g_idx": {"I32": "int32", "I64": "int64"}}
 
 
-def _quant_config(path: Path, config: dict) -> tuple[dict, Path, str]:
+def _quant_config(conf: CheckpointConfig) -> tuple[dict, Path, str]:
     """The quantization config (config.json's `quantization_config`, else quantize_config.json), the file
     it came from and the prefix naming its keys there."""
-    where = path / "config.json"
-    qc = ConfigView(config, where).view("quantization_config", default=None)
-    prefix = "quantization_config."
-    qfile = path / "quantize_config.json"
-    if (qc is None or not qc.data) and qfile.exists():
-        qc, where, prefix = ConfigView(read_json(qfile), qfile), qfile, ""
+    qc = conf.quantization(fallback="quantize_config.json")
     if qc is None or not qc.data:
-        raise BadInput("no quantization_config in config.json and no quantize_config.json", path=path / "config.json")
+        raise BadInput("no quantization_config in config.json and no quantize_config.json", path=conf.path)
     method = qc.str("quant_method", default=None)
     if method is None:
         method = qc.str("method", default="gptq")
     if method.lower() != "gptq":
-        raise BadInput(f"quant_method is {method!r}, not gptq", path=where)
-    return qc.data, where, prefix
+        raise BadInput(f"quant_method is {method!r}, not gptq", path=qc.path)
+    return qc.data, qc.path, qc.prefix
 
 
 def _zero_convention(qc: dict, where: Path | None = None, prefix: str = "") -> str:
@@ -138,9 +133,9 @@ class GptqSource(CheckpointSource):
     def __init__(self, path: Path, expect: str | None = None):
         self.path = Path(path)
         self.ckpt = CheckpointDir(self.path)
-        cfg = read_json(self.path / "config.json")
-        self.quant_config, qc_file, qc_prefix = _quant_config(self.path, cfg)
-        self.config = {k: v for k, v in cfg.items() if k != "quantization_config"}
+        conf = read_config(self.path)
+        self.quant_config, qc_file, qc_prefix = _quant_config(conf)
+        self.config = conf.model
         self.shapes = ModelShapes(self.config, self.path / "config.json")
         self.convention = _zero_convention(self.quant_config, qc_file, qc_prefix)
         self.format_name = "gptq-v2" if self.convention == "v2" else "gptq"

@@ -12,8 +12,9 @@ from typing import Iterator
 from ...converters.errors import BadInput
 from ...converters.records import TensorRecord
 from ...converters.model_shapes import ModelShapes
-from ..common.checkpoint import CheckpointDir, CheckpointSource, read_json
+from ..common.checkpoint import CheckpointDir, CheckpointSource
 from ..common.checkpoint import quantization_config_of
+from ..common.quant_config import read_config
 
 
 class HfSource(CheckpointSource):
@@ -21,8 +22,8 @@ class HfSource(CheckpointSource):
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        cfg = read_json(self.path / "config.json")
-        qc = cfg.get("quantization_config")
+        conf = read_config(self.path)
+        cfg, qc = conf.raw, conf.raw.get("quantization_config")
         if qc:
             raise BadInput(_quantized_hint(self.path, qc), path=self.path / "config.json")
         self.config = cfg

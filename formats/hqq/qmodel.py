@@ -18,10 +18,10 @@ from ...converters.errors import BadInput
 from ...converters.records import Dense, Grid, TensorRecord
 from ...converters.model_shapes import ModelShapes
 from ..common.safetensors_header import safetensors_tag
-from ..common.checkpoint import read_json
 from .layer import HqqLayer, QMODEL, DENSE_DTYPES, LayerDecoder, check_bias, check_codes, grid_record, unpacked_grid
 from .folder import check_complete, describe_checkpoint, quantization_config, folder_side_files
 from ...converters.records import ModelSource
+from ..common.quant_config import read_config
 
 
 # --------------------------------------------------------------------------------------------------
@@ -207,9 +207,9 @@ class HqqPickleSource(ModelSource):
         path = Path(path)
         self.path = path.parent if path.is_file() else path
         self.file = path if path.is_file() else path / QMODEL
-        cfg = read_json(self.path / "config.json")
-        self.quant_config = quantization_config(cfg, self.path / "config.json")
-        self.config = {k: v for k, v in cfg.items() if k != "quantization_config"}
+        conf = read_config(self.path)
+        self.quant_config = quantization_config(conf.raw, conf.path)
+        self.config = conf.model
         self.weights = load_qmodel(self.file)
         self.legacy = any("meta" in v for v in self.weights.values() if "W_q" in v)
         self._layers: dict[str, HqqLayer] = {}

@@ -17,6 +17,7 @@ from .layer import (HqqLayer, LAYER_KEYS, QMODEL, HQQ_ONLY_KEYS, LayerDecoder, R
 from .qmodel import HqqPickleSource
 from .folder import check_complete, describe_checkpoint, quantization_config
 from .layer import ShapeOnly
+from ..common.quant_config import read_config
 
 
 # --------------------------------------------------------------------------------------------------
@@ -31,12 +32,12 @@ class HqqSafetensorsSource(CheckpointSource):
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        cfg = read_json(self.path / "config.json")
-        self.quant_config = quantization_config(cfg, self.path / "config.json")
+        conf = read_config(self.path)
+        self.quant_config = quantization_config(conf.raw, conf.path)
         if self.quant_config and str(self.quant_config.get("quant_method", "")).lower() != "hqq":
             raise BadInput(f"quant_method is {self.quant_config.get('quant_method')!r}, not hqq",
                            path=self.path / "config.json")
-        self.config = {k: v for k, v in cfg.items() if k != "quantization_config"}
+        self.config = conf.model
         self.ckpt = CheckpointDir(self.path)
         self.modules: dict[str, dict[str, str]] = {}
         for name in self.ckpt.location:

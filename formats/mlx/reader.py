@@ -25,6 +25,7 @@ from ...converters.validate import ConfigView
 from ...converters.model_shapes import ModelShapes
 from ..common.checkpoint import CheckpointDir, CheckpointSource, read_json
 from .packing import MLX_BITS, MLX_GROUPS, unpack_mlx
+from ..common.quant_config import read_config
 
 __all__ = ["MlxSource", "open_mlx", "looks_like_mlx"]
 
@@ -78,10 +79,10 @@ class MlxSource(CheckpointSource):
     def __init__(self, path: Path):
         self.path = Path(path)
         self.ckpt = CheckpointDir(self.path)
-        where = self.path / "config.json"
-        cfg = read_json(where)
-        self.quant_config = _quantization(cfg, where)
-        self.config = {k: v for k, v in cfg.items() if k not in ("quantization", "quantization_config")}
+        conf = read_config(self.path, quant_keys=("quantization", "quantization_config"))
+        where = conf.path
+        self.quant_config = _quantization(conf.raw, where)
+        self.config = conf.model
         self.shapes = ModelShapes(self.config, where)
         self.base = _module_fields(self.quant_config, where, "quantization", None)
         self.modules = {prefix: parts for prefix, parts in self.ckpt.group_modules(_PARTS, primary="weight").items()

@@ -32,6 +32,7 @@ from ...kernels.floatq import unpack_fp4
 from ..common.float_grids import FloatModuleSource, float_grid, fp8_element
 from ...converters.model_shapes import ModelShapes
 from ..common.checkpoint import CheckpointDir, quantization_config_of, read_json
+from ..common.quant_config import read_config
 
 __all__ = ["ModelOptSource", "open_modelopt", "sniff_modelopt", "ALGOS"]
 
@@ -70,7 +71,7 @@ class ModelOptSource(FloatModuleSource):
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        cfg = read_json(self.path / "config.json")
+        conf = read_config(self.path)
         found = _producer_config(self.path)
         if found is None:
             raise BadInput("no ModelOpt quantization config (hf_quant_config.json with producer modelopt, or "
@@ -82,7 +83,7 @@ class ModelOptSource(FloatModuleSource):
             raise BadInput(f"quant_algo {qv.get('quant_algo')!r} is not read (qconvert reads ModelOpt's "
                            f"{', '.join(ALGOS)} weights)", path=where)
         self.quant_config = data
-        self.config = {k: v for k, v in cfg.items() if k != "quantization_config"}
+        self.config = conf.model
         self.shapes = ModelShapes(self.config, self.path / "config.json")
         self.ckpt = CheckpointDir(self.path)
         self.modules = {}

@@ -25,10 +25,10 @@ import torch
 
 from ...converters.errors import BadInput
 from ...converters.records import Grid, TensorRecord
-from ...converters.validate import ConfigView
 from ...kernels.floatq import unpack_fp4
 from ..common.float_grids import float_grid
-from ..common.checkpoint import CheckpointDir, CheckpointSource, quantization_config_of, read_json
+from ..common.checkpoint import CheckpointDir, CheckpointSource, quantization_config_of
+from ..common.quant_config import read_config
 
 __all__ = ["Mxfp4Source", "open_mxfp4", "sniff_mxfp4"]
 
@@ -47,13 +47,13 @@ class Mxfp4Source(CheckpointSource):
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        where = self.path / "config.json"
-        cfg = read_json(where)
-        qc = ConfigView(cfg, where).view("quantization_config", default=None)
+        conf = read_config(self.path)
+        where = conf.path
+        qc = conf.quantization()
         if qc is None or str(qc.get("quant_method", "")).lower() != "mxfp4":
             raise BadInput("quantization_config.quant_method is not 'mxfp4'", path=where)
         self.quant_config = qc.data
-        self.config = {k: v for k, v in cfg.items() if k != "quantization_config"}
+        self.config = conf.model
         self.ckpt = CheckpointDir(self.path)
         self.stacks: dict[str, tuple[str, str]] = {}  # blocks name -> (head, what)
         for name in self.ckpt.location:

@@ -45,9 +45,9 @@ from ...converters.errors import BadInput
 from ...converters.records import Grid, GridParams, NativeForm, TensorRecord
 from ...converters.validate import ConfigView
 from ...kernels.qqq_perm import CHANNEL_SCALE_PERM, GROUP_SCALE_PERM, check_qqq_dims, qqq_codes, unpermute_chunks
-from ..common.quant_config import config_bits
+from ..common.quant_config import config_bits, read_config
 from ...converters.model_shapes import ModelShapes
-from ..common.checkpoint import CheckpointDir, CheckpointSource, quantization_config_of, read_json
+from ..common.checkpoint import CheckpointDir, CheckpointSource, quantization_config_of
 from .layout import MODULE_PARTS, SUPPORTED_GROUPS, layout_mode, qqq_runtime_grid, runtime_channel_scale
 
 
@@ -78,17 +78,14 @@ class QqqSource(CheckpointSource):
     def __init__(self, path: Path):
         self.path = Path(path)
         self.ckpt = CheckpointDir(self.path)
-        cfg = read_json(self.path / "config.json")
-        where, prefix = self.path / "config.json", "quantization_config."
-        qc = ConfigView(cfg, where).view("quantization_config", default=None)
-        if (qc is None or not qc.data) and (self.path / "quantize_config.json").exists():
-            where, prefix = self.path / "quantize_config.json", ""
-            qc = ConfigView(read_json(where), where)
-        qc = qc.data if qc is not None else {}
+        conf = read_config(self.path)
+        view = conf.quantization(fallback="quantize_config.json")
+        where, prefix = (view.path, view.prefix) if view is not None else (conf.path, "quantization_config.")
+        qc = view.data if view is not None else {}
         if _method(qc) != "qqq":
             raise BadInput(f"quant_method is {_method(qc) or 'missing'!r}, not qqq", path=where)
         self.quant_config = qc
-        self.config = {k: v for k, v in cfg.items() if k != "quantization_config"}
+        self.config = conf.model
         self.shapes = ModelShapes(self.config, self.path / "config.json")
         view = ConfigView(qc, where, prefix)
         bits_key = _synonym(qc, "bits", "wbits")
