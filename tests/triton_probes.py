@@ -227,7 +227,7 @@ def probe_kernels() -> dict:
     from qconvert.formats.bitsandbytes.reader import unpack_4bit
     from qconvert.formats.compressed_tensors.schemes import unpack_dense
     from qconvert.formats.mlx.packing import unpack_mlx
-    from qconvert.formats.uqff.layout import unpack_afq
+    from qconvert.formats.uqff.codecs.afq import unpack_afq
     from qconvert.kernels.floatq import unpack_fp4
 
     def words32(rows, n):

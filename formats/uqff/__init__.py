@@ -2,8 +2,10 @@
 safetensors shards holding self-describing quantized layers, `residual.safetensors` for every other
 tensor, and the model's config and tokenizer files. mistral.rs loads it with `from_uqff`.
 
-Layouts and codecs: layout.py; reading: reader.py; writing: writer.py (the layouts are mistral.rs 0.9.5's:
-mistralrs-quant/src/uqff/ for the container, mistralrs-quant/src/<family>/mod.rs for each layer type).
+The shared facts (tags, versions, the writable types): layout.py; one codec per layer tag, reading and
+writing that tag's layers: codecs/; the container (shard sets, residual tensors, stacked experts, the record
+stream): reader.py; planning and the output's shards: writer.py. The layouts are mistral.rs 0.9.5's:
+mistralrs-quant/src/uqff/ for the container, mistralrs-quant/src/<family>/mod.rs for each layer type.
 """
 
 from pathlib import Path

@@ -1,20 +1,19 @@
-"""UQFF reader: a mistral.rs model directory (`<stem>-N.uqff` shards + residual.safetensors + config and
-tokenizer files) as tensor records.
+"""UQFF reader, the container: a mistral.rs model directory (`<stem>-N.uqff` shards + residual.safetensors +
+config and tokenizer files) as tensor records.
 
 Every shard is a safetensors file; all shards of a set share one namespace (a layer's sub-tensors may sit
 in different shards). The version tensors `uqff.version.{major,minor,patch}` (U32 scalars, in some shard)
 decide whether we can read it: major 1, minor up to READER_MINOR. Layers become records named
-`<key>.weight`: GGUF blocks as `Grid`s carrying their bytes (`PackedCodes(layout="ggml:<TYPE>")`, so a GGUF
-or UQFF writer of the same type copies blocks), HQQ as axis-0 grids, AFQ as min-form grids (or integer
-zero points when the biases provably sit on the integer grid), FP8 / F8Q8 / MXFP4 / Unquant as `Dense`
-float tensors decoded as mistral.rs decodes them. `<key>.bias` and the residual tensors are `Dense`.
-Shards are opened lazily and one layer is read at a time.
+`<key>.weight`, each described and loaded by the codec of its `weight.format` tag (codecs/: GGUF blocks as
+grids carrying their bytes, HQQ as axis-0 grids, AFQ as min-form grids, FP8 / MXFP4 as float grids, F8Q8 /
+Unquant as dense floats), which reads the layer through a `LayerView`; the container knows no tag's layout.
+`<key>.bias` and the residual tensors are `Dense`. Shards are opened lazily and one layer is read at a time.
 
 Stacked experts (`<block>.experts.{gate,up,down}_proj`, weight `[E, out, in]`, formats/uqff/moe.py) are read
 as E per-expert 2-D layers under the names transformers saves (`<block>.experts.<e>.gate_proj.weight`,
 Mixtral's `experts.<e>.w1.weight`): each expert's tensors are views of the stacked ones (its slab of the
-stacked weight and metadata, the shared scalars as they are), so every family's decoding runs unchanged on
-them; the stacked layer being read is kept in memory until the next one is asked for.
+stacked weight and metadata, the shared scalars as they are), so every codec runs unchanged on them; the
+stacked layer being read is kept in memory until the next one is asked for.
 """
 
 from __future__ import annotations
@@ -26,26 +25,18 @@ from typing import Iterator
 import torch
 
 from ...converters.errors import BadInput
-from ...converters.records import Dense, Grid, GridParams, PackedCodes, TensorRecord
-from ...kernels.ggml.kblocks import K_ZERO_POINT, unpack_k_blocks
-from ...kernels.floatq import element_table, unpack_fp4
-from ...kernels.ggml.layouts import LAYOUTS
-from ...kernels.ggml.legacy import unpack_blocks
-from ...kernels.hqq import axis0_expand
 from ...converters.model_shapes import ModelShapes, layer_index
+from ...converters.records import Dense, Grid, ModelSource, TensorRecord
 from ..common.checkpoint import SIDE_FILES, read_json
 from ..common.safetensors_header import Descriptors, read_header, read_tensor
+from .codecs import LayerDescription, codec
+from .layout import FAMILY_OF_TAG, MAJOR, READER_MINOR
 from .moe import STACKABLE_FAMILIES, canonical_expert_name, expected_shape, layer_weights, moe_model
-from .layout import (AFQ_BITS, AFQ_GROUPS, EXTRA_BLOCKS, FAMILY_OF_TAG, FP8_DTYPE_CODE, GGML_NAME_OF_ID, MAJOR,
-                     READER_MINOR, decode_f8q8, decode_q8_1, decode_q8_k, hqq_halves_unpack,
-                     unpack_afq)
-from ...converters.records import ModelSource
 
-__all__ = ["UqffSource", "open_uqff", "shard_set", "is_uqff_file"]
+__all__ = ["UqffSource", "LayerView", "open_uqff", "shard_set", "is_uqff_file"]
 
 _SHARD_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d+)\.uqff$")
 _VERSION_KEYS = ("uqff.version.major", "uqff.version.minor", "uqff.version.patch")
-_TORCH_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def is_uqff_file(path: Path) -> bool:
@@ -239,11 +230,7 @@ def _view_shape(how: str, shape: list[int], experts: int) -> list[int]:
     return [shape[0] - 1]
 
 
-_INT_TAGS = ("U8", "U16", "U32", "I8", "I16", "I32", "I64")
-_FLOAT_TAGS = ("F32", "F16", "BF16", "F64")
-_MAX_DIM = 1 << 24
 _MAX_EXPERTS = 1 << 14  # released MoE models have up to a few hundred experts per layer
-_FP8_MAX_SCALE = 65504.0 / 448.0
 _NUMBERED = re.compile(r"^model-\d+-of-\d+\.safetensors$")
 _PICKLED = re.compile(r"^pytorch_model.*\.(bin|pt|pth)$")
 # model types whose every layer has these tensors (transformers' Llama, Mistral, Qwen2, Qwen3): for them a
@@ -255,11 +242,82 @@ _PER_LAYER = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
               "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
-def _numel(shape) -> int:
-    total = 1
-    for d in shape:
-        total *= int(d)
-    return total
+# -- one layer, as its codec reads it -------------------------------------------------------------------
+_INT_TAGS = ("U8", "U16", "U32", "I8", "I16", "I32", "I64")
+_FLOAT_TAGS = ("F32", "F16", "BF16", "F64")
+_MAX_DIM = 1 << 24
+
+
+class LayerView:
+    """One UQFF layer `<key>` of a shard set, what a codec (codecs/) reads it through: its tensors by suffix
+    (`parts`: "weight", "weight.format", ... -> the tensor's name in the set, or an expert's view of a stacked
+    one), their headers and values, the shared metadata scalars checked before any use, and `bad(...)`. Every
+    refusal names a file of the set and the tensor concerned, so a codec never needs the whole source."""
+
+    def __init__(self, shards: _Shards, key: str, parts: dict[str, str]):
+        self.shards, self.key, self.parts = shards, key, parts
+
+    def __contains__(self, suffix: str) -> bool:
+        return suffix in self.parts
+
+    def bad(self, msg: str, suffix: str = "weight") -> BadInput:
+        """A refusal of the layer's tensor `<key>.<suffix>`, naming the shard that holds its weight."""
+        return BadInput(msg, path=self.shards.location[self.parts["weight"]], tensor=f"{self.key}.{suffix}")
+
+    def _name(self, suffix: str) -> str:
+        if suffix not in self.parts:
+            raise BadInput(f"missing {suffix} for this layer", path=self.shards.location[self.parts["weight"]],
+                           tensor=f"{self.key}.{suffix}")
+        return self.parts[suffix]
+
+    def header(self, suffix: str) -> tuple[str, list[int]]:
+        """(dtype tag, shape) of a layer's tensor from the safetensors header, without reading it."""
+        return self.shards.meta(self._name(suffix))
+
+    def part(self, suffix: str) -> torch.Tensor:
+        return self.shards.get(self._name(suffix))
+
+    def _meta_scalar(self, suffix: str, tags, kind: str, what: str) -> tuple[str, torch.Tensor]:
+        """A layer's scalar (`[]` or `[1]`) metadata tensor of one of `tags`, checked from the header before
+        it is read: (its name, its value as a 0-d tensor)."""
+        name = self._name(suffix)
+        dtype, shape = self.shards.meta(name)
+        if dtype not in tags or len(shape) > 1 or (shape and shape[0] != 1):
+            raise BadInput(f"{what}: expected {kind} scalar, found {dtype} {shape[:4]}",
+                           path=self.shards.location[name], tensor=name)
+        return name, self.shards.get(name).reshape(())
+
+    def meta_int(self, suffix: str, allowed, what: str) -> int:
+        """An integer scalar metadata tensor, checked against `allowed` before any use."""
+        name, value = self._meta_scalar(suffix, _INT_TAGS, "an integer", what)
+        v = int(value.to(torch.int64))
+        if v not in allowed:
+            raise BadInput(f"{what} is {v}; expected {_show_allowed(allowed)}", path=self.shards.location[name],
+                           tensor=name)
+        return v
+
+    def meta_float(self, suffix: str, what: str) -> torch.Tensor:
+        name, v = self._meta_scalar(suffix, _FLOAT_TAGS, "a float", what)
+        if not bool(torch.isfinite(v)):
+            raise BadInput(f"{what} is not a finite number", path=self.shards.location[name], tensor=name)
+        return v
+
+    def family(self) -> str:
+        """The layer's family from its `weight.format` tag (layout.TAG), the name its codec registered."""
+        return FAMILY_OF_TAG[self.meta_int("weight.format", FAMILY_OF_TAG, "UQFF format tag")]
+
+    def shape(self) -> tuple[int, ...]:
+        """The 2-D shape a `weight.shape` tensor gives (GGUF blocks, HQQ, F8Q8)."""
+        dtype, dims = self.header("weight.shape")
+        if dtype not in _INT_TAGS or len(dims) != 1 or not 1 <= dims[0] <= 8:
+            raise self.bad(f"weight.shape must be a short integer vector, found {dtype} {dims[:4]}", "weight.shape")
+        shape = tuple(int(x) for x in self.part("weight.shape").to(torch.int64).tolist())
+        if any(not 1 <= x <= _MAX_DIM for x in shape):
+            raise self.bad(f"weight shape {list(shape)}: every size must be 1..{_MAX_DIM}", "weight.shape")
+        if len(shape) != 2:
+            raise self.bad(f"weight shape {list(shape)}: only 2-D layers and [E, out, in] stacked experts "
+                           "are supported", "weight.shape")
+        return shape
 
 
 def _show_allowed(allowed) -> str:
@@ -267,10 +325,6 @@ def _show_allowed(allowed) -> str:
         return f"{allowed.start}..{allowed.stop - 1}"
     values = sorted(allowed)
     return "one of " + ", ".join(map(str, values[:16])) + (" ..." if len(values) > 16 else "")
-
-
-def _torch_dtype_name(dtype: torch.dtype) -> str:
-    return _TORCH_NAME.get(dtype, str(dtype).replace("torch.", ""))
 
 
 class UqffSource(ModelSource):
@@ -325,7 +379,7 @@ class UqffSource(ModelSource):
         None for a 2-D one."""
         parts = self.layers[key]
         if "weight.shape" in parts and self.shards.meta(parts["weight.shape"])[1] == [3]:
-            return int(self._part(key, "weight.shape")[0])
+            return int(self.layer(key).part("weight.shape")[0])
         dims = self.shards.meta(parts["weight"])[1]
         return int(dims[0]) if len(dims) == 3 else None
 
@@ -338,18 +392,19 @@ class UqffSource(ModelSource):
             if experts is None:
                 expanded[key] = parts
                 continue
-            fam = self.family(key)
+            layer = self.layer(key)
+            fam = layer.family()
             m = _STACK_KEY.match(key)
             if not m:
-                raise self._bad(key, "a 3-D layer that is not a stacked experts projection "
-                                     "(<block>.experts.gate_proj / up_proj / down_proj)")
+                raise layer.bad("a 3-D layer that is not a stacked experts projection "
+                                "(<block>.experts.gate_proj / up_proj / down_proj)")
             if fam not in STACKABLE_FAMILIES:
-                raise self._bad(key, f"stacked experts stored as {fam}: mistral.rs loads stacked layers only as GGUF "
-                                     "blocks, AFQ or unquantized")
+                raise layer.bad(f"stacked experts stored as {fam}: mistral.rs loads stacked layers only as GGUF "
+                                "blocks, AFQ or unquantized")
             if not 1 <= experts <= _MAX_EXPERTS:
-                raise self._bad(key, f"{experts} stacked experts; expected 1..{_MAX_EXPERTS}", "weight.shape")
+                raise layer.bad(f"{experts} stacked experts; expected 1..{_MAX_EXPERTS}", "weight.shape")
             hf_proj = (moe.hf_names if moe is not None else {})
-            views = {suffix: self._view_kind(key, fam, suffix, real, experts) for suffix, real in parts.items()}
+            views = {suffix: self._view_kind(layer, fam, suffix, real, experts) for suffix, real in parts.items()}
             bias = self.biases.pop(key, None)
             for e in range(experts):
                 vkey = f"{m['block']}.experts.{e}.{hf_proj.get(m['proj'], m['proj'])}"
@@ -368,7 +423,7 @@ class UqffSource(ModelSource):
                     self.biases[vkey] = f"{vkey}.bias"
         self.layers = expanded
 
-    def _view_kind(self, key: str, fam: str, suffix: str, real: str, experts: int) -> str | None:
+    def _view_kind(self, layer: LayerView, fam: str, suffix: str, real: str, experts: int) -> str | None:
         dtype, shape = self.shards.meta(real)
         if suffix == "weight.shape":
             return "shape"
@@ -376,10 +431,10 @@ class UqffSource(ModelSource):
             return None
         if fam == "gguf" and suffix == "weight":
             if len(shape) != 1 or shape[0] % experts:
-                raise self._bad(key, f"stacked GGUF weight of shape {shape[:4]} is not {experts} experts' blocks")
+                raise layer.bad(f"stacked GGUF weight of shape {shape[:4]} is not {experts} experts' blocks")
             return "bytes"
         if shape[0] != experts:
-            raise self._bad(key, f"{suffix} of shape {shape[:4]} does not stack {experts} experts", suffix)
+            raise layer.bad(f"{suffix} of shape {shape[:4]} does not stack {experts} experts", suffix)
         return "stack"
 
     # -- container checks -------------------------------------------------------------------------------
@@ -473,277 +528,18 @@ class UqffSource(ModelSource):
             return self.residual.location[name] if name in self.residual.location else self.residual.shards[0]
         return self.residual.file_of(name) if name in self.residual.location else self.path
 
-    # -- per-layer metadata scalars -----------------------------------------------------------------------
-    def _meta_scalar(self, key: str, suffix: str, tags, kind: str, what: str) -> tuple[str, torch.Tensor]:
-        """A layer's scalar (`[]` or `[1]`) metadata tensor of one of `tags`, checked from the header before
-        it is read: (its name, its value as a 0-d tensor)."""
-        parts = self.layers[key]
-        if suffix not in parts:
-            raise BadInput(f"missing {suffix} for this layer", path=self.shards.location[parts["weight"]],
-                           tensor=f"{key}.{suffix}")
-        name = parts[suffix]
-        dtype, shape = self.shards.meta(name)
-        if dtype not in tags or len(shape) > 1 or (shape and shape[0] != 1):
-            raise BadInput(f"{what}: expected {kind} scalar, found {dtype} {shape[:4]}",
-                           path=self.shards.location[name], tensor=name)
-        return name, self.shards.get(name).reshape(())
+    # -- one layer, read by the codec of its tag ------------------------------------------------------
+    def layer(self, key: str) -> LayerView:
+        return LayerView(self.shards, key, self.layers[key])
 
-    def _meta_int(self, key: str, suffix: str, allowed, what: str) -> int:
-        """An integer scalar metadata tensor, checked against `allowed` before any use."""
-        name, value = self._meta_scalar(key, suffix, _INT_TAGS, "an integer", what)
-        v = int(value.to(torch.int64))
-        if v not in allowed:
-            raise BadInput(f"{what} is {v}; expected {_show_allowed(allowed)}", path=self.shards.location[name],
-                           tensor=name)
-        return v
-
-    def _meta_float(self, key: str, suffix: str, what: str) -> torch.Tensor:
-        name, v = self._meta_scalar(key, suffix, _FLOAT_TAGS, "a float", what)
-        if not bool(torch.isfinite(v)):
-            raise BadInput(f"{what} is not a finite number", path=self.shards.location[name], tensor=name)
-        return v
-
-    def _header(self, key: str, suffix: str) -> tuple[str, list[int]]:
-        """(dtype tag, shape) of a layer's tensor from the safetensors header, without reading it."""
-        parts = self.layers[key]
-        if suffix not in parts:
-            raise BadInput(f"missing {suffix} for this layer", path=self.shards.location[parts["weight"]],
-                           tensor=f"{key}.{suffix}")
-        return self.shards.meta(parts[suffix])
-
-    # -- one layer --------------------------------------------------------------------------------------
-    def _part(self, key: str, suffix: str) -> torch.Tensor:
-        parts = self.layers[key]
-        if suffix not in parts:
-            raise BadInput(f"missing {suffix} for this layer", path=self.shards.location[parts["weight"]],
-                           tensor=f"{key}.{suffix}")
-        return self.shards.get(parts[suffix])
-
-    def family(self, key: str) -> str:
-        return FAMILY_OF_TAG[self._meta_int(key, "weight.format", FAMILY_OF_TAG, "UQFF format tag")]
-
-    def _bad(self, key: str, msg: str, suffix: str = "weight") -> BadInput:
-        return BadInput(msg, path=self.shards.location[self.layers[key]["weight"]], tensor=f"{key}.{suffix}")
-
-    def _shape(self, key: str) -> tuple[int, ...]:
-        dtype, dims = self._header(key, "weight.shape")
-        if dtype not in _INT_TAGS or len(dims) != 1 or not 1 <= dims[0] <= 8:
-            raise self._bad(key, f"weight.shape must be a short integer vector, found {dtype} {dims[:4]}",
-                            "weight.shape")
-        shape = tuple(int(x) for x in self._part(key, "weight.shape").to(torch.int64).tolist())
-        if any(not 1 <= x <= _MAX_DIM for x in shape):
-            raise self._bad(key, f"weight shape {list(shape)}: every size must be 1..{_MAX_DIM}", "weight.shape")
-        if len(shape) != 2:
-            raise self._bad(key, f"weight shape {list(shape)}: only 2-D layers and [E, out, in] stacked experts "
-                                 "are supported", "weight.shape")
-        return shape
-
-    def describe_layer(self, key: str) -> tuple[tuple[int, ...], GridParams | None, str, dict]:
-        """(shape, grid params or None, dtype label, typed TensorRecord fields) from the small tensors only."""
-        fam = self.family(key)
-        if fam == "gguf":
-            shape = self._shape(key)
-            name = GGML_NAME_OF_ID[self._meta_int(key, "weight.dtype", GGML_NAME_OF_ID, "ggml type id")]
-            notes = {"native_type": name}
-            if name in LAYOUTS and LAYOUTS[name].kind != "float":
-                return shape, self._load_gguf(key, shape, name).params, "grid", notes
-            return shape, None, "float32" if name not in LAYOUTS else {"F32": "float32", "F16": "float16",
-                                                                       "BF16": "bfloat16"}[name], notes
-        notes = {}
-        if fam in ("hqq", "afq"):
-            params, shape = self._load_hqq(key, False) if fam == "hqq" else self._load_afq(key, False)
-            if fam == "hqq":  # the stored group size and flags, so that a HQQ / UQFF writer stores the same layout
-                notes["source_groups"] = (self._meta_int(key, "weight.group_size", range(1, 1 << 32), "group size"),)
-                notes["layer_flags"] = {"uqff": {k: self._meta_int(key, f"weight.{k}", range(0, 1 << 32), k)
-                                               for k in ("optimization_steps", "round_zeros", "channel_wise")
-                                               if f"weight.{k}" in self.layers[key]}}
-            return shape, params, "grid", notes
-        dtype, wshape = self.shards.meta(self.layers[key]["weight"])
-        if fam != "f8q8" and (len(wshape) != 2 or min(wshape) < 1):
-            raise self._bad(key, f"{fam} weight of shape {wshape[:4]}: only 2-D layers are supported")
-        if fam == "unquant":
-            if dtype not in ("F32", "F16", "BF16"):
-                raise self._bad(key, f"Unquant weight dtype {dtype} is not F32, F16 or BF16")
-            return tuple(wshape), None, {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[dtype], notes
-        if fam == "f8q8":
-            return self._shape(key), None, "float32", notes
-        shape, params, _ = self._float_grid(key, fam, with_codes=False)  # fp8, mxfp4: float grids
-        return shape, params, "grid", notes
+    def describe_layer(self, key: str) -> LayerDescription:
+        """What planning knows of a layer, from its small tensors (its codec's `describe`)."""
+        layer = self.layer(key)
+        return codec(layer.family()).describe(layer)
 
     def load_layer(self, key: str) -> Dense | Grid:
-        fam = self.family(key)
-        if fam == "gguf":
-            shape = self._shape(key)
-            name = GGML_NAME_OF_ID[self._meta_int(key, "weight.dtype", GGML_NAME_OF_ID, "ggml type id")]
-            if name in LAYOUTS and LAYOUTS[name].kind != "float":
-                return self._load_gguf(key, shape, name)
-            return Dense(self._gguf_plain(key, shape, name))
-        if fam in ("hqq", "afq"):
-            return self._load_grid(key, fam)
-        w = self._part(key, "weight")
-        if fam == "unquant":
-            return Dense(w)
-        if fam == "f8q8":
-            shape = self._shape(key)
-            nblocks = self._meta_int(key, "weight.num_blocks", range(1, 1 << 32), "F8Q8 block count")
-            if w.dtype != torch.uint8 or w.numel() != nblocks * 33 or nblocks * 32 < shape[0] * shape[1]:
-                raise self._bad(key, f"F8Q8 weight of {w.numel()} bytes does not hold {nblocks} blocks of 33 "
-                                     f"for shape {list(shape)}")
-            return Dense(decode_f8q8(w, shape[0] * shape[1]).view(shape))
-        if fam in ("fp8", "mxfp4"):
-            shape, params, codes = self._float_grid(key, fam, with_codes=True)
-            return Grid(params, codes=codes)
-        raise self._bad(key, f"family {fam} not readable")
-
-    def _float_grid(self, key: str, fam: str, with_codes: bool):
-        """FP8 (E4M3 codes times one float32 scale, `dequant_w_scale`) and MXFP4 (E2M1 nibbles, low first, times
-        an E8M0 exponent per 32) as float grids: (shape, GridParams, codes or None). Planning (no codes) reads
-        the weight's header only."""
-        dtype, wshape = self.shards.meta(self.layers[key]["weight"])
-        if fam == "fp8":
-            if dtype != "F8_E4M3":
-                raise self._bad(key, f"FP8 weight dtype {dtype} is not F8_E4M3")
-            if "weight.dtype" in self.layers[key]:
-                self._meta_int(key, "weight.dtype", (FP8_DTYPE_CODE,), "FP8 dtype code (9 = F8E4M3)")
-            scale = self._meta_float(key, "weight.dequant_w_scale", "FP8 dequant scale").to(torch.float32)
-            # mistral.rs' ISQ stores absmax / 448 (> 0); a scale past 65504 / 448 would put weights beyond
-            # float16's range, which no model's weights reach: a corrupt value, not a model
-            if not 0.0 < float(scale) <= _FP8_MAX_SCALE:
-                raise self._bad(key, f"FP8 dequant scale {float(scale):.6g} is outside (0, {_FP8_MAX_SCALE:.6g}]: the "
-                                     "weights would be beyond float16's range", "weight.dequant_w_scale")
-            shape = tuple(wshape)
-            scales = scale.reshape(1, 1).expand(shape[0], 1).contiguous()
-            params = GridParams(bits=8, group_size=shape[1], scales=scales,
-                                zeros=torch.zeros(scales.shape, dtype=torch.int8), codebook=element_table("e4m3"))
-            codes = self._part(key, "weight").view(torch.uint8) if with_codes else None
-            return shape, params, codes
-        scales = self._part(key, "weight.scales")
-        if dtype != "U8" or scales.dtype != torch.uint8 or len(wshape) != 2 or (wshape[1] * 2) % 32 or \
-                tuple(scales.shape) != (wshape[0], wshape[1] * 2 // 32):
-            raise self._bad(key, f"MXFP4 weight {list(wshape)} / scales {list(scales.shape)} do not match")
-        scales = scales.view(torch.float8_e8m0fnu)
-        params = GridParams(bits=4, group_size=32, scales=scales, zeros=torch.zeros(scales.shape, dtype=torch.int8),
-                            codebook=element_table("e2m1"))
-        codes = unpack_fp4(self._part(key, "weight")) if with_codes else None
-        return (wshape[0], wshape[1] * 2), params, codes
-
-    def _gguf_bytes(self, key: str, shape, block: int, nbytes: int) -> torch.Tensor:
-        rows, n = shape
-        if n % block:
-            raise self._bad(key, f"rows of {n} are not whole blocks of {block}")
-        w = self._part(key, "weight")
-        want = rows * (n // block) * nbytes
-        if w.dtype != torch.uint8 or w.numel() != want:
-            raise self._bad(key, f"{w.numel()} bytes of {w.dtype}, expected {want} uint8 for shape {list(shape)}")
-        return w.reshape(rows, -1).contiguous()
-
-    def _gguf_plain(self, key: str, shape, name: str) -> torch.Tensor:
-        if name in EXTRA_BLOCKS:
-            block, nbytes = EXTRA_BLOCKS[name]
-            data = self._gguf_bytes(key, shape, block, nbytes)
-            return decode_q8_1(data, shape[0]) if name == "Q8_1" else decode_q8_k(data, shape[0])
-        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[name]
-        data = self._gguf_bytes(key, shape, 1, torch.tensor([], dtype=dtype).element_size())
-        return data.view(dtype).view(shape)
-
-    def _load_gguf(self, key: str, shape, name: str) -> Grid:
-        lay = LAYOUTS[name]
-        words = self._gguf_bytes(key, shape, lay.block, lay.nbytes)
-        if lay.kind == "k":
-            codes, scales, mins = unpack_k_blocks(name, words.numpy())
-            codes, scales = torch.from_numpy(codes), torch.from_numpy(scales)
-            if mins is None:
-                zeros = torch.full_like(scales, K_ZERO_POINT[name], dtype=torch.int16)
-            else:
-                mins, zeros = torch.from_numpy(mins), torch.zeros_like(scales)
-            group = lay.sub_block
-        else:
-            q, d, m = unpack_blocks(lay, words)
-            scales, mins = d.to(torch.float16), None  # the stored fp16 block scale, exactly
-            if lay.name == "Q8_0":
-                codes, zeros = (q + 128).to(torch.uint8), torch.full_like(scales, 128, dtype=torch.int16)
-            elif lay.has_min:
-                codes, mins, zeros = q.to(torch.uint8), m, torch.zeros_like(m)
-            else:
-                codes, zeros = q.to(torch.uint8), torch.full_like(scales, lay.offset, dtype=torch.int16)
-            group = lay.block
-        params = GridParams(bits=lay.bits, group_size=group, scales=scales, zeros=zeros, mins=mins)
-        return Grid(params, codes, PackedCodes(words, lay.bits, f"ggml:{name}"))
-
-    def _load_grid(self, key: str, fam: str) -> Grid:
-        return self._load_hqq(key) if fam == "hqq" else self._load_afq(key)
-
-    def _load_hqq(self, key: str, with_codes: bool = True):
-        out, n = self._shape(key)
-        numel = out * n
-        bits = self._meta_int(key, "weight.bits", (4, 8), "HQQ bits (mistral.rs writes 4 and 8)")
-        self._meta_int(key, "weight.axis", (0,), "HQQ axis (mistral.rs dequantizes axis 0 only)")
-        gs = self._meta_int(key, "weight.group_size", range(1, numel + 1), f"HQQ group size (1..{numel})")
-        for suffix in ("weight.round_zeros", "weight.channel_wise"):
-            if suffix in self.layers[key]:
-                self._meta_int(key, suffix, (0, 1), suffix[len("weight."):] + " flag")
-        if "weight.optimization_steps" in self.layers[key]:
-            self._meta_int(key, "weight.optimization_steps", range(0, 1 << 32), "optimization steps")
-        # hqq and mistral.rs view the flattened weight as [gs, numel/gs]: gs must divide the element count
-        # (not the rows: k/v projections of 32 rows with gs 64 are what mistral.rs writes), and the 4-bit
-        # packing stores the two halves of the gs rows in one byte
-        if numel % gs or gs * bits % 8:
-            raise self._bad(key, f"HQQ group size {gs} does not divide the {out}x{n} weight's {numel} elements "
-                                 f"into whole {bits}-bit packed groups", "weight.group_size")
-        m = numel // gs
-        for suffix in ("weight.scales", "weight.zeros"):
-            dtype, shape = self._header(key, suffix)
-            if dtype not in ("F32", "F16", "BF16") or _numel(shape) != m or len(shape) > 2:
-                raise self._bad(key, f"HQQ {suffix[7:]} {shape[:4]} {dtype} do not hold {m} float groups "
-                                     f"([1, {m}])", suffix)
-        if self._header(key, "weight.scales")[0] != self._header(key, "weight.zeros")[0]:
-            raise self._bad(key, "HQQ scales and zeros have different dtypes", "weight.zeros")
-        wdtype, wshape = self._header(key, "weight")
-        if wdtype != "U8" or list(wshape) != [gs * bits // 8, m]:
-            raise self._bad(key, f"HQQ weight {wshape[:4]} {wdtype}, expected U8 {[gs * bits // 8, m]} for shape "
-                                 f"{[out, n]}, group size {gs}, {bits} bits")
-        scales, zeros = self._part(key, "weight.scales"), self._part(key, "weight.zeros")
-        # the [1, M] meta as records.py's axis-0 [p, in] matrix (kernels/hqq.py axis0_expand)
-        e_s, e_z = axis0_expand(scales, (out, n), gs), axis0_expand(zeros, (out, n), gs)
-        params = GridParams(bits=bits, group_size=out // e_s.shape[0], scales=e_s, zeros=e_z, axis=0,
-                            compute_dtype=scales.dtype)
-        if not with_codes:
-            return params, (out, n)
-        grouped = hqq_halves_unpack(self._part(key, "weight"), bits)  # [gs, numel/gs]
-        return Grid(params, grouped.reshape(out, n))
-
-    def _load_afq(self, key: str, with_codes: bool = True):
-        bits = self._meta_int(key, "weight.bits", AFQ_BITS, "AFQ bits")
-        gs = self._meta_int(key, "weight.group_size", AFQ_GROUPS, "AFQ group size")
-        wdtype, wshape = self._header(key, "weight")
-        if len(wshape) != 2 or wdtype not in ("U32", "I32") or min(wshape) < 1:
-            raise self._bad(key, f"AFQ weight must be a 2-D U32 tensor, got {wshape[:4]} {wdtype}")
-        out, words = wshape
-        n, rest = divmod(words * 32, bits)
-        dtypes = {self._header(key, s)[0] for s in ("weight.scales", "weight.biases")}
-        sshape, bshape = self._header(key, "weight.scales")[1], self._header(key, "weight.biases")[1]
-        if len(dtypes) != 1 or not dtypes <= {"F32", "F16", "BF16"} or list(sshape) != list(bshape) \
-                or len(sshape) != 2 or sshape[0] != out:
-            raise self._bad(key, f"AFQ scales {sshape[:4]} / biases {bshape[:4]} ({', '.join(sorted(dtypes))}) "
-                                 f"are not one float [{out}, groups] pair", "weight.scales")
-        if rest or n != sshape[1] * gs:
-            raise self._bad(key, f"AFQ weight rows of {words} u32 words hold {words * 32 / bits:g} {bits}-bit codes, "
-                                 f"but the scales describe {sshape[1]} groups of {gs} = {sshape[1] * gs} inputs",
-                            "weight.bits")
-        scales, biases = self._part(key, "weight.scales"), self._part(key, "weight.biases")
-        compute = scales.dtype
-        zeros = _integer_zeros(scales, biases, bits)
-        if zeros is not None:
-            params = GridParams(bits=bits, group_size=gs, scales=scales, zeros=zeros, compute_dtype=compute)
-        else:
-            params = GridParams(bits=bits, group_size=gs, scales=scales, zeros=torch.zeros_like(scales), mins=biases,
-                                compute_dtype=compute)
-        if not with_codes:
-            return params, (out, n)
-        w = self._part(key, "weight")
-        codes = unpack_afq(w, bits, n)
-        packed = PackedCodes(w.view(torch.int32).T.contiguous(), bits, "gptq-rows") if bits in (2, 3, 4, 8) else None
-        return Grid(params, codes, packed)
+        layer = self.layer(key)
+        return codec(layer.family()).load(layer)
 
     # -- the ModelSource interface ------------------------------------------------------------------------
     def _check_shape(self, name: str, shape: tuple, where: Path) -> None:
@@ -764,11 +560,12 @@ class UqffSource(ModelSource):
 
     def records(self) -> Iterator[TensorRecord]:
         for key in self.layers:
-            shape, params, dtype, notes = self.describe_layer(key)
+            described = self.describe_layer(key)
+            shape = described.shape
             path = self.shards.location[self.layers[key]["weight"]]
             self._check_shape(f"{key}.weight", shape, path)
-            yield TensorRecord(f"{key}.weight", shape, dtype, lambda k=key: self.load_layer(k), params=params,
-                               source_file=path.name, **notes)
+            yield TensorRecord(f"{key}.weight", shape, described.dtype, lambda k=key: self.load_layer(k),
+                               params=described.params, source_file=path.name, **described.record_fields)
             if key in self.biases:
                 rec = self._dense_record(self.shards, self.biases[key])
                 if rec.shape != (shape[0],):
@@ -814,32 +611,14 @@ class UqffSource(ModelSource):
     def describe(self) -> dict:
         families: dict[str, int] = {}
         for key in self.layers:
-            fam = self.family(key)
-            if fam == "gguf":
-                fam = "gguf:" + GGML_NAME_OF_ID[self._meta_int(key, "weight.dtype", GGML_NAME_OF_ID, "ggml type id")]
+            layer = self.layer(key)
+            fam = codec(layer.family()).label(layer)
             families[fam] = families.get(fam, 0) + 1
         return {"format": "uqff", "version": ".".join(map(str, self.version)),
                 "shards": [p.name for p in self.shard_paths], "layers": len(self.layers), "families": families,
                 "residual": None if self.residual is None else "residual.safetensors"
                 if (self.path / "residual.safetensors").exists() else "model safetensors",
                 "architectures": self.config.get("architectures"), "ignored_files": self.ignored_files}
-
-
-def _integer_zeros(scales: torch.Tensor, biases: torch.Tensor, bits: int) -> torch.Tensor | None:
-    """Integer zero points z with bias = -scale*z, when the zero-point form (q - z) * s gives mistral.rs'
-    s*q + b bit for bit: float32 arithmetic, fp16-representable scales (so every s*q and s*z is exact)
-    and z an integer code. None otherwise: the grid then stays in the min form."""
-    if scales.dtype != torch.float32:
-        return None
-    s = scales
-    if not torch.equal(s.to(torch.float16).to(torch.float32), s) or bool((s == 0).any()):
-        return None
-    z = torch.round(-biases / s)
-    if bool(((z < 0) | (z > (1 << bits) - 1)).any()):
-        return None
-    if not torch.equal(-(s * z), biases) and not torch.equal((-s) * z, biases):
-        return None
-    return z.to(torch.int16)
 
 
 def _without_quantization_config(obj):

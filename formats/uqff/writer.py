@@ -18,7 +18,8 @@ layers (`--type f32/f16/bf16`) are multiplied in their stored dtype without a ca
 (float32 on a CPU, its default there); layer biases are likewise used as stored and are written in float32.
 Requantizing (only with --allow-requant) uses each family's rule: ggml's reference quantizers (kernels),
 HQQ's (kernels.hqq, axis 0, 10 steps, as mistral.rs' ISQ), MLX's affine min/max, and mistral.rs' FP8 / F8Q8 /
-MXFP4 scale rules (layout.py); the bytes need not equal mistral.rs' own quantizer's, the decode does.
+MXFP4 scale rules; the bytes need not equal mistral.rs' own quantizer's, the decode does. Each layer is encoded
+by the codec of its type's family (codecs/); this module plans the layers and writes the shards.
 
 MoE models (moe.py): the per-expert records of a projection become one stacked `<block>.experts.<proj>` layer
 `[E, out, in]` as mistral.rs writes it (Mixtral under its `block_sparse_moe` names, its router a layer like any
@@ -37,27 +38,22 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ... import __version__
-from ...converters.checker import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Decision, best_aligned, check, describe_grid
+from ...converters.checker import EXACT, REFUSED, REQUANTIZE, Decision, best_aligned, check, describe_grid
 from ...converters.errors import QConvertError
-from ...converters.plan import BitIdentical, Options, TensorPlan, unknown_type
-from ...converters.records import Dense, Grid, GridParams, TensorRecord
-from ...kernels.floatq import float_to_e8m0, pack_fp4
-from ...kernels.ggml.layouts import LAYOUTS
-from ...kernels.hqq import axis0_compact, axis0_expand
-from ..common.checkpoint import copy_side_files, write_json
-from ..common.safetensors_header import safetensors_tag
-from .reader import _without_quantization_config
+from ...converters.plan import BitIdentical, Options, TensorPlan, Writer, WriterSession, unknown_type
+from ...converters.records import Dense, Grid, TensorRecord
 from ..common.block_schemes import block_layout
-from .schemes import REQUANT_DEFAULT, candidates_for_bits, scheme_for
+from ..common.checkpoint import copy_side_files, write_json
+from ..common.ggml_codec import QuantHow
+from ..common.safetensors_header import safetensors_tag
+from .codecs import codec
+from .layout import MAJOR, UQFF_TYPES, UqffType
 from .moe import STACKABLE_FAMILIES, ExpertStacks, StackedTensor, expert_slot, mistralrs_moe_config, moe_model
-from .layout import (FP8_DTYPE_CODE, GGML_TYPE_IDS, MAJOR, TAG, UQFF_TYPES, UqffType, decode_f8q8, decode_mxfp4,
-                     encode_f8q8, encode_fp8, encode_mxfp4, hqq_halves_pack, pack_afq)
-from ...converters.plan import Writer, WriterSession
-from ..common.ggml_codec import QuantHow, encode_tensor
+from .reader import _without_quantization_config
+from .schemes import REQUANT_DEFAULT, candidates_for_bits, scheme_for
 
 __all__ = ["UqffWriter", "MAX_SHARD_BYTES", "parse_uqff_type"]
 
@@ -333,14 +329,6 @@ class _ShardSet:
         return [s.path.name for s in self.shards]
 
 
-def _u8(v: int) -> torch.Tensor:
-    return torch.tensor(v, dtype=torch.uint8)
-
-
-def _u32(v) -> torch.Tensor:
-    return torch.tensor(v, dtype=torch.uint32)
-
-
 class UqffSession(WriterSession):
     def __init__(self, path: Path, source, plans: list[TensorPlan], max_bytes: int):
         self.path, self.source = path, source
@@ -372,7 +360,7 @@ class UqffSession(WriterSession):
             self.shards.put_layer({plan.out_name: bias})
             return bias
         t = UQFF_TYPES[action.type]
-        tensors, decoded = getattr(self, f"_encode_{t.family}")(t, plan, item)
+        tensors, decoded = codec(t.family).encode(t, plan, item)
         if where == "uqff-expert":
             # one expert of a stacked layer: held encoded until the stack's last expert arrives
             key = action.stack
@@ -383,111 +371,6 @@ class UqffSession(WriterSession):
             key = plan.out_name[: -len(".weight")]
         self.shards.put_layer({(f"{key}.{k}" if k else f"{key}.weight"): v for k, v in tensors.items()})
         return decoded
-
-    def _encode_gguf(self, t: UqffType, plan: TensorPlan, item):
-        name = plan.action.ggml
-        data, decoded = encode_tensor(LAYOUTS[name], plan.verdict, item, plan.action.quant)
-        tensors = {"": torch.from_numpy(np.ascontiguousarray(data).reshape(-1)).to(torch.uint8),
-                   "weight.format": _u8(TAG["gguf"]), "weight.dtype": _u32(GGML_TYPE_IDS[name]),
-                   "weight.shape": _u32(list(plan.shape))}
-        if not isinstance(decoded, BitIdentical):
-            decoded = decoded.reshape(plan.shape)
-        return tensors, decoded
-
-    def _encode_unquant(self, t: UqffType, plan: TensorPlan, item):
-        w = item.dequantize(t.unquant_dtype).contiguous()
-        return {"": w, "weight.format": _u8(TAG["unquant"])}, w.to(torch.float32)
-
-    def _encode_hqq(self, t: UqffType, plan: TensorPlan, item):
-        out, n = plan.shape
-        action: UqffAction = plan.action
-        if action.aligned:
-            p = item.params
-            store = action.meta_dtype
-            layout = axis0_compact(p.scales, p.zeros, (out, n), t.bits, (action.group_size,))
-            if layout is None or layout[0] != action.group_size:
-                raise QConvertError("the grid's axis-0 scales changed between planning and writing", tensor=plan.name)
-            gs, scales, zeros = layout
-            codes, scales, zeros = item.codes, scales.to(store), zeros.to(store)
-            # a UQFF source's informational flags are kept as it stored them (0 steps: not optimized here)
-            flags = action.hqq_flags
-            steps, round_zeros = flags.get("optimization_steps", 0), flags.get("round_zeros", 0)
-            channel_wise = flags.get("channel_wise", 1)
-        else:
-            from ...kernels.hqq import quantize_hqq
-
-            gs, store, steps = action.group_size, torch.float32, 10  # mistral.rs ISQ: 10 steps, no round
-            round_zeros, channel_wise = 0, 1
-            codes, scales, zeros = quantize_hqq(item.dequantize(torch.float32), t.bits, gs, axis=0, optimize=True,
-                                                round_zero=False, iters=steps)
-        e_s, e_z = axis0_expand(scales, (out, n), gs), axis0_expand(zeros, (out, n), gs)
-        params = GridParams(bits=t.bits, group_size=out // e_s.shape[0], scales=e_s, zeros=e_z, axis=0,
-                            compute_dtype=store)
-        grouped = codes.reshape(gs, out * n // gs)
-        tensors = {"": hqq_halves_pack(grouped, t.bits), "weight.format": _u8(TAG["hqq"]),
-                   "weight.scales": scales.reshape(1, -1).contiguous(), "weight.zeros": zeros.reshape(1, -1).contiguous(),
-                   "weight.shape": _u32([out, n]), "weight.bits": _u8(t.bits), "weight.group_size": _u32(gs),
-                   "weight.axis": _u8(0), "weight.optimization_steps": _u32(steps),
-                   "weight.round_zeros": _u8(round_zeros), "weight.channel_wise": _u8(channel_wise)}
-        return tensors, Grid(params, codes).dequantize(torch.float32)
-
-    def _encode_afq(self, t: UqffType, plan: TensorPlan, item):
-        out, n = plan.shape
-        g = plan.action.group_size
-        if plan.action.aligned:
-            p = item.params
-            rep = p.group_size // g  # a source group of 128 is two AFQ groups of 64 with the same scale
-            s = p.scales.to(torch.float32)
-            bias = p.mins.to(torch.float32) if p.mins is not None else -(s * p.zeros.to(torch.float32))
-            scales, biases = s.repeat_interleave(rep, dim=1), bias.repeat_interleave(rep, dim=1)
-            packed = item.packed
-            if packed is not None and packed.layout == "gptq-rows" and packed.bits == t.bits:
-                weight = packed.words.T.contiguous().view(torch.uint32)  # GPTQ's stream is AFQ's, transposed
-            else:
-                weight = pack_afq(item.codes, t.bits)
-            codes = item.codes
-        else:
-            codes, scales, biases = _quantize_affine(item.dequantize(torch.float32), t.bits, g)
-            weight = pack_afq(codes, t.bits)
-        params = GridParams(bits=t.bits, group_size=g, scales=scales, zeros=torch.zeros_like(scales), mins=biases)
-        tensors = {"": weight, "weight.format": _u8(TAG["afq"]), "weight.bits": _u8(t.bits),
-                   "weight.group_size": _u8(g), "weight.scales": scales.contiguous(), "weight.biases": biases.contiguous()}
-        return tensors, Grid(params, codes).dequantize(torch.float32)
-
-    @staticmethod
-    def _keeps_float_codes(plan: TensorPlan, item, element: str) -> bool:
-        """A float grid of the target's element format the checker let keep its codes (float-block family)."""
-        return isinstance(item, Grid) and plan.verdict in (EXACT, NEAR_EXACT) and \
-            getattr(item.params, "element", None) == element
-
-    def _encode_fp8(self, t: UqffType, plan: TensorPlan, item):
-        if self._keeps_float_codes(plan, item, "e4m3"):  # one scale for the tensor: its codes move as they are
-            q = item.codes.view(torch.float8_e4m3fn)
-            scale = item.params.folded_scales().reshape(-1)[0].reshape(()).clone()
-        else:
-            q, scale = encode_fp8(item.dequantize(torch.float32))
-        tensors = {"": q, "weight.format": _u8(TAG["fp8"]), "weight.dequant_w_scale": scale,
-                   "weight.dequant_x_scale": scale.clone(), "weight.quant_scale": (1.0 / scale).to(torch.float32),
-                   "weight.dtype": _u32(FP8_DTYPE_CODE)}
-        return tensors, q.to(torch.float32) * scale
-
-    def _encode_f8q8(self, t: UqffType, plan: TensorPlan, item):
-        data = encode_f8q8(item.dequantize(torch.float32))
-        numel = plan.shape[0] * plan.shape[1]
-        tensors = {"": data, "weight.format": _u8(TAG["f8q8"]), "weight.num_blocks": _u32(data.numel() // 33),
-                   "weight.shape": _u32(list(plan.shape))}
-        return tensors, decode_f8q8(data, numel).view(plan.shape)
-
-    def _encode_mxfp4(self, t: UqffType, plan: TensorPlan, item):
-        if self._keeps_float_codes(plan, item, "e2m1"):  # E2M1 codes and E8M0 exponents, the source's bits
-            p = item.params
-            n = item.shape[1]
-            weight = pack_fp4(item.codes)
-            scales = float_to_e8m0(p.folded_scales()[:, torch.arange(0, n, 32) // p.group_size]).contiguous()
-            return {"": weight, "weight.format": _u8(TAG["mxfp4"]), "weight.scales": scales}, \
-                decode_mxfp4(weight, scales)
-        weight, scales = encode_mxfp4(item.dequantize(torch.float32))
-        return {"": weight, "weight.format": _u8(TAG["mxfp4"]), "weight.scales": scales}, decode_mxfp4(weight, scales)
 
     def close(self) -> None:
         if self.stacks.unfinished():
@@ -500,15 +383,3 @@ class UqffSession(WriterSession):
             config["rope_theta"] = config["rope_parameters"]["rope_theta"]
         write_json(self.path / "config.json", config)
         copy_side_files(self.source, self.path)
-
-
-def _quantize_affine(w: torch.Tensor, bits: int, group: int):
-    """MLX-style affine round-to-nearest: per group scale = (max - min) / (2^b - 1), bias = min."""
-    out, n = w.shape
-    x = w.to(torch.float32).view(out, n // group, group)
-    lo, hi = x.min(-1).values, x.max(-1).values
-    maxq = (1 << bits) - 1
-    scale = (hi - lo) / maxq
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round((x - lo[..., None]) / scale[..., None]).clamp(0, maxq).to(torch.uint8).view(out, n)
-    return q, scale, lo
