@@ -14,7 +14,7 @@ from pathlib import Path
 
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 
-_FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures.py"
+_FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "support" / "fixtures.py"
 
 
 def _load_fixtures():

@@ -206,7 +206,7 @@ def test_to_gptq_v2_is_exact_and_gptqmodel_loads_the_same_weights(variant, tmp_p
     verdicts = {t["name"]: t["verdict"] for t in report["tensors"]}
     assert set(verdicts.values()) == {"exact"}, verdicts
     ref_path = tmp_path / "gptqmodel.safetensors"
-    _child(["-c", _GPTQMODEL_CHILD, str(REPO / "tests" / "fixtures.py"), str(out), str(ref_path),
+    _child(["-c", _GPTQMODEL_CHILD, str(REPO / "tests" / "support" / "fixtures.py"), str(out), str(ref_path),
             ",".join(map(str, _prompt(variant)))])
     loaded = load_file(str(ref_path))
     stored = load_file(str(FIXTURES / variant / "reference.safetensors"))  # auto-round's own weights

@@ -112,7 +112,8 @@ fx.gptq_reference(sys.argv[2], sys.argv[3], [int(t) for t in sys.argv[4].split("
 
 def _gptqmodel_gptq_reference(ckpt: Path, out: Path, prompt: list[int]) -> dict[str, torch.Tensor]:
     """gptqmodel's GPTQ loader (tests/fixtures.py gptq_reference: GPTQ_TORCH kernel, fp16), in a child process."""
-    _child(["-c", _GPTQ_CHILD, str(REPO / "tests" / "fixtures.py"), str(ckpt), str(out), ",".join(map(str, prompt))])
+    _child(["-c", _GPTQ_CHILD, str(REPO / "tests" / "support" / "fixtures.py"), str(ckpt), str(out),
+            ",".join(map(str, prompt))])
     return load_file(str(out))
 
 

@@ -42,9 +42,9 @@ def ufx():
 
 @pytest.fixture(scope="session")
 def hqq_root():
-    import test_hqq
+    import hqq_env
 
-    test_hqq._hqq_run("build", "--root", HQQ_ROOT)
+    hqq_env._hqq_run("build", "--root", HQQ_ROOT)
     return HQQ_ROOT
 
 
@@ -142,7 +142,7 @@ def test_kv32_uqff_to_hqq_loads_in_hqq(ufx, hqq_root, tmp_path):
     """uqff->hqq keeps codes, scales and zeros (axis 0, group 64 over 32 rows); hqq 0.2.8 loads the
     checkpoint and dequantizes it to exactly our reading of mistral.rs' file; and hqq->uqff gives back
     mistral.rs' tensors."""
-    import test_hqq
+    import hqq_env
     from qconvert.formats.uqff.reader import UqffSource
 
     d = ufx["uqff"]["kv32-hqq4"]
@@ -150,7 +150,7 @@ def test_kv32_uqff_to_hqq_loads_in_hqq(ufx, hqq_root, tmp_path):
     assert rep.summary()["verdicts"]["exact"] == len(rep.results) and rep.summary()["max_abs_err"] == 0.0
     state = torch.load(tmp_path / "hqq" / "qmodel.pt", weights_only=True)["model.layers.1.self_attn.v_proj"]
     assert state["group_size"] == 64 and state["axis"] == 0 and tuple(state["shape"]) == (32, 256)
-    loaded = test_hqq._verify(tmp_path / "hqq", tmp_path / "loaded.safetensors", "hqq")
+    loaded = hqq_env._verify(tmp_path / "hqq", tmp_path / "loaded.safetensors", "hqq")
     ours = {r.name: r.load().dequantize(torch.float32) for r in UqffSource(d).records() if r.is_grid}
     assert set(ours) - {"model.embed_tokens.weight"} == set(loaded) - {"__logits__"}
     for name in set(loaded) - {"__logits__"}:

@@ -12,7 +12,7 @@ import torch
 
 import fixtures_qqq
 from helpers import edit_safetensors, expect_user_error, run_cli
-from test_hqq import hqqfx  # noqa: F401  (the hqq fixtures: qwen2 base, HQQ safetensors)
+from hqq_env import hqqfx  # noqa: F401  (the hqq fixtures: qwen2 base, HQQ safetensors)
 from qconvert.converters.errors import BadInput
 from qconvert.converters.run import check_required_tensors
 from qconvert.formats.gptq.reader import GptqSource

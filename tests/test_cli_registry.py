@@ -209,7 +209,7 @@ def _example_argv(example: str, sources: dict[str, Path], out: Path) -> list[str
 def _by_path(name: str):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "support" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

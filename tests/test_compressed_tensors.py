@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from ct_runtime import _as_runtime, _ct_model
 from helpers import edit_safetensors, expect_user_error, gguf_dequant, gguf_tensors, llama_logits, run_cli
 
 from qconvert.formats.compressed_tensors.reader import CtSource
@@ -36,28 +37,6 @@ def _sha(w: torch.Tensor) -> str:
     w = w.contiguous()
     raw = w.view(torch.uint8) if w.element_size() > 1 else w
     return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
-
-
-def _as_runtime(rec, dtype: torch.dtype) -> torch.Tensor:
-    """Our values as compressed-tensors' runtime holds them: grids rounded once to its compute dtype. Its fp4
-    decompression (nvfp4 / mxfp4) computes in float32 and returns bf16 (compressors/nvfp4 unpack_fp4_from_uint8's
-    dtype), which a loader then casts to the model's dtype: two roundings there."""
-    item = rec.load()
-    if not rec.is_grid:
-        return item.tensor
-    w = item.dequantize(torch.float32)
-    if rec.params.element == "e2m1":
-        w = w.to(torch.bfloat16)
-    return w.to(dtype)
-
-
-def _ct_model(path: Path, dtype=torch.float32):
-    """transformers 5.24 + compressed-tensors 0.19, decompressed (the runtime's own dequantization)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils.quantization_config import CompressedTensorsConfig
-
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
-                                                quantization_config=CompressedTensorsConfig(dequantize=True))
 
 
 def _logits(model, ids) -> np.ndarray:

@@ -56,7 +56,7 @@ LOGIT_TOLERANCE = 0.05  # of the reference's logit range: llama.cpp quantizes ac
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, TESTS / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, TESTS / "support" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -501,7 +501,7 @@ def test_fp8_deepseek_to_q4_k_m_is_llama_quantizes_q4_k_m_and_runs(tmp_path):
     """`fp8->gguf --type q4_k_m --allow-requant` of a DeepSeek-V3-shaped FP8 checkpoint (the wide tiny model of
     fixtures_archs, 128x128 blocks with partial edges) writes what llama-quantize's Q4_K_M makes of our F32 file
     of the same model, byte for byte, and llama.cpp runs it close to transformers on the FP8 weights."""
-    from test_gguf_presets import llama_quantize
+    from llama_quantize import llama_quantize
 
     path = CACHE / "deepseek_fp8_wide"
     if not (path / "config.json").exists():
@@ -588,7 +588,7 @@ def test_float_grids_become_compressed_tensors_float_formats_that_transformers_l
     layout, DeepSeek's 128x128 blocks as strategy block; MXFP4; NVFP4, a multiplying global scale stored as the
     reciprocal compressed-tensors divides by: near-exact), one config group, and transformers 5.24 with
     compressed-tensors 0.19 loads it with exactly the weights compressed-tensors' own decompression gives."""
-    from test_compressed_tensors import _as_runtime, _ct_model
+    from ct_runtime import _as_runtime, _ct_model
 
     src = make(tmp_path)
     out, report = tmp_path / "ct", tmp_path / "r.json"

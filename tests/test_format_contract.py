@@ -77,7 +77,7 @@ def _load_by_path(name: str, path: Path):
 
 def _fp8_sample(dense: Path, tmp: Path) -> Path:
     """transformers' own FineGrainedFP8 quantizer (Fp8Quantize) in 16x32 blocks (tests/fixtures_float.py)."""
-    ff = _load_by_path("fixtures_float", Path(__file__).with_name("fixtures_float.py"))
+    ff = _load_by_path("fixtures_float", Path(__file__).parent / "support" / "fixtures_float.py")
     return ff.fp8_checkpoint(dense, tmp / "fp8", block=(16, 32), rule="transformers")
 
 
@@ -98,7 +98,7 @@ def _mxfp4_sample(dense: Path, tmp: Path) -> tuple[Path, Path]:
     alternate gate and up)."""
     from safetensors.torch import load_file, save_file
 
-    fa = _load_by_path("fixtures_archs", Path(__file__).with_name("fixtures_archs.py"))
+    fa = _load_by_path("fixtures_archs", Path(__file__).parent / "support" / "fixtures_archs.py")
     gpt_oss = fa.build_arch_model(tmp / "gpt-oss", "gpt_oss")
     sample = fa.gpt_oss_mxfp4_checkpoint(gpt_oss, tmp / "mxfp4")
     split = {}

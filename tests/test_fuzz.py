@@ -41,8 +41,8 @@ def seeds(fx):
         assert HQQ_PY.exists(), f"{HQQ_PY} is missing: run `bash scripts/test_env.d/20-hqq.sh` (scripts/run_tests.sh does)"
         env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
         env.pop("PYTHONPATH", None)
-        proc = subprocess.run([str(HQQ_PY), str(REPO / "tests" / "fixtures_hqq.py"), "build", "--root", str(HQQ_ROOT)],
-                              capture_output=True, text=True, env=env, timeout=1800)
+        proc = subprocess.run([str(HQQ_PY), str(REPO / "tests" / "support" / "fixtures_hqq.py"), "build", "--root",
+                               str(HQQ_ROOT)], capture_output=True, text=True, env=env, timeout=1800)
         assert proc.returncode == 0, proc.stderr[-3000:]
     return fx
 

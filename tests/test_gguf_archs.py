@@ -35,12 +35,13 @@ import torch
 
 import fixtures_archs
 from helpers import gguf_tensors, llama_logits, run_cli
-from test_gguf_presets import llama_quantize
+from llama_quantize import llama_quantize
 
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
 
 ROOT = Path(__file__).parent / "_fixtures" / "archs"
+SUPPORT = Path(__file__).parent / "support"  # the shared test modules, for the children below
 KINDS = fixtures_archs.KINDS
 PROMPT = fixtures_archs.arch_prompt()
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -280,9 +281,9 @@ def _big_moe(out: Path) -> Path:
 
 
 def _big_moe_in_a_child(out: Path) -> None:
-    code = "import sys; sys.path.insert(0, sys.argv[2]); import test_gguf_archs as t; t._big_moe(__import__('pathlib').Path(sys.argv[1]))"
-    proc = subprocess.run([sys.executable, "-c", code, str(out), str(Path(__file__).parent)], capture_output=True,
-                          text=True)
+    code = "import sys; sys.path[:0] = sys.argv[2:]; import test_gguf_archs as t; t._big_moe(__import__('pathlib').Path(sys.argv[1]))"
+    proc = subprocess.run([sys.executable, "-c", code, str(out), str(Path(__file__).parent), str(SUPPORT)],
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -379,7 +380,7 @@ def test_moe_gguf_back_to_gptq_loads_in_gptqmodel(tmp_path):
                 logits.append(fixtures._load_quantized(d)(ids).logits[0].float())
         print(float((logits[0] - logits[1]).abs().max()), float(logits[0].std()))
     """)
-    proc = subprocess.run([sys.executable, "-c", code, str(ckpt), str(tmp_path / "gptq"), str(Path(__file__).parent)],
+    proc = subprocess.run([sys.executable, "-c", code, str(ckpt), str(tmp_path / "gptq"), str(SUPPORT)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     diff, spread = map(float, proc.stdout.strip().splitlines()[-1].split())

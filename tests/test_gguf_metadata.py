@@ -26,7 +26,7 @@ from qconvert.formats.gguf.names import (gguf_arch, gguf_tensor_name, hf_tensor_
 from qconvert.formats.gguf.tokenizer import (PRE_TOKENIZERS, add_tokenizer, detect_pre_tokenizer,
                                              tokenizer_files_from_gguf)
 
-_FIXTURES_PATH = Path(__file__).with_name("fixtures.py")
+_FIXTURES_PATH = Path(__file__).parent / "support" / "fixtures.py"
 _spec = importlib.util.spec_from_file_location("qconvert_test_fixtures", _FIXTURES_PATH)
 fixtures = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fixtures)

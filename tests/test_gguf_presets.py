@@ -16,7 +16,6 @@ The models are 256 wide (K blocks need rows of 256), built once under tests/_fix
 
 from __future__ import annotations
 
-import ctypes
 import json
 import re
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 
 import fixtures
 from helpers import gguf_tensors, llama_logits, run_cli, write_legacy_imatrix
+from wide_models import MODELS, _cached, build_wide_model, model_dir
 
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
@@ -35,59 +35,10 @@ from qconvert.formats.gguf.names import gguf_arch, hf_tensor_name, inverse_permu
 from qconvert.kernels.ggml import kquants as kq  # noqa: E402
 from qconvert.kernels.ggml.libggml import ggml_quantize  # noqa: E402
 
-ROOT = Path(__file__).parent / "_fixtures" / "gguf_presets"
+from llama_quantize import llama_quantize  # noqa: E402
+
 PROMPT = [1, 17, 233, 45, 88, 301, 12, 7, 99, 150, 402, 33, 256, 5, 71, 480]
 FTYPES = {"q2_k": 10, "q3_k_m": 12, "q4_k_s": 14, "q4_k_m": 15, "q5_k_s": 16, "q5_k_m": 17, "q6_k": 18, "q8_0": 7}
-# (arch, layers, tied embeddings): 8 llama layers exercise every branch of use_more_bits
-MODELS = {"llama": ("llama", 8, False), "qwen2": ("qwen2", 2, True), "qwen3": ("qwen3", 3, False)}
-
-
-def build_wide_model(out: Path, arch: str, layers: int, tie: bool, seed: int = 7) -> Path:
-    """A tiny causal LM 256 wide (ffn 512, 4 heads of 64, 2 KV heads), fp16 safetensors + tokenizer."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
-
-    common = dict(vocab_size=fixtures.VOCAB_SIZE, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
-                  tie_word_embeddings=tie, bos_token_id=1, eos_token_id=0, pad_token_id=None)
-    cfg, cls = {"llama": (LlamaConfig(head_dim=64, **common), LlamaForCausalLM),
-                "qwen2": (Qwen2Config(use_sliding_window=False, **common), Qwen2ForCausalLM),
-                "qwen3": (Qwen3Config(head_dim=64, use_sliding_window=False, **common), Qwen3ForCausalLM)}[arch]
-    torch.manual_seed(seed)
-    model = cls(cfg)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                v = 1.0 + 0.2 * (torch.rand(p.shape, generator=gen) - 0.5)
-            elif name.endswith(".bias"):
-                v = 0.02 * torch.randn(p.shape, generator=gen)
-            elif "embed_tokens" in name:
-                v = torch.randn(p.shape, generator=gen) * (p.shape[1] ** -0.5 if tie else 1.0)
-            else:
-                v = torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5
-            p.copy_(v)
-    model.to(torch.float16).save_pretrained(str(out), safe_serialization=True)
-    fixtures.build_tokenizer(out)
-    return out
-
-
-def _cached(name: str, build) -> Path:
-    d = ROOT / name
-    if not (d / ".done").exists():
-        import shutil
-
-        shutil.rmtree(d, ignore_errors=True)
-        d.with_name(f"{name}-f32.gguf").unlink(missing_ok=True)  # derived from the old model
-        d.parent.mkdir(parents=True, exist_ok=True)
-        build(d)
-        (d / ".done").write_text("ok")
-    return d
-
-
-def model_dir(key: str) -> Path:
-    arch, layers, tie = MODELS[key]
-    return _cached(f"{key}_256", lambda d: build_wide_model(d, arch, layers, tie))
 
 
 def f32_gguf(key: str, tmp: Path | None = None) -> Path:
@@ -101,30 +52,6 @@ def f32_gguf(key: str, tmp: Path | None = None) -> Path:
         run_cli("hf->gguf", src, tmp_out, "--type", "f32", "--force")
         tmp_out.rename(out)
     return out
-
-
-def llama_quantize(src: Path, dst: Path, ftype: int, imatrix: dict[str, np.ndarray] | None = None) -> Path:
-    """llama.cpp's quantize tool (llama_model_quantize), optionally with importance data passed the way
-    llama-quantize passes it (a NULL-terminated array of {name, data, size})."""
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = ftype
-    params.nthread = 2
-    keep = []
-    if imatrix:
-        entry_t = llama_cpp.llama_model_imatrix_data
-        arr = (entry_t * (len(imatrix) + 1))()
-        for i, (name, vec) in enumerate(imatrix.items()):
-            data = np.ascontiguousarray(vec, np.float32)
-            keep.append((name.encode(), data))
-            arr[i].name = keep[-1][0]
-            arr[i].data = data.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-            arr[i].size = data.size
-        arr[len(imatrix)].name = None
-        params.imatrix = ctypes.cast(arr, ctypes.POINTER(entry_t))
-        keep.append(arr)
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
-    assert rc == 0, f"llama_model_quantize failed ({rc})"
-    return dst
 
 
 def _file_type(path: Path) -> int:

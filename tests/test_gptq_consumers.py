@@ -15,7 +15,7 @@ import torch
 
 import fixtures
 from helpers import run_cli, transformers_logits
-from test_gguf_reader import _ensure
+from gguf_reader_files import _ensure
 
 PROMPT = fixtures.prompt_ids()
 

@@ -1,9 +1,9 @@
 """HQQ: reader, writer, hqq->gguf, checked against hqq 0.2.8.post1 itself (and transformers 4.57.6).
 
 hqq runs in its own environment (<repo>/.venvs/hqq, made by scripts/test_env.d/20-hqq.sh); tests reach it
-through tests/fixtures_hqq.py in a subprocess: `build` makes the fixtures with hqq (cached under
-tests/_fixtures/hqq), `verify` loads a checkpoint with hqq's or transformers' own loader and dumps what that
-loader dequantizes, plus the logits.
+through tests/support/fixtures_hqq.py in a subprocess (tests/support/hqq_env.py): `build` makes the fixtures
+with hqq (cached under tests/_fixtures/hqq), `verify` loads a checkpoint with hqq's or transformers' own loader
+and dumps what that loader dequantizes, plus the logits.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -22,39 +21,10 @@ from safetensors.torch import load_file
 
 import fixtures
 from helpers import edit_safetensors, expect_user_error, llama_logits, run_cli, transformers_logits
+from hqq_env import _verify, hqqfx  # noqa: F401  (hqqfx: the hqq fixtures, built by hqq's own environment)
 
-REPO = Path(__file__).resolve().parent.parent
-HQQ_PY = REPO / ".venvs" / "hqq" / "bin" / "python"
-BUILDER = Path(__file__).with_name("fixtures_hqq.py")
-ROOT = REPO / "tests" / "_fixtures" / "hqq"
 VARIANTS = ("b4_g64_ax1", "b4_g64_ax0", "b3_g64_ax1", "b3_g64_ax0", "b2_g64_ax1", "b1_g64_ax1",
             "b8_g128_ax1_bias", "b4_g64_ax1_vaf", "mixed", "b4_g64_ax1_fp16", "b4_g64_ax0_bf16")
-
-
-def _hqq_run(*args, timeout=900) -> subprocess.CompletedProcess:
-    if not HQQ_PY.exists():
-        raise RuntimeError(f"{HQQ_PY} is missing: run `bash scripts/test_env.d/20-hqq.sh` (scripts/run_tests.sh "
-                           "does) to create the hqq environment")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore",
-           "OMP_NUM_THREADS": "1"}
-    env.pop("PYTHONPATH", None)
-    proc = subprocess.run([str(HQQ_PY), str(BUILDER), *map(str, args)], capture_output=True, text=True, env=env,
-                          timeout=timeout)
-    if proc.returncode:
-        raise AssertionError(f"hqq environment: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return proc
-
-
-@pytest.fixture(scope="session")
-def hqqfx():
-    _hqq_run("build", "--root", ROOT)
-    prompt = json.loads((ROOT / "prompt.json").read_text())["prompt_ids"]
-    return {"root": ROOT, "prompt": prompt}
-
-
-def _verify(ckpt: Path, out: Path, loader: str, compute: str = "float32") -> dict:
-    _hqq_run("verify", ckpt, out, "--loader", loader, "--compute-dtype", compute)
-    return load_file(str(out))
 
 
 def _our_dequant(path: Path, fmt: str = "hqq") -> dict:

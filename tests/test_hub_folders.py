@@ -317,10 +317,10 @@ def test_shard_tensors_the_index_does_not_list_are_read_with_one_warning(gptq_fo
 # -- hqq and dense hf folders ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hqq_tf():
-    import test_hqq
+    import hqq_env
 
-    test_hqq._hqq_run("build", "--root", test_hqq.ROOT)
-    return test_hqq.ROOT / "b4_g64_ax1" / "tf"
+    hqq_env._hqq_run("build", "--root", hqq_env.ROOT)
+    return hqq_env.ROOT / "b4_g64_ax1" / "tf"
 
 
 def test_hqq_folder_with_an_adapter_converts_like_the_clean_one(hqq_tf, tmp_path):

@@ -21,6 +21,7 @@ import pytest
 
 import fixtures
 from helpers import gguf_dequant, gguf_tensors, llama_logits, run_cli, transformers_logits, write_legacy_imatrix
+from iq_cases import IQ3_KINDS, WEIGHTINGS, _hf_to_gguf_name, _imatrix, _iq3_data, _report, _uniform_grid
 from qconvert.converters.checker import EXACT, REFUSED, REQUANTIZE, check, decide
 from qconvert.formats.gguf.schemes import ALIGNED_CANDIDATES, GGUF_SCHEMES, k_fallback
 from qconvert.kernels.ggml.libggml import ggml_quantize
@@ -30,9 +31,7 @@ from qconvert.kernels.ggml.iq_lattice import codes_of, lattice
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
 
-from test_gguf_presets import llama_quantize  # noqa: E402  (needs llama_cpp)
-from test_iq4_nl import WEIGHTINGS, _hf_to_gguf_name, _imatrix, _report, _uniform_grid  # noqa: E402
-from test_iq4_xs import XS_KINDS, _xs_data  # noqa: E402
+from llama_quantize import llama_quantize  # noqa: E402  (needs llama_cpp)
 
 FTYPE_IQ3_S = 26  # llama.cpp LLAMA_FTYPE_MOSTLY_IQ3_S
 SB = 110  # bytes per 256-element super-block (gguf-py GGML_QUANT_SIZES)
@@ -41,25 +40,6 @@ PROMPT = fixtures.prompt_ids()
 
 # ---------------------------------------------------------------------------------------------------------
 # the kernel, byte for byte with ggml
-
-
-def _iq3_data(kind: str, rng: np.random.Generator) -> np.ndarray:
-    """IQ4_XS's data kinds (IQ4_NL's, rows made whole super-blocks, and its super-block cases) except "huge",
-    where ggml's IQ3_S aborts (test_overflowing_input_aborts_ggml_and_raises_here), and three more."""
-    if kind == "large":  # as large as IQ3_S's float32 sums allow: w*x*q ~ 1e33
-        return (rng.standard_normal((8, 256)) * 1e11).astype(np.float32)
-    if kind == "dead":  # dead 32-blocks (zeros, some -0.0) inside live super-blocks: C's qs/signs pointer quirk
-        x = rng.standard_normal((16, 8, 32)).astype(np.float32)
-        x[rng.random((16, 8)) < 0.3] = 0
-        x[3, 2] = -0.0
-        x[5, :7] = 0  # only the last block alive
-        return x.reshape(16, 256)
-    if kind == "lattice":  # values on the lattice itself (odd multiples, signs), some groups off it
-        return (rng.choice(np.arange(1, 16, 2), (32, 256)) * rng.choice([-1, 1], (32, 256)) * 0.01).astype(np.float32)
-    return _xs_data(kind, rng)
-
-
-IQ3_KINDS = (*(k for k in XS_KINDS if k != "huge"), "large", "dead", "lattice")
 
 
 def _differing_blocks(ours: np.ndarray, theirs: np.ndarray) -> int:

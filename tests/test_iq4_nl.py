@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 import fixtures
 from helpers import gguf_dequant, gguf_tensors, llama_logits, run_cli, transformers_logits, write_legacy_imatrix
+from iq_cases import KINDS, WEIGHTINGS, _data, _hf_to_gguf_name, _imatrix, _report, _uniform_grid
 from qconvert.converters.checker import EXACT, REFUSED, REQUANTIZE, check, decide
 from qconvert.converters.records import GridParams
 from qconvert.formats.bitsandbytes.reader import BnbSource
@@ -31,7 +32,7 @@ from qconvert.kernels.ggml.iq4_nl import KVALUES, best_index, dequantize_iq4_nl,
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
 
-from test_gguf_presets import llama_quantize  # noqa: E402  (needs llama_cpp)
+from llama_quantize import llama_quantize  # noqa: E402  (needs llama_cpp)
 
 REPO = Path(__file__).resolve().parent.parent
 BNB = REPO / "tests" / "producer_fixtures" / "bitsandbytes"
@@ -42,43 +43,6 @@ CODEBOOK_REASON = "a 16-value codebook is not a uniform grid (IQ4_NL's 16 values
 
 # ---------------------------------------------------------------------------------------------------------
 # the kernel, byte for byte with ggml
-
-
-def _data(kind: str, rng: np.random.Generator) -> np.ndarray:
-    if kind == "normal":
-        return rng.standard_normal((64, 256)).astype(np.float32)
-    if kind == "weights":
-        return (rng.standard_normal((96, 512)) * 0.02).astype(np.float32)
-    if kind == "zeros":
-        return np.zeros((4, 128), np.float32)
-    if kind == "tiny":  # around ggml's GROUP_MAX_EPS (1e-15): some blocks quantize, some are zeroed
-        return (rng.standard_normal((16, 128)) * 1e-15).astype(np.float32)
-    if kind == "subnormal":
-        return (rng.standard_normal((8, 128)) * 1e-40).astype(np.float32)
-    if kind == "huge":  # x*x overflows to inf in the weights
-        return (rng.standard_normal((8, 256)) * 1e37).astype(np.float32)
-    if kind == "ties":  # small integers: many x/d land exactly between two table entries or on equal |max|
-        return rng.integers(-4, 5, (64, 256)).astype(np.float32)
-    if kind == "table":  # exact multiples of the table itself, and its midpoints
-        mids = (KVALUES[1:].astype(np.float32) + KVALUES[:-1]) / 2
-        vals = np.concatenate([KVALUES.astype(np.float32), mids])
-        return (rng.choice(vals, (32, 256)) * np.float32(0.01)).astype(np.float32)
-    if kind == "mixed":  # zero blocks, sparse blocks and magnitudes from 1e-20 to 1e5 side by side
-        mag = rng.choice(np.array([1e-20, 1e-3, 1.0, 1e5]), (32, 256))
-        return np.where(rng.random((32, 256)) < 0.3, 0, rng.standard_normal((32, 256)) * mag).astype(np.float32)
-    raise ValueError(kind)
-
-
-KINDS = ("normal", "weights", "zeros", "tiny", "subnormal", "huge", "ties", "table", "mixed")
-
-
-WEIGHTINGS = ("none", "random", "ones", "sparse")  # no imatrix, and three kinds of importance vector
-
-
-def _imatrix(weighting: str, rng: np.random.Generator, n: int) -> np.ndarray | None:
-    """An importance vector of n columns (or None) for one of WEIGHTINGS (tests/test_iq4_xs.py shares it)."""
-    return {"none": None, "random": rng.random(n).astype(np.float32) * 10, "ones": np.ones(n, np.float32),
-            "sparse": np.where(rng.random(n) < 0.5, 0, rng.random(n)).astype(np.float32)}[weighting]
 
 
 @pytest.mark.parametrize("weighting", WEIGHTINGS)
@@ -152,14 +116,6 @@ def test_kernel_zero_blocks_and_row_length():
 # the checker
 
 
-def _uniform_grid(rows: int = 8, cols: int = 128, group: int = 32) -> GridParams:
-    """A 4-bit symmetric grid that Q4_0 holds exactly (zero point 8, fp16 scales)."""
-    gen = torch.Generator().manual_seed(3)
-    scales = (torch.rand(rows, cols // group, generator=gen) * 0.01 + 1e-3).to(torch.float16).float()
-    return GridParams(bits=4, group_size=group, scales=scales,
-                      zeros=torch.full((rows, cols // group), 8, dtype=torch.int16))
-
-
 def test_every_source_requantizes_into_iq4_nl():
     s = GGUF_SCHEMES["IQ4_NL"]
     assert (s.ggml_type, s.block, s.block_bytes) == (20, 32, 18)
@@ -197,10 +153,6 @@ def tiny(tmp_path_factory):
     run_cli("hf->gguf", src, ours, "--type", "iq4_nl", "--allow-requant", "--report", rep, "--quiet")
     run_cli("hf->gguf", src, f32, "--type", "f32", "--quiet")
     return {"src": src, "ours": ours, "f32": f32, "report": _report(rep), "dir": d}
-
-
-def _report(path: Path) -> dict[str, dict]:
-    return {t["name"]: t for t in json.loads(path.read_text())["tensors"]}
 
 
 def _same_iq4_nl_tensors(ours: Path, theirs: Path) -> list[str]:
@@ -241,12 +193,6 @@ def test_hf_to_iq4_nl_runs_in_llama_cpp_close_to_transformers(tiny):
     run_cli("hf->gguf", tiny["src"], q4_0, "--type", "q4_0", "--allow-requant", "--quiet")
     rms_q4_0 = float(np.sqrt(np.mean((llama_logits(q4_0, PROMPT) - want) ** 2)))
     assert rms < 1.1 * rms_q4_0, (rms, rms_q4_0)  # the non-linear table fits these weights no worse
-
-
-def _hf_to_gguf_name(name: str) -> str:
-    from qconvert.formats.gguf.names import gguf_tensor_name
-
-    return gguf_tensor_name(name, "llama", 2) or "?"
 
 
 def test_hf_to_iq4_nl_equals_llama_quantize(tiny):

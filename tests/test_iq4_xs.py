@@ -19,6 +19,7 @@ import torch
 
 import fixtures
 from helpers import gguf_dequant, gguf_tensors, llama_logits, run_cli, transformers_logits, write_legacy_imatrix
+from iq_cases import XS_KINDS, WEIGHTINGS, _hf_to_gguf_name, _imatrix, _report, _uniform_grid, _xs_data
 from qconvert.converters.checker import EXACT, REFUSED, REQUANTIZE, check, decide
 from qconvert.formats.gguf.names import qk_row_permutation
 from qconvert.formats.gguf.schemes import ALIGNED_CANDIDATES, GGUF_SCHEMES, k_fallback
@@ -28,8 +29,7 @@ from qconvert.kernels.ggml.iq4_xs import dequantize_iq4_xs, nearest_int, quantiz
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
 
-from test_gguf_presets import llama_quantize  # noqa: E402  (needs llama_cpp)
-from test_iq4_nl import KINDS, WEIGHTINGS, _data, _hf_to_gguf_name, _imatrix, _report, _uniform_grid  # noqa: E402
+from llama_quantize import llama_quantize  # noqa: E402  (needs llama_cpp)
 
 FTYPE_IQ4_XS = 30  # llama.cpp LLAMA_FTYPE_MOSTLY_IQ4_XS
 SB = 136  # bytes per 256-element super-block (gguf-py GGML_QUANT_SIZES)
@@ -38,28 +38,6 @@ PROMPT = fixtures.prompt_ids()
 
 # ---------------------------------------------------------------------------------------------------------
 # the kernel, byte for byte with ggml
-
-
-def _xs_data(kind: str, rng: np.random.Generator) -> np.ndarray:
-    """IQ4_NL's data kinds with rows made whole super-blocks, and three that aim at the super-block step."""
-    if kind in KINDS:
-        x = _data(kind, rng)
-        return x if x.shape[1] % 256 == 0 else x.reshape(-1, 256)  # zeros, tiny, subnormal: rows of 128
-    if kind == "subscales":  # each 32-block its own magnitude: dead blocks, scales that round to l = 0,
-        # and a fifth of the super-blocks below GROUP_MAX_EPS throughout (all scales 0: d = -0.0)
-        mag = rng.choice(np.array([0, 1e-16, 1e-8, 1e-3, 1.0, 1e3, 1e6]), (24, 3, 8, 1))
-        dead = rng.random((24, 3, 1, 1)) < 0.2
-        mag = np.where(dead, rng.choice(np.array([0, 1e-16]), (24, 3, 8, 1)), mag)
-        return (rng.standard_normal((24, 3, 8, 32)) * mag).astype(np.float32).reshape(24, 768)
-    if kind == "mirror":  # 32-blocks v, -v, ...: scales of both signs near max, l = +32 clamps to 31
-        v = rng.standard_normal((16, 1, 32)) * rng.uniform(0.9, 1.1, (16, 8, 1))
-        return (v * np.tile([1.0, -1.0], 4).reshape(1, 8, 1)).astype(np.float32).reshape(16, 256)
-    if kind == "odd":  # an odd number of rows of 5 super-blocks
-        return (rng.standard_normal((7, 1280)) * 0.02).astype(np.float32)
-    raise ValueError(kind)
-
-
-XS_KINDS = (*KINDS, "subscales", "mirror", "odd")
 
 
 def _differing_blocks(ours: np.ndarray, theirs: np.ndarray) -> int:

@@ -23,6 +23,7 @@ import pytest
 
 import fixtures
 from helpers import gguf_dequant, gguf_tensors, llama_logits, run_cli, transformers_logits, write_legacy_imatrix
+from iq_cases import IQ3_KINDS, WEIGHTINGS, _hf_to_gguf_name, _imatrix, _iq3_data, _report, _uniform_grid
 from qconvert.converters.checker import REFUSED, REQUANTIZE, check, decide
 from qconvert.formats.gguf.schemes import ALIGNED_CANDIDATES, GGUF_SCHEMES, imatrix_refusal, k_fallback
 from qconvert.kernels.ggml import iq2, iq3_s
@@ -32,9 +33,7 @@ from qconvert.kernels.ggml.iq_lattice import codes_of, decode_values, lattice
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
 
-from test_gguf_presets import llama_quantize  # noqa: E402  (needs llama_cpp)
-from test_iq3_s import IQ3_KINDS, _iq3_data  # noqa: E402
-from test_iq4_nl import WEIGHTINGS, _hf_to_gguf_name, _imatrix, _report, _uniform_grid  # noqa: E402
+from llama_quantize import llama_quantize  # noqa: E402  (needs llama_cpp)
 
 TYPES = ("IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ3_XXS")
 # llama.cpp's file types whose default tensor type these are: LLAMA_FTYPE_MOSTLY_IQ2_M (29) for IQ2_S (ftype 28,

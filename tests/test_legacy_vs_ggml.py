@@ -15,7 +15,7 @@ import torch
 from qconvert.kernels.ggml.layouts import LAYOUTS, LEGACY_TYPES
 from qconvert.kernels.ggml import kquant_c
 from qconvert.kernels.ggml.legacy import decode_blocks, quantize_pack
-from test_kquants import DATA, MAX_RMSE_RATIO, MIN_IDENTICAL
+from kquant_data import DATA, MAX_RMSE_RATIO, MIN_IDENTICAL
 
 ggml_ctypes = pytest.importorskip("qconvert.kernels.ggml.libggml")
 if not ggml_ctypes.available():

@@ -28,7 +28,7 @@ from helpers import llama_logits, run_cli
 
 REPO = Path(__file__).resolve().parent.parent
 MLX_PY = REPO / ".venvs" / "mlx" / "bin" / "python"
-DRIVER = Path(__file__).parent / "mlx_driver.py"
+DRIVER = Path(__file__).parent / "support" / "mlx_driver.py"
 PRODUCED = Path(__file__).parent / "producer_fixtures" / "mlx"
 LOGIT_TOLERANCE = 0.05  # fraction of the reference's logit range
 # llama.cpp's CPU matmul quantizes the activations to Q8 for Q4_0/Q4_1 weights: on the asym zp0 model its

@@ -300,8 +300,8 @@ def test_qqq_to_hqq_loads_in_hqq_with_the_runtime_weights(qfx, variant, tmp_path
            "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONPATH", None)
     loaded_path = tmp_path / "loaded.safetensors"
-    proc = subprocess.run([str(HQQ_PY), str(fixtures.REPO_ROOT / "tests" / "fixtures_hqq.py"), "verify", str(out),
-                           str(loaded_path), "--loader", "transformers", "--compute-dtype", "float32"],
+    proc = subprocess.run([str(HQQ_PY), str(fixtures.REPO_ROOT / "tests" / "support" / "fixtures_hqq.py"), "verify",
+                           str(out), str(loaded_path), "--loader", "transformers", "--compute-dtype", "float32"],
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = load_file(str(loaded_path))

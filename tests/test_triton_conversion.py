@@ -23,11 +23,11 @@ import torch
 from qconvert.converters.apps.cli import main
 
 import fixtures_qqq
-from test_hqq import hqqfx  # noqa: F401  (the hqq fixtures, built by hqq's own environment)
+from hqq_env import hqqfx  # noqa: F401  (the hqq fixtures, built by hqq's own environment)
 
 pytest.importorskip("triton", reason="Triton is installed by the test environment (pyproject extra 'triton')")
 
-PROBES = Path(__file__).with_name("triton_probes.py")
+PROBES = Path(__file__).parent / "support" / "triton_probes.py"
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 

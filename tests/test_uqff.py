@@ -333,9 +333,9 @@ HQQ_ROOT = Path(__file__).resolve().parent / "_fixtures" / "hqq"
 @pytest.fixture(scope="session")
 def hqq_tf():
     """The hqq fixtures (tests/test_hqq.py builds them in the hqq environment)."""
-    import test_hqq
+    import hqq_env
 
-    test_hqq._hqq_run("build", "--root", HQQ_ROOT)
+    hqq_env._hqq_run("build", "--root", HQQ_ROOT)
     return lambda name: HQQ_ROOT / name / "tf"
 
 
@@ -353,10 +353,10 @@ def test_hqq_axis0_to_uqff_hqq_is_exact(hqq_tf, tmp_path, jinja):
     assert back.summary()["max_abs_err"] == 0.0 and back.summary()["verdicts"]["exact"] == len(back.results)
     # which hqq itself loads (transformers 4.57.6 + hqq 0.2.8 in their environment) with the same
     # dequantized weights and logits as the original hqq checkpoint
-    import test_hqq
+    import hqq_env
     from safetensors.torch import load_file
 
-    loaded = test_hqq._verify(tmp_path / "hqq", tmp_path / "hqq_loaded.safetensors", "transformers")
+    loaded = hqq_env._verify(tmp_path / "hqq", tmp_path / "hqq_loaded.safetensors", "transformers")
     original = load_file(str(HQQ_ROOT / "b4_g64_ax0" / "reference.safetensors"))
     assert loaded.keys() == original.keys()
     for key in original:

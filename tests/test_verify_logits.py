@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers import llama_logits, run_cli, transformers_logits
-from test_gguf_presets import model_dir
+from wide_models import model_dir
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by scripts/run_tests.sh")
 pytest.importorskip("gptqmodel", reason="gptqmodel is installed by scripts/run_tests.sh")

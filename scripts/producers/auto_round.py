@@ -74,7 +74,7 @@ def build_base(out: Path) -> Path:
     """The tiny llama (tests/fixtures.py), one decoder layer, tied embeddings (lm_head = embed_tokens)."""
     sys.path.insert(0, str(ROOT.parent))
     sys.path.insert(0, str(ROOT))
-    from tests.fixtures import build_tiny_llama
+    from tests.support.fixtures import build_tiny_llama
     from safetensors.torch import load_file, save_file
 
     base = out / "_base"

@@ -63,7 +63,7 @@ def _load(name: str, path: Path):
 
 
 def _fixtures():
-    return _load("qconvert_test_fixtures", REPO / "tests" / "fixtures.py")
+    return _load("qconvert_test_fixtures", REPO / "tests" / "support" / "fixtures.py")
 
 
 def ensure_venv() -> Path:

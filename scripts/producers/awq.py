@@ -59,7 +59,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def _fixtures():
-    spec = importlib.util.spec_from_file_location("qconvert_test_fixtures", REPO / "tests" / "fixtures.py")
+    spec = importlib.util.spec_from_file_location("qconvert_test_fixtures", REPO / "tests" / "support" / "fixtures.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

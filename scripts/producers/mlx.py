@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / "tests" / "producer_fixtures" / "mlx"
 MLX_PY = REPO / ".venvs" / "mlx" / "bin" / "python"
-DRIVER = REPO / "tests" / "mlx_driver.py"
+DRIVER = REPO / "tests" / "support" / "mlx_driver.py"
 BITS, GROUP = 4, 64
 
 
@@ -35,7 +35,7 @@ def _mlx(*args) -> str:
 
 
 def main() -> int:
-    sys.path.insert(0, str(REPO / "tests"))
+    sys.path.insert(0, str(REPO / "tests" / "support"))
     import fixtures
 
     if not MLX_PY.exists():

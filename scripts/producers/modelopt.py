@@ -59,7 +59,7 @@ def build_base(out: Path) -> Path:
     """tests/fixtures.py's tiny Llama (untied lm_head), decoder layer 1 removed, in bfloat16."""
     from safetensors.torch import load_file, save_file
 
-    spec = importlib.util.spec_from_file_location("qconvert_test_fixtures", REPO / "tests" / "fixtures.py")
+    spec = importlib.util.spec_from_file_location("qconvert_test_fixtures", REPO / "tests" / "support" / "fixtures.py")
     fx = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fx)
     fx.build_tiny_llama(out, seed=1234, tie=False)

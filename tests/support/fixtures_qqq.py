@@ -25,7 +25,7 @@ confined here:
 * rotation: ``apply_exact_had_to_linear`` calls ``.cuda()``; ``torch.Tensor.cuda`` is an identity while
   quantize() runs and is restored afterwards.
 
-Usage: ``python tests/fixtures_qqq.py [--only NAME ...]``.
+Usage: ``python tests/support/fixtures_qqq.py [--only NAME ...]``.
 """
 
 from __future__ import annotations

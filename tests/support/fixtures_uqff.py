@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_ROOT = HERE / "_fixtures" / "uqff"
+DEFAULT_ROOT = HERE.parent / "_fixtures" / "uqff"
 PROMPT_TEXT = "the quantized model weights convert to a checkpoint"
 STEPS = 4
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -232,7 +232,7 @@ if __name__ == "__main__":
 
 
 # -- MoE: tiny Mixtral / Qwen3-MoE and what mistral.rs writes for them -------------------------------------
-MOE_ROOT = HERE / "_fixtures" / "uqff_moe"
+MOE_ROOT = HERE.parent / "_fixtures" / "uqff_moe"
 # transformers model_type -> mistral.rs Architecture
 MOE_ARCH = {"mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe"}
 MOE_EXPERTS = 4

@@ -3,8 +3,8 @@
 This script runs in the separate environment `<repo>/.venvs/hqq` (scripts/test_env.d/20-hqq.sh), never in
 the main venv: hqq's transformers path needs transformers 4.57.x. Tests call it through a subprocess.
 
-    python tests/fixtures_hqq.py build [--root DIR]             every variant below (cached, .done markers)
-    python tests/fixtures_hqq.py verify DIR OUT.safetensors [--loader transformers|hqq] [--compute-dtype D]
+    python tests/support/fixtures_hqq.py build [--root DIR]             every variant below (cached, .done markers)
+    python tests/support/fixtures_hqq.py verify DIR OUT.safetensors [--loader transformers|hqq] [--compute-dtype D]
 
 Layout under ``root`` (default tests/_fixtures/hqq)::
 
@@ -44,7 +44,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_ROOT = HERE / "_fixtures" / "hqq"
+DEFAULT_ROOT = HERE.parent / "_fixtures" / "hqq"
 LINEAR_TAGS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 

@@ -17,7 +17,7 @@ Layout produced by :func:`ensure_fixtures` under ``root`` (default ``tests/_fixt
                                   key "<module>.weight") and "__logits__" (float32 [1, T, vocab])
         .done                     marker: the variant is complete
 
-Usage: ``python tests/fixtures.py [--root DIR] [--only NAME ...] [--bundled DIR] [--list]`` or
+Usage: ``python tests/support/fixtures.py [--root DIR] [--only NAME ...] [--bundled DIR] [--list]`` or
 ``python scripts/make_fixtures.py ...`` (a thin wrapper). The full set builds in ~45 s on 2 CPU
 cores and is byte-for-byte reproducible. Tests should load this module by path, because pytest
 runs with ``--import-mode=importlib``::
@@ -62,7 +62,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_ROOT = REPO_ROOT / "tests" / "_fixtures"
 
 VOCAB_SIZE = 512
