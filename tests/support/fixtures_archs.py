@@ -38,7 +38,7 @@ ARCH_PROMPT_SEED = 2718
 
 
 def _fixtures():
-    """tests/fixtures.py, loaded by path (its tokenizer and vocab size)."""
+    """tests/support/fixtures.py, loaded by path (its tokenizer and vocab size)."""
     name = "qconvert_test_fixtures"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("fixtures.py"))

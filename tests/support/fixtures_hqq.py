@@ -8,13 +8,13 @@ the main venv: hqq's transformers path needs transformers 4.57.x. Tests call it 
 
 Layout under ``root`` (default tests/_fixtures/hqq)::
 
-    base_llama/, base_qwen2/         fp16 tiny models (tests/fixtures.py build_tiny_llama) + tokenizer
+    base_llama/, base_qwen2/         fp16 tiny models (tests/support/fixtures.py build_tiny_llama) + tokenizer
     <variant>/tf/                    transformers save_pretrained: model.safetensors (19-20 keys per layer),
                                      config.json with quantization_config (quant_method "hqq")
     <variant>/lib/                   hqq library save_quantized: qmodel.pt + config.json (no quantization_config)
     <variant>/reference.safetensors  hqq's own HQQLinear.dequantize() per quantized linear ("<module>.weight",
                                      in hqq's compute dtype) and "__logits__" (float32 [T, vocab]) of the
-                                     quantized model on the prompt of tests/fixtures.py
+                                     quantized model on the prompt of tests/support/fixtures.py
     legacy_b4_g64_ax0/lib/           the b4_g64_ax0 qmodel.pt rewritten in the hqq <= 0.1.8 layout
                                      {"W_q", "meta": {...}, "bias"}; its reference is what hqq 0.2.8 loads from it
 

@@ -11,7 +11,7 @@ the dense GPTQ fixtures)::
         coverage.json             per quantized module: how gptqmodel quantized it (from quant_log.csv)
         .done                     marker (the kwargs as JSON)
 
-The tiny model (both kinds): vocab 512 (tests/fixtures.py build_tokenizer), hidden 128, 2 layers, 4 heads
+The tiny model (both kinds): vocab 512 (tests/support/fixtures.py build_tokenizer), hidden 128, 2 layers, 4 heads
 of 32, 2 KV heads, 4 experts, top-2, expert FFN 128 (so every linear's in-features is a multiple of 128).
 
 What transformers 5.24 and gptqmodel 7.6 do with the experts (found by reading and running them):
@@ -304,7 +304,7 @@ def moe_gptq_reference_in_child(ckpt_dir, dest) -> Dict[str, "object"]:
 def moe_gptq_reference(ckpt_dir) -> Dict[str, "object"]:
     """{HF weight name: float32 [out, in]} for every quantized linear of ``ckpt_dir``, from gptqmodel's
     own dequantization: the checkpoint loaded with ``BACKEND.GPTQ_TORCH`` on CPU in fp16 (as
-    tests/fixtures.py _load_quantized), then each TorchLinear's ``dequantize_weight()`` ([in, out],
+    tests/support/fixtures.py _load_quantized), then each TorchLinear's ``dequantize_weight()`` ([in, out],
     transposed here). Keys like ``model.layers.0.mlp.experts.3.gate_proj.weight``: the loaded model keeps
     one quant module per expert, named as in the checkpoint."""
     import torch

@@ -1,5 +1,5 @@
 """Tiny models 256 wide of the MoE and newer architectures, shaped to exercise llama-quantize's preset
-rules (tests/test_gguf_presets_moe.py): K-type super-blocks need rows of 256, layer positions need
+rules (tests/formats/gguf/test_gguf_presets_moe.py): K-type super-blocks need rows of 256, layer positions need
 several layers (use_more_bits splits 8 layers into first/last eighth and every third), the n_expert == 8
 rules need 8 experts, and a few rows are deliberately not whole 256-blocks (DeepSeek's MLA k_b rows of
 48 and attn_output rows of 128, Gemma 2's 192-wide heads) so that the shape fallback is hit, down to F16.
@@ -16,7 +16,7 @@ from pathlib import Path
 VOCAB = 512
 
 
-from fixtures_archs import _fixtures  # tests/fixtures.py, loaded by path
+from fixtures_archs import _fixtures  # tests/support/fixtures.py, loaded by path
 
 
 def _common(layers: int, ffn: int, tie: bool, heads: int = 4, kv_heads: int = 2) -> dict:

@@ -4,7 +4,7 @@ taken from gptqmodel's own runtime.
 Layout under ``root`` (default ``tests/_fixtures/qqq``)::
 
     root/
-      base/                       the tiny fp16 Llama of tests/fixtures.py (same seed, built here again so
+      base/                       the tiny fp16 Llama of tests/support/fixtures.py (same seed, built here again so
                                   that this builder never waits on the GPTQ fixtures' lock)
       <variant>/
         ckpt/                     the gptqmodel checkpoint

@@ -23,7 +23,7 @@ _LOAD_TIME_ENV = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORC
 
 
 class _ForkServer:
-    """tests/cli_forkserver.py, started on first use: `python -m qconvert` without paying the imports each time.
+    """tests/support/cli_forkserver.py, started on first use: `python -m qconvert` without paying the imports each time.
     QCONVERT_TEST_FORKSERVER=0 turns it off (every command a plain `python -m qconvert`)."""
 
     def __init__(self):
@@ -81,7 +81,7 @@ _FORK_SERVER = _ForkServer()
 
 def run_cli(*args, check_rc: int | None = 0) -> subprocess.CompletedProcess:
     """Run `python -m qconvert ARGS` as a user would (a fresh process forked from one that has imported the CLI,
-    see tests/cli_forkserver.py); return the completed process."""
+    see tests/support/cli_forkserver.py); return the completed process."""
     argv = list(map(str, args))
     proc = _FORK_SERVER.run(argv)
     if proc is None:

@@ -40,6 +40,12 @@ def hqqfx():
     return {"root": ROOT, "prompt": prompt}
 
 
+@pytest.fixture(scope="session")
+def hqq_root():
+    _hqq_run("build", "--root", ROOT)
+    return ROOT
+
+
 def _verify(ckpt: Path, out: Path, loader: str, compute: str = "float32") -> dict:
     _hqq_run("verify", ckpt, out, "--loader", loader, "--compute-dtype", compute)
     return load_file(str(out))

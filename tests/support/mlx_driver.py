@@ -1,4 +1,4 @@
-"""The mlx side of tests/test_mlx.py, run with the mlx environment's python (.venvs/mlx, made by
+"""The mlx side of tests/formats/mlx/test_mlx.py, run with the mlx environment's python (.venvs/mlx, made by
 scripts/test_env.d/40-mlx.sh): mlx and mlx-lm judge and produce here, never qconvert (not installed there).
 
     load MODEL_DIR OUT.safetensors IDS_JSON [N_NEW]   mlx_lm.load the folder; write every quantized module's

@@ -1,9 +1,9 @@
-"""Probes for tests/test_triton_quant.py, each run in its own process: Triton's CPU interpreter must be chosen
+"""Probes for tests/e2e/test_triton_conversion.py, each run in its own process: Triton's CPU interpreter must be chosen
 (TRITON_INTERPRET=1) before triton is imported, and the pytest process may have imported it already.
 
-    python tests/support/triton_probes.py kernels     every Triton kernel against the CPU path (and llama.cpp's C)
+    python tests/support/triton_probes.py kernels   every Triton kernel against the CPU path (and llama.cpp's C)
     python tests/support/triton_probes.py convert DIR HF GPTQ HQQ   the tiny-model conversions, default and Triton runs
-    python tests/support/triton_probes.py ptx         the kernels compiled for an H200 (sm_90): no FMA, no approximations
+    python tests/support/triton_probes.py ptx       the kernels compiled for an H200 (sm_90): no FMA, no approximations
 
 Each prints one JSON line that the test reads.
 """
