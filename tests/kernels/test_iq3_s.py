@@ -1,12 +1,13 @@
-"""IQ3_S as a GGUF target: the kernel (kernels/iq3_s.py, kernels/iq_lattice.py) against ggml's own
-quantize_iq3_s, the checker's verdicts and llama-quantize's 256 -> IQ4_NL fallback (formats/gguf/schemes.py),
-and a conversion judged by llama.cpp.
+"""IQ3_S as a GGUF target, what is its own: the kernel's lattice (kernels/ggml/iq3_s.py, kernels/ggml/iq_lattice.py)
+against gguf-py's grid and C's neighbour order, the dead-block quirk, scale range and overflow as ggml's bytes and
+aborts show them, the checker's verdicts and llama-quantize's 256 -> IQ4_NL fallback (formats/gguf/schemes.py), and
+llama-quantize's IQ3_S file as a source, copied. The kernel's bytes against ggml's own quantize_iq3_s, its decoder
+against gguf-py's, and hf -> gguf against llama-quantize, with every other IQ type: tests/kernels/test_iq_vs_ggml.py.
 
 Oracles, all run here (none stored): ggml_quantize_chunk(GGML_TYPE_IQ3_S) from llama-cpp-python's
-libggml-base.so (kernels/ggml_ctypes.py), with and without an importance matrix, and in a child process where
-ggml aborts; llama-quantize (llama_cpp.llama_model_quantize, LLAMA_FTYPE_MOSTLY_IQ3_S = 26) of our F32 GGUF;
-gguf-py's IQ3_S decoder and grid; llama.cpp running the file; transformers for the dense model. The data
-generators and importance vectors are tests/kernels/test_iq4_nl.py's and tests/kernels/test_iq4_xs.py's.
+libggml-base.so (kernels/ggml/libggml.py), and in a child process where ggml aborts; llama-quantize
+(llama_cpp.llama_model_quantize, LLAMA_FTYPE_MOSTLY_IQ3_S = 26) of our F32 GGUF (tests/kernels/conftest.py);
+gguf-py's IQ3_S grid; llama.cpp running the file. The grid for the checker is tests/support/iq_cases.py's.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import numpy as np
 import pytest
 
 import fixtures
-from helpers import gguf_dequant, gguf_tensors, llama_logits, run_cli, transformers_logits, write_legacy_imatrix
-from iq_cases import IQ3_KINDS, WEIGHTINGS, _hf_to_gguf_name, _imatrix, _iq3_data, _report, _uniform_grid
+from helpers import gguf_tensors, llama_logits, run_cli
+from iq_cases import _report, _uniform_grid
 from qconvert.converters.checker import EXACT, REFUSED, REQUANTIZE, check, decide
 from qconvert.formats.gguf.schemes import ALIGNED_CANDIDATES, GGUF_SCHEMES, k_fallback
 from qconvert.kernels.ggml.libggml import ggml_quantize
@@ -31,37 +32,12 @@ from qconvert.kernels.ggml.iq_lattice import codes_of, lattice
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
 
-from llama_quantize import llama_quantize  # noqa: E402  (needs llama_cpp)
-
-FTYPE_IQ3_S = 26  # llama.cpp LLAMA_FTYPE_MOSTLY_IQ3_S
 SB = 110  # bytes per 256-element super-block (gguf-py GGML_QUANT_SIZES)
 PROMPT = fixtures.prompt_ids()
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the kernel, byte for byte with ggml
-
-
-def _differing_blocks(ours: np.ndarray, theirs: np.ndarray) -> int:
-    return int((ours.reshape(-1, SB) != theirs.reshape(-1, SB)).any(axis=1).sum())
-
-
-@pytest.mark.parametrize("weighting", WEIGHTINGS)
-@pytest.mark.parametrize("kind", IQ3_KINDS)
-def test_kernel_bytes_equal_ggml_quantize_chunk(kind, weighting):
-    rng = np.random.default_rng([300 + IQ3_KINDS.index(kind), WEIGHTINGS.index(weighting)])  # fixed per case
-    x = _iq3_data(kind, rng)
-    rows, n = x.shape
-    imatrix = _imatrix(weighting, rng, n)
-    ours = quantize_iq3_s(x, imatrix, threads=1)
-    theirs = ggml_quantize(x, "IQ3_S", imatrix)
-    assert ours.shape == theirs.shape == (rows, n // 256 * SB)
-    differ = _differing_blocks(ours, theirs)
-    assert differ == 0, f"{differ} of {ours.size // SB} super-blocks differ"
-    # the decode is gguf-py's, bit for bit
-    got = dequantize_iq3_s(theirs, n)
-    want = gguf.quants.dequantize(theirs, gguf.GGMLQuantizationType.IQ3_S)
-    assert np.array_equal(got.view(np.uint32), want.reshape(got.shape).view(np.uint32))
+# the kernel's lattice and the cases ggml's bytes show (its bytes against ggml's: tests/kernels/test_iq_vs_ggml.py)
 
 
 def test_lattice_is_gguf_py_grid_and_neighbours_are_the_nearest_points():
@@ -137,27 +113,6 @@ def test_overflowing_input_aborts_ggml_and_raises_here():
     assert "GGML_ASSERT(grid_index >= 0)" in child.stderr, child.stderr[-500:]
 
 
-def test_kernel_bands_and_threads_do_not_change_the_bytes():
-    x = (np.random.default_rng(4).standard_normal((1100, 512)) * 0.05).astype(np.float32)  # 3 bands of rows
-    imatrix = np.random.default_rng(5).random(512).astype(np.float32)
-    want = ggml_quantize(x, "IQ3_S", imatrix, threads=2)
-    assert _differing_blocks(quantize_iq3_s(x, imatrix, threads=1), want) == 0
-    assert _differing_blocks(quantize_iq3_s(x, imatrix, threads=3), want) == 0
-
-
-def test_decoder_equals_gguf_py_on_arbitrary_blocks():
-    """Every bit pattern decodes as gguf-py decodes it: random bytes (any d, sign, inf or NaN included; all 512
-    grid indices; all 16 block scales)."""
-    data = np.random.default_rng(6).integers(0, 256, (64, 16 * SB), dtype=np.uint8)
-    with np.errstate(all="ignore"):
-        got = dequantize_iq3_s(data, 16 * 256)
-        want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType.IQ3_S).reshape(got.shape)
-    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-    b = data.reshape(-1, SB)
-    index = b[:, 2:66].astype(np.int32) | (np.unpackbits(b[:, 66:74], axis=1, bitorder="little").astype(np.int32) << 8)
-    assert np.unique(index).size == 512
-
-
 # ---------------------------------------------------------------------------------------------------------
 # the checker and the 256 fallback
 
@@ -182,98 +137,13 @@ def test_every_source_requantizes_into_iq3_s_and_short_rows_fall_back_to_iq4_nl(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# conversions, judged by llama.cpp
+# llama-quantize's IQ3_S file as the source (the conversion itself: tests/kernels/test_iq_vs_ggml.py)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny llama (hidden 128, ffn 256, 2 layers), its IQ3_S GGUF and its F32 GGUF. Only ffn_down has rows
-    of 256: the other linears and the embedding fall back to IQ4_NL, in llama-quantize as in ours."""
-    d = tmp_path_factory.mktemp("iq3_s")
-    src = fixtures.build_tiny_llama(d / "hf", seed=29)
-    fixtures.build_tokenizer(src)
-    ours, f32, rep = d / "iq3_s.gguf", d / "f32.gguf", d / "report.json"
-    run_cli("hf->gguf", src, ours, "--type", "iq3_s", "--allow-requant", "--report", rep, "--quiet")
-    run_cli("hf->gguf", src, f32, "--type", "f32", "--quiet")
-    return {"src": src, "ours": ours, "f32": f32, "report": _report(rep), "dir": d}
-
-
-@pytest.fixture(scope="module")
-def llama_iq3(tiny) -> Path:
-    """llama-quantize's IQ3_S of our F32 GGUF."""
-    return llama_quantize(tiny["f32"], tiny["dir"] / "llama-iq3_s.gguf", FTYPE_IQ3_S)
-
-
-def _same_tensors(ours: Path, theirs: Path) -> dict[str, list[str]]:
-    """Every tensor llama-quantize made IQ3_S or IQ4_NL has that type in ours too, with the same bytes; -> their
-    names by type."""
-    a, b = gguf_tensors(ours), gguf_tensors(theirs)
-    names: dict[str, list[str]] = {"IQ3_S": [], "IQ4_NL": []}
-    for name, t in sorted(b.items()):
-        kind = t.tensor_type.name
-        if kind in names:
-            assert a[name].tensor_type.name == kind, (name, a[name].tensor_type.name, kind)
-            assert bytes(a[name].data) == bytes(t.data), name
-            names[kind].append(name)
-    return names
-
-
-def _expect_llama_quantize_types(names: dict[str, list[str]]) -> None:
-    assert names["IQ3_S"] == ["blk.0.ffn_down.weight", "blk.1.ffn_down.weight"], names
-    # the other 12 decoder linears and the embedding: rows of 128, IQ4_NL in both (llama-quantize makes
-    # output.weight Q8_0: its Q6_K wants rows of 256; ours is IQ4_NL, --type's fallback)
-    assert len([n for n in names["IQ4_NL"] if n.startswith("blk.")]) == 12 and "token_embd.weight" in names["IQ4_NL"]
-
-
-def test_hf_to_iq3_s_equals_llama_quantize_and_runs_in_llama_cpp(tiny, llama_iq3):
-    _expect_llama_quantize_types(_same_tensors(tiny["ours"], llama_iq3))
-    for e in tiny["report"].values():
-        if e["target"] == "IQ3_S":
-            assert e["verdict"] == REQUANTIZE and e["reason"] == "dense float16 weights quantized with ggml's " \
-                                                                 "IQ3_S quantizer", e
-        elif e["target"] == "IQ4_NL":
-            assert e["reason"].startswith("IQ3_S needs rows of 256 (these have 128), fallback IQ4_NL: "), e
-    assert sum(e["target"] == "IQ3_S" for e in tiny["report"].values()) == 2
-    assert gguf.GGUFReader(str(tiny["ours"])).fields["general.file_type"].contents() == FTYPE_IQ3_S
-    tensors, f32 = gguf_tensors(tiny["ours"]), gguf_tensors(tiny["f32"])
-    for e in tiny["report"].values():  # the report's error is gguf-py's decode against the source
-        if e["target"] in ("IQ3_S", "IQ4_NL"):
-            name = _hf_to_gguf_name(e["name"])
-            err = float(np.abs(gguf_dequant(tensors[name]).reshape(-1) - np.asarray(f32[name].data).reshape(-1)).max())
-            assert err == e["max_abs_err"], (name, err, e)
-    got = llama_logits(tiny["ours"], PROMPT)
-    want = transformers_logits(tiny["src"], PROMPT)
-    # the two ffn_down at 3.44 bits per weight, the rest IQ4_NL fallbacks, on a random model whose logits have
-    # std 1.0, range +-3.6: measured max 0.733, rms 0.200, argmax agreement 0.75
-    diff = got - want
-    rms = float(np.sqrt(np.mean(diff ** 2)))
-    assert float(np.abs(diff).max()) < 1.0 and rms < 0.25, (float(np.abs(diff).max()), rms)
-    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.6
-
-
-def test_iq3_s_with_imatrix_equals_llama_quantize_with_it(tiny, tmp_path):
-    rng = np.random.default_rng(7)
-    f32 = gguf_tensors(tiny["f32"])
-    values = {n: (rng.random(int(t.shape[0])) * 4).astype(np.float32) for n, t in f32.items()
-              if n.startswith("blk.") and not n.endswith("norm.weight")}
-    dat = tmp_path / "imatrix.dat"
-    write_legacy_imatrix(dat, values)
-    ours, rep = tmp_path / "ours.gguf", tmp_path / "report.json"
-    run_cli("hf->gguf", tiny["src"], ours, "--type", "iq3_s", "--allow-requant", "--imatrix", dat,
-            "--report", rep, "--quiet")
-    weighted = [e for e in _report(rep).values() if "weighted by the imatrix" in e["reason"]]
-    assert len(weighted) == 14 and sum(e["target"] == "IQ3_S" for e in weighted) == 2, weighted
-    from qconvert.formats.gguf.imatrix import read_imatrix
-
-    theirs = llama_quantize(tiny["f32"], tmp_path / "llama.gguf", FTYPE_IQ3_S, imatrix=read_imatrix(dat))
-    _expect_llama_quantize_types(_same_tensors(ours, theirs))
-    plain = gguf_tensors(tiny["ours"])  # and the weights did change the bytes
-    assert bytes(plain["blk.0.ffn_down.weight"].data) != bytes(gguf_tensors(ours)["blk.0.ffn_down.weight"].data)
-    # llama.cpp's own quantizer behind --quantizer llama.cpp writes the same file
-    other = tmp_path / "llama-backend.gguf"
-    run_cli("hf->gguf", tiny["src"], other, "--type", "iq3_s", "--allow-requant", "--imatrix", dat,
-            "--quantizer", "llama.cpp", "--quiet")
-    assert other.read_bytes() == ours.read_bytes()
+def llama_iq3(iq_llama) -> Path:
+    """llama-quantize's IQ3_S of the tiny llama's F32 GGUF (tests/kernels/conftest.py)."""
+    return iq_llama("IQ3_S")
 
 
 def test_gguf_to_gguf_copies_iq3_s_blocks(llama_iq3, tmp_path):

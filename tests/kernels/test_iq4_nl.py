@@ -1,11 +1,13 @@
-"""IQ4_NL as a GGUF target: the kernel (kernels/iq4_nl.py) against ggml's own quantize_iq4_nl, the
-checker's verdicts (formats/gguf/schemes.py), and conversions judged by llama.cpp.
+"""IQ4_NL as a GGUF target, what is its own: the kernel's (kernels/ggml/iq4_nl.py) nearest table entry against
+ggml-quants.c's best_index_int8, its zero blocks and row length, the checker's verdicts (formats/gguf/schemes.py),
+and bitsandbytes' NF4 / FP4 and auto-round's uniform grid converted to it, judged by llama.cpp. The kernel's bytes
+against ggml's own quantize_iq4_nl, and hf -> gguf against llama-quantize, with every other IQ type:
+tests/kernels/test_iq_vs_ggml.py.
 
 Oracles, all run here (none stored): ggml_quantize_chunk(GGML_TYPE_IQ4_NL) from llama-cpp-python's
-libggml-base.so (kernels/ggml_ctypes.py), with and without an importance matrix; llama-quantize
-(llama_cpp.llama_model_quantize, LLAMA_FTYPE_MOSTLY_IQ4_NL = 25) of our F32 GGUF; gguf-py's IQ4_NL
-decoder; llama.cpp running the files; transformers for the dense model. The bitsandbytes sources are
-the real producer's checkpoints in tests/producer_fixtures/bitsandbytes (scripts/producers/bitsandbytes.py).
+libggml-base.so (kernels/ggml/libggml.py); gguf-py's IQ4_NL decoder; llama.cpp running the files; the producers'
+own logits. The bitsandbytes sources are the real producer's checkpoints in tests/producer_fixtures/bitsandbytes
+(scripts/producers/bitsandbytes.py).
 """
 
 from __future__ import annotations
@@ -18,9 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import fixtures
-from helpers import gguf_dequant, gguf_tensors, llama_logits, run_cli, transformers_logits, write_legacy_imatrix
-from iq_cases import KINDS, WEIGHTINGS, _data, _hf_to_gguf_name, _imatrix, _report, _uniform_grid
+from helpers import gguf_dequant, gguf_tensors, llama_logits, run_cli
+from iq_cases import _report, _uniform_grid
 from qconvert.converters.checker import EXACT, REFUSED, REQUANTIZE, check, decide
 from qconvert.converters.records import GridParams
 from qconvert.formats.bitsandbytes.reader import BnbSource
@@ -32,35 +33,13 @@ from qconvert.kernels.ggml.iq4_nl import KVALUES, best_index, dequantize_iq4_nl,
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
 
-from llama_quantize import llama_quantize  # noqa: E402  (needs llama_cpp)
-
 REPO = Path(__file__).resolve().parents[2]
 BNB = REPO / "tests" / "producer_fixtures" / "bitsandbytes"
-FTYPE_IQ4_NL = 25  # llama.cpp LLAMA_FTYPE_MOSTLY_IQ4_NL
-PROMPT = fixtures.prompt_ids()
 CODEBOOK_REASON = "a 16-value codebook is not a uniform grid (IQ4_NL's 16 values are a different codebook)"
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the kernel, byte for byte with ggml
-
-
-@pytest.mark.parametrize("weighting", WEIGHTINGS)
-@pytest.mark.parametrize("kind", KINDS)
-def test_kernel_bytes_equal_ggml_quantize_chunk(kind, weighting):
-    rng = np.random.default_rng([KINDS.index(kind), WEIGHTINGS.index(weighting)])  # fixed per case
-    x = _data(kind, rng)
-    n = x.shape[1]
-    imatrix = _imatrix(weighting, rng, n)
-    ours = quantize_iq4_nl(x, imatrix, threads=1)
-    theirs = ggml_quantize(x, "IQ4_NL", imatrix)
-    assert ours.shape == theirs.shape == (x.shape[0], n // 32 * 18)
-    differ = int((ours.reshape(-1, 18) != theirs.reshape(-1, 18)).any(axis=1).sum())
-    assert differ == 0, f"{differ} of {ours.size // 18} blocks differ"
-    # the decode is gguf-py's, bit for bit
-    got = dequantize_iq4_nl(theirs, n)
-    want = gguf.quants.dequantize(theirs, gguf.GGMLQuantizationType.IQ4_NL)
-    assert np.array_equal(got.view(np.uint32), want.reshape(got.shape).view(np.uint32))
+# the kernel's nearest entry and edge cases (its bytes against ggml's: tests/kernels/test_iq_vs_ggml.py)
 
 
 def _best_index_as_c(x: np.ndarray) -> np.ndarray:
@@ -97,14 +76,6 @@ def test_nearest_entry_by_midpoints_is_c_best_index():
     assert np.array_equal(best_index(x), _best_index_as_c(x))
 
 
-def test_kernel_bands_and_threads_do_not_change_the_bytes():
-    x = (np.random.default_rng(4).standard_normal((1200, 512)) * 0.05).astype(np.float32)  # > 1 band of rows
-    imatrix = np.random.default_rng(5).random(512).astype(np.float32)
-    want = ggml_quantize(x, "IQ4_NL", imatrix, threads=2)
-    assert np.array_equal(quantize_iq4_nl(x, imatrix, threads=1), want)
-    assert np.array_equal(quantize_iq4_nl(x, imatrix, threads=3), want)
-
-
 def test_kernel_zero_blocks_and_row_length():
     data = quantize_iq4_nl(np.zeros((1, 32), np.float32))
     assert data.tobytes() == bytes(2) + bytes([0x88]) * 16  # d = 0, every code 8 (the entry nearest 0)
@@ -137,103 +108,6 @@ def test_every_source_requantizes_into_iq4_nl():
         rec = next(r for r in BnbSource(BNB / variant).records() if r.is_grid)
         d = check(rec.params, rec.shape, s)
         assert d.verdict == REQUANTIZE and not d.keeps_codes and CODEBOOK_REASON in d.reason, d
-
-
-# ---------------------------------------------------------------------------------------------------------
-# conversions, judged by llama.cpp
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny llama (hidden 128, 2 layers), its IQ4_NL GGUF and its F32 GGUF."""
-    d = tmp_path_factory.mktemp("iq4_nl")
-    src = fixtures.build_tiny_llama(d / "hf", seed=21)
-    fixtures.build_tokenizer(src)
-    ours, f32, rep = d / "iq4_nl.gguf", d / "f32.gguf", d / "report.json"
-    run_cli("hf->gguf", src, ours, "--type", "iq4_nl", "--allow-requant", "--report", rep, "--quiet")
-    run_cli("hf->gguf", src, f32, "--type", "f32", "--quiet")
-    return {"src": src, "ours": ours, "f32": f32, "report": _report(rep), "dir": d}
-
-
-def _same_iq4_nl_tensors(ours: Path, theirs: Path) -> list[str]:
-    """Every tensor llama-quantize made IQ4_NL is IQ4_NL in ours too, with the same bytes; -> their names."""
-    a, b = gguf_tensors(ours), gguf_tensors(theirs)
-    names = sorted(n for n, t in b.items() if t.tensor_type.name == "IQ4_NL")
-    for name in names:
-        assert a[name].tensor_type.name == "IQ4_NL", name
-        assert bytes(a[name].data) == bytes(b[name].data), name
-    return names
-
-
-def test_hf_to_iq4_nl_runs_in_llama_cpp_close_to_transformers(tiny):
-    tensors = gguf_tensors(tiny["ours"])
-    types = {n: t.tensor_type.name for n, t in tensors.items()}
-    linears = [n for n in types if n.startswith("blk.") and not n.endswith("norm.weight")]
-    assert len(linears) == 14 and all(types[n] == "IQ4_NL" for n in linears), types
-    assert types["token_embd.weight"] == types["output.weight"] == "IQ4_NL"
-    assert all(types[n] == "F32" for n in types if n.endswith("norm.weight"))
-    f32 = gguf_tensors(tiny["f32"])
-    for e in tiny["report"].values():
-        if e["target"] != "IQ4_NL":
-            continue
-        assert e["verdict"] == REQUANTIZE and "IQ4_NL quantizer" in e["reason"], e
-    for name in linears:  # the report's error is gguf-py's decode against the source (the F32 file holds it)
-        err = float(np.abs(gguf_dequant(tensors[name]).reshape(-1) - np.asarray(f32[name].data).reshape(-1)).max())
-        entry = next(e for e in tiny["report"].values() if _hf_to_gguf_name(e["name"]) == name)
-        assert err == entry["max_abs_err"], (name, err, entry)
-    got = llama_logits(tiny["ours"], PROMPT)
-    want = transformers_logits(tiny["src"], PROMPT)
-    # 4.5 bits per weight (embedding and output too) on a random model whose logits have std 1.0, range +-3.6:
-    # measured max 0.745, rms 0.184; Q4_0 of the same model (the same 4.5 bits): max 0.905, rms 0.206
-    diff = got - want
-    rms = float(np.sqrt(np.mean(diff ** 2)))
-    assert float(np.abs(diff).max()) < 1.0 and rms < 0.25, (float(np.abs(diff).max()), rms)
-    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.6
-    q4_0 = tiny["dir"] / "q4_0.gguf"
-    run_cli("hf->gguf", tiny["src"], q4_0, "--type", "q4_0", "--allow-requant", "--quiet")
-    rms_q4_0 = float(np.sqrt(np.mean((llama_logits(q4_0, PROMPT) - want) ** 2)))
-    assert rms < 1.1 * rms_q4_0, (rms, rms_q4_0)  # the non-linear table fits these weights no worse
-
-
-def test_hf_to_iq4_nl_equals_llama_quantize(tiny):
-    theirs = llama_quantize(tiny["f32"], tiny["dir"] / "llama-iq4_nl.gguf", FTYPE_IQ4_NL)
-    names = _same_iq4_nl_tensors(tiny["ours"], theirs)
-    # every decoder-layer weight and the embedding (llama-quantize makes output.weight Q8_0 here: its Q6_K
-    # wants rows of 256)
-    assert len([n for n in names if n.startswith("blk.")]) == 14 and "token_embd.weight" in names, names
-
-
-def test_iq4_nl_with_imatrix_equals_llama_quantize_with_it(tiny, tmp_path):
-    rng = np.random.default_rng(5)
-    f32 = gguf_tensors(tiny["f32"])
-    values = {n: (rng.random(int(t.shape[0])) * 4).astype(np.float32) for n, t in f32.items()
-              if n.startswith("blk.") and not n.endswith("norm.weight")}
-    dat = tmp_path / "imatrix.dat"
-    write_legacy_imatrix(dat, values)
-    ours, rep = tmp_path / "ours.gguf", tmp_path / "report.json"
-    run_cli("hf->gguf", tiny["src"], ours, "--type", "iq4_nl", "--allow-requant", "--imatrix", dat,
-            "--report", rep, "--quiet")
-    weighted = [e for e in _report(rep).values() if "weighted by the imatrix" in e["reason"]]
-    assert len(weighted) == 14, [e["reason"] for e in _report(rep).values()]
-    # llama.cpp gets the values as llama-quantize computes them from the file (value / ncall)
-    from qconvert.formats.gguf.imatrix import read_imatrix
-
-    theirs = llama_quantize(tiny["f32"], tmp_path / "llama.gguf", FTYPE_IQ4_NL, imatrix=read_imatrix(dat))
-    names = _same_iq4_nl_tensors(ours, theirs)  # the embedding has no entry: unweighted in both
-    assert len([n for n in names if n.startswith("blk.")]) == 14 and "token_embd.weight" in names, names
-    # and the weights did change the bytes
-    plain = gguf_tensors(tiny["ours"])
-    assert bytes(plain["blk.0.ffn_down.weight"].data) != bytes(gguf_tensors(ours)["blk.0.ffn_down.weight"].data)
-
-
-def test_llama_cpp_quantizer_backend_writes_the_same_bytes(tiny, tmp_path):
-    out = tmp_path / "llama-backend.gguf"
-    run_cli("hf->gguf", tiny["src"], out, "--type", "iq4_nl", "--allow-requant", "--quantizer", "llama.cpp",
-            "--quiet")
-    a, b = gguf_tensors(out), gguf_tensors(tiny["ours"])
-    assert sorted(a) == sorted(b)
-    for name in a:
-        assert bytes(a[name].data) == bytes(b[name].data), name
 
 
 # ---------------------------------------------------------------------------------------------------------

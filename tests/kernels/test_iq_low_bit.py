@@ -1,14 +1,16 @@
-"""The low-bit IQ types llama-quantize wants an importance matrix for, as GGUF targets: IQ2_S, IQ2_XS and IQ2_XXS
-(kernels/iq2.py) and IQ3_XXS (kernels/iq3_s.py), on kernels/iq_lattice.py. The kernels against ggml's own
-quantizers, the decoders against gguf-py, llama-quantize's imatrix rule and 256 -> IQ4_NL fallback, and a
-conversion per type judged by llama.cpp.
+"""The low-bit IQ types llama-quantize wants an importance matrix for, as GGUF targets, what is theirs: IQ2_S, IQ2_XS
+and IQ2_XXS (kernels/ggml/iq2.py) and IQ3_XXS (kernels/ggml/iq3_s.py), on kernels/ggml/iq_lattice.py. The lattices
+against gguf-py's grids, the zero, tiny and overflowing blocks and the missing imatrix as ggml shows them,
+llama-quantize's imatrix rule and 256 -> IQ4_NL fallback, and a conversion per type, with an imatrix, judged by
+llama-quantize and llama.cpp. The kernels' bytes against ggml's own quantizers and the decoders against gguf-py's,
+with every other IQ type: tests/kernels/test_iq_vs_ggml.py.
 
 Oracles, all run here (none stored): ggml_quantize_chunk from llama-cpp-python's libggml-base.so
-(kernels/ggml_ctypes.py), with and without an importance matrix (IQ2_XS, IQ2_XXS: without one ggml aborts, shown
+(kernels/ggml/libggml.py), with and without an importance matrix (IQ2_XS, IQ2_XXS: without one ggml aborts, shown
 in a child process); llama-quantize (llama_cpp.llama_model_quantize with the file type whose default tensor type
-each is: LLAMA_FTYPE_MOSTLY_IQ2_M = 29 for IQ2_S, _IQ2_XS = 20, _IQ2_XXS = 19, _IQ3_XXS = 23) of our F32 GGUF, with an imatrix and without
-(refused); gguf-py's decoders and grids; llama.cpp running the files; transformers for the dense model. The data
-kinds and importance vectors are tests/kernels/test_iq3_s.py's (IQ4_NL's and IQ4_XS's, less the overflowing one).
+each is: LLAMA_FTYPE_MOSTLY_IQ2_M = 29 for IQ2_S, _IQ2_XS = 20, _IQ2_XXS = 19, _IQ3_XXS = 23) of our F32 GGUF,
+with an imatrix and without (refused); gguf-py's decoders and grids; llama.cpp running the files; transformers for
+the dense model.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import pytest
 
 import fixtures
 from helpers import gguf_dequant, gguf_tensors, llama_logits, run_cli, transformers_logits, write_legacy_imatrix
-from iq_cases import IQ3_KINDS, WEIGHTINGS, _hf_to_gguf_name, _imatrix, _iq3_data, _report, _uniform_grid
+from iq_cases import _hf_to_gguf_name, _report, _uniform_grid
 from qconvert.converters.checker import REFUSED, REQUANTIZE, check, decide
 from qconvert.formats.gguf.schemes import ALIGNED_CANDIDATES, GGUF_SCHEMES, imatrix_refusal, k_fallback
 from qconvert.kernels.ggml import iq2, iq3_s
@@ -44,7 +46,6 @@ NWANT = {"IQ2_S": 1, "IQ2_XS": 2, "IQ2_XXS": 2, "IQ3_XXS": 2}
 NEEDS_WEIGHTS = ("IQ2_XS", "IQ2_XXS")  # ggml's quantizer asserts an importance matrix
 BYTES = {**iq2.IQ2_BYTES, "IQ3_XXS": iq3_s.IQ3_XXS_BYTES}
 PROMPT = fixtures.prompt_ids()
-KINDS = IQ3_KINDS  # IQ3_S's data kinds
 
 
 def _fns(t: str):
@@ -52,35 +53,8 @@ def _fns(t: str):
     return getattr(module, f"quantize_{t.lower()}"), getattr(module, f"dequantize_{t.lower()}"), BYTES[t]
 
 
-def _differing_blocks(ours: np.ndarray, theirs: np.ndarray, sb: int) -> int:
-    return int((ours.reshape(-1, sb) != theirs.reshape(-1, sb)).any(axis=1).sum())
-
-
 # ---------------------------------------------------------------------------------------------------------
-# the kernels, byte for byte with ggml
-
-
-@pytest.mark.parametrize("weighting", WEIGHTINGS)
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("t", TYPES)
-def test_kernel_bytes_equal_ggml_quantize_chunk(t, kind, weighting):
-    quantize, dequantize, sb = _fns(t)
-    rng = np.random.default_rng([500 + TYPES.index(t), KINDS.index(kind), WEIGHTINGS.index(weighting)])
-    x = _iq3_data(kind, rng)
-    rows, n = x.shape
-    imatrix = _imatrix(weighting, rng, n)
-    if imatrix is None and t in NEEDS_WEIGHTS:  # ggml aborts (test_iq2_xs_without_weights_aborts_ggml...)
-        with pytest.raises(ValueError, match="needs an importance matrix"):
-            quantize(x, None)
-        return
-    ours = quantize(x, imatrix, threads=1)
-    theirs = ggml_quantize(x, t, imatrix)
-    assert ours.shape == theirs.shape == (rows, n // 256 * sb)
-    differ = _differing_blocks(ours, theirs, sb)
-    assert differ == 0, f"{differ} of {ours.size // sb} super-blocks differ"
-    got = dequantize(theirs, n)  # the decode is gguf-py's, bit for bit
-    want = gguf.quants.dequantize(theirs, gguf.GGMLQuantizationType[t])
-    assert np.array_equal(got.view(np.uint32), want.reshape(got.shape).view(np.uint32))
+# the kernels' lattices and the cases ggml shows (their bytes against ggml's: tests/kernels/test_iq_vs_ggml.py)
 
 
 @pytest.mark.parametrize("t", TYPES)
@@ -102,27 +76,6 @@ def test_lattice_is_gguf_py_grid_and_neighbours_are_the_nearest_points(t):
         keep = np.isin(d2[order], np.unique(d2)[:NWANT[t]])
         got = lat.nb_flat[lat.nb_start[u]:lat.nb_start[u] + lat.nb_count[u]]
         assert got.tolist() == order[keep].tolist(), u
-
-
-@pytest.mark.parametrize("t", TYPES)
-def test_kernel_bands_and_threads_do_not_change_the_bytes(t):
-    quantize, _, sb = _fns(t)
-    x = (np.random.default_rng(4).standard_normal((600, 512)) * 0.05).astype(np.float32)  # 2 bands of rows
-    imatrix = np.random.default_rng(5).random(512).astype(np.float32)
-    want = ggml_quantize(x, t, imatrix, threads=2)
-    assert _differing_blocks(quantize(x, imatrix, threads=1), want, sb) == 0
-    assert _differing_blocks(quantize(x, imatrix, threads=3), want, sb) == 0
-
-
-@pytest.mark.parametrize("t", TYPES)
-def test_decoder_equals_gguf_py_on_arbitrary_blocks(t):
-    """Every bit pattern decodes as gguf-py decodes it (any d, sign, inf or NaN; every grid index and scale)."""
-    _, dequantize, sb = _fns(t)
-    data = np.random.default_rng(6).integers(0, 256, (64, 16 * sb), dtype=np.uint8)
-    with np.errstate(all="ignore"):
-        got = dequantize(data, 16 * 256)
-        want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[t]).reshape(got.shape)
-    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def test_iq2_s_zero_and_tiny_blocks_and_overflow():

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import fixtures
+from helpers import run_cli
 from qconvert.converters.records import GridParams
 from qconvert.kernels.ggml.iq4_nl import KVALUES
 
@@ -97,6 +99,20 @@ IQ3_KINDS = (*(k for k in XS_KINDS if k != "huge"), "large", "dead", "lattice")
 
 
 # ---------------------------------------------------------------------------------------------------------
+# reading ggml's bytes
+
+IQ4_XS_SB = 136  # bytes per IQ4_XS 256-element super-block (gguf-py GGML_QUANT_SIZES)
+
+
+def _sub_scales(data: np.ndarray) -> np.ndarray:
+    """The 6-bit scales ls (0..63) of every 32-block, read from block_iq4_xs bytes: [super-blocks, 8]."""
+    b = data.reshape(-1, IQ4_XS_SB)
+    high = b[:, 2:4].copy().view("<u2").astype(np.int32)
+    ib = np.arange(8)
+    return ((b[:, 4 + ib // 2] >> (4 * (ib % 2))) & 0xF) | (((high >> (2 * ib)) & 3) << 4)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # the checker's grid, the conversions' report and names
 
 
@@ -116,3 +132,24 @@ def _hf_to_gguf_name(name: str) -> str:
     from qconvert.formats.gguf.names import gguf_tensor_name
 
     return gguf_tensor_name(name, "llama", 2) or "?"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the tiny llama converted to IQ4_NL, IQ4_XS and IQ3_S (tests/kernels/conftest.py builds each once a session)
+
+CONVERTED = ("IQ4_NL", "IQ4_XS", "IQ3_S")
+FTYPE = {"IQ4_NL": 25, "IQ4_XS": 30, "IQ3_S": 26}  # llama.cpp LLAMA_FTYPE_MOSTLY_IQ4_NL, _IQ4_XS, _IQ3_S
+TINY_SEED = {"IQ4_NL": 21, "IQ4_XS": 23, "IQ3_S": 29}
+
+
+def build_tiny(tmp_path_factory, t: str) -> dict:
+    """A tiny llama (hidden 128, ffn 256, 2 layers), its GGUF of type t and its F32 GGUF. For IQ4_XS and IQ3_S only
+    ffn_down has rows of 256: the other linears and the embedding fall back to IQ4_NL, in llama-quantize as in
+    ours."""
+    d = tmp_path_factory.mktemp(t.lower())
+    src = fixtures.build_tiny_llama(d / "hf", seed=TINY_SEED[t])
+    fixtures.build_tokenizer(src)
+    ours, f32, rep = d / f"{t.lower()}.gguf", d / "f32.gguf", d / "report.json"
+    run_cli("hf->gguf", src, ours, "--type", t.lower(), "--allow-requant", "--report", rep, "--quiet")
+    run_cli("hf->gguf", src, f32, "--type", "f32", "--quiet")
+    return {"src": src, "ours": ours, "f32": f32, "report": _report(rep), "dir": d}
