@@ -9,7 +9,6 @@ and dumps what that loader dequantizes, plus the logits.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
