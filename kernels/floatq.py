@@ -29,7 +29,7 @@ ggml_quantize_chunk, llama-quantize and convert_hf_to_gguf's MXFP4 path run) byt
 Exactness notes: the products kvalues[i] * d are exact in float32 (at most 6 significant bits); the
 subtraction and fabsf round as numpy's float32 does. log2f is taken as the float32 rounding of a double
 log2 (glibc's log2f is correctly rounded to within 0.502 ulp; the floor only changes when the rounding
-crosses an integer, which the double-then-float32 rounding reproduces); tests/test_float_grids.py
+crosses an integer, which the double-then-float32 rounding reproduces); tests/formats/common/test_float_grids.py
 compares every block with ggml_quantize_chunk. The float -> uint8 conversion of the exponent is C's
 truncation through a 32-bit int (gcc's cvttss2si), so an out-of-range value wraps as it does in C.
 """

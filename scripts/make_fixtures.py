@@ -4,7 +4,7 @@
     python scripts/make_fixtures.py [--root DIR] [--only NAME ...] [--list]
     python scripts/make_fixtures.py --bundled examples/tiny-llama-gptq-4bit
 
-Thin CLI over tests/fixtures.py (all logic lives there so the tests can load it by path).
+Thin CLI over tests/support/fixtures.py (all logic lives there so the tests can load it by path).
 Needs the `gptq` and `test` extras (gptqmodel 7.6.0, transformers, tokenizers); CPU only, no network.
 """
 import importlib.util
@@ -14,7 +14,7 @@ from pathlib import Path
 
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 
-_FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures.py"
+_FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "support" / "fixtures.py"
 
 
 def _load_fixtures():

@@ -1,5 +1,5 @@
-"""pytest setup: this folder on sys.path (tests import `helpers` and `fixtures`), the session's
-gptqmodel fixtures, and the switch that makes a missing oracle a failure.
+"""pytest setup: support/ on sys.path (tests import `helpers`, `fixtures` and the other shared modules there),
+the session's gptqmodel fixtures, and the switch that makes a missing oracle a failure.
 
 `QCONVERT_REQUIRE_ORACLES=1` (set by scripts/run_tests.sh, hence by CI) turns every skip into a failure:
 the tests skip only when an oracle (llama.cpp, gptqmodel, hqq, mistralrs, transformers, triton) is not
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 

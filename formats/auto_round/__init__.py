@@ -15,5 +15,5 @@ register_format(FormatEntry("auto-round", aliases=("autoround", "intel-auto-roun
                             description="auto-round native checkpoint (quant_method auto-round: auto_round:auto_gptq, "
                                         "auto_round, auto_round:gptqmodel and auto_round:auto_awq packings), read only",
                             open_reader=open_auto_round, sniff=sniff_auto_round))
-# no `examples`: tests/test_cli_registry.py runs every example against a fixture of its source format, and has
+# no `examples`: tests/apps/test_cli_registry.py runs every example against a fixture of its source format, and has
 # none of auto-round's (the aligned paths: 'auto-round->gptq-v2' exact, 'auto-round->gguf' --type Q4_0 for sym g32)

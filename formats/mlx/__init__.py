@@ -3,7 +3,7 @@
 packing.py: mlx's bit packing and its affine quantizer rule (mx.quantize) in torch; schemes.py: the
 target types and the "mlx" family handler of the alignment checker; reader.py / writer.py. The facts are
 mlx 0.32.4's (mlx/backend/cpu/quantized.cpp) and mlx-lm 0.32.2's (utils.py load_model, quantize_model,
-save_config), checked against both by tests/test_mlx.py through tests/mlx_driver.py.
+save_config), checked against both by tests/formats/mlx/test_mlx.py through tests/support/mlx_driver.py.
 """
 
 from ...converters.registry import FormatEntry, register_format

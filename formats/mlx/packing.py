@@ -3,7 +3,7 @@
 Packing (mlx 0.32.4, mlx/backend/cpu/quantized.cpp `extract_bits` / `quantize`): every row of codes is one
 little-endian bit stream, code k at bits [k*b, (k+1)*b), cut into uint32 words [out, in*b/32]. For 2/4/8
 bits a word holds 32/b codes LSB first; 3 and 5 bits pack 8 codes into 3 and 5 bytes, 6 bits 4 codes into
-3 bytes, LSB first, which is the same bit stream. Checked against mx.quantize for 2..8 bits (tests/test_mlx.py).
+3 bytes, LSB first, which is the same bit stream. Checked against mx.quantize for 2..8 bits (tests/formats/mlx/test_mlx.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ quantization_config with quant_method "modelopt". Per quantized linear `<prefix>
   W = e2m1 * 2**(e - 127) (MXFP4QTensor.dequantize).
 
 Each becomes a float grid (converters/records.py) whose float32 dequantization equals ModelOpt's own
-dequantization in float32 bit for bit (tests/test_float_grids.py, on ModelOpt's output made on CPU). Activation
+dequantization in float32 bit for bit (tests/formats/common/test_float_grids.py, on ModelOpt's output made on CPU). Activation
 scales (`input_scale`) and KV-cache scales (`k_scale`, `v_scale`) are a runtime's choice: counted in describe(),
 not carried.
 """

@@ -31,7 +31,7 @@ live super-block of weights is rare in real models).
 
 Exactness: every float32 expression in C's association order, every sum element after element (seq_sum), the
 neighbour search as kernels/ggml/iq_lattice.py; the C library llama-cpp-python ships is built for baseline x86-64
-without FMA contraction, so plain float32 numpy gives the same bytes (tests/test_iq3_s.py compares with
+without FMA contraction, so plain float32 numpy gives the same bytes (tests/kernels/test_iq3_s.py compares with
 ggml_quantize_chunk). Inputs where C aborts (its GGML_ASSERTs: no neighbour of finite error, a NaN scale: values
 whose squares or weighted sums overflow float32) raise ValueError here; NaN inputs are not reproduced.
 

@@ -20,7 +20,7 @@ without an importance matrix. Per block, quantize_row_iq4_nl_impl(32, 32, ..., n
 Exactness: the float32 expressions are evaluated in C's association order ((w*q)*x), and every
 per-block sum is accumulated element after element as C does. The C library llama-cpp-python ships is
 built for baseline x86-64 (no FMA contraction; see kernels/ggml/kquants.py), so plain float32 numpy gives
-the same bytes (tests/test_iq4_nl.py compares with ggml_quantize_chunk). ggml's other entry point,
+the same bytes (tests/kernels/test_iq_vs_ggml.py compares with ggml_quantize_chunk). ggml's other entry point,
 quantize_row_iq4_nl_ref (ntry = -1, used by no converter), is not reproduced, nor are NaN inputs (C's
 `fabsf(x) > amax` skips a NaN, np.argmax takes it as the largest).
 
@@ -65,7 +65,7 @@ def best_index(x: np.ndarray) -> np.ndarray:
     only differ where both differences round to one value, i.e. within an ulp of the midpoint, and there
     both are exact (each midpoint is at least as large in magnitude as its half-gap, or in the same
     binade, so x - a is a multiple of ulp(x - a)). So the index is the count of midpoints <= x
-    (tests/test_iq4_nl.py checks this against C's formula near every midpoint, and the bytes against ggml)."""
+    (tests/kernels/test_iq4_nl.py checks this against C's formula near every midpoint, and the bytes against ggml)."""
     acc = (x >= _MIDPOINTS[0]).view(np.uint8).copy()
     for m in _MIDPOINTS[1:]:
         acc += (x >= m).view(np.uint8)

@@ -26,7 +26,7 @@ Exactness: the shared steps are IQ4_NL's (float32 in C's association order, sums
 exact midpoint test: see kernels/ggml/iq4_nl.py); the rest is a few float32 operations per super-block done in
 the same order (`-max_scale/32`, `1/d`, `id*scales[ib]`, `d*l`, `1/dl`, `idl*x`). The C library that
 llama-cpp-python ships is built for baseline x86-64 without FMA contraction, so plain float32 numpy gives
-the same bytes (tests/test_iq4_xs.py compares with ggml_quantize_chunk). NaN inputs are not reproduced
+the same bytes (tests/kernels/test_iq4_xs.py compares with ggml_quantize_chunk). NaN inputs are not reproduced
 (as for IQ4_NL: np.argmax takes a NaN as the largest |x|, C's comparison skips it).
 
 Speed: the whole band of rows at once, bands from a thread pool (iq4_nl.quantize_bands); the super-block

@@ -6,7 +6,7 @@ llama.cpp that llama-cpp-python 0.3.36 vendors: iq3xs_init_impl's kgrid_512 (IQ3
 4 coordinates of 3 bits; iq2xs_init_impl's kgrid_2bit_256 (IQ2_XXS), kgrid_2bit_512 (IQ2_XS) and
 kgrid_2bit_1024 (IQ2_S), 8 coordinates of 2 bits. Index k of a table is the grid index a block stores (the
 decoders' iq3s_grid / iq3xxs_grid / iq2xxs_grid / iq2xs_grid / iq2s_grid of ggml-common.h and gguf-py list the
-same points in the same order: tests/test_iq3_s.py checks that against gguf-py). kernels/ggml/iq_lattice.py derives
+same points in the same order: tests/kernels/test_iq3_s.py checks that against gguf-py). kernels/ggml/iq_lattice.py derives
 the rest (the map and the neighbour lists) from these as the two init functions do.
 """
 

@@ -11,7 +11,7 @@ split into chunks that a pool of plain threads takes one at a time: a thread tha
 simply takes fewer chunks, and nothing spins.
 
 Exactness: the same float32 expressions in the same order as ggml's C and the numpy codecs (compiled
-with -ffp-contract=off, no fast-math); tests/test_kquants.py checks the bytes against both.
+with -ffp-contract=off, no fast-math); tests/kernels/test_kquants.py checks the bytes against both.
 
 Without a C compiler, or with QCONVERT_COMPILE=0, `available()` is False and kernels/ggml/kquants.py uses its
 numpy (and torch.compile) paths; all give the same bytes. The cache folder is $QCONVERT_CACHE_DIR, else

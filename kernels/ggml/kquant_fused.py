@@ -20,7 +20,7 @@ the sums are written as explicit left-to-right chains over the n rows (the order
 and ``torch.round`` is round-half-to-even like ``np.rint``. Inductor compiles with
 -ffp-contract=off and without unsafe-math, so no product is fused into an FMA and no sum is
 reassociated; constants come in as 0-d tensors so that no division is turned into a multiplication
-by a rounded reciprocal. tests/test_kquants.py checks the compiled searches against the numpy ones
+by a rounded reciprocal. tests/kernels/test_kquants.py checks the compiled searches against the numpy ones
 bit for bit and the bytes against ggml.
 
 Without a working compiler, or with QCONVERT_COMPILE=0, `available()` is False and the numpy

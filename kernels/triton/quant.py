@@ -15,7 +15,7 @@ the int32 range, whose low byte is then taken), so a denormal block whose 1/d ov
   bytes (ggml_legacy.pack_blocks after repack_grid's q - z + offset).
 - `gptq4_to_q4_0_triton(qweight, block_scales)`: GPTQ 4-bit words straight into Q4_0 blocks
   (kernels/gptq_q4_0.gptq4_to_q4_0: each byte is two nibbles of two words).
-Without a GPU they run under TRITON_INTERPRET=1, which is how tests/test_triton_quant.py compares them.
+Without a GPU they run under TRITON_INTERPRET=1, which is how tests/kernels/test_triton_kernels.py compares them (through tests/support/triton_probes.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The seeds each reader draws from: fixture folders under common.FIXTURES (gptqmodel GPTQ/QQQ, hqq,
 mistral.rs UQFF, the dense base models) and the GGUF files under --work (built by Fuzzer.build_gguf_seeds
-from gguf_builds() and LLAMA_BUILDS) or written by tests/test_gguf_reader.py.
+from gguf_builds() and LLAMA_BUILDS) or written by tests/formats/gguf/test_gguf_reader.py.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def gguf_seed_dir(work: Path) -> Path:
 def _gguf_seeds(work: Path) -> list[Seed]:
     d = gguf_seed_dir(work)
     out = [Seed(p.stem, p, "file") for p in sorted(d.glob("*.gguf")) if not p.stem.endswith(("-f32", ".part"))]
-    made = common.FIXTURES / "gguf_reader"  # llama.cpp-made files of tests/test_gguf_reader.py, when it has run
+    made = common.FIXTURES / "gguf_reader"  # llama.cpp-made files of tests/formats/gguf/test_gguf_reader.py, when it has run
     for arch, names in (("llama", ("q4_k_m", "q6_k", "q3_k_m", "q5_1", "iq4_nl")), ("qwen3", ("q4_0",))):
         if is_done(made / arch):
             out += [Seed(f"gguf_reader/{arch}/{n}", made / arch / f"{n}.gguf", "file") for n in names

@@ -1,5 +1,5 @@
 """The scaffolding the producer scripts beside this file share: paths, the import path, offline environments,
-the producers' own venvs, tests/fixtures.py and its tiny base model, and the JSON and safetensors files they write.
+the producers' own venvs, tests/support/fixtures.py and its tiny base model, and the JSON and safetensors files they write.
 
 Each script keeps what is its own: its producer's calls, its variants and its oracle. Everything here imports
 only the standard library at module level (torch and safetensors inside the functions that need them), so that a
@@ -94,7 +94,7 @@ def variant_parser(doc: str, variants, reference_help: str | None = None) -> arg
     return ap
 
 
-# -- tests/fixtures.py and the tiny base model --------------------------------------------------------------
+# -- tests/support/fixtures.py and the tiny base model --------------------------------------------------------------
 
 def load_by_path(name: str, path: Path):
     """The module in the file `path`, executed anew under `name` (not registered in sys.modules)."""
@@ -105,9 +105,9 @@ def load_by_path(name: str, path: Path):
 
 
 def fixtures():
-    """tests/fixtures.py (the tiny models, prompt and calibration ids), loaded by path as the tests load it: tests/
+    """tests/support/fixtures.py (the tiny models, prompt and calibration ids), loaded by path as the tests load it: tests/
     is no package. The one place that names the file. Loading it sets its offline defaults in os.environ."""
-    return load_by_path("qconvert_test_fixtures", REPO / "tests" / "fixtures.py")
+    return load_by_path("qconvert_test_fixtures", REPO / "tests" / "support" / "fixtures.py")
 
 
 def tiny_llama_with_layers(fx, out: Path, n_layers: int, **build_kwargs) -> Path:
@@ -128,7 +128,7 @@ def tiny_llama_with_layers(fx, out: Path, n_layers: int, **build_kwargs) -> Path
 
 
 def tiny_llama_first_layer(out: Path, per_layer_keys: tuple[str, ...] = (), **build_kwargs) -> Path:
-    """tests/fixtures.py's tiny llama (2 decoder layers) built into `out` with build_kwargs, then cut to its
+    """tests/support/fixtures.py's tiny llama (2 decoder layers) built into `out` with build_kwargs, then cut to its
     first decoder layer: layer 1's tensors removed, config.json's num_hidden_layers 1 and each list named in
     per_layer_keys (one entry a layer, such as layer_types) cut to its first entry."""
     from safetensors.torch import load_file, save_file

@@ -1,6 +1,6 @@
 """Remake tests/producer_fixtures/auto_round/: auto-round's NATIVE format, made by auto-round itself.
 
-Runs auto-round (installed in the main .venv, CPU, offline) on a tiny llama from tests/fixtures.py, trimmed
+Runs auto-round (installed in the main .venv, CPU, offline) on a tiny llama from tests/support/fixtures.py, trimmed
 to one decoder layer with tied embeddings so that all variants stay under 2 MB together:
 
 - sym4_g32:   W4 sym g32, format "auto_round" -> packing_format auto_round:auto_gptq (stores zero - 1)
@@ -67,7 +67,7 @@ PACKAGES = ("auto-round", "torch", "transformers", "gptqmodel", "safetensors")  
 
 
 def build_base(out: Path) -> Path:
-    """The tiny llama (tests/fixtures.py), one decoder layer, tied embeddings (lm_head = embed_tokens)."""
+    """The tiny llama (tests/support/fixtures.py), one decoder layer, tied embeddings (lm_head = embed_tokens)."""
     return _common.tiny_llama_first_layer(out / "_base", per_layer_keys=("layer_types",), seed=2024, tie=True)
 
 

@@ -19,8 +19,8 @@ awq_ext), so its layout's dequantization is the same (q - z) * s of the same cod
 that AutoAWQ's pseudo-quantized weights (pseudo_quantize_tensor's fp16 w, what from_linear packs) equal the
 oracle too, and records in versions.json how many of them do. No logits: AutoAWQ's from_quantized wants CUDA.
 
-The base model is the one scripts/producers/awq.py quantizes (tests/fixtures.py tiny llama, one decoder layer,
-seed 1234), built in the main venv; calibration is tests/fixtures.py calibration_data()'s token ids (a list of
+The base model is the one scripts/producers/awq.py quantizes (tests/support/fixtures.py tiny llama, one decoder layer,
+seed 1234), built in the main venv; calibration is tests/support/fixtures.py calibration_data()'s token ids (a list of
 token lists: AutoAWQ's get_calib_dataset takes them as they are, nothing downloads); the base's tokenizer files
 are copied into autoawq_gemv (the GEMM twin keeps config.json and the weights only).
 """
@@ -141,7 +141,7 @@ def child_main(base: Path, calib_path: Path, gemv_dir: Path, gemm_dir: Path) -> 
                 (out / junk).unlink()  # the twin stays small: the reader needs config.json and the weights
         _common.write_versions(out, "AutoAWQ (CPU, pure-torch packing)", PACKAGES, role=role,
                                quant_config={"zero_point": True, "q_group_size": GROUP, "w_bit": 4},
-                               calibration="tests/fixtures.py calibration_data() token ids", **info)
+                               calibration="tests/support/fixtures.py calibration_data() token ids", **info)
 
 
 # -- in the main venv -------------------------------------------------------------------------------------

@@ -7,10 +7,10 @@ Per variant (tests/producer_fixtures/awq/<variant>/):
 - reference.safetensors: gptqmodel's OWN dequantized weight of every AWQ linear (fp16 [out, in], from the
   loader's torch kernel: gptqmodel 7.6 quantization/awq/utils/packing_utils.py dequantize_gemm, the function
   AwqTorchLinear.forward multiplies by; checked here against forward(I)) and `__logits__` (float32
-  [1, T, vocab]) of tests/fixtures.py prompt_ids() through gptqmodel's AWQ model;
+  [1, T, vocab]) of tests/support/fixtures.py prompt_ids() through gptqmodel's AWQ model;
 - versions.json: the package versions that made it.
 
-The model is tests/fixtures.py's tiny llama cut to one decoder layer (hidden 128, ffn 256, vocab 512), so
+The model is tests/support/fixtures.py's tiny llama cut to one decoder layer (hidden 128, ffn 256, vocab 512), so
 that the committed variants (4-bit group 32 and 128, 3-bit group 128; zero_point true, GEMM) stay small.
 
 `--make NAME OUT` makes one variant into OUT (the tests make TEST_VARIANTS so, into a temporary folder).
@@ -55,7 +55,7 @@ _common.offline_defaults(GPTQMODEL_CPU_WORKERS="2")
 
 
 def build_base(fx, out: Path) -> Path:
-    """tests/fixtures.py build_tiny_llama with N_LAYERS decoder layers (its config builder, one field changed)."""
+    """tests/support/fixtures.py build_tiny_llama with N_LAYERS decoder layers (its config builder, one field changed)."""
     return _common.tiny_llama_with_layers(fx, out, N_LAYERS, seed=1234)
 
 
@@ -68,7 +68,7 @@ def quantize_awq(fx, base: Path, out: Path, group_size: int, fmt: str, bits: int
         shutil.rmtree(out)
     # sym=False is AWQ's zero_point true (AWQConfig._update_output_payload: zero_point = not sym);
     # sym=True stores zero points 2**(bits-1) (looper/awq_processor.py pseudo_quantize_tensor);
-    # offload_to_disk=False keeps a random temp path out of config.json (see tests/fixtures.py)
+    # offload_to_disk=False keeps a random temp path out of config.json (see tests/support/fixtures.py)
     qcfg = AWQConfig(bits=bits, group_size=group_size, sym=sym, format=fmt, offload_to_disk=False)
     fx._seed_all()
     model = GPTQModel.load(str(base), qcfg, device="cpu", dtype=torch.float16)

@@ -14,10 +14,10 @@ Per variant (tests/producer_fixtures/bitsandbytes/<variant>/):
   4-bit: bitsandbytes.functional.dequantize_4bit(weight.data, weight.quant_state) (in the quant_state dtype,
   fp16 here); int8: bitsandbytes.functional.int8_vectorwise_dequant(weight.data, weight.SCB) (float32) --
   the function transformers' integrations/bitsandbytes.py dequantize_bnb_weight calls; and `__logits__`
-  (float32 [1, T, vocab]) of tests/fixtures.py prompt_ids() through that re-loaded bnb model;
+  (float32 [1, T, vocab]) of tests/support/fixtures.py prompt_ids() through that re-loaded bnb model;
 - versions.json: the package versions that made it.
 
-The model is tests/fixtures.py's tiny llama (hidden 128, ffn 256, vocab 512) cut to one decoder layer, with
+The model is tests/support/fixtures.py's tiny llama (hidden 128, ffn 256, vocab 512) cut to one decoder layer, with
 tied embeddings (no separate lm_head tensor), so that the three variants stay under 2 MB together.
 """
 
@@ -47,7 +47,7 @@ _common.offline_defaults()
 
 
 def build_base(fx, out: Path) -> Path:
-    """tests/fixtures.py build_tiny_llama, tied, with N_LAYERS decoder layers (its config builder, one field
+    """tests/support/fixtures.py build_tiny_llama, tied, with N_LAYERS decoder layers (its config builder, one field
     changed)."""
     return _common.tiny_llama_with_layers(fx, out, N_LAYERS, seed=1234, tie=True)
 

@@ -14,7 +14,7 @@ linear -- transformers 5.17 + compressed-tensors 0.19 loading the checkpoint dec
 sha256 of the raw bytes (a bit-for-bit oracle that keeps the folder small; the tests also recompute the
 dequantization live with compressed-tensors 0.19 in the main venv). versions.json records the packages.
 
-The base model is tests/fixtures.py's tiny Llama (seed 1234, hidden 128, ffn 256, tied embeddings) cut to one
+The base model is tests/support/fixtures.py's tiny Llama (seed 1234, hidden 128, ffn 256, tied embeddings) cut to one
 decoder layer, so that the seven cases stay under 2 MB together.
 """
 
@@ -80,7 +80,7 @@ def ensure_venv() -> Path:
 
 
 def build_base(out: Path) -> Path:
-    """tests/fixtures.py's tiny Llama (tied embeddings), decoder layer 1 removed."""
+    """tests/support/fixtures.py's tiny Llama (tied embeddings), decoder layer 1 removed."""
     return _common.tiny_llama_first_layer(out, seed=1234, tie=True)
 
 

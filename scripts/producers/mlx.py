@@ -3,8 +3,8 @@
     .venv/bin/python scripts/producers/mlx.py
 
 The producer is mlx-lm (mlx_lm.convert(quantize=True, q_bits=4, q_group_size=64), its defaults' group), run
-offline in .venvs/mlx (made by scripts/test_env.d/40-mlx.sh when missing) through tests/mlx_driver.py, on
-tests/fixtures.py's tiny llama (hidden 128, 2 layers, vocab 512, fp16). Beside the folder it stores the
+offline in .venvs/mlx (made by scripts/test_env.d/40-mlx.sh when missing) through tests/support/mlx_driver.py, on
+tests/support/fixtures.py's tiny llama (hidden 128, 2 layers, vocab 512, fp16). Beside the folder it stores the
 oracle, made by mlx itself: reference.safetensors = mx.dequantize of every quantized module (float16 as mlx
 decodes it,
 "<module>.weight") and mlx-lm's logits of the fixtures' prompt ("__logits__", float32 [T, vocab]), and
@@ -22,7 +22,7 @@ from pathlib import Path
 
 # _common.py, beside this file, holds the scaffolding the producers share: this folder is on sys.path for that
 # one import only, since the scripts here are named after the packages they drive (transformers, loaded here
-# by tests/fixtures.py, must not take mlx.py or bitsandbytes.py for the packages)
+# by tests/support/fixtures.py, must not take mlx.py or bitsandbytes.py for the packages)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
@@ -56,7 +56,7 @@ def main() -> int:
                                "{p: m.version(p) for p in ('mlx', 'mlx-lm', 'transformers')}))"],
                               capture_output=True, text=True, check=True).stdout
     _common.write_json(OUT / "versions.json", {"producer": "mlx_lm.convert(quantize=True)", "q_bits": BITS,
-                                               "q_group_size": GROUP, "base": "tests/fixtures.py BASES['base']",
+                                               "q_group_size": GROUP, "base": "tests/support/fixtures.py BASES['base']",
                                                "packages": json.loads(versions)}, indent=2, sort_keys=False)
     print(f"wrote {OUT}")
     return 0

@@ -12,7 +12,7 @@ quantized linear, computed from the saved tensors with its qtensor classes (NVFP
 block scale times weight_scale_2 in float32, times the e2m1 value; FP8QTensor.dequantize: the fp8 value times
 weight_scale), in float32, as dtype, shape and sha256 of the bytes. versions.json records the packages.
 
-The base model is tests/fixtures.py's tiny Llama (seed 1234, hidden 128, ffn 256, untied lm_head) cut to one
+The base model is tests/support/fixtures.py's tiny Llama (seed 1234, hidden 128, ffn 256, untied lm_head) cut to one
 decoder layer; calibration is 4 seeded random prompts of 32 tokens.
 """
 
@@ -42,7 +42,7 @@ def ensure_venv() -> Path:
 
 
 def build_base(out: Path) -> Path:
-    """tests/fixtures.py's tiny Llama (untied lm_head), decoder layer 1 removed, in bfloat16."""
+    """tests/support/fixtures.py's tiny Llama (untied lm_head), decoder layer 1 removed, in bfloat16."""
     return _common.tiny_llama_first_layer(out, seed=1234, tie=False)
 
 

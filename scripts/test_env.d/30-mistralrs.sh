@@ -1,4 +1,4 @@
-# mistral.rs, the UQFF producer and loader the UQFF tests check against (tests/test_uqff.py).
+# mistral.rs, the UQFF producer and loader the UQFF tests check against (tests/formats/uqff/test_uqff.py).
 # The PyPI wheel is a self-contained abi3 binary (no dependencies, no CLI: the Python API only), so it
 # goes into the main test environment; --no-deps keeps it from touching any pin there.
 # Sourced by scripts/run_tests.sh with VENV and PIP set. Idempotent.

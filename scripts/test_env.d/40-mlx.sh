@@ -1,5 +1,5 @@
 # MLX: mlx (CPU build) and mlx-lm, the producer (mlx_lm.convert -q) and the consumer (mlx_lm.load,
-# mx.dequantize, generation) of the MLX tests (tests/test_mlx.py, through tests/mlx_driver.py).
+# mx.dequantize, generation) of the MLX tests (tests/formats/mlx/test_mlx.py, through tests/support/mlx_driver.py).
 # mlx-lm pulls its own transformers, so it lives in its own environment, <repo>/.venvs/mlx, never the main one.
 # Sourced by scripts/run_tests.sh (VENV, PIP set); also runnable on its own: bash scripts/test_env.d/40-mlx.sh
 # Idempotent: a complete environment is left alone.

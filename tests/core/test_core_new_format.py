@@ -178,7 +178,7 @@ def _run(capsys, *args) -> tuple[int, str, str]:
 
 def test_a_format_added_through_the_public_api_converts_both_ways(rowint8, tmp_path, capsys):
     base = tmp_path / "base"
-    # a dense HF llama, built on first use in a clean checkout (tests/fixtures.py)
+    # a dense HF llama, built on first use in a clean checkout (tests/support/fixtures.py)
     shutil.copytree(fixtures.ensure_base(fixtures.DEFAULT_ROOT, "base"), base)
     capsys.readouterr()  # building the fixture prints transformers' progress bars; they are not ours
     # dense -> rowint8: the checker says requantize, so it is refused without --allow-requant

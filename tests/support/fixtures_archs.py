@@ -1,0 +1,373 @@
+"""Tiny random transformers models of the architectures beyond Llama/Qwen2/Qwen3 that qconvert writes to
+GGUF: mixtral, qwen2_moe, qwen3_moe, gemma2, gemma3 (text), phi3 (Phi-4 style), deepseek_v3 and gpt_oss
+(dense float experts: the MXFP4 `_blocks`/`_scales` form is not built here).
+
+Each is a real ``*ForCausalLM`` of transformers 5.24 with seeded weights, saved in float32 safetensors
+with the offline byte-level BPE tokenizer of fixtures.py (vocab 512). The configs are chosen so that
+llama.cpp runs the same model as transformers (checked against llama.cpp's own converter with
+scripts/llama_cpp_reference.py); where llama.cpp hard-codes something the config could vary, the
+config takes llama.cpp's value (see the comments at each builder).
+
+Widths: every linear in-feature is a multiple of 32 (Q8_0/Q4_0 blocks); ``wide=True`` makes them
+multiples of 256 (K-quant super-blocks).
+
+Weights are drawn so that the logits are far from uniform: linear weights ~ N(0, 1/fan_in), RMSNorm
+weights 1 +- 0.1 (Gemma stores w with the norm applying 1 + w, so w ~ N(0, 0.1) there), embeddings
+N(0, 1) (N(0, 1/hidden) when tied to the output), biases N(0, 0.1), DeepSeek's router correction bias
+N(0, 0.5) so that it changes which experts are chosen. gpt-oss: attention sinks N(0, 1) (they take
+a visible share of each softmax), expert weights stored [experts, in, out] drawn with fan_in = in and
+gate_up scaled by 4 so that the SwiGLU clamp at 7 (swiglu_limit) bites on some activations.
+
+Load by path (pytest runs with --import-mode=importlib)::
+
+    spec = importlib.util.spec_from_file_location("fixtures_archs", Path(__file__).with_name("fixtures_archs.py"))
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List, Tuple
+
+KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "phi3", "deepseek_v3", "gpt_oss")
+ARCH_PROMPT_LEN = 16
+ARCH_PROMPT_SEED = 2718
+
+
+def _fixtures():
+    """tests/support/fixtures.py, loaded by path (its tokenizer and vocab size)."""
+    name = "qconvert_test_fixtures"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("fixtures.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def arch_prompt(n: int = ARCH_PROMPT_LEN) -> List[int]:
+    """A fixed prompt of ``n`` token ids in [2, 512) (0 and 1 are the special tokens). Longer than the
+    Gemma sliding windows of these fixtures (8), so that the window is exercised."""
+    rng = random.Random(ARCH_PROMPT_SEED)
+    return [rng.randint(2, _fixtures().VOCAB_SIZE - 1) for _ in range(n)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Sizes
+# --------------------------------------------------------------------------------------------------
+def _dims(wide: bool) -> dict:
+    """hidden, head_dim (4 heads: o_proj in-features 4 * head_dim = hidden), dense ffn, expert ffn."""
+    if wide:
+        return dict(hidden=256, head_dim=64, ffn=512, moe_ffn=256)
+    return dict(hidden=128, head_dim=32, ffn=256, moe_ffn=64)
+
+
+def _common(layers: int, hidden: int, ffn: int, tie: bool) -> dict:
+    return dict(vocab_size=_fixtures().VOCAB_SIZE, hidden_size=hidden, intermediate_size=ffn,
+                num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=256, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=0,
+                pad_token_id=None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Configs, one per kind: (config, model class, extra tokenizer_config entries)
+# --------------------------------------------------------------------------------------------------
+def _mixtral(layers: int, wide: bool):
+    from transformers import MixtralConfig, MixtralForCausalLM
+    d = _dims(wide)
+    # intermediate_size is the expert width in Mixtral (there is no dense ffn)
+    cfg = MixtralConfig(**_common(layers, d["hidden"], d["moe_ffn"], tie=False), head_dim=d["head_dim"],
+                        num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-5,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    return cfg, MixtralForCausalLM, {}
+
+
+def _qwen2_moe(layers: int, wide: bool):
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    d = _dims(wide)
+    # q/k/v biases (qkv_bias, Qwen1.5-MoE's default), a gated shared expert; norm_topk_prob False as
+    # Qwen1.5-MoE-A2.7B, which llama.cpp's qwen2moe graph assumes (it never renormalises the top-k; the
+    # shared expert's output is scaled by sigmoid(shared_expert_gate . x)).
+    cfg = Qwen2MoeConfig(**_common(layers, d["hidden"], d["ffn"], tie=False), num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=d["moe_ffn"],
+                         shared_expert_intermediate_size=2 * d["moe_ffn"], norm_topk_prob=False,
+                         qkv_bias=True, decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
+                         rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    return cfg, Qwen2MoeForCausalLM, {}
+
+
+def _qwen3_moe(layers: int, wide: bool):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    d = _dims(wide)
+    # norm_topk_prob True as in Qwen3-30B-A3B: llama.cpp's qwen3moe graph always renormalises the top-k
+    # weights (and its qwen2moe graph never does). Every layer is MoE (decoder_sparse_step 1, no
+    # mlp_only_layers): neither graph has dense layers.
+    cfg = Qwen3MoeConfig(**_common(layers, d["hidden"], d["ffn"], tie=False), num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=d["moe_ffn"], norm_topk_prob=True,
+                         attention_bias=False, decoder_sparse_step=1, mlp_only_layers=[],
+                         use_sliding_window=False, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    return cfg, Qwen3MoeForCausalLM, {}
+
+
+def _gemma2(layers: int, wide: bool):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    d = _dims(wide)
+    # llama.cpp scales queries by 1/sqrt(head_dim) (1/sqrt(hidden/heads) for the 27B) and does not read
+    # query_pre_attn_scalar, so it must equal head_dim. The caps are small enough to bite on these
+    # logits (Gemma 2 ships 50/30). layer_types: sliding, full, ... = llama.cpp's default pattern 2.
+    cfg = Gemma2Config(**_common(layers, d["hidden"], d["ffn"], tie=True), head_dim=d["head_dim"],
+                       query_pre_attn_scalar=d["head_dim"], sliding_window=8,
+                       attn_logit_softcapping=5.0, final_logit_softcapping=10.0,
+                       hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return cfg, Gemma2ForCausalLM, {}
+
+
+def _gemma3(layers: int, wide: bool):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    d = _dims(wide)
+    # Sliding layers rope_theta 10000 (Gemma 3's rope_local_base_freq; written as rope.freq_base_swa),
+    # global layers 1e6 (rope.freq_base). layer_types default to Gemma 3's pattern (5 sliding, then 1
+    # full), which is what llama.cpp assumes without a sliding_window_pattern key (the reference converter
+    # writes none): only 6+ layers have a global one. query_pre_attn_scalar = head_dim as for Gemma 2.
+    cfg = Gemma3TextConfig(**_common(layers, d["hidden"], d["ffn"], tie=True), head_dim=d["head_dim"],
+                           query_pre_attn_scalar=d["head_dim"], sliding_window=8,
+                           hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+                           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                            "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
+    return cfg, Gemma3ForCausalLM, {}
+
+
+def _phi3(layers: int, wide: bool):
+    from transformers import Phi3Config, Phi3ForCausalLM
+    d = _dims(wide)
+    # Phi-4: untied, no sliding window (llama.cpp tells Phi-4 from Phi-3 by sliding_window 0), full rotary
+    # (partial_rotary_factor 1.0), no long-rope factors, GPT2Tokenizer (byte-level BPE).
+    cfg = Phi3Config(**_common(layers, d["hidden"], d["ffn"], tie=False), rms_norm_eps=1e-5,
+                     original_max_position_embeddings=256, sliding_window=None,
+                     rope_parameters={"rope_type": "default", "rope_theta": 250000.0,
+                                      "partial_rotary_factor": 1.0})
+    # the converter reads Phi-4's byte-level BPE vocab only when tokenizer_class says GPT2Tokenizer
+    return cfg, Phi3ForCausalLM, {"tokenizer_class": "GPT2Tokenizer"}
+
+
+def _deepseek_v3(layers: int, wide: bool):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    d = _dims(wide)
+    # MLA with a q LoRA; layer 0 dense, the rest MoE with one shared expert; sigmoid routing with the
+    # correction bias, one expert group (n_group = topk_group = 1: no group pruning); rope_interleave True
+    # (DeepSeek-V3's checkpoints: llama.cpp's NORM rope rotates adjacent pairs); no MTP layer (transformers
+    # builds none, so none is saved).
+    nope = 256 if wide else 32
+    rank = 256 if wide else 64
+    cfg = DeepseekV3Config(**_common(layers, d["hidden"], d["ffn"], tie=False), moe_intermediate_size=d["moe_ffn"],
+                           n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+                           topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                           norm_topk_prob=True, q_lora_rank=rank, kv_lora_rank=rank,
+                           qk_nope_head_dim=nope, qk_rope_head_dim=16, v_head_dim=d["head_dim"],
+                           rope_interleave=True, num_nextn_predict_layers=0, rms_norm_eps=1e-6,
+                           rope_parameters=_deepseek_rope())
+    cfg.num_key_value_heads = cfg.num_attention_heads  # MLA: every head has its own decompressed k/v
+    # DeepSeek-V3's config.json carries these (transformers ignores them: its router is always sigmoid
+    # with the correction bias); llama.cpp's deepseek2 reads expert_gating_func, written from
+    # scoring_func, and falls back to softmax (DeepSeek-V2) without it.
+    cfg.scoring_func = "sigmoid"
+    cfg.topk_method = "noaux_tc"
+    return cfg, DeepseekV3ForCausalLM, {}
+
+
+def _deepseek_rope() -> dict:
+    """YaRN as DeepSeek-V3 ships it (factor 40 over 4096 there; 4 over 64 here, so the 256 context is
+    extended), mscale = mscale_all_dim = 1 (llama.cpp reads only mscale_all_dim and assumes mscale 1)."""
+    return {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def _gpt_oss(layers: int, wide: bool):
+    from transformers import GptOssConfig, GptOssForCausalLM
+    d = _dims(wide)
+    # gpt-oss-20b's shape in miniature: untied output (llama.cpp's gpt-oss requires output.weight), q/k/v/o
+    # biases, one sink per head, a router with a bias, experts with biases; layer_types left to the default
+    # (sliding, full, ...: llama.cpp's fixed pattern 2) with a window of 8 < the 16-token prompt; YaRN as
+    # gpt-oss ships it (factor 32 over 4096 there, truncate false; 4 over 64 here) but truncate true:
+    # llama.cpp always rounds the YaRN correction range (ggml_rope_yarn_corr_dims floors/ceils it), which
+    # transformers does only with truncate true (the gpt-oss default false is measured in
+    # test_gguf_archs.test_gpt_oss_yarn_truncate_false). swiglu_alpha/limit are llama.cpp's hard-coded
+    # 1.702 / 7.0 (llama-graph.cpp, LLM_FFN_SWIGLU_OAI_MOE). intermediate_size is the expert width.
+    cfg = GptOssConfig(**_common(layers, d["hidden"], d["moe_ffn"], tie=False), head_dim=d["head_dim"],
+                       num_local_experts=4, num_experts_per_tok=2, sliding_window=8, rms_norm_eps=1e-5,
+                       swiglu_alpha=1.702, swiglu_limit=7.0, attention_bias=True,
+                       rope_parameters=_gpt_oss_rope())
+    return cfg, GptOssForCausalLM, {}
+
+
+def _gpt_oss_rope(truncate: bool = True) -> dict:
+    return {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": truncate}
+
+
+BUILDERS: Dict[str, Callable[[int, bool], Tuple[object, type, dict]]] = {
+    "mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "gemma2": _gemma2,
+    "gemma3": _gemma3, "phi3": _phi3, "deepseek_v3": _deepseek_v3, "gpt_oss": _gpt_oss,
+}
+GEMMA_KINDS = ("gemma2", "gemma3")
+
+
+# --------------------------------------------------------------------------------------------------
+# Weights
+# --------------------------------------------------------------------------------------------------
+def _is_norm(name: str) -> bool:
+    return name.endswith("norm.weight") or name.endswith("layernorm.weight")
+
+
+# gpt-oss's fused experts are stored [experts, in, out] (transformers' GptOssExperts: x @ gate_up_proj[e])
+_IN_OUT_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def _draw(name: str, shape: tuple, gen, gemma: bool, tie: bool, kind: str = ""):
+    """The value of one parameter or buffer (float32)."""
+    import torch
+
+    if kind == "gpt_oss":
+        if name.endswith(".sinks"):
+            return torch.randn(shape, generator=gen)
+        if name.endswith("_bias"):  # the experts' gate_up_proj_bias / down_proj_bias
+            return 0.1 * torch.randn(shape, generator=gen)
+        if name.endswith(_IN_OUT_EXPERTS):
+            gain = 4.0 if name.endswith("gate_up_proj") else 1.0
+            return gain * torch.randn(shape, generator=gen) / shape[-2] ** 0.5
+
+    if len(shape) == 1 and _is_norm(name):
+        if gemma:  # Gemma's RMSNorm multiplies by (1 + w)
+            return 0.1 * torch.randn(shape, generator=gen)
+        return 1.0 + 0.2 * (torch.rand(shape, generator=gen) - 0.5)
+    if name.endswith("e_score_correction_bias"):
+        return 0.5 * torch.randn(shape, generator=gen)
+    if name.endswith(".bias"):
+        return 0.1 * torch.randn(shape, generator=gen)
+    if "embed_tokens" in name:
+        # tied: the embedding is also the output matrix, so it is scaled like a linear (logits O(1..10))
+        std = shape[-1] ** -0.5 if tie else 1.0
+        return std * torch.randn(shape, generator=gen)
+    if len(shape) >= 2:  # [out, in] or fused experts [E, out, in]
+        return torch.randn(shape, generator=gen) / shape[-1] ** 0.5
+    raise RuntimeError(f"no initialiser for {name} {shape}")
+
+
+def _initialise(model, seed: int, gemma: bool, tie: bool, kind: str = "") -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    named = dict(model.named_parameters())
+    # persistent buffers that are weights (DeepSeek's router correction bias); rotary tables are not
+    named.update({n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
+    with torch.no_grad():
+        for name in sorted(named):
+            t = named[name]
+            t.copy_(_draw(name, tuple(t.shape), gen, gemma, tie, kind).to(t.dtype))
+
+
+def build_arch_model(out_dir, kind: str, seed: int = 0, layers: int = 2, wide: bool = False) -> Path:
+    """A tiny random ``kind`` model (see KINDS) with the fixtures tokenizer, float32 safetensors, in
+    ``out_dir`` (created; existing files are overwritten). Returns ``out_dir``."""
+    import torch
+
+    if kind not in BUILDERS:
+        raise KeyError(f"unknown kind {kind!r}; known: {', '.join(KINDS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg, cls, tok_extra = BUILDERS[kind](layers, wide)
+    cfg.dtype = torch.float32
+    torch.manual_seed(seed)
+    model = cls(cfg).to(torch.float32).eval()
+    _initialise(model, seed, gemma=kind in GEMMA_KINDS, tie=bool(cfg.tie_word_embeddings), kind=kind)
+    if model.generation_config is not None:
+        model.generation_config.bos_token_id = 1
+        model.generation_config.eos_token_id = 0
+    model.save_pretrained(str(out), safe_serialization=True)
+    _fixtures().build_tokenizer(out)
+    if tok_extra:
+        path = out / "tokenizer_config.json"
+        tok_cfg = json.loads(path.read_text())
+        tok_cfg.update(tok_extra)
+        path.write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    return out
+
+
+# FP4 (E2M1) values by code: bit 3 the sign, as gpt-oss's checkpoints and ggml's MXFP4 index them
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _mxfp4_pack(w):
+    """[E, rows, cols] float -> (blocks uint8 [E, rows, cols / 32, 16], scales uint8 [E, rows, cols / 32]) in
+    gpt-oss's checkpoint layout: per block of 32 along a row one E8M0 exponent (bias 127) with the block's
+    largest magnitude at most 6 times 2^(e - 127), each value the nearest FP4 code, element 2i in the low
+    nibble of byte i and 2i + 1 in the high one (transformers' integrations/mxfp4.py decodes it so)."""
+    import torch
+
+    e, rows, cols = w.shape
+    x = w.reshape(e, rows, cols // 32, 32).float()
+    amax = x.abs().amax(-1).clamp_min(2.0 ** -120)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = x / torch.exp2(exp)[..., None]
+    values = torch.tensor(FP4_VALUES[:8])
+    mag = (scaled.abs()[..., None] - values).abs().argmin(-1)
+    codes = (mag | ((scaled < 0) & (mag > 0)).to(torch.int64) << 3).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (exp + 127).to(torch.uint8)
+
+
+def gpt_oss_mxfp4_checkpoint(src, out) -> Path:
+    """The gpt_oss fixture at `src` saved in gpt-oss's MXFP4 checkpoint form (`quantization_config`
+    quant_method mxfp4): every expert weight as `<name>_blocks` / `<name>_scales` in [experts, out, in]
+    order (gate_up_proj's rows gate/up interleaved as its columns were), biases and the rest as they were."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src), Path(out)
+    shutil.copytree(src, out)
+    tensors = load_file(str(src / "model.safetensors"))
+    saved = {}
+    for name, t in tensors.items():
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            blocks, scales = _mxfp4_pack(t.transpose(1, 2))  # [E, in, out] -> [E, out, in]
+            saved[name + "_blocks"], saved[name + "_scales"] = blocks, scales
+        else:
+            saved[name] = t
+    save_file(saved, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def transformers_logits(model_dir, ids: List[int]):
+    """float32 logits [T, vocab] of the saved model, eager attention (the reference implementation of
+    softcapping and sliding windows)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Build a tiny random model of one architecture.")
+    ap.add_argument("kind", choices=KINDS)
+    ap.add_argument("out_dir")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--wide", action="store_true")
+    a = ap.parse_args()
+    print(build_arch_model(a.out_dir, a.kind, a.seed, a.layers, a.wide))
