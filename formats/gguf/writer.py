@@ -436,7 +436,7 @@ class GgufWriter(Writer):
     def _tokenizer_keys(self, source, plans: list[TensorPlan]) -> dict:
         """The tokenizer's GGUF keys {key: gguf GGUFValue}, built once per conversion on a writer without a file
         (the keys it adds beyond its own general.architecture)."""
-        if self._tokenizer is None:
+        if self._tokenizer is None or self._arch_of_source is None:  # kept only by a per-conversion writer
             arch, _ = self._arch(source)
             probe = gguf.GGUFWriter(path=None, arch=arch)
             n_vocab = next((p.shape[0] for p in plans if p.out_name == "token_embd.weight"), None)
@@ -444,7 +444,10 @@ class GgufWriter(Writer):
                 raise QConvertError("the model has no token embedding (model.embed_tokens.weight)", path=source.path)
             before = set(probe.kv_data[0])
             _add_tokenizer(probe, source, n_vocab)
-            self._tokenizer = {k: v for k, v in probe.kv_data[0].items() if k not in before}
+            keys = {k: v for k, v in probe.kv_data[0].items() if k not in before}
+            if self._arch_of_source is None:  # the registered writer (no for_conversion) holds no model's state
+                return keys
+            self._tokenizer = keys
         return self._tokenizer
 
     def writes_several_files(self, options: Options) -> bool:
