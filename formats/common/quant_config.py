@@ -11,7 +11,7 @@ from pathlib import Path
 from ...converters.errors import BadInput
 from ...converters.validate import REQUIRED, ConfigView, read_json
 
-__all__ = ["CheckpointConfig", "read_config", "config_bits", "MAX_BITS"]
+__all__ = ["CheckpointConfig", "read_config", "config_bits", "without_quantization_config", "MAX_BITS"]
 
 
 @dataclass(frozen=True)
@@ -62,3 +62,13 @@ def _in_range(view: ConfigView, key: str, bits: int) -> int:
     if not 1 <= bits <= MAX_BITS:
         raise BadInput(f"{view.prefix}{key} is {bits}: expected an integer in [1, {MAX_BITS}]", path=view.path)
     return bits
+
+
+def without_quantization_config(obj):
+    """A config with every `quantization_config` key dropped, at any depth: mistral.rs drops them all, so a
+    UQFF folder's config is read and written without them."""
+    if isinstance(obj, dict):
+        return {k: without_quantization_config(v) for k, v in obj.items() if k != "quantization_config"}
+    if isinstance(obj, list):
+        return [without_quantization_config(v) for v in obj]
+    return obj

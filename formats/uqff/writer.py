@@ -35,7 +35,6 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,11 +47,11 @@ from ...converters.records import Dense, Grid, TensorRecord
 from ..common.block_schemes import block_layout
 from ..common.checkpoint import copy_side_files, write_json
 from ..common.ggml_codec import QuantHow
+from ..common.quant_config import without_quantization_config
 from ..common.safetensors_header import safetensors_tag
-from .codecs import codec
+from .codecs import UqffAction, codec
 from .layout import MAJOR, UQFF_TYPES, UqffType
 from .moe import STACKABLE_FAMILIES, ExpertStacks, StackedTensor, expert_slot, mistralrs_moe_config, moe_model
-from .reader import _without_quantization_config
 from .schemes import REQUANT_DEFAULT, candidates_for_bits, scheme_for
 
 __all__ = ["UqffWriter", "MAX_SHARD_BYTES", "parse_uqff_type"]
@@ -72,29 +71,6 @@ def parse_uqff_type(text: str) -> UqffType:
     if key not in UQFF_TYPES:
         raise unknown_type(text, list(UQFF_TYPES), "UQFF")
     return UQFF_TYPES[key]
-
-
-@dataclass
-class UqffAction:
-    """Where and how the session stores one tensor. `where`: "residual" (residual.safetensors, as it is), "uqff"
-    (a layer of UQFF type `type`), "uqff-expert" (one expert of the stacked layer `stack`) or "uqff-bias" (a
-    layer's bias, beside it in the .uqff: check_model moves a residual bias there when its layer is stored).
-    The rest is what the checker decided for a layer: the ggml type a GGUF-block layer stores (`ggml`, and
-    `quant` when K blocks keep codes), the group of an AFQ / HQQ layer and whether its codes are kept
-    (`aligned`, with HQQ's `meta_dtype` and the source layer's own `hqq_flags`)."""
-
-    where: str
-    type: str = ""
-    bias_of: str | None = None  # a residual bias: the layer prefix it belongs to
-    stack: str = ""  # an expert: its stacked layer, index and part ("weight" | "bias")
-    expert: int | None = None
-    expert_part: str = "weight"
-    ggml: str = ""
-    quant: QuantHow | None = None
-    group_size: int | None = None
-    aligned: bool = False
-    meta_dtype: torch.dtype | None = None
-    hqq_flags: dict = field(default_factory=dict)
 
 
 def _where(plan: TensorPlan) -> str | None:
@@ -377,7 +353,7 @@ class UqffSession(WriterSession):
             raise QConvertError(f"internal error: stacked expert layers left incomplete: {self.stacks.unfinished()[:3]}")
         self.shards.close()
         self.residual.close()
-        config = mistralrs_moe_config(_without_quantization_config(dict(self.source.config)))
+        config = mistralrs_moe_config(without_quantization_config(dict(self.source.config)))
         if "rope_theta" not in config and isinstance(config.get("rope_parameters"), dict) \
                 and "rope_theta" in config["rope_parameters"]:
             config["rope_theta"] = config["rope_parameters"]["rope_theta"]

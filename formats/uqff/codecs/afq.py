@@ -21,10 +21,10 @@ from ....converters.records import Dense, Grid, GridParams, PackedCodes
 from ....kernels.bitpack import pack_rows, unpack_rows
 from ....kernels.triton import route as triton_route
 from ..layout import AFQ_BITS, AFQ_GROUPS, UqffType
-from . import EncodedLayer, LayerCodec, LayerDescription, u8_tensor
+from .base import EncodedLayer, LayerCodec, LayerDescription, u8_tensor
 
 if TYPE_CHECKING:
-    from ..reader import LayerView
+    from ..layer_view import LayerView
 
 __all__ = ["AfqCodec", "unpack_afq", "pack_afq"]
 

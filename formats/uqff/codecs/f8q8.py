@@ -13,10 +13,10 @@ import torch
 from ....converters.plan import TensorPlan
 from ....converters.records import Dense, Grid
 from ..layout import UqffType
-from . import EncodedLayer, LayerCodec, LayerDescription, u32_tensor
+from .base import EncodedLayer, LayerCodec, LayerDescription, u32_tensor
 
 if TYPE_CHECKING:
-    from ..reader import LayerView
+    from ..layer_view import LayerView
 
 __all__ = ["F8q8Codec", "F8Q8_DIVISOR", "decode_f8q8", "encode_f8q8"]
 

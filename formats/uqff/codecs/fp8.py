@@ -15,10 +15,10 @@ from ....converters.plan import TensorPlan
 from ....converters.records import Dense, Grid, GridParams
 from ....kernels.floatq import element_table
 from ..layout import UqffType
-from . import EncodedLayer, LayerCodec, LayerDescription, keeps_float_codes, u32_tensor
+from .base import EncodedLayer, FloatGridCodec, keeps_float_codes, u32_tensor
 
 if TYPE_CHECKING:
-    from ..reader import LayerView
+    from ..layer_view import LayerView
 
 __all__ = ["Fp8Codec", "FP8_DTYPE_CODE", "encode_fp8"]
 
@@ -28,18 +28,29 @@ FP8_DTYPE_CODE = 9  # F8E4M3 in UQFF's dtype code table
 _MAX_SCALE = 65504.0 / 448.0
 
 
-class Fp8Codec(LayerCodec, family="fp8"):
+class Fp8Codec(FloatGridCodec, family="fp8"):
     @classmethod
-    def describe(cls, layer: LayerView) -> LayerDescription:
-        cls.plain_weight_header(layer)
-        shape, params = _grid_params(layer)
-        return LayerDescription(shape, "grid", params)
+    def grid_params(cls, layer: LayerView) -> tuple[tuple[int, ...], GridParams]:
+        """(shape, GridParams) of the E4M3 codes times one float32 scale, from the weight's header and the
+        scalars (the codes are not read)."""
+        dtype, wshape = layer.header("weight")
+        if dtype != "F8_E4M3":
+            raise layer.bad(f"FP8 weight dtype {dtype} is not F8_E4M3")
+        if "weight.dtype" in layer:
+            layer.meta_int("weight.dtype", (FP8_DTYPE_CODE,), "FP8 dtype code (9 = F8E4M3)")
+        scale = layer.meta_float("weight.dequant_w_scale", "FP8 dequant scale").to(torch.float32)
+        if not 0.0 < float(scale) <= _MAX_SCALE:
+            raise layer.bad(f"FP8 dequant scale {float(scale):.6g} is outside (0, {_MAX_SCALE:.6g}]: the weights "
+                            "would be beyond float16's range", "weight.dequant_w_scale")
+        shape = tuple(wshape)
+        scales = scale.reshape(1, 1).expand(shape[0], 1).contiguous()
+        params = GridParams(bits=8, group_size=shape[1], scales=scales,
+                            zeros=torch.zeros(scales.shape, dtype=torch.int8), codebook=element_table("e4m3"))
+        return shape, params
 
     @classmethod
-    def load(cls, layer: LayerView) -> Grid:
-        weight = layer.part("weight")  # first, as always: a file cut since planning is refused at the weight
-        _, params = _grid_params(layer)
-        return Grid(params, codes=weight.view(torch.uint8))
+    def codes_of(cls, weight: torch.Tensor) -> torch.Tensor:
+        return weight.view(torch.uint8)
 
     @classmethod
     def encode(cls, t: UqffType, plan: TensorPlan, item: Dense | Grid) -> EncodedLayer:
@@ -53,24 +64,6 @@ class Fp8Codec(LayerCodec, family="fp8"):
                    "weight.dtype": u32_tensor(FP8_DTYPE_CODE)}
         return EncodedLayer(tensors, q.to(torch.float32) * scale)
 
-
-def _grid_params(layer: LayerView) -> tuple[tuple[int, ...], GridParams]:
-    """(shape, GridParams) of the E4M3 codes times one float32 scale, from the weight's header and the
-    scalars (the codes are not read)."""
-    dtype, wshape = layer.header("weight")
-    if dtype != "F8_E4M3":
-        raise layer.bad(f"FP8 weight dtype {dtype} is not F8_E4M3")
-    if "weight.dtype" in layer:
-        layer.meta_int("weight.dtype", (FP8_DTYPE_CODE,), "FP8 dtype code (9 = F8E4M3)")
-    scale = layer.meta_float("weight.dequant_w_scale", "FP8 dequant scale").to(torch.float32)
-    if not 0.0 < float(scale) <= _MAX_SCALE:
-        raise layer.bad(f"FP8 dequant scale {float(scale):.6g} is outside (0, {_MAX_SCALE:.6g}]: the weights would be "
-                        "beyond float16's range", "weight.dequant_w_scale")
-    shape = tuple(wshape)
-    scales = scale.reshape(1, 1).expand(shape[0], 1).contiguous()
-    params = GridParams(bits=8, group_size=shape[1], scales=scales,
-                        zeros=torch.zeros(scales.shape, dtype=torch.int8), codebook=element_table("e4m3"))
-    return shape, params
 
 
 def encode_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

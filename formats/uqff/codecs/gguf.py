@@ -21,10 +21,10 @@ from ....kernels.ggml.layouts import LAYOUTS
 from ....kernels.ggml.legacy import unpack_blocks
 from ...common.ggml_codec import encode_tensor
 from ..layout import GGML_NAME_OF_ID, GGML_TYPE_IDS, UqffType
-from . import EncodedLayer, LayerCodec, LayerDescription, u32_tensor
+from .base import EncodedLayer, LayerCodec, LayerDescription, u32_tensor
 
 if TYPE_CHECKING:
-    from ..reader import LayerView
+    from ..layer_view import LayerView
 
 __all__ = ["GgufCodec", "EXTRA_BLOCKS", "decode_q8_1", "decode_q8_k"]
 

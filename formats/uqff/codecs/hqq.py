@@ -21,11 +21,10 @@ from ....converters.plan import TensorPlan
 from ....converters.records import Dense, Grid, GridParams
 from ....kernels.hqq import axis0_compact, axis0_expand, pack_hqq, packing_for_bits, quantize_hqq, unpack_hqq
 from ..layout import UqffType
-from . import EncodedLayer, LayerCodec, LayerDescription, u8_tensor, u32_tensor
+from .base import EncodedLayer, LayerCodec, LayerDescription, UqffAction, u8_tensor, u32_tensor
 
 if TYPE_CHECKING:
-    from ..reader import LayerView
-    from ..writer import UqffAction
+    from ..layer_view import LayerView
 
 __all__ = ["HqqCodec", "hqq_halves_unpack", "hqq_halves_pack"]
 

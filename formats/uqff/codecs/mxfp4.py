@@ -15,28 +15,34 @@ from ....converters.plan import TensorPlan
 from ....converters.records import Dense, Grid, GridParams
 from ....kernels.floatq import element_table, float_to_e8m0, pack_fp4, unpack_fp4
 from ..layout import UqffType
-from . import EncodedLayer, LayerCodec, LayerDescription, keeps_float_codes
+from .base import EncodedLayer, FloatGridCodec, keeps_float_codes
 
 if TYPE_CHECKING:
-    from ..reader import LayerView
+    from ..layer_view import LayerView
 
 __all__ = ["Mxfp4Codec", "MXFP4_VALUES", "decode_mxfp4", "encode_mxfp4"]
 
 MXFP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
-class Mxfp4Codec(LayerCodec, family="mxfp4"):
+class Mxfp4Codec(FloatGridCodec, family="mxfp4"):
     @classmethod
-    def describe(cls, layer: LayerView) -> LayerDescription:
-        cls.plain_weight_header(layer)
-        shape, params = _grid_params(layer)
-        return LayerDescription(shape, "grid", params)
+    def grid_params(cls, layer: LayerView) -> tuple[tuple[int, int], GridParams]:
+        """(shape, GridParams) of the E2M1 codes under E8M0 block scales, from the weight's header and the
+        scales (the codes are not read)."""
+        dtype, wshape = layer.header("weight")
+        scales = layer.part("weight.scales")
+        if dtype != "U8" or scales.dtype != torch.uint8 or len(wshape) != 2 or (wshape[1] * 2) % 32 or \
+                tuple(scales.shape) != (wshape[0], wshape[1] * 2 // 32):
+            raise layer.bad(f"MXFP4 weight {list(wshape)} / scales {list(scales.shape)} do not match")
+        scales = scales.view(torch.float8_e8m0fnu)
+        params = GridParams(bits=4, group_size=32, scales=scales, zeros=torch.zeros(scales.shape, dtype=torch.int8),
+                            codebook=element_table("e2m1"))
+        return (wshape[0], wshape[1] * 2), params
 
     @classmethod
-    def load(cls, layer: LayerView) -> Grid:
-        weight = layer.part("weight")  # first, as always: a file cut since planning is refused at the weight
-        _, params = _grid_params(layer)
-        return Grid(params, codes=unpack_fp4(weight))
+    def codes_of(cls, weight: torch.Tensor) -> torch.Tensor:
+        return unpack_fp4(weight)
 
     @classmethod
     def encode(cls, t: UqffType, plan: TensorPlan, item: Dense | Grid) -> EncodedLayer:
@@ -50,19 +56,6 @@ class Mxfp4Codec(LayerCodec, family="mxfp4"):
         return EncodedLayer({"": weight, "weight.format": cls.format_tensor(), "weight.scales": scales},
                             decode_mxfp4(weight, scales))
 
-
-def _grid_params(layer: LayerView) -> tuple[tuple[int, int], GridParams]:
-    """(shape, GridParams) of the E2M1 codes under E8M0 block scales, from the weight's header and the
-    scales (the codes are not read)."""
-    dtype, wshape = layer.header("weight")
-    scales = layer.part("weight.scales")
-    if dtype != "U8" or scales.dtype != torch.uint8 or len(wshape) != 2 or (wshape[1] * 2) % 32 or \
-            tuple(scales.shape) != (wshape[0], wshape[1] * 2 // 32):
-        raise layer.bad(f"MXFP4 weight {list(wshape)} / scales {list(scales.shape)} do not match")
-    scales = scales.view(torch.float8_e8m0fnu)
-    params = GridParams(bits=4, group_size=32, scales=scales, zeros=torch.zeros(scales.shape, dtype=torch.int8),
-                        codebook=element_table("e2m1"))
-    return (wshape[0], wshape[1] * 2), params
 
 
 def decode_mxfp4(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

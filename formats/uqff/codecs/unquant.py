@@ -13,10 +13,10 @@ import torch
 from ....converters.plan import TensorPlan
 from ....converters.records import Dense, Grid
 from ..layout import UqffType
-from . import EncodedLayer, LayerCodec, LayerDescription
+from .base import EncodedLayer, LayerCodec, LayerDescription
 
 if TYPE_CHECKING:
-    from ..reader import LayerView
+    from ..layer_view import LayerView
 
 __all__ = ["UnquantCodec"]
 
