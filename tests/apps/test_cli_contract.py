@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-import fixtures
 from helpers import expect_user_error, run_cli
+from hqq_env import hqq_root  # noqa: F401  (the HQQ fixtures, built on first use)
 from synthetic_gptq import make_synthetic_gptq
 
 from qconvert.converters.apps import cli
@@ -185,10 +185,11 @@ def test_kill_9_during_a_write_then_a_rerun_completes(tmp_path):
 
 
 @pytest.mark.parametrize("fixture", ["gptq", "hqq"])
-def test_quantization_config_that_is_no_object(fx, tmp_path, fixture):
+def test_quantization_config_that_is_no_object(fx, tmp_path, fixture, request):
     """Detection (inspect) and the named reader both refuse it in one line; neither crashes on it."""
+    # the HQQ fixtures are asked for (built on first use), not assumed built by a test that ran earlier
     src = fx["variants"]["v1_b4_g32_sym"]["ckpt"] if fixture == "gptq" else \
-        Path(fixtures.DEFAULT_ROOT) / "hqq" / "b4_g64_ax1" / "tf"
+        request.getfixturevalue("hqq_root") / "b4_g64_ax1" / "tf"
     folder = tmp_path / "m"
     shutil.copytree(src, folder)
     cfg = json.loads((folder / "config.json").read_text())

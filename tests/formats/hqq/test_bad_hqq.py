@@ -192,7 +192,7 @@ def test_hqq_dense_tensors_are_checked_against_the_config(hqq_root, tmp_path, ed
     expect_user_error("hqq->hf", src, tmp_path, "model.safetensors", needle)
 
 
-def test_qmodel_with_a_damaged_member_name_is_refused_in_our_words(tmp_path):
+def test_qmodel_with_a_damaged_member_name_is_refused_in_our_words(hqq_root, tmp_path):
     """Fuzz finding (hqq-pt): a flipped byte in a UTF-8 member name made zipfile raise UnicodeDecodeError, and
     the line quoted that class name."""
     import zipfile
@@ -208,7 +208,7 @@ def test_qmodel_with_a_damaged_member_name_is_refused_in_our_words(tmp_path):
     assert "Error" not in err
 
 
-def test_a_qmodel_tensor_marked_requires_grad_converts_without_warnings(tmp_path):
+def test_a_qmodel_tensor_marked_requires_grad_converts_without_warnings(hqq_root, tmp_path):
     """Fuzz finding (hqq-pt): a pickle that marks a scale requires_grad made reading its scalars warn about
     autograd after a successful conversion."""
     src = _copy(HQQ_ROOT / "b4_g64_ax1" / "lib", tmp_path / "m")
