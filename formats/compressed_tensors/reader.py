@@ -30,7 +30,7 @@ from ...converters.records import Grid, GridParams, TensorRecord
 from ...converters.model_shapes import ModelShapes
 from ..common.checkpoint import CheckpointDir, CheckpointSource
 from ...kernels.floatq import element_table, unpack_fp4
-from ..common.float_grids import RuntimeScales
+from ..common.float_grids import RuntimeScales, refuse_unscaled_fp8
 from .schemes import FLOAT_FORMATS, FP4_FORMATS, INT_FORMATS, QuantArgs, parse_rules, unpack_dense
 from ..common.quant_config import CheckpointConfig, read_config
 
@@ -78,6 +78,8 @@ class CtSource(RuntimeScales, CheckpointSource):
         self.shapes = ModelShapes(self.config, self.path / "config.json")
         self.rules, self.global_format = parse_rules(self.quant_config, self.path / "config.json")
         self.modules = self._modules()
+        scaled = {n for _, parts in self.modules.values() for n in parts.values()}
+        refuse_unscaled_fp8(self.ckpt, scaled, "weight_scale")
         self.runtime_params = sorted(n for n in self.ckpt.location if n.rpartition(".")[2] in _RUNTIME_PARTS)
 
     # -- which modules are quantized, with which scheme -------------------------------------------

@@ -349,6 +349,15 @@ def test_missing_zero_point_is_refused(tmp_path):
     expect_user_error("ct->gguf", src, tmp_path, "model.safetensors", f"{Q}.weight_zero_point", "asymmetric")
 
 
+@pytest.mark.parametrize("pair", ["ct->gguf", "ct->hf"])
+def test_fp8_weight_without_weight_scale_is_refused(pair, tmp_path):
+    """A float-quantized weight without its scale is bare e4m3 codes: refused, not written as weights."""
+    src = _copy("fp8_dynamic", tmp_path)
+    edit_safetensors(src / "model.safetensors", lambda t: t.pop(f"{Q}.weight_scale"))
+    expect_user_error(pair, src, tmp_path, "model.safetensors", f"tensor {Q}.weight",
+                      "missing weight_scale for this FP8 weight")
+
+
 def test_packed_shape_contradicting_weight_shape_is_refused(tmp_path):
     src = _copy("w4a16_g32_sym", tmp_path)
     edit_safetensors(src / "model.safetensors",
