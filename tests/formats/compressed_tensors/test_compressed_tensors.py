@@ -367,6 +367,15 @@ def test_symmetric_config_with_asymmetric_zero_points_is_refused(tmp_path):
                       "config_groups.group_0.weights.symmetric is true")
 
 
+def test_nonzero_zero_points_beside_fp8_weights_are_refused(tmp_path):
+    """Float grids have no zero point; compressed-tensors' dequantize would subtract these, qconvert dropped them."""
+    src = _copy("fp8_dynamic", tmp_path)
+    edit_safetensors(src / "model.safetensors", lambda t: t.__setitem__(
+        f"{Q}.weight_zero_point", torch.ones(t[f"{Q}.weight_scale"].shape, dtype=t[f"{Q}.weight_scale"].dtype)))
+    expect_user_error("ct->gguf", src, tmp_path, "model.safetensors", f"{Q}.weight_zero_point",
+                      "config_groups.group_0.weights.symmetric is true", "float weights with zero points")
+
+
 def test_symmetric_zero_points_older_files_kept_are_read_as_before(tmp_path):
     """Older compressed-tensors saved the zero points of symmetric weights too, every one 0: they say nothing,
     and the weights read are the same as without them."""
