@@ -445,8 +445,8 @@ class GgufSource(ModelSource):
     def _refuse_integer_weights(self) -> None:
         """Every tensor of a llama.cpp model is a float operand (norms, embeddings, linear weights, the rope and
         scale tables beside them): no writer stores one as I8..I64, and llama.cpp does not compute with one (an
-        I32 norm aborts its CPU backend: "binary_op: unsupported types"). One relabelled to an integer type would read as integers
-        (a norm F32 -> I32: values near 1e9), so it is refused, naming its file and tensor."""
+        I32 norm aborts its CPU backend: "binary_op: unsupported types"). One relabelled to an integer type
+        would read as integers (a norm F32 -> I32: values near 1e9), so it is refused, naming file and tensor."""
         for path, reader in zip(self.parts, self.readers):
             for t in reader.tensors:
                 if _type_name(t) in _INTEGER:
