@@ -20,7 +20,7 @@ from ...kernels.floatq import element_table
 from .checkpoint import CheckpointSource
 
 __all__ = ["FP8_ELEMENTS", "fp8_element", "float_grid", "expand_block_rows", "block_grid_shape", "RuntimeScales",
-           "FloatModuleSource"]
+           "FloatModuleSource", "refuse_unscaled_fp8"]
 
 # safetensors' dtype tags of FP8 weights -> their element format
 FP8_ELEMENTS = {"F8_E4M3": "e4m3", "F8_E5M2": "e5m2"}
@@ -43,6 +43,18 @@ def expand_block_rows(scales: torch.Tensor, out_features: int, block_rows: int) 
     if block_rows == 1:
         return scales.contiguous()
     return scales.repeat_interleave(block_rows, dim=0)[:out_features].contiguous()
+
+
+def refuse_unscaled_fp8(ckpt, scaled: set[str], scale_part: str) -> None:
+    """Every FP8 tensor of a float-quantized checkpoint is a weight's codes, which mean a value only times the
+    scale stored beside them: one that is not among `scaled` (the tensors of the modules found with their
+    scale) lost its `scale_part`. Written as it is it would pass for weights of |w| up to 448, so it is a
+    BadInput naming its file and tensor, before any target is planned."""
+    for name in ckpt.location:
+        dtype = ckpt.dtype(name)
+        if dtype in FP8_ELEMENTS and name not in scaled:
+            raise BadInput(f"missing {scale_part} for this FP8 weight (its {dtype} codes are values only times that "
+                           "scale)", path=ckpt.file_of(name), tensor=name)
 
 
 def float_grid(element: str, scales: torch.Tensor, group_size: int, *, global_scale: torch.Tensor | None = None,

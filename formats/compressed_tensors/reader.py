@@ -30,7 +30,7 @@ from ...converters.records import Grid, GridParams, TensorRecord
 from ...converters.model_shapes import ModelShapes
 from ..common.checkpoint import CheckpointDir, CheckpointSource
 from ...kernels.floatq import element_table, unpack_fp4
-from ..common.float_grids import RuntimeScales
+from ..common.float_grids import RuntimeScales, refuse_unscaled_fp8
 from .schemes import FLOAT_FORMATS, FP4_FORMATS, INT_FORMATS, QuantArgs, parse_rules, unpack_dense
 from ..common.quant_config import CheckpointConfig, read_config
 
@@ -78,6 +78,8 @@ class CtSource(RuntimeScales, CheckpointSource):
         self.shapes = ModelShapes(self.config, self.path / "config.json")
         self.rules, self.global_format = parse_rules(self.quant_config, self.path / "config.json")
         self.modules = self._modules()
+        scaled = {n for _, parts in self.modules.values() for n in parts.values()}
+        refuse_unscaled_fp8(self.ckpt, scaled, "weight_scale")
         self.runtime_params = sorted(n for n in self.ckpt.location if n.rpartition(".")[2] in _RUNTIME_PARTS)
 
     # -- which modules are quantized, with which scheme -------------------------------------------
@@ -197,7 +199,10 @@ class CtSource(RuntimeScales, CheckpointSource):
         """Unsigned integer zero points [out, G] (the mid code when symmetric)."""
         mid = torch.full((out_f, n_groups), args.offset, dtype=torch.int16)
         name = parts.get("weight_zero_point")
-        if name is None or args.symmetric:
+        if name is None:
+            return mid
+        if args.symmetric:
+            self._refuse_asymmetric_zeros(args, name, out_f, n_groups)
             return mid
         shape, dtype = self.ckpt.shape(name), self.ckpt.dtype(name)
         if args.fmt == "pack-quantized" and args.strategy != "tensor":
@@ -217,6 +222,26 @@ class CtSource(RuntimeScales, CheckpointSource):
         if int(z.min()) < lo or int(z.max()) > hi:
             raise self._bad(f"weight_zero_point values leave the signed {args.num_bits}-bit range", name)
         return z.contiguous()
+
+    def _refuse_asymmetric_zeros(self, args: QuantArgs, name: str, out_f: int, n_groups: int) -> None:
+        """A weight_zero_point beside weights the config calls symmetric. compressed-tensors writes none
+        (BaseCompressor._remove_symmetric_zp); files of older versions kept the symmetric ones, every signed
+        zero point 0, which say nothing and are dropped. Any other zero point contradicts `symmetric: true`:
+        compressed-tensors' own decompression applies the zero points it is given (naive_quantized.decompress),
+        so dropping them would read other weights than the file's; refused, naming the config key."""
+        shape, dtype = self.ckpt.shape(name), self.ckpt.dtype(name)
+        packed = (-(-out_f * args.num_bits // 32), n_groups)
+        if args.fmt == "pack-quantized" and shape == packed and dtype == "I32":
+            # packed as an asymmetric one would be: unsigned fields, the symmetric zero point the mid code
+            fields = unpack_dense(self.ckpt.get(name).T.contiguous(), args.num_bits, out_f)
+            symmetric = bool((fields == args.offset).all())
+        elif shape in ((1,), (1, 1), (out_f, n_groups)) and dtype in ("I8", "I32", "I64"):
+            symmetric = not bool(self.ckpt.get(name).any())  # signed zero points, as stored
+        else:
+            return  # no layout a compressed-tensors writer stores: left unread, as before
+        if not symmetric:
+            raise self._bad(f"zero points other than the symmetric ones, but config.json's quantization_config."
+                            f"config_groups.{args.group}.weights.symmetric is true", name)
 
     def _g_idx(self, args: QuantArgs, parts: dict[str, str], in_f: int, group: int, n_groups: int):
         name = parts.get("weight_g_idx")
@@ -240,11 +265,21 @@ class CtSource(RuntimeScales, CheckpointSource):
         group, n_groups = self._groups(args, in_f, parts["weight_scale"])
         scales = self._scales(args, parts, out_f, n_groups)
         if args.fmt in FLOAT_FORMATS:
+            self._refuse_float_zeros(args, parts)
             return self._float_params(args, parts, scales, group), (out_f, in_f)
         zeros = self._zeros(args, parts, out_f, n_groups)
         g_idx = self._g_idx(args, parts, in_f, group, n_groups)
         params = GridParams(bits=args.num_bits, group_size=group, scales=scales, zeros=zeros, g_idx=g_idx)
         return params, (out_f, in_f)
+
+    def _refuse_float_zeros(self, args: QuantArgs, parts: dict[str, str]) -> None:
+        """A float grid here has no zero point; compressed-tensors' dequantize subtracts one it is given, so a
+        nonzero weight_zero_point beside float weights would be dropped from the values: refused."""
+        name = parts.get("weight_zero_point")
+        if name is not None and bool(self.ckpt.get(name).to(torch.float32).any()):
+            raise self._bad(f"nonzero zero points beside {args.fmt} weights (config.json's quantization_config."
+                            f"config_groups.{args.group}.weights.symmetric is {str(args.symmetric).lower()}): "
+                            "float weights with zero points are not read", name)
 
     def _float_params(self, args: QuantArgs, parts: dict[str, str], scales: torch.Tensor, group: int) -> GridParams:
         """A float grid: e4m3 codes (float-quantized) or e2m1 codes (fp4 formats), nvfp4's global scale the

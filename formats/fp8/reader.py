@@ -25,7 +25,8 @@ import torch
 from ...converters.errors import BadInput
 from ...converters.records import Grid
 from ...converters.validate import ConfigView
-from ..common.float_grids import FloatModuleSource, block_grid_shape, expand_block_rows, float_grid, fp8_element
+from ..common.float_grids import (FloatModuleSource, block_grid_shape, expand_block_rows, float_grid, fp8_element,
+                                  refuse_unscaled_fp8)
 from ...converters.model_shapes import ModelShapes
 from ..common.checkpoint import CheckpointDir, quantization_config_of
 from ..common.quant_config import read_config
@@ -76,6 +77,7 @@ class Fp8Source(FloatModuleSource):
         for prefix, parts in self.modules.items():
             if parts["weight"] not in self.ckpt.location:
                 raise BadInput(f"{scale} without weight", path=self.ckpt.file_of(parts[scale]), tensor=parts["weight"])
+        refuse_unscaled_fp8(self.ckpt, {n for parts in self.modules.values() for n in parts.values()}, scale)
         self.runtime_params = sorted(n for n in self.ckpt.location if n.rpartition(".")[2] in RUNTIME_PARTS)
 
     @staticmethod

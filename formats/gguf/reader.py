@@ -58,7 +58,8 @@ __all__ = ["GgufSource", "GgufHeader", "open_gguf", "scan_header", "split_parts"
 
 _SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 _FLOAT = {"F32": (np.float32, torch.float32), "F16": (np.float16, torch.float16), "F64": (np.float64, torch.float64)}
-_INTEGER = {"I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64}
+# ggml's integer types: no model tensor is one (GgufSource._refuse_integer_weights)
+_INTEGER = frozenset({"I8", "I16", "I32", "I64"})
 # ggml types read as grids: the layout table's block types. Others gguf-py decodes become float32.
 GRID_TYPES = tuple(name for name, lay in LAYOUTS.items() if lay.kind != "float")
 # tensors llama.cpp derives from the config (the writer recomputes them): skipped, not refused
@@ -434,11 +435,24 @@ class GgufSource(ModelSource):
                                                     for r in self.readers for t in r.tensors},
                            path=self.path, where={t.name: p for p, r in zip(self.parts, self.readers)
                                                   for t in r.tensors})
+        self._refuse_integer_weights()
         types = {_type_name(t) for r in self.readers for t in r.tensors}
         quantized = sorted(t for t in types if t not in ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"))
         self.quant_config: dict = ({"quant_method": "gguf", "file_type": self.kv.get("general.file_type"),
                                     "types": quantized} if quantized else {})
         self._tokenizer_dir: Path | None = None
+
+    def _refuse_integer_weights(self) -> None:
+        """Every tensor of a llama.cpp model is a float operand (norms, embeddings, linear weights, the rope and
+        scale tables beside them): no writer stores one as I8..I64, and llama.cpp does not compute with one (an
+        I32 norm aborts its CPU backend: "binary_op: unsupported types"). One relabelled to an integer type
+        would read as integers (a norm F32 -> I32: values near 1e9), so it is refused, naming file and tensor."""
+        for path, reader in zip(self.parts, self.readers):
+            for t in reader.tensors:
+                if _type_name(t) in _INTEGER:
+                    raise BadInput(f"ggml type {_type_name(t)} is an integer type, but every tensor of a llama.cpp "
+                                   "model is a float weight (F32, F16, BF16, F64 or a quantized block type)",
+                                   path=path, tensor=t.name)
 
     def _longrope_config(self, names: list[str]) -> None:
         """Phi-3's longrope: the factor tables are tensors in the GGUF and lists in config.json."""
@@ -529,8 +543,6 @@ class GgufSource(ModelSource):
                                 source_file=where, native_type=type_name, source_name=label)
         if type_name in _FLOAT or type_name == "BF16":
             dtype = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}[type_name]
-        elif type_name in _INTEGER:
-            dtype = str(_INTEGER[type_name])[6:]
         elif _gguf_py_decodes(t.tensor_type):
             dtype = "float32"
         else:
@@ -550,8 +562,6 @@ class GgufSource(ModelSource):
             x = torch.from_numpy(np.array(data, dtype=_FLOAT[type_name][0]))
         elif type_name == "BF16":
             x = torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
-        elif type_name in _INTEGER:
-            x = torch.from_numpy(np.array(data))
         else:  # IQ*, TQ*, MXFP4, NVFP4...: codebooks, not grids -> gguf-py's float32 decoding
             x = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, t.tensor_type), dtype=np.float32))
         x = x.reshape(shape)

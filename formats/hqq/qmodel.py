@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import struct
 import warnings
 import zipfile
 from pathlib import Path
@@ -45,6 +46,7 @@ def _check_torch_zip(path: Path) -> None:
                            "hqq's save_quantized writes them)", path=path)
         with zipfile.ZipFile(path) as z:
             members = z.infolist()
+            directory_start = z.start_dir
     except BadInput:
         raise
     except FileNotFoundError:
@@ -61,6 +63,7 @@ def _check_torch_zip(path: Path) -> None:
         if m.header_offset + m.file_size > size or m.file_size > size:
             raise BadInput(f"zip member {m.filename[:80]!r} claims {m.file_size} bytes past the end of the "
                            f"{size}-byte file (truncated?)", path=path)
+    _check_local_headers(path, members, directory_start)
     records = {m.filename: m.file_size for m in members}
     archive = pickles[0].filename.rpartition("/")[0]
     for key, type_name, numel in _pickled_storages(path, pickles[0]):
@@ -71,6 +74,49 @@ def _check_torch_zip(path: Path) -> None:
         if width is not None and numel * width != records[record]:
             raise BadInput(f"storage {key[:40]!r} claims {numel} x {width} bytes, its record holds "
                            f"{records[record]}", path=path)
+
+
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, then (past version..sizes) name length, extra length
+_DESCRIPTOR = struct.Struct("<II")  # a data descriptor's CRC-32 and compressed size (its low 32 bits in zip64)
+_DESCRIPTOR_FLAG = 0x08  # general purpose bit 3: CRC and sizes follow the data (torch.save sets it)
+
+
+def _check_local_headers(path: Path, members: list[zipfile.ZipInfo], directory_start: int) -> None:
+    """torch reads a storage where the member's local header says its data starts (header offset + 30 + the
+    local name and extra lengths), while zipfile's directory gives the sizes: one flipped byte in a local
+    header moves a storage by N bytes, which torch reads as other values without a word. So every member's
+    local header must name the member the directory names, and its data, from where that header puts it, must
+    end where the member's data descriptor (CRC and size, as the directory has them) stands, or, without one,
+    where the next member (or the directory) begins. Reads 30 bytes, a name and 12 bytes per member."""
+    ends = sorted(m.header_offset for m in members)[1:] + [directory_start]
+    next_start = dict(zip(sorted(m.header_offset for m in members), ends))
+    with open(path, "rb") as f:
+        for m in members:
+            f.seek(m.header_offset)
+            local = f.read(_LOCAL_HEADER.size)
+            if len(local) != _LOCAL_HEADER.size or local[:4] != b"PK\x03\x04":
+                raise BadInput(f"zip member {m.filename[:80]!r}: no local file header at byte {m.header_offset}, "
+                               "where the zip's directory puts it", path=path)
+            _, name_len, extra_len = _LOCAL_HEADER.unpack(local)
+            name = f.read(name_len)
+            if name != m.orig_filename.encode("utf-8" if m.flag_bits & 0x800 else "cp437"):
+                raise BadInput(f"zip member {m.filename[:80]!r}: its local header names "
+                               f"{name[:80].decode('utf-8', 'replace')!r} ({name_len} bytes), not the member the zip's "
+                               "directory names", path=path)
+            data_end = m.header_offset + _LOCAL_HEADER.size + name_len + extra_len + m.compress_size
+            if m.flag_bits & _DESCRIPTOR_FLAG:
+                f.seek(data_end)
+                tail = f.read(12)
+                tail = tail[4:] if tail[:4] == b"PK\x07\x08" else tail[:8]  # the signature is optional
+                agrees = len(tail) == 8 and _DESCRIPTOR.unpack(tail) == (m.CRC, m.compress_size & 0xFFFFFFFF)
+                why = "the member's CRC and size do not follow the data where it puts it"
+            else:
+                agrees = data_end == next_start[m.header_offset]
+                why = "the data it puts there does not end where the next member begins"
+            if not agrees:
+                raise BadInput(f"zip member {m.filename[:80]!r}: its local header (name {name_len}, extra {extra_len} "
+                               f"bytes) does not agree with the zip's directory: {why} (torch would read the bytes "
+                               "shifted)", path=path)
 
 
 # torch's typed storage classes (what torch.save names in each storage's persistent id) and their widths

@@ -29,7 +29,7 @@ from ...converters.errors import BadInput
 from ...converters.records import Grid
 from ...converters.validate import ConfigView
 from ...kernels.floatq import unpack_fp4
-from ..common.float_grids import FloatModuleSource, float_grid, fp8_element
+from ..common.float_grids import FloatModuleSource, float_grid, fp8_element, refuse_unscaled_fp8
 from ...converters.model_shapes import ModelShapes
 from ..common.checkpoint import CheckpointDir, quantization_config_of, read_json
 from ..common.quant_config import read_config
@@ -99,6 +99,7 @@ class ModelOptSource(FloatModuleSource):
                 raise BadInput("weight_scale without weight", path=self.ckpt.file_of(parts["weight_scale"]),
                                tensor=f"{prefix}.weight")
             parts["weight"] = f"{prefix}.weight"
+        refuse_unscaled_fp8(self.ckpt, {n for parts in self.modules.values() for n in parts.values()}, "weight_scale")
         self.runtime_params = sorted(n for n in self.ckpt.location if n.rpartition(".")[2] in RUNTIME_PARTS)
 
     # -- one module --------------------------------------------------------------------------------

@@ -416,6 +416,19 @@ def test_bad_fp8_input_is_one_line(case, needles, tmp_path):
     expect_user_error("fp8->gguf", src, tmp_path, *needles)
 
 
+@pytest.mark.parametrize("fmt, pair", [("fp8", "fp8->gguf"), ("fp8", "fp8->hf"), ("modelopt", "modelopt->mlx"),
+                                       ("modelopt", "modelopt->hf")])
+def test_fp8_weight_without_its_scale_is_refused_for_every_target(fmt, pair, tmp_path):
+    """Without its scale an FP8 weight is bare e4m3 codes (|w| up to 448): refused by the reader, whatever the
+    target, instead of written as weights (GGUF, MLX) or refused for its dtype naming no file (hf)."""
+    src, scale = ((_copy(_deepseek("deepseek"), tmp_path / "model"), "weight_scale_inv") if fmt == "fp8" else
+                  (_copy(MO / "fp8", tmp_path / "model"), "weight_scale"))
+    name = "model.layers.0.mlp.down_proj"
+    _edit(src, lambda t: t.pop(f"{name}.{scale}"))
+    expect_user_error(pair, src, tmp_path, "model.safetensors", f"tensor {name}.weight",
+                      f"missing {scale} for this FP8 weight")
+
+
 # -- gpt-oss's MXFP4 checkpoints ---------------------------------------------------------------------------
 def _gpt_oss_mxfp4() -> Path:
     """fixtures_archs' tiny gpt-oss (2 layers, 4 experts) in gpt-oss's MXFP4 checkpoint form (its

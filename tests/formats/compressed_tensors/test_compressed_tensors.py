@@ -349,6 +349,47 @@ def test_missing_zero_point_is_refused(tmp_path):
     expect_user_error("ct->gguf", src, tmp_path, "model.safetensors", f"{Q}.weight_zero_point", "asymmetric")
 
 
+@pytest.mark.parametrize("pair", ["ct->gguf", "ct->hf"])
+def test_fp8_weight_without_weight_scale_is_refused(pair, tmp_path):
+    """A float-quantized weight without its scale is bare e4m3 codes: refused, not written as weights."""
+    src = _copy("fp8_dynamic", tmp_path)
+    edit_safetensors(src / "model.safetensors", lambda t: t.pop(f"{Q}.weight_scale"))
+    expect_user_error(pair, src, tmp_path, "model.safetensors", f"tensor {Q}.weight",
+                      "missing weight_scale for this FP8 weight")
+
+
+def test_symmetric_config_with_asymmetric_zero_points_is_refused(tmp_path):
+    """symmetric: true beside the zero points of an asymmetric file: compressed-tensors writes none for
+    symmetric weights, so the flag contradicts the tensors (dropping them moved every weight)."""
+    src = _copy("w4a16_g128_asym_gptq", tmp_path)
+    _edit_config(src, lambda qc: qc["config_groups"]["group_0"]["weights"].__setitem__("symmetric", True))
+    expect_user_error("ct->gguf", src, tmp_path, "model.safetensors", ".weight_zero_point",
+                      "config_groups.group_0.weights.symmetric is true")
+
+
+def test_nonzero_zero_points_beside_fp8_weights_are_refused(tmp_path):
+    """Float grids have no zero point; compressed-tensors' dequantize would subtract these, qconvert dropped them."""
+    src = _copy("fp8_dynamic", tmp_path)
+    edit_safetensors(src / "model.safetensors", lambda t: t.__setitem__(
+        f"{Q}.weight_zero_point", torch.ones(t[f"{Q}.weight_scale"].shape, dtype=t[f"{Q}.weight_scale"].dtype)))
+    expect_user_error("ct->gguf", src, tmp_path, "model.safetensors", f"{Q}.weight_zero_point",
+                      "config_groups.group_0.weights.symmetric is true", "float weights with zero points")
+
+
+def test_symmetric_zero_points_older_files_kept_are_read_as_before(tmp_path):
+    """Older compressed-tensors saved the zero points of symmetric weights too, every one 0: they say nothing,
+    and the weights read are the same as without them."""
+    src = _copy("w8a8_int", tmp_path)
+    before = {r.name: r.load().dequantize(torch.float32) for r in CtSource(src).records() if r.is_grid}
+    edit_safetensors(src / "model.safetensors",
+                     lambda t: t.update({k[:-len("weight_scale")] + "weight_zero_point":
+                                         torch.zeros(v.shape, dtype=torch.int8)
+                                         for k, v in list(t.items()) if k.endswith(".weight_scale")}))
+    after = {r.name: r.load().dequantize(torch.float32) for r in CtSource(src).records() if r.is_grid}
+    assert before.keys() == after.keys() and len(before) == 7
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
 def test_packed_shape_contradicting_weight_shape_is_refused(tmp_path):
     src = _copy("w4a16_g32_sym", tmp_path)
     edit_safetensors(src / "model.safetensors",

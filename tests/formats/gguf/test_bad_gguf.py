@@ -194,6 +194,22 @@ def test_last_tensor_dims_grow_past_the_file(made, tmp_path):
     _fails(bad, tmp_path, "truncated", "tensor ")
 
 
+@pytest.mark.parametrize("which, name, itype", [("llama", "blk.0.attn_norm.weight", "I32"),
+                                                ("ours", "output_norm.weight", "I32"),
+                                                ("ours", "token_embd.weight", "I16")])
+def test_float_weight_relabelled_as_an_integer_type(made, tmp_path, which, name, itype):
+    """F32 -> I32, F16 -> I16: the same bytes fit where they stand, only the type now says integers (a norm of
+    values near 1e9); llama.cpp aborts on an I32 norm, qconvert refuses it."""
+    new_type = gguf.GGMLQuantizationType[itype]
+
+    def fn(r):
+        t = _tensor(r, name)
+        assert gguf.GGML_QUANT_SIZES[t.tensor_type] == gguf.GGML_QUANT_SIZES[new_type]
+        t.field.parts[4][0] = int(new_type)
+    bad = _edit(made[which], tmp_path / "bad.gguf", fn)
+    _fails(bad, tmp_path, f"tensor {name}", f"ggml type {itype} is an integer type", "float weight")
+
+
 @pytest.mark.parametrize("which", ["ours", "llama"])
 def test_flipped_byte_in_a_metadata_string(made, tmp_path, which):
     def fn(r):

@@ -120,6 +120,24 @@ def test_compressed_or_legacy_pickle_is_refused(qmodel_copy, tmp_path):
     expect_user_error("hqq->hf", qmodel_copy, tmp_path, "qmodel.pt", "not a zip-format torch file")
 
 
+@pytest.mark.parametrize("field, flip, needle", [
+    (28, 0x01, "does not agree with the zip's directory"),  # extra length: the data one byte off
+    (28, 0x40, "does not agree with the zip's directory"),  # by 64 bytes, still 64-aligned as torch aligns
+    (26, 0x01, "its local header names 'qmodel/data/'"),  # name length: the name and the data both move
+])
+def test_flipped_byte_in_a_storages_local_header_is_refused(qmodel_copy, tmp_path, field, flip, needle):
+    """torch finds a storage's bytes from its local header (offset + 30 + name and extra lengths): one flipped
+    length byte there shifted the tensor and the conversion passed (a scale off by 0.127); refused now."""
+    path = qmodel_copy / "qmodel.pt"
+    with zipfile.ZipFile(path) as z:
+        member = z.getinfo("qmodel/data/3")
+    raw = bytearray(path.read_bytes())
+    assert raw[member.header_offset:member.header_offset + 4] == b"PK\x03\x04"
+    raw[member.header_offset + field] ^= flip
+    path.write_bytes(bytes(raw))
+    expect_user_error("hqq->hf", qmodel_copy, tmp_path, "qmodel.pt", "zip member 'qmodel/data/3'", needle)
+
+
 @pytest.mark.parametrize("key,value,needle", [
     ("shape", torch.Size([1 << 30, 1 << 30]), "2-D [out, in] shape"),
     ("group_size", float("nan"), "finite number"),
