@@ -174,11 +174,17 @@ class GptqmodelRuntime(_TorchRuntime):
 
 
 class LlamaCppRuntime:
-    """A GGUF file in llama.cpp, with an F32 KV cache (an F16 cache would round the comparison itself)."""
+    """A GGUF file in llama.cpp, with an F32 KV cache (an F16 cache would round the comparison itself); a
+    folder holding one is its model file (llama.cpp loads a file, the other parts of a split set beside it)."""
 
     def __init__(self, path: Path, fmt: str, n_ctx: int = 512):
         _require("llama_cpp", "llama-cpp-python", fmt)
         from llama_cpp import Llama
+
+        from ...formats.gguf.folder import find_model
+
+        if Path(path).is_dir():
+            path = find_model(Path(path)).model
 
         self.name = f"llama.cpp (llama-cpp-python {_version('llama-cpp-python')})"
         self._path, self._n_ctx = path, n_ctx

@@ -6,16 +6,19 @@ from ...converters.registry import FormatEntry, OptionSpec, register_format
 from ...kernels.ggml.layouts import LAYOUTS, TARGET_LAYOUTS
 from ..common.ggml_codec import QUANTIZERS
 from .presets import PRESETS
-from .reader import open_gguf
+from .folder import GGUF_MAGIC, is_gguf_folder, open_gguf
 from .writer import GgufWriter
 
 def _is_gguf(path: Path) -> bool:
-    """A GGUF file starts with the magic b"GGUF" (the data decides, not the file name)."""
+    """A GGUF file starts with the magic b"GGUF" (the data decides, not the file name); a folder holding
+    GGUF files and no other weights is read as its model (folder.py)."""
     path = Path(path)
+    if path.is_dir():
+        return is_gguf_folder(path)
     if not path.is_file():
         return False
     with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
+        return f.read(4) == GGUF_MAGIC
 
 
 # the --type vocabulary as the writer's _parse_type and presets read it: every ggml type it writes, then
@@ -37,7 +40,8 @@ _OPTIONS = (
 )
 
 register_format(FormatEntry("gguf", aliases=("llama.cpp", "ggml"),
-                            description="llama.cpp GGUF file: complete model with metadata and tokenizer",
+                            description="llama.cpp GGUF file (or a folder holding one): complete model with metadata "
+                                        "and tokenizer",
                             open_reader=open_gguf, writer=GgufWriter(), sniff=_is_gguf,
                             options=_OPTIONS, type_help=_TYPE_HELP,
                             examples=("qconvert 'gptq->gguf' model-gptq/ model.gguf",

@@ -54,9 +54,10 @@ from .names import expert_member, hf_tensor_name, inverse_permutation, is_expert
 from .tokenizer import tokenizer_files_from_gguf
 from ...converters.records import ModelSource
 
-__all__ = ["GgufSource", "GgufHeader", "open_gguf", "scan_header", "split_parts", "GRID_TYPES"]
+__all__ = ["GgufSource", "GgufHeader", "scan_header", "split_parts", "SPLIT_NAME", "GRID_TYPES"]
 
-_SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+# a part of a split set, as gguf-split and llama.cpp name them
+SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 _FLOAT = {"F32": (np.float32, torch.float32), "F16": (np.float16, torch.float16), "F64": (np.float64, torch.float64)}
 # ggml's integer types: no model tensor is one (GgufSource._refuse_integer_weights)
 _INTEGER = frozenset({"I8", "I16", "I32", "I64"})
@@ -90,7 +91,7 @@ def split_parts(path: Path) -> list[Path]:
     """All files of a split GGUF given any of them (`x-00002-of-00003.gguf` -> parts 1..3); [path] for
     a single file. A missing part raises BadInput naming it."""
     path = Path(path)
-    m = _SPLIT_RE.match(path.name)
+    m = SPLIT_NAME.match(path.name)
     if not m:
         return [path]
     count = int(m["count"])
@@ -404,13 +405,17 @@ def _type_name(t) -> str:
 
 
 class GgufSource(ModelSource):
-    """A GGUF model (one file or every part of a split set) as a lazy stream of HF-named records."""
+    """A GGUF model (one file or every part of a split set) as a lazy stream of HF-named records. Read from a
+    folder (folder.find_model), `folder` is that folder and `ignored_files` the GGUFs beside the model that
+    are not part of it."""
 
     format_name = "gguf"
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, folder: Path | None = None, ignored_files: dict[str, str] | None = None):
         self.parts = split_parts(Path(path))
         self.path = self.parts[0]
+        self.folder = folder
+        self._ignored_files = dict(ignored_files or {})
         opened = [_open(p) for p in self.parts]
         self.readers = [r for r, _ in opened]
         self.headers = [h for _, h in opened]
@@ -760,18 +765,21 @@ class GgufSource(ModelSource):
             writer.add_key_value(key, value, vtype, sub_type=sub)
         return True
 
+    @property
+    def ignored_files(self) -> dict[str, str]:
+        return self._ignored_files
+
     def describe(self) -> dict:
         counts: dict[str, int] = {}
         for r in self.readers:
             for t in r.tensors:
                 counts[_type_name(t)] = counts.get(_type_name(t), 0) + 1
-        return {"format": "gguf", "architecture": self.arch, "parts": [p.name for p in self.parts],
+        info = {"format": "gguf", "architecture": self.arch, "parts": [p.name for p in self.parts],
                 "file_type": self.kv.get("general.file_type"), "ggml_types": counts,
                 "tensors": sum(counts.values()),
                 "reading": "F32/F16/BF16 as dense; Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and Q2_K..Q6_K as grids equal to "
                            "gguf-py's dequantization, with their block bytes kept for same-type copies; other "
                            "types (IQ*, TQ*, MXFP4, NVFP4) as float32 via gguf.quants.dequantize"}
-
-
-def open_gguf(path: Path, **_: object) -> GgufSource:
-    return GgufSource(path)
+        if self.folder is not None:  # a file's description stays as it was
+            info |= {"folder": str(self.folder), "ignored_files": self.ignored_files}
+        return info

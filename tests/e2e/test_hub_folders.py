@@ -365,3 +365,146 @@ def test_ambiguity_message_is_one_line_naming_the_candidates(tmp_path):
         CheckpointDir(folder)
     msg = str(e.value)
     assert "\n" not in msg and "part0.safetensors" in msg and "and 3 more" in msg
+
+
+# -- GGUF folders: a folder holding one GGUF (or one split set) is that GGUF ----------------------------------
+def _write_side_gguf(path: Path, arch: str, kind: str | None) -> None:
+    """A small GGUF that is not a model, as gguf-py writes them: a vision projector (arch clip, general.type
+    mmproj), a LoRA adapter or an imatrix (general.type adapter / imatrix)."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch)
+    if kind is not None:
+        w.add_type(kind)
+    w.add_tensor("v.patch_embd.weight", np.zeros((4, 32), dtype=np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _hub_gguf_folder(dst: Path, *models: Path) -> Path:
+    """A folder as Hub GGUF repos hold one: the model file(s) beside a README, .gitattributes, an imatrix
+    in llama-imatrix's .dat form and a params file."""
+    dst.mkdir(parents=True)
+    for m in models:
+        shutil.copy(m, dst / m.name)
+    (dst / "README.md").write_text("# tiny\n")
+    (dst / ".gitattributes").write_text("*.gguf filter=lfs diff=lfs merge=lfs -text\n")
+    (dst / "imatrix.dat").write_bytes(bytes(64))
+    (dst / "params").write_text("{}\n")
+    return dst
+
+
+@pytest.fixture(scope="module")
+def gguf_folders(fx, tmp_path_factory):
+    """The tiny GPTQ model as one GGUF file and as a split set of several parts, each alone in a Hub-like folder."""
+    root = tmp_path_factory.mktemp("gguf-folders")
+    file = _convert("gptq", fx["variants"][GPTQ]["ckpt"], "gguf", root / "files" / "tiny-Q4_0.gguf")
+    _convert("gguf", file, "gguf", root / "split" / "tiny.gguf", extra={"split_max_size": 150_000})
+    parts = sorted((root / "split").iterdir())
+    assert len(parts) >= 3 and [p.name for p in parts] == [f"tiny-{i:05d}-of-{len(parts):05d}.gguf"
+                                                           for i in range(1, len(parts) + 1)]
+    return {"file": file, "parts": parts, "one": _hub_gguf_folder(root / "one", file),
+            "split": _hub_gguf_folder(root / "split-folder", *parts)}
+
+
+@pytest.mark.parametrize("kind", ["one", "split"])
+def test_gguf_folder_converts_like_its_file(gguf_folders, tmp_path, kind):
+    """The folder gives the bytes its file (or its split set, named by any part) gives, to hf and to gguf."""
+    file = gguf_folders["file"] if kind == "one" else gguf_folders["parts"][1]
+    folder = gguf_folders[kind]
+    for target, name in (("hf", "hf"), ("gguf", "out.gguf")):
+        ref = _convert("gguf", file, target, tmp_path / "file" / name)
+        _assert_same_output(ref, _convert("gguf", folder, target, tmp_path / "folder" / name))
+    # through the CLI: the pair form, and convert --to, which detects the folder as gguf
+    proc = run_cli("gguf->hf", folder, tmp_path / "pair")
+    assert "ignored" not in proc.stdout  # README.md, .gitattributes, imatrix.dat and params are not weights
+    _assert_same_output(tmp_path / "file" / "hf", tmp_path / "pair")
+    proc = run_cli("convert", folder, tmp_path / "detected", "--to", "hf")
+    assert "detected source format: gguf" in proc.stderr
+    _assert_same_output(tmp_path / "file" / "hf", tmp_path / "detected")
+
+
+def test_inspect_gguf_folder_says_what_its_file_says(gguf_folders):
+    for kind, file in (("one", gguf_folders["file"]), ("split", gguf_folders["parts"][0])):
+        info = json.loads(run_cli("inspect", gguf_folders[kind], "--json").stdout)
+        assert info.pop("folder") == str(gguf_folders[kind]) and info.pop("ignored_files") == {}
+        assert info == json.loads(run_cli("inspect", file, "--json").stdout)
+        assert info["format"] == "gguf" and info["tensors"] == 21
+    assert info["parts"] == [p.name for p in gguf_folders["parts"]]
+
+
+def test_verify_reads_gguf_folders_as_source_and_as_output(fx, gguf_folders, tmp_path):
+    from qconvert.converters.apps.verify import verify
+
+    def table(report):
+        return [(r.plan.name, r.plan.verdict, r.max_abs_err) for r in report.results]
+
+    gptq = fx["variants"][GPTQ]["ckpt"]
+    as_output = verify(gptq, gguf_folders["one"], progress=False)
+    assert table(as_output) == table(verify(gptq, gguf_folders["file"], progress=False))
+    assert as_output.target_format == "gguf" and len(as_output.results) == 21
+    hf = _convert("gguf", gguf_folders["file"], "hf", tmp_path / "hf")
+    proc = run_cli("verify", gguf_folders["split"], hf, "--strict", check_rc=None)
+    ref = run_cli("verify", gguf_folders["parts"][0], hf, "--strict", check_rc=None)
+    assert proc.returncode == ref.returncode and proc.stdout.splitlines()[:-1] == ref.stdout.splitlines()[:-1]
+    assert "21 tensors" in proc.stdout.splitlines()[-1]
+
+
+def test_batch_job_with_a_gguf_folder_source(gguf_folders, tmp_path):
+    """One dry-run job (each job is a qconvert process): its source a folder holding a split set, detected."""
+    (tmp_path / "m.json").write_text(json.dumps({"jobs": [
+        {"src": str(gguf_folders["split"]), "pair": "auto->hf", "out": "out/detected"}]}))
+    proc = run_cli("batch", tmp_path / "m.json", "--workers", "1", "--dry-run")
+    assert proc.stdout.split()[0] == "planned", proc.stdout
+    (job,) = json.loads((tmp_path / "batch-report" / "batch.json").read_text())["jobs"]
+    assert job["status"] == "planned" and sum(job["verdicts"].values()) == 21
+    assert not (tmp_path / "out").exists()
+
+
+def test_projector_adapter_and_imatrix_beside_the_model_are_named_not_read(gguf_folders, tmp_path):
+    """llama.cpp takes a vision projector with --mmproj, an adapter with --lora: the model is the other
+    file, and the report says the others were not carried (by name, mmproj-*.gguf, or by header)."""
+    folder = _hub_gguf_folder(tmp_path / "vl", gguf_folders["file"])
+    _write_side_gguf(folder / "mmproj-F16.gguf", "clip", "mmproj")
+    _write_side_gguf(folder / "vision-projector-old.gguf", "clip", None)  # from before general.type
+    _write_side_gguf(folder / "lora.gguf", "llama", "adapter")
+    _write_side_gguf(folder / "imatrix.gguf", "llama", "imatrix")
+    ref = _convert("gguf", gguf_folders["file"], "hf", tmp_path / "ref")
+    proc = run_cli("gguf->hf", folder, tmp_path / "out")
+    _assert_same_output(ref, tmp_path / "out")
+    ignored = [ln for ln in proc.stdout.splitlines() if ln.startswith("ignored: ")]
+    assert [ln.split()[1] for ln in ignored] == ["imatrix.gguf", "lora.gguf", "mmproj-F16.gguf",
+                                                 "vision-projector-old.gguf"], ignored
+    assert "--mmproj" in ignored[2] and "--mmproj" in ignored[3] and "--lora" in ignored[1]
+    info = json.loads(run_cli("inspect", folder, "--json").stdout)
+    assert "not carried" in info["ignored_files"]["mmproj-F16.gguf"] and info["tensors"] == 21
+
+
+def test_several_ggufs_in_a_folder_are_refused_naming_them(gguf_folders, tmp_path):
+    """Hub GGUF repos ship one file per quantization: only the user knows which is meant."""
+    folder = _hub_gguf_folder(tmp_path / "repo", gguf_folders["file"], *gguf_folders["parts"])
+    shutil.copy(gguf_folders["file"], folder / "tiny-Q8_0.gguf")
+    _write_side_gguf(folder / "mmproj-F16.gguf", "clip", "mmproj")
+    parts = gguf_folders["parts"]
+    names = ("tiny-Q4_0.gguf", "tiny-Q8_0.gguf", f"{parts[0].name} (split set of {len(parts)})", "pass the file")
+    err = expect_user_error("gguf->hf", folder, tmp_path, *names)
+    assert "3 GGUF models" in err and "mmproj" not in err
+    for args in (("convert", folder, tmp_path / "out", "--to", "gguf"), ("inspect", folder)):
+        proc = run_cli(*args, check_rc=2)
+        assert len(proc.stderr.strip().splitlines()) == 1 and all(n in proc.stderr for n in names), proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_incomplete_split_set_or_only_a_projector_is_refused(gguf_folders, tmp_path):
+    folder = _hub_gguf_folder(tmp_path / "split", *gguf_folders["parts"][::2])
+    missing = gguf_folders["parts"][1].name
+    expect_user_error("gguf->hf", folder, tmp_path, missing, "missing")
+    proc = run_cli("convert", folder, tmp_path / "out", "--to", "hf", check_rc=2)
+    assert f"{missing} is missing" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    projector = tmp_path / "projector"
+    projector.mkdir()
+    _write_side_gguf(projector / "mmproj-F16.gguf", "clip", "mmproj")
+    expect_user_error("gguf->hf", projector, tmp_path, "mmproj-F16.gguf", "--mmproj", "no model")
