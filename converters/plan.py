@@ -18,6 +18,9 @@ that a writer overrides what it needs and nothing is probed by name (as transfor
 and a `WriterSession` stores one tensor at a time (`add`, required), may hand back the float32 source values
 it dequantized to encode it (`take_reference`, default None) and finishes the output (`close`, required).
 
+A writer whose output does not carry the source's side files sets `copies_side_files = False` (GGUF); for
+the others the runner checks them (tokenizer.json, tokenizer_config.json...) before the output is created.
+
 `Writer.plan(rec, decision, ...)` formats a plan from the checker's `Decision` in one place: verdict, reason,
 and the aligned alternative as the writer writes it. What a writer decided for a tensor beyond that travels
 as its own typed `action` (a small dataclass of the writer's, read back by its session), never as text.
@@ -105,6 +108,9 @@ class Writer(ABC):
 
     name: str
     output_is_file: bool = False  # the output is one file (GGUF), else a folder
+    # the output carries the source's side files (tokenizer, generation config): the runner checks them before
+    # writing (validate.check_side_files). GGUF, which reads the tokenizer into its own keys, does not.
+    copies_side_files: bool = True
 
     def for_conversion(self, source: ModelSource, options: Options) -> "Writer":
         """The writer for one conversion: a fresh object holding what is decided once per model (nothing is

@@ -25,7 +25,7 @@ from .plan import BitIdentical, Options, TensorPlan, Writer, check_plan
 from .records import ModelSource, TensorRecord
 from .registry import get_format
 from .report import Report, TensorResult, kernel_summary, measure
-from .validate import ConfigView
+from .validate import ConfigView, check_side_files
 from ..kernels import kernel_trace, resolve_device, use_device
 
 __all__ = ["convert", "open_source", "plan_conversion", "resolve_device_option", "device_scope",
@@ -42,7 +42,10 @@ def open_source(fmt: str, path: Path, options: Options | None = None) -> ModelSo
 def plan_conversion(source: ModelSource, writer: Writer, options: Options,
                     progress: bool = True) -> list[tuple[TensorRecord, TensorPlan]]:
     """Every record the writer takes with its plan, in stream order (the one pass over the source), after the
-    model-wide checks: the tensors every model needs, and the writer's own (check_model)."""
+    model-wide checks: the side files the output carries (first: they are small), the tensors every model
+    needs, and the writer's own (check_model)."""
+    if writer.copies_side_files:
+        check_side_files(source.side_files())
     records = writer.adapt_records(source.records(), source)
     pairs = []
     for rec, plan in tqdm(writer.plan_records(records, options, source), desc="Checking", unit="tensor",

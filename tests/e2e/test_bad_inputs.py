@@ -102,3 +102,32 @@ def test_unknown_type_and_format(ckpt, tmp_path):
     assert "unknown GGUF type 'q9_9'" in proc.stderr
     proc = run_cli("gptq->nosuch", ckpt, tmp_path / "o", check_rc=2)
     assert "unknown format 'nosuch'" in proc.stderr
+
+
+# --- the side files an output carries, checked before the output is created -----------------------------
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("pair", ["gptq->hf", "gptq->mlx", "gptq->uqff"])
+@pytest.mark.parametrize("name,damage,needle", [
+    ("tokenizer.json", _truncate, "not valid JSON"),
+    ("tokenizer_config.json", lambda p: p.write_text("null"), "expected a JSON object, found null"),
+])
+def test_side_file_that_does_not_parse_is_refused(ckpt, tmp_path, pair, name, damage, needle):
+    """A runtime parses the tokenizer files when it loads the model: a copy of a broken one is refused."""
+    damage(ckpt / name)
+    _expect_error(ckpt, tmp_path, str(ckpt / name), needle, pair=pair)
+
+
+@pytest.mark.parametrize("name,text,needle", [
+    ("tokenizer.json", '{"version": "1.0", "added_tokens": []}', "model is missing"),
+    ("tokenizer_config.json", '{"chat_template": 3}', "chat_template is 3: expected a string"),
+    ("generation_config.json", "[]", "expected a JSON object, found an array"),
+])
+def test_side_file_whose_content_is_the_wrong_kind_is_refused(ckpt, tmp_path, name, text, needle):
+    (ckpt / name).write_text(text)
+    _expect_error(ckpt, tmp_path, str(ckpt / name), needle, pair="gptq->hf")
+
