@@ -50,11 +50,22 @@ def plan_conversion(source: ModelSource, writer: Writer, options: Options,
     pairs = []
     for rec, plan in tqdm(writer.plan_records(records, options, source), desc="Checking", unit="tensor",
                           disable=not progress, leave=False):
+        plan.source_file = plan.source_file or str(record_file(source.path, rec.source_file))
         pairs.append((rec, mark_standin(rec, plan)))
     plans = [plan for _, plan in pairs]
     check_required_tensors(source, [rec.name for rec, _ in pairs], {rec.name: rec.source_file for rec, _ in pairs})
     writer.check_model(source, plans, options)
     return pairs
+
+
+def record_file(source_path: Path | str | None, source_file: str) -> Path:
+    """The file a record was read from (its `source_file`: absolute, or a shard name inside the source
+    folder), else the source path itself, to name in a refusal."""
+    path = Path(source_path or ".")
+    if not source_file:
+        return path
+    f = Path(source_file)
+    return f if f.is_absolute() else (path / f if path.is_dir() else path.with_name(f.name))
 
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
@@ -90,11 +101,7 @@ def check_required_tensors(source, names: list[str], files: dict[str, str] | Non
     present = set(names)
 
     def file_of(name: str) -> Path:
-        f = files.get(name)
-        if not f:
-            return path
-        f = Path(f)
-        return f if f.is_absolute() else (path / f if path.is_dir() else path.with_name(f.name))
+        return record_file(path, files.get(name, ""))
 
     every_file = {file_of(n) for n in names}
     one_file = next(iter(every_file)) if len(every_file) == 1 else path

@@ -131,3 +131,12 @@ def test_side_file_whose_content_is_the_wrong_kind_is_refused(ckpt, tmp_path, na
     (ckpt / name).write_text(text)
     _expect_error(ckpt, tmp_path, str(ckpt / name), needle, pair="gptq->hf")
 
+
+# --- a refused plan names the input file ----------------------------------------------------------------
+
+def test_plan_refusal_names_the_input_file(ckpt, tmp_path):
+    out = tmp_path / "out.gguf"
+    err = run_cli("gptq->gguf", ckpt, out, "--type", "q4_k", check_rc=2).stderr.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and not out.exists(), err
+    assert err.startswith(f"qconvert: error: refused: 2 tensor(s) in {ckpt / 'model.safetensors'} would need "
+                          "lossy requantization to Q4_K (model.layers.0.mlp.down_proj.weight, "), err
