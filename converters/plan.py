@@ -18,6 +18,9 @@ that a writer overrides what it needs and nothing is probed by name (as transfor
 and a `WriterSession` stores one tensor at a time (`add`, required), may hand back the float32 source values
 it dequantized to encode it (`take_reference`, default None) and finishes the output (`close`, required).
 
+A writer whose output does not carry the source's side files sets `copies_side_files = False` (GGUF); for
+the others the runner checks them (tokenizer.json, tokenizer_config.json...) before the output is created.
+
 `Writer.plan(rec, decision, ...)` formats a plan from the checker's `Decision` in one place: verdict, reason,
 and the aligned alternative as the writer writes it. What a writer decided for a tensor beyond that travels
 as its own typed `action` (a small dataclass of the writer's, read back by its session), never as text.
@@ -71,6 +74,7 @@ class TensorPlan:
     # the writer stores the source's own form behind a lossy stand-in (a rotated GPTQ grid), so the stand-in's
     # loss does not apply (run.mark_standin)
     keeps_source_form: bool = False
+    source_file: str = ""  # the input file the tensor was read from (set by the runner), named in a refusal
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,9 @@ class Writer(ABC):
 
     name: str
     output_is_file: bool = False  # the output is one file (GGUF), else a folder
+    # the output carries the source's side files (tokenizer, generation config): the runner checks them before
+    # writing (validate.check_side_files). GGUF, which reads the tokenizer into its own keys, does not.
+    copies_side_files: bool = True
 
     def for_conversion(self, source: ModelSource, options: Options) -> "Writer":
         """The writer for one conversion: a fresh object holding what is decided once per model (nothing is
@@ -154,7 +161,8 @@ class Writer(ABC):
 
 
 def refusal_message(plans: Iterable[TensorPlan], allow_requant: bool) -> str | None:
-    """One line naming the tensors that block the plan and what would work instead, or None."""
+    """One line naming the tensors that block the plan, the input file they come from (when the runner set
+    it) and what would work instead, or None."""
     blocked = [p for p in plans if p.verdict == REFUSED or (p.verdict == REQUANTIZE and not allow_requant)]
     if not blocked:
         return None
@@ -164,9 +172,18 @@ def refusal_message(plans: Iterable[TensorPlan], allow_requant: bool) -> str | N
     hint = f"; aligned choice: {' / '.join(alternatives)}" if alternatives else ""
     if any(p.verdict == REFUSED for p in blocked):
         bad = next(p for p in blocked if p.verdict == REFUSED)
-        return f"refused: {bad.name} cannot be stored as {bad.target}: {bad.reason}{hint}"
-    return (f"refused: {len(blocked)} tensor(s) would need lossy requantization to {first.target} "
-            f"({names}: {first.reason}){hint}; pass --allow-requant to accept the loss")
+        return f"refused: {bad.name}{_in_files([bad])} cannot be stored as {bad.target}: {bad.reason}{hint}"
+    return (f"refused: {len(blocked)} tensor(s){_in_files(blocked)} would need lossy requantization to "
+            f"{first.target} ({names}: {first.reason}){hint}; pass --allow-requant to accept the loss")
+
+
+def _in_files(plans: list[TensorPlan]) -> str:
+    """" in model-00001-of-00002.safetensors (and 1 more file)": the input files of `plans`, first first."""
+    files = list(dict.fromkeys(p.source_file for p in plans if p.source_file))
+    if not files:
+        return ""
+    more = len(files) - 1
+    return f" in {files[0]}" + (f" (and {more} more file{'s' if more > 1 else ''})" if more else "")
 
 
 def check_plan(plans: list[TensorPlan], allow_requant: bool) -> None:

@@ -4,6 +4,7 @@ source's float32 dequantization, with the path each kernel stage took; a summary
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 
 from .plan import TensorPlan, verdict_counts
 
-__all__ = ["TensorResult", "Report", "measure", "kernel_summary"]
+__all__ = ["TensorResult", "Report", "measure", "kernel_summary", "NotFinite"]
 
 
 @dataclass
@@ -84,9 +85,34 @@ def measure(item, decoded: torch.Tensor, reference: torch.Tensor | None = None) 
             ref = part.dequantize(torch.float32)
         got = decoded[start:stop] if decoded.dim() > 1 else decoded
         diff = (got.to(torch.float32) - ref).abs()
-        max_err = max(max_err, float(diff.max()))
+        band_max = float(diff.max())  # NaN when any difference is NaN (which Python's max would drop)
+        if not math.isfinite(band_max):
+            raise NotFinite.find(ref, got, start)
+        max_err = max(max_err, band_max)
         sum_sq += float(diff.double().pow(2).sum())
     return max_err, (sum_sq / decoded.numel()) ** 0.5
+
+
+class NotFinite(ValueError):
+    """`measure` met a value that is not finite, so no error can be reported for the tensor: in the source's
+    own dequantization (`in_source`: the source is broken) or in what the target decodes to. `what` is "NaN"
+    or "inf", `row` the first output row holding it (None for a 1-D tensor)."""
+
+    def __init__(self, in_source: bool, what: str, row: int | None):
+        self.in_source, self.what, self.row = in_source, what, row
+        self.where = "" if row is None else f" (output row {row})"
+        super().__init__(f"{'source' if in_source else 'converted'} values hold {what}{self.where}")
+
+    @classmethod
+    def find(cls, ref: torch.Tensor, got: torch.Tensor, first_row: int) -> "NotFinite":
+        """Which side of a band holds the value, looked for only once the band's error is not finite."""
+        in_source = not bool(torch.isfinite(ref).all())
+        values = ref if in_source else got.to(torch.float32)
+        bad = ~torch.isfinite(values)
+        what = "NaN" if bool(torch.isnan(values).any()) else "inf"
+        if values.dim() < 2:
+            return cls(in_source, what, None)
+        return cls(in_source, what, first_row + int(bad.reshape(bad.shape[0], -1).any(dim=1).nonzero()[0, 0]))
 
 
 def kernel_summary(trace: dict) -> dict:

@@ -13,19 +13,20 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
 from tqdm import tqdm
 
 from .checker import EXACT, NEAR_EXACT, REQUANTIZE
-from .errors import BadInput, QConvertError
+from .errors import BadInput, QConvertError, RefusedPlan
 from .model_shapes import Layout, known_layout
 from .output import atomic_output
 from .plan import BitIdentical, Options, TensorPlan, Writer, check_plan
 from .records import ModelSource, TensorRecord
 from .registry import get_format
-from .report import Report, TensorResult, kernel_summary, measure
-from .validate import ConfigView
+from .report import NotFinite, Report, TensorResult, kernel_summary, measure
+from .validate import ConfigView, check_side_files
 from ..kernels import kernel_trace, resolve_device, use_device
 
 __all__ = ["convert", "open_source", "plan_conversion", "resolve_device_option", "device_scope",
@@ -42,16 +43,62 @@ def open_source(fmt: str, path: Path, options: Options | None = None) -> ModelSo
 def plan_conversion(source: ModelSource, writer: Writer, options: Options,
                     progress: bool = True) -> list[tuple[TensorRecord, TensorPlan]]:
     """Every record the writer takes with its plan, in stream order (the one pass over the source), after the
-    model-wide checks: the tensors every model needs, and the writer's own (check_model)."""
-    records = writer.adapt_records(source.records(), source)
+    model-wide checks: the side files the output carries (first: they are small), the tensors every model
+    needs, and the writer's own (check_model)."""
+    if writer.copies_side_files:
+        check_side_files(source.side_files())
+    records = writer.adapt_records(finite_params(source.records(), source.path), source)
     pairs = []
     for rec, plan in tqdm(writer.plan_records(records, options, source), desc="Checking", unit="tensor",
                           disable=not progress, leave=False):
+        plan.source_file = plan.source_file or str(record_file(source.path, rec.source_file))
         pairs.append((rec, mark_standin(rec, plan)))
     plans = [plan for _, plan in pairs]
     check_required_tensors(source, [rec.name for rec, _ in pairs], {rec.name: rec.source_file for rec, _ in pairs})
     writer.check_model(source, plans, options)
     return pairs
+
+
+def record_file(source_path: Path | str | None, source_file: str) -> Path:
+    """The file a record was read from (its `source_file`: absolute, or a shard name inside the source
+    folder), else the source path itself, to name in a refusal."""
+    path = Path(source_path or ".")
+    if not source_file:
+        return path
+    f = Path(source_file)
+    return f if f.is_absolute() else (path / f if path.is_dir() else path.with_name(f.name))
+
+
+def finite_params(records: Iterable[TensorRecord], source_path) -> Iterator[TensorRecord]:
+    """The records as they stream, each grid's small parameters (scales, zero points, mins, the global scale)
+    checked finite first: a NaN or inf there makes every value it scales NaN or inf, which no target can hold
+    and requantizing cannot repair, so the source is refused at the tensor (cheaply: the parameters are already
+    read; the codes are not)."""
+    for rec in records:
+        p = rec.params
+        if p is not None:
+            parts = {"scales": p.scales, "zero points": p.zeros if torch.is_floating_point(p.zeros) else None,
+                     "mins": p.mins, "global scale": p.global_scale,
+                     "scales' first step": p.scale_steps[0] if p.scale_steps else None}
+            for what, values in parts.items():
+                if values is not None and torch.is_floating_point(values):
+                    _refuse_not_finite(what, values, rec, source_path)
+        yield rec
+
+
+def _refuse_not_finite(what: str, values: torch.Tensor, rec: TensorRecord, source_path) -> None:
+    values = values.to(torch.float32)  # the stored dtype may be float8 (E4M3, E8M0 block scales)
+    bad = ~torch.isfinite(values)
+    if not bool(bad.any()):
+        return
+    kind = "NaN" if bool(torch.isnan(values).any()) else "inf"
+    at = ""
+    if values.dim() == 2:  # [out, n_groups], as GridParams holds them
+        row, group = (int(i) for i in bad.nonzero()[0])
+        at = f" (output row {row}, group {group})"
+    verb = "hold" if what.endswith("s") else "holds"
+    raise BadInput(f"{what} {verb} {kind}{at}: the source's values are not finite, and no conversion can repair "
+                   "them", path=record_file(source_path, rec.source_file), tensor=rec.name)
 
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
@@ -87,11 +134,7 @@ def check_required_tensors(source, names: list[str], files: dict[str, str] | Non
     present = set(names)
 
     def file_of(name: str) -> Path:
-        f = files.get(name)
-        if not f:
-            return path
-        f = Path(f)
-        return f if f.is_absolute() else (path / f if path.is_dir() else path.with_name(f.name))
+        return record_file(path, files.get(name, ""))
 
     every_file = {file_of(n) for n in names}
     one_file = next(iter(every_file)) if len(every_file) == 1 else path
@@ -142,6 +185,14 @@ def _not_in_layout(name: str, layout: Layout, n_layers: int | None) -> str:
                 "have no extra layers)")
     return (f"not a tensor of {layout.class_name} (config.json's model_type {layout.model_type!r}): a renamed or "
             "foreign tensor")
+
+
+def _not_finite_refusal(e: NotFinite, rec: TensorRecord, plan: TensorPlan) -> QConvertError:
+    if e.in_source:
+        return BadInput(f"the source's values hold {e.what}{e.where}: nothing can be converted from them",
+                        path=plan.source_file or None, tensor=rec.name)
+    return RefusedPlan(f"stored as {plan.target}, its values decode to {e.what}{e.where}: the target cannot hold "
+                       "them", path=plan.source_file or None, tensor=rec.name)
 
 
 def mark_standin(rec: TensorRecord, plan: TensorPlan) -> TensorPlan:
@@ -210,8 +261,11 @@ def _convert(src_format: str, src_path: Path, dst_format: str, out_path: Path | 
                 item = rec.load()
                 decoded = session.add(plan, item)
             reference = session.take_reference()  # the writer's own dequantization of the source, if it made one
-            max_err, rmse = ((0.0, 0.0) if isinstance(decoded, BitIdentical)
-                             else measure(item, decoded, reference))
+            try:
+                max_err, rmse = ((0.0, 0.0) if isinstance(decoded, BitIdentical)
+                                 else measure(item, decoded, reference))
+            except NotFinite as e:  # no tensor is reported with a NaN or inf error
+                raise _not_finite_refusal(e, rec, plan) from None
             del item, decoded, reference
             if plan.verdict == EXACT and max_err != 0.0:
                 raise QConvertError(f"internal error: planned exact but measured max error {max_err:g}",

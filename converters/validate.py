@@ -15,11 +15,12 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from .errors import BadInput
 
-__all__ = ["read_json", "parse_json", "json_kind", "ConfigView", "REQUIRED", "MAX_JSON_BYTES", "MAX_JSON_DEPTH"]
+__all__ = ["read_json", "parse_json", "json_kind", "ConfigView", "REQUIRED", "MAX_JSON_BYTES", "MAX_JSON_DEPTH",
+           "check_side_files", "MAX_SIDE_FILE_BYTES"]
 
 MAX_JSON_BYTES = 256 * 1024 * 1024  # a tokenizer.json of a 256k vocabulary is ~20 MB; an index a few MB
 MAX_JSON_DEPTH = 64  # real configs nest 4-6 deep, tokenizer.json ~8
@@ -64,7 +65,8 @@ def parse_json(text: str, path: object) -> Any:
     try:
         data = json.loads(text, parse_int=_number(int), parse_float=_number(float), parse_constant=_constant)
     except json.JSONDecodeError as e:
-        raise BadInput(f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno})", path=path) from None
+        msg = e.msg.removesuffix(" at")  # json's "Unterminated string starting at" names its position itself
+        raise BadInput(f"not valid JSON ({msg} at line {e.lineno} column {e.colno})", path=path) from None
     except RecursionError:  # json's scanner stops at the interpreter's recursion limit
         raise deep from None
     except ValueError as e:
@@ -205,3 +207,42 @@ def _range(what: str, lo, hi) -> str:
     if hi is not None:
         return f"{what} <= {hi}"
     return what
+
+
+# A side file (tokenizer.model, merges.txt, a chat template) is a few MB at most; one beyond this is not one.
+MAX_SIDE_FILE_BYTES = 1 << 30
+
+
+def check_side_files(files: Mapping[str, Path]) -> None:
+    """The files a converted model carries beside its weights (tokenizer, generation config, chat template),
+    checked before the output is created: its runtime parses them when it loads the model, so a copy of a
+    truncated or null tokenizer.json would leave a model nothing can load. A JSON file must parse (bounded by
+    read_json) into an object, with the keys its loaders dereference of the right type; any other file must be
+    a regular file of a sane size (stat only: it is copied, never parsed here)."""
+    for name, path in files.items():
+        path = Path(path)
+        if name.endswith(".json"):
+            _check_side_keys(name, read_json(path), path)
+            continue
+        try:
+            info = path.stat()
+        except OSError as e:
+            raise BadInput(f"cannot read file ({e.strerror or type(e).__name__})", path=path) from None
+        if not path.is_file():
+            raise BadInput("is not a regular file, expected a tokenizer or template file", path=path)
+        if info.st_size > MAX_SIDE_FILE_BYTES:
+            raise BadInput(f"file of {info.st_size} bytes is larger than the {MAX_SIDE_FILE_BYTES} a tokenizer or "
+                           "template file can be", path=path)
+
+
+def _check_side_keys(name: str, data: dict, path: Path) -> None:
+    """The keys of a side JSON file that its loaders read without a check of their own: tokenizer.json's
+    `model` (the tokenizers library deserializes it whole), and a chat template (a string, or the list of
+    named templates tokenizer_config.json may hold)."""
+    view = ConfigView(data, path)
+    if name == "tokenizer.json":
+        view.view("model")
+    if name in ("tokenizer_config.json", "chat_template.json"):
+        template = view.get("chat_template")
+        if template is not None and not isinstance(template, (str, list)):
+            raise view._bad("chat_template", template, "a string or a list of named templates")

@@ -261,7 +261,7 @@ class CtSession(WriterSession):
     def close(self) -> None:
         if not self.schemes and not self.float_schemes:
             raise QConvertError("nothing to write as compressed-tensors: the source has no quantized tensors "
-                                "(pass --type, e.g. 4g128, with --allow-requant)")
+                                "(pass --type, e.g. 4g128, with --allow-requant)", path=self.source.path)
         self.shards.close()
         write_json(self.path / "config.json", {**self.source.config, "quantization_config": self._quant_config()})
         copy_side_files(self.source, self.path)

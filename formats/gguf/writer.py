@@ -299,6 +299,7 @@ def _attach_quant(plan: TensorPlan, options: Options, keep_codes: bool) -> None:
 class GgufWriter(Writer):
     name = "gguf"
     output_is_file = True
+    copies_side_files = False  # the tokenizer goes into GGUF keys (tokenizer.py), read and checked there
 
     def __init__(self, arch: tuple[str, int] | None = None):
         self._arch_of_source = arch  # set by for_conversion: (GGUF architecture, layer count) of this model

@@ -183,7 +183,8 @@ class GptqSession(WriterSession):
 
     def _quant_config(self) -> dict:
         if not self.schemes:
-            raise QConvertError("nothing to write as GPTQ: the source has no quantized tensors (pass --type, e.g. 4g128)")
+            raise QConvertError("nothing to write as GPTQ: the source has no quantized tensors (pass --type, e.g. 4g128)",
+                                path=self.source.path)
         counts: dict[ModuleScheme, int] = {}
         for s in self.schemes.values():
             counts[s] = counts.get(s, 0) + 1

@@ -220,7 +220,8 @@ class HqqSession(WriterSession):
 
     def close(self) -> None:
         if not self.schemes:
-            raise QConvertError("nothing to write as HQQ: the source has no quantized tensors (pass --type, e.g. 4g64)")
+            raise QConvertError("nothing to write as HQQ: the source has no quantized tensors (pass --type, e.g. 4g64)",
+                                path=self.source.path)
         config = {k: v for k, v in self.source.config.items() if k != "quantization_config"}
         if self.style == "safetensors":
             self.shards.close()

@@ -201,24 +201,25 @@ def _check_stacks(plans: list[TensorPlan], moe, path) -> None:
             dense = next(p for p in weights if p.action.where != "uqff-expert")
             raise QConvertError(f"an expert of {key} would stay dense while the others are stored as "
                                 f"{stored[0].action.type}: mistral.rs loads the experts of a projection as one "
-                                "stacked layer; give them all one --tensor-type", tensor=dense.name)
+                                "stacked layer; give them all one --tensor-type", path=dense.source_file or path,
+                                tensor=dense.name)
         biases = [p for p in members if p.action.expert_part == "bias"]
         if biases:
             raise QConvertError("expert biases are not supported in stacked UQFF expert layers here",
-                                tensor=biases[0].name)
+                                path=biases[0].source_file or path, tensor=biases[0].name)
         experts = sorted(p.action.expert for p in stored)
         n = moe.num_experts if moe is not None and moe.num_experts else len(experts)
         if experts != list(range(n)):
             missing = sorted(set(range(n)) - set(experts))
             raise QConvertError(f"{key} needs experts 0..{n - 1} (config.json: {n} experts); "
                                 f"{'missing ' + str(missing[:4]) if missing else 'found ' + str(experts[-1])}",
-                                path=path, tensor=stored[0].name)
+                                path=stored[0].source_file or path, tensor=stored[0].name)
         facts = {(p.action.type, p.action.ggml, p.action.group_size, tuple(p.shape)) for p in stored}
         if len(facts) > 1:
             shown = ", ".join(sorted({f"{t} {list(s)}" for t, _, _, s in facts}))
             raise QConvertError(f"the experts of {key} would be stored differently ({shown}); a stacked layer has "
                                 "one type and shape: pass --type (or one --tensor-type for the experts)",
-                                tensor=stored[0].name)
+                                path=stored[0].source_file or path, tensor=stored[0].name)
 
 
 def uqff_minor(plans: list[TensorPlan]) -> int:

@@ -73,6 +73,21 @@ def test_three_requantized_tensors_are_all_named_and_no_alternative_gives_no_hin
         "pass --allow-requant to accept the loss")
 
 
+def test_the_refusal_names_the_input_file_the_runner_set():
+    refused = plan(layer(1), REFUSED, target="Q4_0", reason="rows of 100 are not whole blocks of 32")
+    refused.source_file = "/m/model-00002-of-00002.safetensors"
+    assert refusal_message([plan(layer(0), EXACT), refused], allow_requant=False) == (
+        "refused: model.layers.1.mlp.up_proj.weight in /m/model-00002-of-00002.safetensors cannot be stored as "
+        "Q4_0: rows of 100 are not whole blocks of 32")
+    requantized = [plan(layer(i), REQUANTIZE, reason="no aligned type") for i in range(4)]
+    for i, p in enumerate(requantized):
+        p.source_file = f"/m/model-0000{1 + i // 2}-of-00003.safetensors"
+    assert refusal_message(requantized, allow_requant=False) == (
+        "refused: 4 tensor(s) in /m/model-00001-of-00003.safetensors (and 1 more file) would need lossy "
+        "requantization to Q4_K (model.layers.0.mlp.up_proj.weight, model.layers.1.mlp.up_proj.weight, "
+        "model.layers.2.mlp.up_proj.weight and 1 more: no aligned type); pass --allow-requant to accept the loss")
+
+
 def test_verdict_counts_has_every_verdict_even_at_zero():
     assert verdict_counts([]) == {EXACT: 0, NEAR_EXACT: 0, REQUANTIZE: 0, REFUSED: 0}
     plans = [plan("a", EXACT), plan("b", EXACT), plan("c", REQUANTIZE), plan("d", "missing")]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from qconvert.converters.errors import BadInput
-from qconvert.converters.validate import MAX_JSON_DEPTH, ConfigView, parse_json, read_json
+from qconvert.converters.validate import (MAX_JSON_BYTES, MAX_JSON_DEPTH, MAX_SIDE_FILE_BYTES, ConfigView,
+                                          check_side_files, parse_json, read_json)
 
 PATH = "/models/m/config.json"
 
@@ -135,3 +136,43 @@ def test_a_long_value_is_shown_shortened(cfg):
 ])
 def test_a_view_of_something_other_than_an_object_is_refused(data, prefix, line):
     assert refusal(lambda: ConfigView(data, PATH, prefix)) == f"{PATH}: {line}"
+
+
+# ---- check_side_files --------------------------------------------------------------------------------
+
+def test_side_files_that_parse_into_objects_pass(tmp_path):
+    files = {"tokenizer.json": '{"model": {"type": "BPE"}}', "tokenizer_config.json": '{"chat_template": null}',
+             "chat_template.json": '{"chat_template": "{{ x }}"}', "generation_config.json": "{}",
+             "merges.txt": "#version: 0.2\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    check_side_files({name: tmp_path / name for name in files})
+
+
+@pytest.mark.parametrize("name, text, why", [
+    ("tokenizer.json", '{"model": {"type": "B', "not valid JSON (Unterminated string starting at line 1 column 20)"),
+    ("tokenizer.json", "", "not valid JSON (Expecting value at line 1 column 1)"),
+    ("tokenizer.json", '{"model": null}', "model is None: expected a JSON object"),
+    ("tokenizer_config.json", "null", "expected a JSON object, found null"),
+    ("tokenizer_config.json", '{"chat_template": {"a": 1}}',
+     "chat_template is {'a': 1}: expected a string or a list of named templates"),
+    ("special_tokens_map.json", '"<s>"', "expected a JSON object, found a string"),
+])
+def test_a_side_file_that_a_runtime_could_not_load_is_refused(tmp_path, name, text, why):
+    (tmp_path / name).write_text(text)
+    assert refusal(lambda: check_side_files({name: tmp_path / name})) == f"{tmp_path / name}: {why}"
+
+
+@pytest.mark.parametrize("name, limit", [("tokenizer.json", MAX_JSON_BYTES), ("tokenizer.model", MAX_SIDE_FILE_BYTES)])
+def test_an_absurdly_large_side_file_is_refused_without_reading_it(tmp_path, name, limit):
+    path = tmp_path / name
+    with open(path, "wb") as f:
+        f.truncate(limit + 1)  # sparse: nothing is allocated, and the check only stats it
+    line = refusal(lambda: check_side_files({name: path}))
+    assert line.startswith(f"{path}: ") and f"{limit + 1} bytes is larger than the {limit}" in line
+
+
+def test_a_side_file_that_is_a_folder_is_refused(tmp_path):
+    (tmp_path / "tokenizer.model").mkdir()
+    assert refusal(lambda: check_side_files({"tokenizer.model": tmp_path / "tokenizer.model"})) == (
+        f"{tmp_path / 'tokenizer.model'}: is not a regular file, expected a tokenizer or template file")

@@ -102,3 +102,82 @@ def test_unknown_type_and_format(ckpt, tmp_path):
     assert "unknown GGUF type 'q9_9'" in proc.stderr
     proc = run_cli("gptq->nosuch", ckpt, tmp_path / "o", check_rc=2)
     assert "unknown format 'nosuch'" in proc.stderr
+
+
+# --- the side files an output carries, checked before the output is created -----------------------------
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("pair", ["gptq->hf", "gptq->mlx", "gptq->uqff"])
+@pytest.mark.parametrize("name,damage,needle", [
+    ("tokenizer.json", _truncate, "not valid JSON"),
+    ("tokenizer_config.json", lambda p: p.write_text("null"), "expected a JSON object, found null"),
+])
+def test_side_file_that_does_not_parse_is_refused(ckpt, tmp_path, pair, name, damage, needle):
+    """A runtime parses the tokenizer files when it loads the model: a copy of a broken one is refused."""
+    damage(ckpt / name)
+    _expect_error(ckpt, tmp_path, str(ckpt / name), needle, pair=pair)
+
+
+@pytest.mark.parametrize("name,text,needle", [
+    ("tokenizer.json", '{"version": "1.0", "added_tokens": []}', "model is missing"),
+    ("tokenizer_config.json", '{"chat_template": 3}', "chat_template is 3: expected a string"),
+    ("generation_config.json", "[]", "expected a JSON object, found an array"),
+])
+def test_side_file_whose_content_is_the_wrong_kind_is_refused(ckpt, tmp_path, name, text, needle):
+    (ckpt / name).write_text(text)
+    _expect_error(ckpt, tmp_path, str(ckpt / name), needle, pair="gptq->hf")
+
+
+# --- values that are not finite: refused at the source, never reported as an error of NaN ---------------
+
+def _set_value(ckpt, name, index, value):
+    def edit(t):
+        t[name][index] = value
+    _edit_tensors(ckpt, edit)
+
+
+@pytest.mark.parametrize("pair,flags", [("gptq->gguf", ()), ("gptq->gguf", ("--allow-requant",)),
+                                        ("gptq->hf", ()), ("gptq->gptq", ())])
+def test_nan_scale_is_refused_at_the_source(ckpt, tmp_path, pair, flags):
+    """A NaN scale makes its group's values NaN: the plan once suggested --allow-requant, which then wrote a
+    model reported with rmse NaN (gguf), or copied it as exact (hf, gptq)."""
+    _set_value(ckpt, "model.layers.1.mlp.up_proj.scales", (0, 3), float("nan"))
+    out = tmp_path / "out"
+    proc = run_cli(pair, ckpt, out, *flags, check_rc=2)
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in proc.stderr, err
+    assert err == (f"qconvert: error: {ckpt / 'model.safetensors'}, tensor model.layers.1.mlp.up_proj.weight: "
+                   "scales hold NaN (output row 3, group 0): the source's values are not finite, and no "
+                   "conversion can repair them"), err
+    assert "--allow-requant" not in err
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if "qconvert-tmp" in p.name]
+
+
+def test_inf_in_a_dense_source_tensor_is_refused(ckpt, tmp_path):
+    """A dense tensor is not read before it is written: the measurement finds the inf and names the source."""
+    _set_value(ckpt, "model.embed_tokens.weight", (7, 2), float("inf"))
+    _expect_error(ckpt, tmp_path, str(ckpt / "model.safetensors"), "tensor model.embed_tokens.weight",
+                  "the source's values hold inf (output row 7)", pair="gptq->hf")
+
+
+def test_values_the_target_decodes_to_nan_are_refused(ckpt, tmp_path):
+    """A finite fp16 scale of 60000 whose mlx bias (-scale * 8, kept in float16) overflows: the output would
+    decode to NaN, and was reported with a finite max error (Python's max drops a NaN)."""
+    _set_value(ckpt, "model.layers.1.mlp.up_proj.scales", (0, 3), 60000.0)
+    _expect_error(ckpt, tmp_path, str(ckpt / "model.safetensors"), "tensor model.layers.1.mlp.up_proj.weight",
+                  "stored as mlx 4-bit g32, its values decode to NaN (output row 3): the target cannot hold them",
+                  pair="gptq->mlx")
+
+
+# --- a refused plan names the input file ----------------------------------------------------------------
+
+def test_plan_refusal_names_the_input_file(ckpt, tmp_path):
+    out = tmp_path / "out.gguf"
+    err = run_cli("gptq->gguf", ckpt, out, "--type", "q4_k", check_rc=2).stderr.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and not out.exists(), err
+    assert err.startswith(f"qconvert: error: refused: 2 tensor(s) in {ckpt / 'model.safetensors'} would need "
+                          "lossy requantization to Q4_K (model.layers.0.mlp.down_proj.weight, "), err
