@@ -12,7 +12,7 @@ import torch
 
 from .plan import TensorPlan, verdict_counts
 
-__all__ = ["TensorResult", "Report", "measure", "kernel_summary", "NotFinite"]
+__all__ = ["TensorResult", "Report", "measure", "kernel_summary", "NotFinite", "check_finite_copy"]
 
 
 @dataclass
@@ -91,6 +91,19 @@ def measure(item, decoded: torch.Tensor, reference: torch.Tensor | None = None) 
         max_err = max(max_err, band_max)
         sum_sq += float(diff.double().pow(2).sum())
     return max_err, (sum_sq / decoded.numel()) ** 0.5
+
+
+def check_finite_copy(item) -> None:
+    """A writer's BitIdentical proof makes the error 0 without a float pass, which would also skip the NaN / inf
+    check `measure` makes: a dense source's values are checked here (a grid's scales, zeros and mins already were,
+    as the records streamed: run.finite_params; its integer codes cannot be NaN). Raises NotFinite(in_source)."""
+    t = getattr(item, "tensor", None)
+    if t is None or not torch.is_floating_point(t) or bool(torch.isfinite(t).all()):
+        return
+    bad = ~torch.isfinite(t)
+    what = "NaN" if bool(torch.isnan(t).any()) else "inf"
+    row = None if t.dim() < 2 else int(bad.reshape(bad.shape[0], -1).any(dim=1).nonzero()[0, 0])
+    raise NotFinite(True, what, row)
 
 
 class NotFinite(ValueError):

@@ -25,7 +25,7 @@ from .output import atomic_output
 from .plan import BitIdentical, Options, TensorPlan, Writer, check_plan
 from .records import ModelSource, TensorRecord
 from .registry import get_format
-from .report import NotFinite, Report, TensorResult, kernel_summary, measure
+from .report import NotFinite, Report, TensorResult, check_finite_copy, kernel_summary, measure
 from .validate import ConfigView, check_side_files
 from ..kernels import kernel_trace, resolve_device, use_device
 
@@ -262,8 +262,11 @@ def _convert(src_format: str, src_path: Path, dst_format: str, out_path: Path | 
                 decoded = session.add(plan, item)
             reference = session.take_reference()  # the writer's own dequantization of the source, if it made one
             try:
-                max_err, rmse = ((0.0, 0.0) if isinstance(decoded, BitIdentical)
-                                 else measure(item, decoded, reference))
+                if isinstance(decoded, BitIdentical):
+                    check_finite_copy(item)
+                    max_err, rmse = 0.0, 0.0
+                else:
+                    max_err, rmse = measure(item, decoded, reference)
             except NotFinite as e:  # no tensor is reported with a NaN or inf error
                 raise _not_finite_refusal(e, rec, plan) from None
             del item, decoded, reference

@@ -8,8 +8,11 @@ Params4bit.from_prequantized, functional.py QuantState.from_dict / as_dict(packe
 - `weight.quant_map` float32 [16]: the codebook (get_4bit_type's NF4 / FP4 table);
 - `weight.absmax`: one scale per `blocksize` elements of the flattened weight, float32 -- or, double
   quantized (`nested_absmax` present), uint8 codes of a blockwise 8-bit quantization of the absmax:
-  absmax = nested_quant_map[q] * nested_absmax[i // nested_blocksize] + nested_offset, in float32
-  (functional.py dequantize_4bit: dequantize_blockwise(...) then `absmax += quant_state.offset`);
+  absmax = nested_quant_map[q] * nested_absmax[i // nested_blocksize] + nested_offset, in `nested_dtype`
+  (functional.py dequantize_4bit: dequantize_blockwise(...) then `absmax += quant_state.offset`): float32, or
+  float16 / bfloat16 when the model ran forward on the CPU before it was saved (see nested_absmax);
+- saved after a CPU forward WITHOUT double quant, `weight.absmax` is bfloat16 [in/blocksize, out]: bitsandbytes'
+  CPU layout left behind, which its own loader misreads; refused (see BnbSource._absmax);
 - `weight.quant_state.bitsandbytes__<nf4|fp4>` uint8: a JSON blob (quant_type, blocksize, dtype, shape and
   the nested blocksize / dtype / offset).
   W[n, k] = quant_map[code] * absmax[block], in float32, then cast to `dtype` (one rounding each step).
@@ -96,14 +99,18 @@ def unpack_4bit(packed: torch.Tensor, out_features: int, in_features: int) -> to
 
 
 def nested_absmax(q: torch.Tensor, code: torch.Tensor, absmax2: torch.Tensor, blocksize: int,
-                  offset: float) -> torch.Tensor:
-    """Double quantization undone as bitsandbytes does: code[q] * absmax2[i // blocksize] in float32, then
-    `+= offset` with the offset as a float32 tensor (QuantState.from_dict: torch.tensor(float(offset)))."""
+                  offset: float, nested_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Double quantization undone as bitsandbytes does (functional.py dequantize_4bit): dequantize_blockwise
+    into `nested_dtype` -- code[q] * absmax2[i // blocksize] in float32, rounded once to that dtype (the CPU
+    kernels cdequantize_blockwise_cpu_fp32/fp16/bf16) -- then `+= offset` in that dtype, with the offset a
+    float32 0-dim tensor (QuantState.from_dict: torch.tensor(float(offset))), then `.float()`. A float16 or
+    bfloat16 nested state is what bitsandbytes 0.50 writes when a model ran on the CPU before it was saved
+    (_convert_weight_packed_for_cpu_inverse quantizes the absmax again in the model dtype)."""
     n = q.numel()
     scale = absmax2.to(torch.float32).repeat_interleave(blocksize)[:n]
-    out = code.to(torch.float32)[q.reshape(-1).to(torch.int64)] * scale
+    out = (code.to(torch.float32)[q.reshape(-1).to(torch.int64)] * scale).to(nested_dtype)
     out += torch.tensor(float(offset))
-    return out
+    return out.to(torch.float32)
 
 
 class BnbSource(CheckpointSource):
@@ -231,6 +238,23 @@ class BnbSource(CheckpointSource):
     def _absmax(self, prefix: str, parts: dict, state: dict, n_blocks: int, qs_file: Path, qs_name: str) -> torch.Tensor:
         name = parts["absmax"]
         afile = self.ckpt.file_of(name)
+        out_features, in_features = state["shape"]
+        cpu_layout = (in_features // state["blocksize"], out_features)
+        if "nested_absmax" not in parts and self.ckpt.shape(name) == cpu_layout and self.ckpt.dtype(name) == "BF16":
+            # bitsandbytes 0.50's CPU inference layout (functional._convert_weight_packed_for_cpu: absmax
+            # un-nested, reshaped [out, in/bs], transposed and rounded to bfloat16), left in the file when a model
+            # that ran forward on a CPU with AVX-512 BF16 is saved: _convert_weight_packed_for_cpu_inverse
+            # restores the weight and the dtype but re-nests the absmax only under double quant, so without it the
+            # block scales stay transposed. bitsandbytes' loader (QuantState.from_dict + dequantize_4bit) then
+            # takes them in flat order: block b of row r gets the scale of another block (0.15 off on the
+            # producer fixture). The transpose is recoverable, but only as bfloat16-rounded scales, so neither
+            # the loader's reading (wrong) nor ours (what no loader computes) is the checkpoint as quantized:
+            # refused, with the remedy.
+            raise BadInput(f"absmax is BF16 {self.ckpt.shape(name)} = [in/blocksize, out]: bitsandbytes' CPU "
+                           "inference layout, saved after the model ran on the CPU (bitsandbytes 0.50 does not "
+                           "restore it without double quant) and misread by bitsandbytes' own loader; quantize and "
+                           "save again before running the model, or with bnb_4bit_use_double_quant=True",
+                           path=afile, tensor=name)
         if self.ckpt.shape(name) != (n_blocks,):
             raise BadInput(f"absmax shape {self.ckpt.shape(name)} does not match {n_blocks} blocks of "
                            f"{state['blocksize']}", path=afile, tensor=name)
@@ -250,8 +274,10 @@ class BnbSource(CheckpointSource):
             raise BadInput(f"nested_blocksize {nbs!r} is not a positive integer", path=qs_file, tensor=qs_name)
         if not isinstance(offset, (int, float)) or isinstance(offset, bool):
             raise BadInput(f"nested_offset {offset!r} is not a number", path=qs_file, tensor=qs_name)
-        if state.get("nested_dtype", "float32") != "float32":
-            raise BadInput(f"nested_dtype {state.get('nested_dtype')!r} is not float32", path=qs_file, tensor=qs_name)
+        nested_dtype = _OUT_DTYPES.get(state.get("nested_dtype", "float32"))
+        if nested_dtype is None:
+            raise BadInput(f"nested_dtype {state.get('nested_dtype')!r} is not float32, float16 or bfloat16",
+                           path=qs_file, tensor=qs_name)
         a2, code2 = parts["nested_absmax"], parts["nested_quant_map"]
         want = (n_blocks + nbs - 1) // nbs
         if self.ckpt.shape(a2) != (want,) or self.ckpt.dtype(a2) != "F32":
@@ -260,7 +286,8 @@ class BnbSource(CheckpointSource):
         if self.ckpt.shape(code2) != (256,) or self.ckpt.dtype(code2) != "F32":
             raise BadInput(f"nested_quant_map {self.ckpt.dtype(code2)} {self.ckpt.shape(code2)} is not float32 [256]",
                            path=self.ckpt.file_of(code2), tensor=code2)
-        return nested_absmax(self.ckpt.get(name), self.ckpt.get(code2), self.ckpt.get(a2), nbs, offset)
+        return nested_absmax(self.ckpt.get(name), self.ckpt.get(code2), self.ckpt.get(a2), nbs, offset,
+                             nested_dtype)
 
     def _load4(self, prefix: str) -> Grid:
         params, (out_features, in_features), _ = self._params4(prefix)

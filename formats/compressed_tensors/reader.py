@@ -7,7 +7,9 @@ Per quantized module `<prefix>` (tensors as compressed-tensors' compressors writ
 - int-quantized / naive-quantized: `weight` int8 [out, in] (signed codes), `weight_scale`, optional
   `weight_zero_point` int8 [out, G] (signed).
   Both become a Grid: codes = signed + 2**(b-1), zeros = signed zero + 2**(b-1) (the mid code when symmetric).
-- float-quantized (fp8 e4m3 `weight` + `weight_scale`: tensor, channel, group or [rows, columns] block
+- float-quantized, and naive-quantized with float weights (the same compressor under two names in
+  compressed-tensors 0.19; llm-compressor 0.14 labels weight-only fp8 so) (fp8 e4m3 `weight` + `weight_scale`:
+  tensor, channel, group or [rows, columns] block
   strategy, blocks at the edges padded), nvfp4-pack-quantized (`weight_packed` uint8 two e2m1 codes per byte,
   low nibble first, fp8 `weight_scale` per 16, float32 `weight_global_scale`, the divisor of every block scale)
   and mxfp4-pack-quantized (the same packing, a uint8 E8M0 `weight_scale` per 32): float grids (codes index the
@@ -42,6 +44,11 @@ WEIGHT_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_sh
 _RUNTIME_PARTS = ("input_scale", "input_zero_point", "input_global_scale", "output_scale", "output_zero_point",
                   "k_scale", "v_scale", "q_scale")
 _SCALE_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+
+
+def dtype_hint(args: QuantArgs) -> str:
+    """The dtype compressed-tensors stores a weight_zero_point in, for messages."""
+    return "I32 packed" if args.fmt == "pack-quantized" else "I8"
 
 
 def _quant_config(conf: CheckpointConfig) -> dict:
@@ -100,15 +107,16 @@ class CtSource(RuntimeScales, CheckpointSource):
                 why = "is in the ignore list" if self.rules.ignored(prefix) else "matches no config group target"
                 raise BadInput(f"module is stored quantized but {why}", path=where, tensor=found["weight_scale"])
             if args.fmt in ("pack-quantized", *FP4_FORMATS) and "weight_packed" not in found:
-                raise BadInput(f"format {args.fmt} but no weight_packed", path=where, tensor=f"{prefix}.weight_packed")
+                raise BadInput(f"format {args.format_label} but no weight_packed", path=where,
+                               tensor=f"{prefix}.weight_packed")
             if args.fmt not in ("pack-quantized", *FP4_FORMATS) and f"{prefix}.weight" not in self.ckpt.location:
-                raise BadInput(f"format {args.fmt} but no weight", path=where, tensor=f"{prefix}.weight")
+                raise BadInput(f"format {args.format_label} but no weight", path=where, tensor=f"{prefix}.weight")
             if (args.fmt in INT_FORMATS) != (args.type == "int"):
-                raise BadInput(f"config group {args.group} has {args.type} weights in format {args.fmt}", path=where,
-                               tensor=found["weight_scale"])
-            if args.fmt in FLOAT_FORMATS and args.num_bits != (8 if args.fmt == "float-quantized" else 4):
-                raise BadInput(f"config group {args.group} has {args.num_bits}-bit weights in format {args.fmt}",
+                raise BadInput(f"config group {args.group} has {args.type} weights in format {args.format_label}",
                                path=where, tensor=found["weight_scale"])
+            if args.fmt in FLOAT_FORMATS and args.num_bits != (8 if args.fmt == "float-quantized" else 4):
+                raise BadInput(f"config group {args.group} has {args.num_bits}-bit weights in format "
+                               f"{args.format_label}", path=where, tensor=found["weight_scale"])
             if args.fmt == "pack-quantized" and "weight_shape" not in found:
                 raise BadInput("weight_packed without weight_shape", path=where, tensor=f"{prefix}.weight_shape")
             if args.fmt in INT_FORMATS and not args.symmetric and "weight_zero_point" not in found:
@@ -238,7 +246,11 @@ class CtSource(RuntimeScales, CheckpointSource):
         elif shape in ((1,), (1, 1), (out_f, n_groups)) and dtype in ("I8", "I32", "I64"):
             symmetric = not bool(self.ckpt.get(name).any())  # signed zero points, as stored
         else:
-            return  # no layout a compressed-tensors writer stores: left unread, as before
+            # no layout a compressed-tensors writer stores: left unread, it could hold anything, so the
+            # symmetric reading would be a guess
+            raise self._bad(f"weight_zero_point {dtype} {shape} is in no layout compressed-tensors stores for a "
+                            f"({out_f}, in) weight in {n_groups} group(s) (expected {dtype_hint(args)} "
+                            f"{packed if args.fmt == 'pack-quantized' else (out_f, n_groups)})", name)
         if not symmetric:
             raise self._bad(f"zero points other than the symmetric ones, but config.json's quantization_config."
                             f"config_groups.{args.group}.weights.symmetric is true", name)
@@ -277,7 +289,7 @@ class CtSource(RuntimeScales, CheckpointSource):
         nonzero weight_zero_point beside float weights would be dropped from the values: refused."""
         name = parts.get("weight_zero_point")
         if name is not None and bool(self.ckpt.get(name).to(torch.float32).any()):
-            raise self._bad(f"nonzero zero points beside {args.fmt} weights (config.json's quantization_config."
+            raise self._bad(f"nonzero zero points beside {args.format_label} weights (config.json's quantization_config."
                             f"config_groups.{args.group}.weights.symmetric is {str(args.symmetric).lower()}): "
                             "float weights with zero points are not read", name)
 
@@ -340,7 +352,7 @@ class CtSource(RuntimeScales, CheckpointSource):
     def describe(self) -> dict:
         schemes = {}
         for prefix, (args, _) in self.modules.items():
-            key = (f"{args.fmt} {args.type}{args.num_bits} {args.strategy}"
+            key = (f"{args.format_label} {args.type}{args.num_bits} {args.strategy}"
                    + (f" g{args.group_size}" if args.strategy in ("group", "tensor_group") else "")
                    + (f" {args.block_structure[0]}x{args.block_structure[1]}" if args.block_structure else "")
                    + (" sym" if args.symmetric else " asym") + (f" actorder {args.actorder}" if args.actorder else ""))

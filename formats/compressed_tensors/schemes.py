@@ -62,10 +62,15 @@ class QuantArgs:
     strategy: str
     group_size: int | None
     actorder: str | None
-    fmt: str  # the group's format (or the global one)
+    fmt: str  # the layout the module's tensors are in: the group's format (or the global one), see label
     group: str  # the config group's name, for messages
     activations: bool  # input or output activations are quantized as well (a runtime choice, not kept)
     block_structure: tuple[int, int] | None = None  # strategy "block": (rows, columns) sharing one scale
+    label: str = ""  # the format as config.json names it, when the layout differs ("naive-quantized" fp8)
+
+    @property
+    def format_label(self) -> str:
+        return self.label or self.fmt
 
     @property
     def offset(self) -> int:
@@ -86,6 +91,16 @@ def _weights_args(view: ConfigView, fmt: str, group: str) -> QuantArgs:
                        path=view.path)
     if qtype == "float" and bits not in (4, 8):
         raise BadInput(f"{w.prefix}num_bits is {bits}: float weights are fp8 (8) or fp4 (4)", path=view.path)
+    label = ""
+    if fmt == "naive-quantized" and qtype == "float":
+        # compressed-tensors 0.19 registers float-quantized as NaiveQuantizationCompressor under another name
+        # (compressors/naive_quantized: same compress, same decompress); naive writes `weights.pytorch_dtype()`,
+        # fp8 e4m3 for 8-bit floats (4-bit floats raise NotImplementedError there). llm-compressor 0.14 labels
+        # weight-only fp8 naive-quantized: the tensors are float-quantized's, never int8 codes.
+        if bits != 8:
+            raise BadInput(f"{w.prefix}num_bits is {bits}: naive-quantized float weights are fp8 (compressed-tensors "
+                           "stores no other float width unpacked)", path=view.path)
+        fmt, label = "float-quantized", "naive-quantized"
     group_size = w.int("group_size", default=None, lo=-1)
     strategy = w.str("strategy", default=None)
     if strategy is None:  # QuantizationArgs.validate_model_after
@@ -117,7 +132,7 @@ def _weights_args(view: ConfigView, fmt: str, group: str) -> QuantArgs:
                        path=view.path)
     acts = any(view.get(k) is not None for k in ("input_activations", "output_activations"))
     return QuantArgs(bits, qtype, w.bool("symmetric", default=True), strategy, group_size,
-                     actorder or None, fmt, group, acts, block)
+                     actorder or None, fmt, group, acts, block, label)
 
 
 def match_name(name: str, target: str) -> bool:

@@ -212,6 +212,7 @@ class GptqSource(CheckpointSource):
         qzeros = self.ckpt.get(zname)
         zeros = decode_zeros(qzeros, bits, self.convention)
         self._check_convention(zeros, bits, self.ckpt.file_of(parts["qzeros"]), parts["qzeros"])
+        self._refuse_zeros_against_sym(scheme, zeros, bits, parts["qzeros"])
         g_idx = None
         if "g_idx" in parts:
             g = self.ckpt.get(parts["g_idx"]).to(torch.int64)
@@ -223,6 +224,20 @@ class GptqSource(CheckpointSource):
         params = GridParams(bits=bits, group_size=group_size, scales=scales.T.contiguous(),
                             zeros=zeros.T.contiguous(), g_idx=g_idx)
         return params, (out_features, in_features), qweight_name
+
+    def _refuse_zeros_against_sym(self, scheme: ModuleScheme, zeros: torch.Tensor, bits: int, tensor: str) -> None:
+        """`sym: true` beside qzeros that are not all the symmetric zero point 2**(b-1). gptqmodel 7.6 reads such
+        a module two ways: its torch kernel (TorchQuantLinear, CPU) decodes qzeros and applies them, while Marlin
+        (sym only: uint4b8 / uint8b128, a fixed zero point) drops them (marlin.py: qzeros replaced by an empty
+        tensor). The flag contradicts the data and the file holds no one model: refused, naming both."""
+        mid = 1 << (bits - 1)
+        if not scheme.sym or bool((zeros == mid).all()):
+            return
+        bad = int((zeros != mid).sum())
+        where = "a dynamic override" if scheme is not self.scheme else "config.json's quantization_config"
+        raise BadInput(f"{where} says sym true but {bad} of {zeros.numel()} zero points are not the symmetric "
+                       f"{mid} (gptqmodel's torch kernel applies them, Marlin drops them); set sym false if they "
+                       "are meant", path=self.ckpt.file_of(tensor), tensor=tensor)
 
     def _check_convention(self, zeros: torch.Tensor, bits: int, where: Path, tensor: str) -> None:
         mid = 1 << (bits - 1)

@@ -79,6 +79,29 @@ def _exact_in(x: torch.Tensor, dtype: torch.dtype) -> bool:
     return bool(torch.equal(xf.to(dtype).to(torch.float32), xf))
 
 
+def _overflow(p: GridParams, store: torch.dtype) -> str | None:
+    """What of the grid leaves `store`'s finite range, or None: its scales, its bias -s*z (or its mins), or the
+    largest value it decodes to |s| * max(|q - z|) (+ |min|), which requantizing would have to hold."""
+    top = torch.finfo(store).max
+    s = p.scales.to(torch.float32)
+    if not bool(torch.isfinite(s).all()) or float(s.abs().max()) > top:
+        return f"a scale ({float(s.abs().max()):.6g})"
+    if p.mins is not None:
+        lo = p.mins.to(torch.float32)
+        if not bool(torch.isfinite(lo).all()) or float(lo.abs().max()) > top:
+            return f"a min ({float(lo.abs().max()):.6g})"
+        peak = float((s.abs() * ((1 << p.bits) - 1) + lo.abs()).max())
+    elif p.codebook is not None:
+        return None  # codebook grids: the table times the scale, checked by the requantizing rule
+    else:
+        z = p.zeros.to(torch.float32)
+        bias = float((s * z).abs().max())
+        if bias > top:
+            return f"the bias -scale*zero ({bias:.6g})"
+        peak = float((s.abs() * torch.maximum(z.abs(), ((1 << p.bits) - 1) - z).abs()).max())
+    return f"the largest value ({peak:.6g})" if peak > top else None
+
+
 def _group_for(p: GridParams, in_features: int, groups: tuple[int, ...], prefer: tuple[int, ...]) -> int | None:
     """The widest mlx group every one of whose runs of columns lies in one source group (an act-order index
     passes when its scatter stays inside mlx groups), the source's own group size tried first."""
@@ -111,6 +134,12 @@ def check_mlx(src, shape, s: TargetScheme, native, prefer_groups=()) -> Decision
         return Decision(REQUANTIZE, f"dense {src} weights quantized with mlx's affine rule (mx.quantize, "
                                     f"{bits}-bit, group {g})", group_size=g, facts={"bits": bits})
     requant = dict(group_size=_dense_group(in_features, s), facts={"bits": bits})
+    overflow = _overflow(p, store)
+    if overflow:
+        # mlx stores scales and biases in the model dtype and has no other place for them; a grid whose values
+        # leave that dtype's range becomes inf there, kept or requantized alike: refused at plan time, before
+        # anything is written (the runner's measurement would only find the inf while writing)
+        return Decision(REFUSED, f"{overflow} overflows {dname}, the model dtype mlx stores scales and biases in")
     if p.axis != 1:
         return Decision(REQUANTIZE, "axis-0 groups run down strided output rows; mlx groups run along the input "
                                     f"features (requantized with mlx's affine rule, {bits}-bit)", **requant)

@@ -40,7 +40,24 @@ VARIANTS = {
     "nf4_dq": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True),
     "fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=False),
     "int8": dict(load_in_8bit=True),
+    # saved after one forward pass on a CPU with AVX-512 BF16: bitsandbytes 0.50 Linear4bit.forward repacks the
+    # weight into its CPU layout (functional._convert_weight_packed_for_cpu: absmax un-nested, transposed to
+    # [in/blocksize, out] and rounded to bfloat16), and save_pretrained's state_dict undoes it
+    # (_convert_weight_packed_for_cpu_inverse). With double quant the absmax is quantized again in the model
+    # dtype: `nested_dtype` float16 / bfloat16 (read as bitsandbytes reads it). Without it the absmax is left
+    # bfloat16 [in/blocksize, out], in the wrong block order: the defect the reader refuses (see its docstring).
+    "nf4_dq_f16_cpu_forward": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                   model_dtype="float16", cpu_forward=True),
+    "nf4_dq_bf16_cpu_forward": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                    model_dtype="bfloat16", cpu_forward=True),
+    "fp4_dq_bf16_cpu_forward": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=True,
+                                    model_dtype="bfloat16", cpu_forward=True),
+    "nf4_cpu_forward_transposed_absmax": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                              bnb_4bit_use_double_quant=False, model_dtype="float16",
+                                              cpu_forward=True),
 }
+# the keys of a variant that are this script's, not BitsAndBytesConfig's
+_SCRIPT_KEYS = ("model_dtype", "cpu_forward")
 PACKAGES = ("bitsandbytes", "torch", "transformers", "safetensors")  # their versions go into versions.json
 
 _common.offline_defaults()
@@ -59,8 +76,9 @@ def _quiet() -> None:
     logging.disable_progress_bar()
 
 
-def quantize(base: Path, out: Path, spec: dict) -> Path:
-    """save_pretrained of `base` quantized by transformers + bitsandbytes with BitsAndBytesConfig(**spec):
+def quantize(base: Path, out: Path, spec: dict, prompt: list[int] | None = None) -> Path:
+    """save_pretrained of `base` quantized by transformers + bitsandbytes with BitsAndBytesConfig(**spec) (less
+    the script's own keys: model_dtype, default float16, and cpu_forward: run `prompt` through the model first):
     also what a test needs to make a bitsandbytes sample of any dense folder."""
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -69,24 +87,33 @@ def quantize(base: Path, out: Path, spec: dict) -> Path:
 
     if out.exists():
         shutil.rmtree(out)
-    cfg = BitsAndBytesConfig(**spec, bnb_4bit_compute_dtype=torch.float16) if spec.get("load_in_4bit") \
-        else BitsAndBytesConfig(**spec)
-    model = AutoModelForCausalLM.from_pretrained(str(base), quantization_config=cfg, device_map="cpu",
-                                                 dtype=torch.float16)
+    dtype = getattr(torch, spec.get("model_dtype", "float16"))
+    bnb_spec = {k: v for k, v in spec.items() if k not in _SCRIPT_KEYS}
+    cfg = BitsAndBytesConfig(**bnb_spec, bnb_4bit_compute_dtype=dtype) if spec.get("load_in_4bit") \
+        else BitsAndBytesConfig(**bnb_spec)
+    model = AutoModelForCausalLM.from_pretrained(str(base), quantization_config=cfg, device_map="cpu", dtype=dtype)
+    if spec.get("cpu_forward"):
+        model.eval()
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([list(prompt)], dtype=torch.long))
+        linear = model.model.layers[0].mlp.down_proj
+        if not getattr(linear.weight.quant_state, "packing_format_for_cpu", False):
+            raise RuntimeError("bitsandbytes did not repack for the CPU (no AVX-512 BF16 here?): this variant "
+                               "needs a CPU whose Linear4bit.forward repacks")
     model.save_pretrained(str(out))
     # the tokenizer files only: generation_config.json stays as save_pretrained wrote it
     _common.copy_side_files(base, out, ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"))
     return out
 
 
-def bnb_reference(ckpt: Path, ref_path: Path, prompt: list[int]) -> Path:
+def bnb_reference(ckpt: Path, ref_path: Path, prompt: list[int], dtype: str = "float16") -> Path:
     """bitsandbytes' own dequantized weights and logits of a saved bnb checkpoint, re-loaded by transformers."""
     import bitsandbytes as bnb
     import torch
     from transformers import AutoModelForCausalLM
 
     _quiet()
-    model = AutoModelForCausalLM.from_pretrained(str(ckpt), device_map="cpu", dtype=torch.float16)
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), device_map="cpu", dtype=getattr(torch, dtype))
     model.eval()
     tensors = {}
     with torch.inference_mode():
@@ -108,8 +135,8 @@ def bnb_reference(ckpt: Path, ref_path: Path, prompt: list[int]) -> Path:
 def make_variant(fx, base: Path, name: str) -> Path:
     spec = VARIANTS[name]
     out = OUT_ROOT / name
-    quantize(base, out, spec)
-    bnb_reference(out, out / "reference.safetensors", fx.prompt_ids())
+    quantize(base, out, spec, fx.prompt_ids())
+    bnb_reference(out, out / "reference.safetensors", fx.prompt_ids(), spec.get("model_dtype", "float16"))
     _common.write_versions(out, "transformers BitsAndBytesConfig + bitsandbytes (CPU)", PACKAGES, variant=spec,
                            prompt_ids=fx.prompt_ids())
     return out

@@ -21,6 +21,7 @@ decoder layer, so that the seven cases stay under 2 MB together.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -31,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 _common.leave_import_path()
-VENV = _common.REPO / ".venvs" / "llmcompressor"
+# QCONVERT_LLMCOMPRESSOR_VENV: another place for that venv (a worktree whose .venvs/ is shared read-only)
+VENV = Path(os.environ.get("QCONVERT_LLMCOMPRESSOR_VENV") or _common.REPO / ".venvs" / "llmcompressor")
 OUT = _common.PRODUCER_FIXTURES / "compressed_tensors"
 PINS = ("torch==2.13.0", "llmcompressor==0.14.0.1", "compressed-tensors==0.19.0")
 PACKAGES = ("llmcompressor", "compressed-tensors", "transformers", "torch")  # their versions go into versions.json
@@ -72,6 +74,15 @@ CASES = {
     "fp8_block": ("rtn", dict(scheme="FP8_BLOCK")),
     # MXFP4 weights (e2m1, an e8m0 exponent per 32) (mxfp4-pack-quantized)
     "mxfp4a16": ("rtn", dict(scheme="MXFP4A16")),
+    # weight-only FP8 (no input activations): compressed-tensors' infer_module_format gives these
+    # naive-quantized, not float-quantized (FloatQuantizationCompressor.can_compress needs input activations),
+    # and stores the same F8_E4M3 `weight` + `weight_scale`: blocks of 64 rows x 32 columns, per channel, per tensor
+    "fp8_block_64x32_naive": ("rtn", dict(config_groups={"group_0": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "symmetric": True, "strategy": "block", "block_structure": [64, 32]}}})),
+    "fp8_channel_naive": ("rtn", dict(config_groups={"group_0": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}}})),
+    "fp8_tensor_naive": ("rtn", dict(config_groups={"group_0": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor"}}})),
 }
 
 

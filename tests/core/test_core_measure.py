@@ -40,3 +40,36 @@ def test_a_one_dimensional_tensor_names_no_row():
         measure(Dense(src), torch.ones(8))
     assert (info.value.in_source, info.value.what, info.value.row, str(info.value)) == (
         True, "inf", None, "source values hold inf")
+
+
+def test_a_bit_identical_copy_of_a_dense_tensor_holding_nan_is_refused(fx, tmp_path, monkeypatch):
+    """A writer that proves its bytes identical to the source's (BitIdentical) skips the float pass that finds a
+    NaN; the runner still checks a dense source's values. gptqmodel's checkpoint with one NaN in its embedding,
+    through the hf writer made to claim a bit-identical copy of every dense tensor: refused naming the file, the
+    tensor and the row, nothing written (it converted with exit 0 and error 0 before)."""
+    import shutil
+
+    from helpers import edit_safetensors
+    from qconvert.converters.errors import BadInput
+    from qconvert.converters.plan import BitIdentical, Options
+    from qconvert.converters.run import convert
+    from qconvert.formats.hf.writer import HfSession
+
+    src = tmp_path / "src"
+    shutil.copytree(fx["variants"]["v1_b4_g32_sym"]["ckpt"], src)
+    edit_safetensors(src / "model.safetensors",
+                     lambda t: t["model.embed_tokens.weight"].__setitem__((7, 2), float("nan")))
+    plain_add = HfSession.add
+
+    def claims_identity(self, plan, item):
+        decoded = plain_add(self, plan, item)
+        return BitIdentical("dense tensor copied unchanged") if isinstance(item, Dense) else decoded
+
+    monkeypatch.setattr(HfSession, "add", claims_identity)
+    out = tmp_path / "out"
+    with pytest.raises(BadInput) as info:
+        convert("gptq", src, "hf", out, Options(), progress=False)
+    msg = str(info.value)
+    assert str(src / "model.safetensors") in msg and "model.embed_tokens.weight" in msg, msg
+    assert "the source's values hold NaN (output row 7)" in msg, msg
+    assert not out.exists()

@@ -166,10 +166,11 @@ def test_inf_in_a_dense_source_tensor_is_refused(ckpt, tmp_path):
 
 def test_values_the_target_decodes_to_nan_are_refused(ckpt, tmp_path):
     """A finite fp16 scale of 60000 whose mlx bias (-scale * 8, kept in float16) overflows: the output would
-    decode to NaN, and was reported with a finite max error (Python's max drops a NaN)."""
+    decode to NaN, and was reported with a finite max error (Python's max drops a NaN). Refused when planning,
+    before anything is written (it was refused only while writing)."""
     _set_value(ckpt, "model.layers.1.mlp.up_proj.scales", (0, 3), 60000.0)
-    _expect_error(ckpt, tmp_path, str(ckpt / "model.safetensors"), "tensor model.layers.1.mlp.up_proj.weight",
-                  "stored as mlx 4-bit g32, its values decode to NaN (output row 3): the target cannot hold them",
+    _expect_error(ckpt, tmp_path, f"refused: model.layers.1.mlp.up_proj.weight in {ckpt / 'model.safetensors'}",
+                  "cannot be stored as mlx 4-bit: the bias -scale*zero (480000) overflows float16",
                   pair="gptq->mlx")
 
 

@@ -34,6 +34,11 @@ from qconvert.formats.uqff.schemes import UQFF_SCHEMES
 REPO = Path(__file__).resolve().parents[3]
 ROOT = REPO / "tests" / "producer_fixtures" / "bitsandbytes"
 VARIANTS = ("nf4_dq", "fp4", "int8")
+# saved after a forward pass on the CPU (bitsandbytes' CPU repack undone by its save path): double quant in the
+# model dtype, `nested_dtype` float16 / bfloat16 (read as bitsandbytes reads it)
+CPU_FORWARD = ("nf4_dq_f16_cpu_forward", "nf4_dq_bf16_cpu_forward", "fp4_dq_bf16_cpu_forward")
+# ... and without double quant: the absmax left transposed in bfloat16 (refused, see the reader)
+TRANSPOSED_ABSMAX = "nf4_cpu_forward_transposed_absmax"
 LINEARS = 7  # one llama decoder layer: q, k, v, o, gate, up, down
 # llama.cpp's converter permutes q_proj / k_proj rows (rope); these keep the source's row order in GGUF
 UNPERMUTED = ("self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -81,7 +86,7 @@ def producer():
 # the reader: bit for bit against bitsandbytes
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS + CPU_FORWARD)
 def test_dequantization_equals_stored_bitsandbytes_oracle(variant):
     ref, got = reference(variant), ours(variant)
     assert len(got) == LINEARS and set(got) == set(ref) - {"__logits__"}
@@ -89,7 +94,7 @@ def test_dequantization_equals_stored_bitsandbytes_oracle(variant):
         assert w.dtype == ref[name].dtype and torch.equal(w, ref[name]), name
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS + CPU_FORWARD)
 def test_dequantization_equals_live_bitsandbytes_functional(variant):
     """bitsandbytes' own functions on the stored tensors (QuantState.from_dict as Params4bit.from_prequantized
     builds it; int8_vectorwise_dequant as transformers' dequantize_bnb_weight calls it)."""
@@ -107,6 +112,64 @@ def test_dequantization_equals_live_bitsandbytes_functional(variant):
                 qs = F.QuantState.from_dict(parts, device=torch.device("cpu"))
                 live = F.dequantize_4bit(f.get_tensor(name), qs)
             assert live.dtype == w.dtype and torch.equal(live, w), name
+
+
+def test_nested_dtype_is_read_in_its_own_dtype():
+    """The float16 / bfloat16 nested state is undone in that dtype (two roundings): read in float32, as before,
+    the absmax would differ, so the bit-for-bit match above is the nested dtype's doing."""
+    from qconvert.formats.bitsandbytes.reader import nested_absmax
+
+    for variant, dtype in (("nf4_dq_f16_cpu_forward", torch.float16), ("nf4_dq_bf16_cpu_forward", torch.bfloat16)):
+        with safe_open(str(fixture(variant) / "model.safetensors"), "pt") as f:
+            state = json.loads(bytes(f.get_tensor(f"{Q}.quant_state.bitsandbytes__nf4").tolist()).decode())
+            assert state["nested_dtype"] == str(dtype)[6:], state
+            args = (f.get_tensor(f"{Q}.absmax"), f.get_tensor(f"{Q}.nested_quant_map"),
+                    f.get_tensor(f"{Q}.nested_absmax"), state["nested_blocksize"], state["nested_offset"])
+        own, as_f32 = nested_absmax(*args, dtype), nested_absmax(*args)
+        assert own.dtype == torch.float32 and not torch.equal(own, as_f32), variant
+
+
+def test_transposed_absmax_is_refused_naming_defect_and_remedy(tmp_path):
+    """transformers 5.24 + bitsandbytes 0.50, NF4 without double quant, saved after a CPU forward: absmax BF16
+    [in/64, out]. bitsandbytes' own loader (the stored reference) reads it in flat order; read transposed it gives
+    other weights, up to 0.18 away: the file holds no single right reading, so it is refused in one line."""
+    F = bnb().functional
+    src = fixture(TRANSPOSED_ABSMAX)
+    ref = reference(TRANSPOSED_ABSMAX)
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+        parts = {k[len(Q) + 1:]: f.get_tensor(k) for k in keys if k.startswith(Q + ".")}
+        assert parts["absmax"].dtype == torch.bfloat16 and tuple(parts["absmax"].shape) == (256 // 64, 128)
+        loader = F.dequantize_4bit(f.get_tensor(Q), F.QuantState.from_dict(dict(parts), device=torch.device("cpu")))
+        assert torch.equal(loader, ref[Q])  # the stored oracle is the loader's reading
+        parts["absmax"] = parts["absmax"].T.reshape(-1).float().contiguous()
+        transposed = F.dequantize_4bit(f.get_tensor(Q), F.QuantState.from_dict(parts, device=torch.device("cpu")))
+    assert (transposed.float() - loader.float()).abs().max() > 0.1  # measured 0.1499 (0.18 over the 7 linears)
+    for pair in ("bnb->gguf", "bnb->hf"):
+        expect_user_error(pair, src, tmp_path, "model.safetensors", f"{Q}.absmax", "absmax is BF16 (4, 128)",
+                          "misread by bitsandbytes' own loader", "bnb_4bit_use_double_quant=True")
+    proc = run_cli("inspect", src, check_rc=2)
+    assert "absmax is BF16" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("variant", CPU_FORWARD)
+def test_cpu_forward_variant_to_hf_runs_in_transformers(tmp_path, variant):
+    """nested_dtype float16 / bfloat16, into a dense checkpoint of the model dtype: bitsandbytes' dequantization
+    bit for bit, and transformers runs it (logits against the bnb model's, which computes in its CPU kernels)."""
+    ref = reference(variant)
+    dtype = json.loads((fixture(variant) / "versions.json").read_text())["variant"]["model_dtype"]
+    out, rep = tmp_path / "hf", tmp_path / "report.json"
+    run_cli("bnb->hf", fixture(variant), out, "--type", {"float16": "f16", "bfloat16": "bf16"}[dtype], "--report", rep)
+    weights = load_file(str(out / "model.safetensors"))
+    report = _report(rep)
+    for name, r in ref.items():
+        if name != "__logits__":
+            assert weights[name].dtype == r.dtype and torch.equal(weights[name], r), name
+            assert report[name]["verdict"] == NEAR_EXACT, report[name]
+    diff = np.abs(transformers_logits(out, prompt(variant)) - ref["__logits__"][0].numpy()).max()
+    # measured 0.035 (nf4, fp16), 0.052 (nf4, bf16), 0.037 (fp4, bf16): bitsandbytes' CPU 4-bit kernel
+    # against torch's matmuls
+    assert diff < 0.1, diff
 
 
 def test_dequantization_equals_the_transformers_loaded_model(tmp_path):

@@ -191,6 +191,43 @@ def test_fp8_weights_are_float_grids_kept_exactly_in_f32_and_requantized_on_requ
     assert len(fp8) == 7 and all(t["verdict"] == "requantize" and 0 < t["max_abs_err"] < 0.01 for t in fp8)
 
 
+NAIVE_FP8 = ("fp8_block_64x32_naive", "fp8_channel_naive", "fp8_tensor_naive")
+
+
+def test_naive_quantized_fp8_is_read_as_fp8_never_as_int8_codes():
+    """llm-compressor 0.14 labels weight-only fp8 `naive-quantized` (compressed-tensors' infer_module_format:
+    float-quantized needs input activations); the tensors are F8_E4M3 codes, read as float grids for every
+    strategy (the bit-for-bit match with compressed-tensors' decompression is the parametrized tests above)."""
+    for case in NAIVE_FP8:
+        qc = json.loads((ROOT / case / "config.json").read_text())["quantization_config"]
+        assert qc["format"] == "naive-quantized" and qc["config_groups"]["group_0"]["weights"]["type"] == "float"
+        src = CtSource(ROOT / case)
+        grids = [r for r in src.records() if r.is_grid]
+        assert len(grids) == 7 and all(r.params.element == "e4m3" for r in grids), case
+        assert any(k.startswith("naive-quantized float8") for k in src.describe()["schemes"]), case
+    block = {r.name: r.params for r in CtSource(ROOT / "fp8_block_64x32_naive").records() if r.is_grid}
+    assert block[f"{Q}.weight"].group_size == 32 and block[f"{Q}.weight"].block_rows == 64
+
+
+def test_naive_fp8_blocks_convert_and_load_in_transformers_and_llama_cpp(prompt, tmp_path):
+    """The 64x32-block file into compressed-tensors (our float-quantized, which transformers 5.24 +
+    compressed-tensors 0.19 load with compressed-tensors' own weights) and into an F32 GGUF llama.cpp runs."""
+    case = ROOT / "fp8_block_64x32_naive"
+    out, report = tmp_path / "ct", tmp_path / "r.json"
+    run_cli("ct->compressed-tensors", case, out, "--report", report)
+    tensors = json.loads(report.read_text())["tensors"]
+    assert all(t["verdict"] == "exact" and t["max_abs_err"] == 0.0 for t in tensors), tensors
+    theirs = _ct_decompressed(case)
+    loaded = dict(_ct_model(out, dtype=None).named_modules())
+    for name, w in theirs.items():
+        assert torch.equal(loaded[name[: -len(".weight")]].weight.detach(), w), name
+    gguf_out = tmp_path / "m.gguf"
+    run_cli("ct->gguf", case, gguf_out, "--type", "f32")
+    ref = _logits(_ct_model(case), prompt)
+    got = llama_logits(gguf_out, prompt)
+    assert np.abs(got - ref).max() <= 0.01 * float(ref.max() - ref.min()), np.abs(got - ref).max()
+
+
 # -- compressed-tensors -> GPTQ ---------------------------------------------------------------------------
 @pytest.mark.parametrize("case", ["w4a16_g128_asym_gptq", "mixed_groups", "w8a8_int"])
 def test_ct_to_gptq_v2_is_exact_and_gptqmodel_loads_it(case, prompt, tmp_path):
@@ -395,6 +432,16 @@ def test_packed_shape_contradicting_weight_shape_is_refused(tmp_path):
     edit_safetensors(src / "model.safetensors",
                      lambda t: t.__setitem__(f"{Q}.weight_shape", torch.tensor([128, 256], dtype=torch.int64)))
     expect_user_error("ct->gguf", src, tmp_path, "model.safetensors", f"{Q}.weight_packed", "weight_shape")
+
+
+def test_symmetric_zero_points_in_an_unknown_layout_are_refused(tmp_path):
+    """symmetric weights beside a weight_zero_point of a shape no compressed-tensors writer stores: it could mean
+    anything, so it is refused naming it rather than left unread."""
+    src = _copy("w8a8_int", tmp_path)
+    edit_safetensors(src / "model.safetensors", lambda t: t.__setitem__(f"{Q}.weight_zero_point",
+                                                                        torch.zeros((3, 5), dtype=torch.int8)))
+    expect_user_error("ct->gguf", src, tmp_path, "model.safetensors", f"{Q}.weight_zero_point",
+                      "I8 (3, 5) is in no layout compressed-tensors stores", "expected I8 (128, 1)")
 
 
 def test_zero_point_of_wrong_shape_is_refused(tmp_path):

@@ -57,3 +57,52 @@ def test_v1_zero_point_zero_needs_whole_word_decoding(fx):
     assert int((true_zeros[0] == 0).sum()) > 0  # the borrow case is really present
     per_field = (unpack_rows(v1[name].T.contiguous(), 4).T.to(torch.int16) + 1) % 16
     assert not torch.equal(per_field, true_zeros)
+
+
+@pytest.mark.parametrize("variant", ("v2_b4_g32_sym", "v1_b4_g32_sym"))
+def test_sym_true_with_other_zero_points_is_refused(fx, variant, tmp_path):
+    """gptqmodel made the file symmetric (every zero point 8); one field of one group moved to 9 under
+    `sym: true`: gptqmodel's torch kernel would apply it and Marlin drop it, so the flag contradicts the data
+    and the conversion is refused naming the file and the qzeros tensor (v1 and v2 decoding alike)."""
+    import shutil
+
+    from helpers import edit_safetensors, expect_user_error
+
+    src = tmp_path / "src"
+    shutil.copytree(fx["variants"][variant]["ckpt"], src)
+    name = "model.layers.0.mlp.up_proj.qzeros"
+
+    def bump(t):
+        t[name] = t[name].clone()
+        t[name][0, 0] += 1  # the first 4-bit field: zero point of output 0, group 0, one higher
+
+    edit_safetensors(src / "model.safetensors", bump)
+    err = expect_user_error("gptq->gguf", src, tmp_path, "model.safetensors", name, "says sym true",
+                            "1 of", "not the symmetric 8")
+    assert "Marlin drops them" in err
+
+
+def test_mlx_output_whose_float16_bias_overflows_is_refused_at_plan_time(fx, tmp_path):
+    """One GPTQ scale raised to 20000 (an fp16 value): mlx would store the bias -s*z = -160000 in float16, inf.
+    Refused when planning, in one line naming the input file and the tensor, before any output exists."""
+    import shutil
+
+    from helpers import edit_safetensors, expect_user_error
+
+    src = tmp_path / "src"
+    shutil.copytree(fx["variants"]["v2_b4_g32_sym"]["ckpt"], src)
+    prefix = "model.layers.0.mlp.down_proj"
+
+    def raise_scale(t):
+        t[f"{prefix}.scales"] = t[f"{prefix}.scales"].clone()
+        t[f"{prefix}.scales"][0, 0] = 20000.0
+
+    edit_safetensors(src / "model.safetensors", raise_scale)
+    expect_user_error("gptq->mlx", src, tmp_path, f"refused: {prefix}.weight in ", "src/model.safetensors",
+                      "the bias -scale*zero (160000) overflows float16")
+    # requantizing cannot help (the grid's values themselves leave float16): refused with --allow-requant too
+    from helpers import run_cli
+
+    proc = run_cli("gptq->mlx", src, tmp_path / "out2", "--allow-requant", check_rc=2)
+    assert "overflows float16" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "out2").exists()
