@@ -460,6 +460,20 @@ class GgufWriter(Writer):
                            split_max_size=int(options.extra.get("split_max_size") or 0))
 
 
+    def open_split(self, folder: Path, name: str, source, plans: list[TensorPlan], options: Options):
+        """The header of every output file, written by GgufSession itself, and where each tensor goes
+        (split.GgufSplitOutput): parts of the conversion write their tensors there in any order."""
+        from .split import GgufSplitOutput
+
+        args = (source, plans, *self._arch(source), self._tokenizer_keys(source, plans))
+        return GgufSplitOutput(Path(folder), name, args, int(options.extra.get("split_max_size") or 0))
+
+    def open_part(self, folder: Path, source, plans: list[TensorPlan], options: Options, layout):
+        from .split import GgufPartSession
+
+        return GgufPartSession(Path(folder), source, self._arch(source)[0], layout)
+
+
 def gguf_tensors_in_order(plans: list[TensorPlan], n_experts: int, where: object = None
                           ) -> list[tuple[str, list[TensorPlan]]]:
     """The GGUF tensors the planned records make, as (GGUF name, the plans that fill it), in the order
