@@ -123,6 +123,11 @@ class PartSession(WriterSession):
 
     written: list[WrittenRange]
 
+    def part_record(self) -> dict:
+        """What the driver's `SplitOutput.finish` needs of this part beyond its bytes (JSON), kept in the
+        part's manifest. Default: nothing."""
+        return {}
+
 
 class SplitOutput(ABC):
     """The driver's side of a conversion split into parts: made by `Writer.open_split`, it has written what
@@ -133,8 +138,9 @@ class SplitOutput(ABC):
     files: list[str]
     layout: Any
 
-    def finish(self) -> None:
-        """Write what only the driver can, after every part is written. Default: nothing."""
+    def finish(self, records: list[dict]) -> None:
+        """Write what only the driver can, after every part is written; `records` are the parts'
+        `part_record()`s in part order. Default: nothing."""
         return None
 
 
@@ -185,6 +191,11 @@ class Writer(ABC):
         """Start a conversion split into parts (`--workers`, `--ray`: converters/split.py) in `folder`, the
         output named `name`: write what fixes where every tensor goes. Default None: this writer writes one
         stream whose placement depends on the tensors before it, and cannot be split."""
+        return None
+
+    def part_group(self, plan: TensorPlan) -> Any:
+        """Tensors with the same non-None group are converted in one part of a split conversion (UQFF: the
+        experts of one stacked layer, held until the last arrives). Default None: any cut."""
         return None
 
     def open_part(self, folder: Path, source: ModelSource, plans: list[TensorPlan], options: Options,

@@ -89,8 +89,16 @@ class SplitJob:
     threads: int = 1
 
 
-def make_parts(pairs, part_values: int) -> list[Part]:
+def make_parts(pairs, part_values: int, group_of=lambda plan: None) -> list[Part]:
+    """Consecutive pairs of one source file, at most `part_values` values each (a larger tensor alone); never
+    cut inside a group (`Writer.part_group`): a group may span files and values."""
     parts, current, values, largest = [], [], 0, 0
+    last_of: dict = {}
+    for i, (_, plan) in enumerate(pairs):
+        g = group_of(plan)
+        if g is not None:
+            last_of[g] = i
+    open_until = -1  # the last pair of a group begun in the current part
 
     def close():
         rec0, plan0 = pairs[current[0]]
@@ -98,9 +106,13 @@ def make_parts(pairs, part_values: int) -> list[Part]:
 
     for i, (rec, plan) in enumerate(pairs):
         n = math.prod(plan.shape) if plan.shape else 1
-        if current and (plan.source_file != pairs[current[-1]][1].source_file or values + n > part_values):
+        if current and i > open_until and (plan.source_file != pairs[current[-1]][1].source_file
+                                           or values + n > part_values):
             close()
             current, values, largest = [], 0, 0
+        g = group_of(plan)
+        if g is not None:
+            open_until = max(open_until, last_of[g])
         current.append(i)
         values += n
         largest = max(largest, n)
@@ -183,7 +195,8 @@ def run_part(job: SplitJob, part: Part) -> dict:
                             "kernel": kernel_summary(used)})
         session.close()
     manifest = {"part": part.index, "pairs": list(part.pairs), "pid": os.getpid(),
-                "written": [[w.file, w.offset, w.nbytes, w.sha256] for w in session.written], "results": results}
+                "written": [[w.file, w.offset, w.nbytes, w.sha256] for w in session.written], "results": results,
+                "writer": session.part_record()}
     path = Path(job.folder) / "parts" / f"{part.index:05d}.json"
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(manifest))
@@ -325,7 +338,7 @@ def convert_split(src_format: str, src_path: Path, dst_format: str, out_path: Pa
     if type(writer).open_split is Writer.open_split:  # the default: this writer cannot be split
         raise QConvertError(f"--workers/--ray: a {target.name} output cannot be split into parts yet "
                             "(gguf output can); convert without them")
-    parts = make_parts(pairs, part_values)
+    parts = make_parts(pairs, part_values, writer.part_group)
     limit = worker_memory or workers.node_memory()
     for part in parts:
         need = part_memory_bytes(part)
@@ -372,7 +385,7 @@ def convert_split(src_format: str, src_path: Path, dst_format: str, out_path: Pa
                 manifests[m["part"]] = m
         finally:
             _PLANNED.pop(fingerprint, None)
-        split_out.finish()
+        split_out.finish([manifests[p.index].get("writer", {}) for p in parts])
         report = Report(source.format_name, target.name, str(src_path), str(out),
                         ignored_files=dict(source.ignored_files), not_carried=dict(source.not_carried))
         by_pair = {r["pair"]: r for m in manifests.values() for r in m["results"]}
@@ -385,6 +398,8 @@ def convert_split(src_format: str, src_path: Path, dst_format: str, out_path: Pa
         if clashes and not force:
             raise QConvertError("output exists; pass --force to replace it", path=clashes[0])
         for f, final in zip(split_out.files, finals):
+            if final.is_dir() and not final.is_symlink():  # --force over a folder output
+                shutil.rmtree(final)
             os.replace(folder / f, final)
     shutil.rmtree(folder, ignore_errors=True)
     report.seconds = time.perf_counter() - start

@@ -68,7 +68,7 @@ class GgufSplitOutput(SplitOutput):
                 os.close(fd)
             (scratch / fname).unlink()
 
-    def finish(self) -> None:
+    def finish(self, records: list[dict]) -> None:
         for name, arr in self.extra:  # rope factors: written after the planned tensors, as GgufSession.close does
             fid, offset, nbytes = self.layout.tensors[name]
             data = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
