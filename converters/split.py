@@ -337,15 +337,14 @@ def convert_split(src_format: str, src_path: Path, dst_format: str, out_path: Pa
     check_plan(plans, options.allow_requant)
     if type(writer).open_split is Writer.open_split:  # the default: this writer cannot be split
         raise QConvertError(f"--workers/--ray: a {target.name} output cannot be split into parts yet "
-                            "(gguf output can); convert without them")
+                            "(gguf, uqff, hf and gptq outputs can); convert without them")
     parts = make_parts(pairs, part_values, writer.part_group)
     limit = worker_memory or workers.node_memory()
     for part in parts:
         need = part_memory_bytes(part)
         if need > limit:
             raise QConvertError(f"{part.label(len(parts))} needs about {need / (1 << 30):.1f} GiB of memory (from its "
-                                f"largest tensor), more than a worker may use ({limit / (1 << 30):.1f} GiB)",
-                                path=src_path)
+                                f"largest tensor), more than a worker may use ({limit / (1 << 30):.1f} GiB)")
     fingerprint = plan_fingerprint(src_format, source, dst_format, options, plans, part_values)
     folder = work_folder(out)
     out.parent.mkdir(parents=True, exist_ok=True)
