@@ -20,10 +20,7 @@ import gguf
 import numpy as np
 
 from ...converters.plan import PartSession, SplitOutput, TensorPlan, WrittenRange
-from .archs import arch_by_name
-from .writer import GgufSession
-
-__all__ = ["GgufPlacement", "GgufSplitOutput", "GgufPartSession"]
+__all__ = ["GgufPlacement", "GgufSplitOutput", "GgufPart"]
 
 
 @dataclass(frozen=True)
@@ -38,11 +35,11 @@ class GgufPlacement:
 
 
 class GgufSplitOutput(SplitOutput):
-    def __init__(self, folder: Path, name: str, session_args: tuple, split_max_size: int):
-        scratch = folder / "header"
-        scratch.mkdir(exist_ok=True)
-        session = GgufSession(scratch / name, *session_args, split_max_size=split_max_size)
+    """`session` is a GgufSession that has written every file's header into a scratch folder and nothing else."""
+
+    def __init__(self, folder: Path, session):
         w = session.writer
+        scratch = Path(w.fout[0].name).parent
         align = w.data_alignment
         files, sizes, tensors = [], [], {}
         for fid, (fout, infos) in enumerate(zip(w.fout, w.tensors)):
@@ -81,19 +78,24 @@ class GgufSplitOutput(SplitOutput):
                 os.close(fd)
 
 
-class GgufPartSession(GgufSession, PartSession):
-    """GgufSession's encoding (add) with its bytes written at their place in the split's files."""
+class GgufPart(PartSession):
+    """A part's session: `session` (GgufSession.without_header) encodes each tensor as a plain conversion
+    does and hands its bytes to `write`, which puts them at their place in the split's files."""
 
-    def __init__(self, folder: Path, source, arch: str, placement: GgufPlacement):
-        # no GGUFWriter: the driver wrote the header; only what GgufSession.add reads is set
-        self.source, self.arch = source, arch
-        self.norm_shift = arch_by_name(arch).norm_shift
-        self.reference = None
+    session = None  # set by GgufWriter.open_part
+
+    def __init__(self, folder: Path, placement: GgufPlacement):
         self.folder, self.placement = Path(folder), placement
         self.fds: dict[int, int] = {}
         self.written: list[WrittenRange] = []
 
-    def _write(self, plan: TensorPlan, data: np.ndarray) -> None:
+    def add(self, plan, item):
+        return self.session.add(plan, item)
+
+    def take_reference(self):
+        return self.session.take_reference()
+
+    def write(self, plan: TensorPlan, data: np.ndarray) -> None:
         fid, offset, nbytes = self.placement.tensors[plan.out_name]
         if plan.action.expert is not None:
             nbytes = self.placement.expert_bytes[plan.out_name]
