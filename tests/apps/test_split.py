@@ -44,6 +44,14 @@ def dense_src() -> Path:
     return wide_models.model_dir("llama")
 
 
+@pytest.fixture(scope="module")
+def dense_one(dense_src, tmp_path_factory) -> Path:
+    """The single-process Q4_K_M conversion of the dense model (and its report beside it)."""
+    one = tmp_path_factory.mktemp("dense") / "one.gguf"
+    _convert("hf->gguf", dense_src, one, "--type", "q4_k_m", "--allow-requant")
+    return one
+
+
 def _files(out: Path) -> dict[str, str]:
     """{relative name: sha256} of an output: a folder, a file, or a split set named after it."""
     if out.is_dir():
@@ -83,10 +91,9 @@ def test_split_same_bytes(name, moe_src, tmp_path):
     assert not list(split.parent.glob(".*qconvert-split"))  # the work folder is gone
 
 
-def test_ray_requantize_same_bytes(dense_src, tmp_path):
+def test_ray_requantize_same_bytes(dense_src, dense_one, tmp_path):
     opts = ["--type", "q4_k_m", "--allow-requant"]
-    one, ray = (tmp_path / f"{n}.gguf" for n in ("one", "ray"))
-    _convert("hf->gguf", dense_src, one, *opts)
+    one, ray = dense_one, tmp_path / "ray.gguf"
     proc = _convert("hf->gguf", dense_src, ray, *opts, "--ray", "--workers", "2", "--part-size", "2M")
     assert _stats(proc)[0] > 1
     digest = hashlib.sha256(one.read_bytes()).hexdigest()
@@ -106,10 +113,9 @@ def _children(pid: int) -> list[int]:
     return [int(c) for c in text.split()]
 
 
-def test_kill_9_then_resume_redoes_only_unfinished_parts(dense_src, tmp_path):
+def test_kill_9_then_resume_redoes_only_unfinished_parts(dense_src, dense_one, tmp_path):
     opts = ["--type", "q4_k_m", "--allow-requant", "--workers", "1", "--part-size", "400K"]
-    one, out = tmp_path / "one.gguf", tmp_path / "out" / "m.gguf"
-    _convert("hf->gguf", dense_src, one, "--type", "q4_k_m", "--allow-requant")
+    one, out = dense_one, tmp_path / "out" / "m.gguf"
     work = out.parent / ".m.gguf.qconvert-split"
     proc = subprocess.Popen(_cli("hf->gguf", dense_src, out, *opts), start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
