@@ -29,7 +29,6 @@ import os
 import shutil
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,8 +144,8 @@ def plan_fingerprint(src_format: str, source, dst_format: str, options: Options,
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
 
 
-# The planned conversion a worker process holds, by fingerprint: a forked worker inherits the driver's; a Ray
-# node's worker plans once from the headers and keeps it for its next parts.
+# The planned conversion a worker process holds, by fingerprint: a worker (spawned here, or a Ray node's)
+# plans once from the headers and keeps it for its next parts.
 _PLANNED: dict[str, tuple[Any, Any, list]] = {}
 
 
@@ -205,13 +204,15 @@ def run_part(job: SplitJob, part: Part) -> dict:
 
 
 def run_part_on_node(job: SplitJob, part: Part) -> dict:
-    """run_part for a worker that is not a child of the driver (a Ray task): a refusal comes back as
-    {"error": line} rather than as the worker's traceback."""
+    """run_part in a worker (a process of ProcessWorkers, a Ray task): a refusal or a bug comes back as
+    {"error": line}, for the driver to name the part in one line."""
     _use_threads(job.threads)
     try:
         return run_part(job, part)
     except QConvertError as e:
         return {"error": str(e)}
+    except Exception as e:  # noqa: BLE001 - one line naming the part, not a worker's traceback
+        return {"error": f"internal error: {type(e).__name__}: {e}"}
 
 
 def _use_threads(threads: int) -> None:
@@ -249,68 +250,92 @@ def _verified(folder: Path, part: Part) -> dict | None:
 
 
 class ProcessWorkers:
-    """Parts run in forked processes of this machine, at most `workers` at once, each inheriting the driver's
-    plan; a worker that dies (killed, out of memory) fails its part in one line naming it."""
+    """Parts run by `workers` processes of this machine, forked when this object is made: before the driver
+    plans, while it has run no thread pool (a fork of a process whose pools have run, torch's OpenMP threads or
+    the K-quantizer's, can inherit a lock one of them held, and hang). Each worker plans once from the headers,
+    as a Ray node does, then converts the parts the driver sends it over its pipe; a worker that dies (killed,
+    out of memory) fails the part it was converting in one line naming it."""
 
     def __init__(self, workers: int):
+        import multiprocessing as mp
+
         self.workers = max(1, workers)
+        ctx = mp.get_context("fork")
+        self.procs, self.conns = [], []
+        for _ in range(self.workers):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(theirs,), daemon=True)
+            proc.start()
+            theirs.close()
+            self.procs.append(proc)
+            self.conns.append(ours)
 
     def node_memory(self) -> int:
         return machine_memory_bytes()
 
     def run(self, job: SplitJob, parts: list[Part], total: int, progress: bool) -> list[dict]:
-        import multiprocessing as mp
         from multiprocessing.connection import wait
 
-        ctx = mp.get_context("fork")
-        todo, running, done = list(parts), {}, []
-        errors = Path(job.folder) / "parts"
-        try:
-            while todo or running:
-                while todo and len(running) < self.workers:
-                    part = todo.pop(0)
-                    proc = ctx.Process(target=_child, args=(job, part), daemon=True)
-                    proc.start()
-                    running[proc.sentinel] = (proc, part)
-                for sentinel in wait(list(running)):
-                    proc, part = running.pop(sentinel)
-                    proc.join()
-                    if proc.exitcode != 0:
-                        raise QConvertError(f"{part.label(total)} failed: {_child_failure(proc.exitcode, errors, part)}")
-                    done.append(json.loads((errors / f"{part.index:05d}.json").read_text()))
-                    if progress:
-                        print(f"split: {len(done)} of {len(parts)} part(s) converted", file=sys.stderr)
-        finally:
-            for proc, _ in running.values():  # our own children, by their process: the others of a failed run
-                proc.kill()
-                proc.join()
+        todo, done = list(parts), []
+        held: dict[int, Part] = {}  # worker -> the part it is converting
+        idle = list(range(len(self.procs)))
+        while todo or held:
+            while todo and idle:
+                w = idle.pop(0)
+                held[w] = todo.pop(0)
+                self.conns[w].send((job, held[w]))
+            ready = wait([self.conns[w] for w in held] + [self.procs[w].sentinel for w in held])
+            for w in list(held):
+                conn, proc = self.conns[w], self.procs[w]
+                message = None
+                if conn in ready or proc.sentinel in ready:
+                    try:
+                        message = conn.recv() if conn.poll() else None
+                    except (EOFError, OSError):
+                        message = None
+                    if message is None and proc.sentinel in ready:
+                        proc.join()
+                        why = (f"killed (signal {-proc.exitcode})" if (proc.exitcode or 0) < 0
+                               else f"ended with status {proc.exitcode}")
+                        raise QConvertError(f"{held[w].label(total)} failed: its worker was {why}")
+                if message is None:
+                    continue
+                part = held.pop(w)
+                idle.append(w)
+                if "error" in message:
+                    raise QConvertError(f"{part.label(total)} failed: {message['error']}")
+                done.append(message)
+                if progress:
+                    print(f"split: {len(done)} of {len(parts)} part(s) converted", file=sys.stderr)
         return done
 
     def close(self) -> None:
-        return None
+        for conn, proc in zip(self.conns, self.procs):  # our own workers, by their process
+            if proc.is_alive():
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
+        for conn, proc in zip(self.conns, self.procs):
+            proc.join(timeout=5)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
+            conn.close()
 
 
-def _child(job: SplitJob, part: Part) -> None:
-    error = Path(job.folder) / "parts" / f"{part.index:05d}.error"
-    try:
-        _use_threads(job.threads)
-        run_part(job, part)
-    except QConvertError as e:
-        error.write_text(str(e))
-        os._exit(2)
-    except BaseException as e:  # noqa: BLE001 - the driver names the part; the traceback goes beside it
-        error.write_text(f"internal error: {type(e).__name__}: {e}\n{traceback.format_exc()}")
-        os._exit(3)
-    os._exit(0)
-
-
-def _child_failure(exitcode: int, folder: Path, part: Part) -> str:
-    error = folder / f"{part.index:05d}.error"
-    if error.exists():
-        return error.read_text().splitlines()[0]
-    if exitcode < 0:
-        return f"its worker was killed (signal {-exitcode})"
-    return f"its worker exited with status {exitcode}"
+def _worker_main(conn) -> None:
+    """A forked worker: converts the parts it receives (each with its SplitJob; it plans once per job) until
+    None, answering each with the part's manifest or {"error": line}."""
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the driver is gone
+            return
+        if message is None:
+            return
+        job, part = message
+        conn.send(run_part_on_node(job, part))
 
 
 def work_folder(out: Path) -> Path:
@@ -378,12 +403,8 @@ def convert_split(src_format: str, src_path: Path, dst_format: str, out_path: Pa
         threads = max(1, (os.cpu_count() or 1) // max(1, stats.workers)) if isinstance(workers, ProcessWorkers) else 1
         job = SplitJob(src_format, str(Path(src_path).absolute()), dst_format, options, str(folder.absolute()),
                        split_out.layout, fingerprint, part_values, threads)
-        _PLANNED[fingerprint] = (source, writer, pairs)  # forked workers inherit it
-        try:
-            for m in workers.run(job, todo, len(parts), progress):
-                manifests[m["part"]] = m
-        finally:
-            _PLANNED.pop(fingerprint, None)
+        for m in workers.run(job, todo, len(parts), progress):
+            manifests[m["part"]] = m
         split_out.finish([manifests[p.index].get("writer", {}) for p in parts])
         report = Report(source.format_name, target.name, str(src_path), str(out),
                         ignored_files=dict(source.ignored_files), not_carried=dict(source.not_carried))

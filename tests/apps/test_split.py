@@ -105,12 +105,20 @@ def _cli(*args) -> list[str]:
     return [sys.executable, "-m", "qconvert", *map(str, args)]
 
 
-def _children(pid: int) -> list[int]:
+def _workers(pid: int) -> list[int]:
+    """The driver's forked workers."""
     try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
         return []
-    return [int(c) for c in text.split()]
+    found = []
+    for child in children:
+        try:
+            if Path(f"/proc/{child}/cmdline").read_bytes() == Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(child)  # a forked worker runs the driver's command line
+        except OSError:
+            continue
+    return found
 
 
 def test_kill_9_then_resume_redoes_only_unfinished_parts(dense_src, dense_one, tmp_path):
@@ -146,12 +154,15 @@ def test_kill_9_then_resume_redoes_only_unfinished_parts(dense_src, dense_one, t
 
 def test_worker_killed_alone_fails_its_part(dense_src, tmp_path):
     out = tmp_path / "m.gguf"
+    work = tmp_path / ".m.gguf.qconvert-split"
     proc = subprocess.Popen(_cli("hf->gguf", dense_src, out, "--type", "q4_k_m", "--allow-requant", "--workers", "1",
                                  "--part-size", "400K"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     killed = None
     deadline = time.monotonic() + 120
+    while not list((work / "parts").glob("*.json")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # the worker has planned and is converting parts
     while killed is None and proc.poll() is None and time.monotonic() < deadline:
-        for child in _children(proc.pid):  # the driver's forked worker (the only child it starts)
+        for child in _workers(proc.pid):
             try:
                 os.kill(child, signal.SIGKILL)
                 killed = child
