@@ -283,7 +283,12 @@ class ProcessWorkers:
             while todo and idle:
                 w = idle.pop(0)
                 held[w] = todo.pop(0)
-                self.conns[w].send((job, held[w]))
+                try:
+                    self.conns[w].send((job, held[w]))
+                except OSError:  # the worker died while idle (killed between parts)
+                    self.procs[w].join()
+                    raise QConvertError(f"{held[w].label(total)} failed: its worker had ended (status "
+                                        f"{self.procs[w].exitcode}) before it could take the part") from None
             ready = wait([self.conns[w] for w in held] + [self.procs[w].sentinel for w in held])
             for w in list(held):
                 conn, proc = self.conns[w], self.procs[w]
