@@ -13,6 +13,8 @@ that a writer overrides what it needs and nothing is probed by name (as transfor
     check_model(source, plans, options)            refuse what the target cannot hold as a whole (default: none)
     writes_several_files(options) -> bool          the output is several files named after OUT (default False)
     open(path, source, plans, options) -> session  required: start writing
+    open_split(folder, name, source, plans, options)   one conversion split into parts (default None: cannot
+    open_part(folder, source, plans, options, layout)  be); the part sessions write where the driver placed
     alternative_hint(scheme, verdict) -> str       how the aligned alternative a refusal proposes is written
 
 and a `WriterSession` stores one tensor at a time (`add`, required), may hand back the float32 source values
@@ -42,7 +44,7 @@ from .errors import QConvertError, RefusedPlan
 from .records import Dense, Grid, ModelSource, TensorRecord, describe_record
 
 __all__ = ["Options", "TensorPlan", "Writer", "WriterSession", "BitIdentical", "refusal_message", "check_plan",
-           "verdict_counts", "unknown_type"]
+           "verdict_counts", "unknown_type", "SplitOutput", "PartSession", "WrittenRange"]
 
 
 @dataclass
@@ -104,6 +106,44 @@ class WriterSession(ABC):
         """Finish the output (configs, side files, headers written last)."""
 
 
+@dataclass(frozen=True)
+class WrittenRange:
+    """Bytes a part wrote: `nbytes` at `offset` of the output file `file` (a name in the split's folder), with
+    their sha256, so that a re-run can verify the part instead of redoing it (converters/split.py)."""
+
+    file: str
+    offset: int
+    nbytes: int
+    sha256: str
+
+
+class PartSession(WriterSession):
+    """One part of a split conversion being written (converters/split.py): `add` stores its tensor where the
+    driver's `SplitOutput` placed it, and `written` lists every byte range it wrote."""
+
+    written: list[WrittenRange]
+
+    def part_record(self) -> dict:
+        """What the driver's `SplitOutput.finish` needs of this part beyond its bytes (JSON), kept in the
+        part's manifest. Default: nothing."""
+        return {}
+
+
+class SplitOutput(ABC):
+    """The driver's side of a conversion split into parts: made by `Writer.open_split`, it has written what
+    only the driver writes first (a header that fixes where every tensor's bytes go) and holds `layout`, the
+    small picklable facts a part session needs to place its bytes; `files` are the output files it makes in
+    its folder (renamed next to OUT when every part is done), `finish` writes what comes after the parts."""
+
+    files: list[str]
+    layout: Any
+
+    def finish(self, records: list[dict]) -> None:
+        """Write what only the driver can, after every part is written; `records` are the parts'
+        `part_record()`s in part order. Default: nothing."""
+        return None
+
+
 class Writer(ABC):
     """A format's writer: see the module docstring for every hook and its default."""
 
@@ -145,6 +185,24 @@ class Writer(ABC):
     @abstractmethod
     def open(self, path: Path, source: ModelSource, plans: list[TensorPlan], options: Options) -> WriterSession:
         """Start writing to `path` (a temporary name the runner renames on success)."""
+
+    def open_split(self, folder: Path, name: str, source: ModelSource, plans: list[TensorPlan],
+                   options: Options) -> SplitOutput | None:
+        """Start a conversion split into parts (`--workers`, `--ray`: converters/split.py) in `folder`, the
+        output named `name`: write what fixes where every tensor goes. Default None: this writer writes one
+        stream whose placement depends on the tensors before it, and cannot be split."""
+        return None
+
+    def part_group(self, plan: TensorPlan) -> Any:
+        """Tensors with the same non-None group are converted in one part of a split conversion (UQFF: the
+        experts of one stacked layer, held until the last arrives). Default None: any cut."""
+        return None
+
+    def open_part(self, folder: Path, source: ModelSource, plans: list[TensorPlan], options: Options,
+                  layout: Any) -> PartSession:
+        """A session writing some of the tensors of a split conversion into the files in `folder`, where
+        `layout` (the SplitOutput's) places them. Required with `open_split`."""
+        raise NotImplementedError(f"{self.name} writer has open_split but no open_part")
 
     def alternative_hint(self, scheme: str, verdict: str) -> str:
         """The aligned alternative a Decision names, as a user of this writer asks for it."""

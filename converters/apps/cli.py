@@ -171,7 +171,7 @@ def kernel_label(kernel: dict | None) -> str:
 
 # options every conversion takes, whatever the target; a format may not declare one of these
 _GENERIC_FLAGS = ("--type", "--tensor-type", "--allow-requant", "--dry-run", "--report", "--force", "--quiet",
-                  "--to", "--from", "--device")
+                  "--to", "--from", "--device", "--workers", "--ray", "--part-size", "--worker-memory")
 _DEVICE_HELP = ("where the kernels run: cpu (default), cuda[:N], or auto (CUDA when torch sees a device); tensors move "
                 "there one at a time, and Triton kernels run where they exist (QCONVERT_KERNELS=torch|triton overrides)")
 _WRITER_PARAM = "writer_"  # prefix of the click parameter names of writer options (never a generic name)
@@ -218,6 +218,17 @@ def _generic_params(target: FormatEntry | None) -> list[click.Parameter]:
         click.Option(["--force"], is_flag=True, help="replace an existing output"),
         click.Option(["--quiet"], is_flag=True, help="print only the summary line"),
         click.Option(["--device"], default="cpu", show_default=True, metavar="cpu|cuda|auto", help=_DEVICE_HELP),
+        click.Option(["--workers"], type=click.IntRange(1, 4096), default=None, metavar="N",
+                     help="split this one conversion into parts converted by N processes of this machine (gguf "
+                          "output; same bytes; a re-run resumes a killed one)"),
+        click.Option(["--ray", "ray_address"], is_flag=False, flag_value="", default=None, metavar="[ADDRESS]",
+                     help="split this one conversion into parts run as Ray tasks: on a local Ray, or on the cluster "
+                          "at ADDRESS (every node: the same install, SRC and OUT on a shared filesystem)"),
+        click.Option(["--part-size"], metavar="SIZE", default=None,
+                     help="with --workers/--ray: source values per part, as float32 bytes (default 1G)"),
+        click.Option(["--worker-memory"], metavar="SIZE", default=None,
+                     help="with --workers/--ray: the memory one worker may use (default: the machine's, or the "
+                          "largest Ray node's); a part needing more is refused before any starts"),
     ]
 
 
@@ -286,14 +297,45 @@ def _run_conversion(src_format: str | None, target_name: str, params: dict) -> N
     detected = src_format is None
     if detected:
         src_format = detect_format(params["src_path"])
-    report = convert(src_format, params["src_path"], target_name, params["out_path"], options, force=params["force"],
-                     dry_run=params["dry_run"], progress=sys.stderr.isatty())
+    split = params.get("workers") is not None or params.get("ray_address") is not None
+    if not split and (params.get("part_size") or params.get("worker_memory")):
+        raise QConvertError("--part-size and --worker-memory are for --workers or --ray")
+    if split and not params["dry_run"]:
+        report = _run_split(src_format, target_name, options, params)
+    else:
+        report = convert(src_format, params["src_path"], target_name, params["out_path"], options,
+                         force=params["force"], dry_run=params["dry_run"], progress=sys.stderr.isatty())
     if detected and not params["quiet"]:
         # said after the conversion: after a failure the error line stands alone on stderr
         click.echo(f"detected source format: {src_format}", err=True)
     _print_plan(report, params["quiet"])
     if params["report_path"]:
         report.write_json(params["report_path"])
+
+
+def _run_split(src_format: str, target_name: str, options: Options, params: dict):
+    """One conversion in parts (converters/split.py) on --workers processes or --ray tasks."""
+    from ..split import DEFAULT_PART_VALUES, ProcessWorkers, convert_split
+
+    part_values = (parse_size(params["part_size"], "--part-size") // 4 if params.get("part_size")
+                   else DEFAULT_PART_VALUES)
+    worker_memory = parse_size(params["worker_memory"], "--worker-memory") if params.get("worker_memory") else None
+    if params.get("ray_address") is not None:
+        from .split_ray import RayWorkers
+
+        workers = RayWorkers(params["ray_address"] or None, params.get("workers"))
+    else:
+        workers = ProcessWorkers(params["workers"])
+    try:
+        report, stats = convert_split(src_format, params["src_path"], target_name, params["out_path"], options,
+                                      workers, force=params["force"], progress=sys.stderr.isatty(),
+                                      part_values=max(1, part_values), worker_memory=worker_memory)
+    finally:
+        workers.close()
+    if not params["quiet"]:
+        click.echo(f"split: {stats.parts} part(s), {stats.kept} kept from an earlier run (verified), "
+                   f"{stats.converted} converted", err=True)
+    return report
 
 
 def _checked_device(name: str):

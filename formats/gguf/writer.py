@@ -54,6 +54,7 @@ from .names import expert_of, gguf_arch, layer_index, gguf_tensor_name, inverse_
 from .presets import PRESETS, ModelFacts, model_facts_from_gguf_names, preset_of, preset_type, quantized_by_llama_cpp
 from .tokenizer import add_tokenizer
 from .schemes import ALIGNED_CANDIDATES, GGUF_SCHEMES, default_grid_type, imatrix_refusal, k_fallback
+from .split import GgufPart, GgufSplitOutput
 from ..common.ggml_codec import SourceValues, available_kquants, encode_tensor, tensor_scale_of
 
 __all__ = ["GgufWriter", "best_aligned_type", "default_grid_type", "FILE_TYPES"]
@@ -460,6 +461,21 @@ class GgufWriter(Writer):
                            split_max_size=int(options.extra.get("split_max_size") or 0))
 
 
+    def open_split(self, folder: Path, name: str, source, plans: list[TensorPlan], options: Options):
+        """The header of every output file, written by GgufSession itself, and where each tensor goes
+        (split.GgufSplitOutput): parts of the conversion write their tensors there in any order."""
+        scratch = Path(folder) / "header"
+        scratch.mkdir(exist_ok=True)
+        session = GgufSession(scratch / name, source, plans, *self._arch(source), self._tokenizer_keys(source, plans),
+                              split_max_size=int(options.extra.get("split_max_size") or 0))
+        return GgufSplitOutput(Path(folder), session)
+
+    def open_part(self, folder: Path, source, plans: list[TensorPlan], options: Options, layout):
+        part = GgufPart(Path(folder), layout)
+        part.session = GgufSession.without_header(source, self._arch(source)[0], part.write)
+        return part
+
+
 def gguf_tensors_in_order(plans: list[TensorPlan], n_experts: int, where: object = None
                           ) -> list[tuple[str, list[TensorPlan]]]:
     """The GGUF tensors the planned records make, as (GGUF name, the plans that fill it), in the order
@@ -555,6 +571,17 @@ class GgufSession(WriterSession):
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
+
+    @classmethod
+    def without_header(cls, source, arch: str, write) -> "GgufSession":
+        """A session that encodes each tensor as `add` does and hands its bytes to `write(plan, data)` instead
+        of appending them: a part of a split conversion (split.py), whose driver wrote the header."""
+        self = cls.__new__(cls)
+        self.source, self.arch = source, arch
+        self.norm_shift = arch_by_name(arch).norm_shift
+        self.reference = None
+        self._write = write
+        return self
 
     def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor:
         if plan.action.drop:

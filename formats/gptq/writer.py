@@ -125,6 +125,27 @@ class GptqWriter(Writer):
         return GptqSession(self, Path(path), source, plans)
 
 
+    def open_split(self, folder: Path, name: str, source, plans: list[TensorPlan], options: Options):
+        from ..common.split_replay import ReplaySplitOutput
+
+        return ReplaySplitOutput(self, folder, name, source, plans, options, ("shards",), merge_state=_merge_state)
+
+    def open_part(self, folder: Path, source, plans: list[TensorPlan], options: Options, layout):
+        from ..common.split_replay import open_recording_part
+
+        return open_recording_part(self, folder, source, plans, options, layout,
+                                   state_of=lambda s: (s.schemes, s.dense_linears, s.rotation))
+
+
+def _merge_state(session: "GptqSession", state) -> None:
+    """A part's schemes, dense linears and rotation, into the driver's session (in part order: the order a
+    single process would have met them)."""
+    schemes, dense, rotation = state
+    session.schemes.update(schemes)
+    session.dense_linears.extend(dense)
+    session.rotation = session.rotation or rotation
+
+
 class GptqSession(WriterSession):
     """Streams GPTQ tensors into safetensors shards; writes config and side files at the end."""
 

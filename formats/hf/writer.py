@@ -62,6 +62,17 @@ class HfWriter(Writer):
         return HfSession(Path(path), source, parse_hf_type(options.type))
 
 
+    def open_split(self, folder: Path, name: str, source, plans: list[TensorPlan], options: Options):
+        from ..common.split_replay import ReplaySplitOutput
+
+        return ReplaySplitOutput(self, folder, name, source, plans, options, ("shards",))
+
+    def open_part(self, folder: Path, source, plans: list[TensorPlan], options: Options, layout):
+        from ..common.split_replay import open_recording_part
+
+        return open_recording_part(self, folder, source, plans, options, layout)
+
+
 class HfSession(WriterSession):
     def __init__(self, path: Path, source, dtype_name: str):
         self.path, self.source = path, source

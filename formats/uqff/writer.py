@@ -179,9 +179,38 @@ class UqffWriter(Writer):
             raise QConvertError("mistral.rs needs tokenizer.json next to the model; the source has none",
                                 path=source.path)
 
+    def open_split(self, folder: Path, name: str, source, plans: list[TensorPlan], options: Options):
+        return _open_split(self, folder, name, source, plans, options)
+
+    def open_part(self, folder: Path, source, plans: list[TensorPlan], options: Options, layout):
+        return _open_part(self, folder, source, plans, options, layout)
+
+    def part_group(self, plan: TensorPlan):
+        return _part_group(self, plan)
+
     def open(self, path: Path, source, plans: list[TensorPlan], options: Options) -> "UqffSession":
         max_bytes = int(options.extra.get("uqff_max_shard_bytes") or MAX_SHARD_BYTES)
         return UqffSession(Path(path), source, plans, max_bytes)
+
+
+def _open_split(self, folder: Path, name: str, source, plans: list[TensorPlan], options: Options):
+    from ..common.split_replay import ReplaySplitOutput
+    from .moe import StackedTensor
+
+    return ReplaySplitOutput(self, folder, name, source, plans, options, ("shards", "residual"),
+                             stacked_type=StackedTensor)
+
+
+def _open_part(self, folder: Path, source, plans: list[TensorPlan], options: Options, layout):
+    from ..common.split_replay import open_recording_part
+
+    return open_recording_part(self, folder, source, plans, options, layout)
+
+
+def _part_group(self, plan: TensorPlan):
+    """The experts of one stacked layer stay in one part: the session holds them until the last arrives."""
+    action = plan.action
+    return action.stack if action is not None and getattr(action, "where", None) == "uqff-expert" else None
 
 
 def _check_stacks(plans: list[TensorPlan], moe, path) -> None:
