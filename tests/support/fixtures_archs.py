@@ -371,3 +371,41 @@ if __name__ == "__main__":
     ap.add_argument("--wide", action="store_true")
     a = ap.parse_args()
     print(build_arch_model(a.out_dir, a.kind, a.seed, a.layers, a.wide))
+
+
+# --------------------------------------------------------------------------------------------------
+# The arch-std kinds (issue 26): Ministral 3, SmolLM3, ... Kept apart from KINDS, which
+# test_gguf_archs.py runs; their own tests are tests/formats/gguf/test_gguf_archs_arch_std.py.
+# --------------------------------------------------------------------------------------------------
+STD_KINDS = ("mistral3", "smollm3")
+
+
+def _mistral3(layers: int, wide: bool):
+    from transformers import Ministral3Config, Ministral3ForCausalLM
+    d = _dims(wide)
+    # Ministral 3's YaRN (factor 16 over 16384 there; 32 over 8 here, the 256 context) with Llama-4's attention temperature
+    # (llama_4_scaling_beta): queries at position p are scaled by 1 + beta * log(1 + floor(p / original)),
+    # which llama.cpp's mistral3 graph does with n_attn_temp_floor_scale = the original context. The
+    # original context of 8 is below the 16-token prompt, so the temperature bites on its second half.
+    # mscale = mscale_all_dim = 1 as released (llama.cpp reads mscale_all_dim as yarn_log_mul).
+    rope = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 32.0, "original_max_position_embeddings": 8,
+            "max_position_embeddings": 256, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+            "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}
+    cfg = Ministral3Config(**_common(layers, d["hidden"], d["ffn"], tie=False), head_dim=d["head_dim"],
+                           rms_norm_eps=1e-5, rope_parameters=rope)
+    return cfg, Ministral3ForCausalLM, {}
+
+
+def _smollm3(layers: int, wide: bool):
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+    d = _dims(wide)
+    # SmolLM3: every 4th layer has no rope (no_rope_layers [1, 1, 1, 0], transformers' default interval 4),
+    # which llama.cpp's smollm3 hard-codes (n_no_rope_layer_step = 4): 4 layers, so that one is NoPE. Tied
+    # embeddings as SmolLM3-3B.
+    n = max(layers, 4)
+    cfg = SmolLM3Config(**_common(n, d["hidden"], d["ffn"], tie=True), rms_norm_eps=1e-6,
+                        rope_parameters={"rope_type": "default", "rope_theta": 5e6})
+    return cfg, SmolLM3ForCausalLM, {}
+
+
+BUILDERS.update({"mistral3": _mistral3, "smollm3": _smollm3})

@@ -13,11 +13,11 @@ from typing import Any, Callable, Mapping
 
 import gguf
 
-from ..hparams import MAX_WIDTH
+from ..hparams import MAX_WIDTH, head_dim
 
 __all__ = ["GgufArch", "register_arch", "registered", "arch_by_name", "arch_for_config", "supported_classes",
            "expert_name", "EXPERT_COUNT_KEYS", "expert_count_key", "expert_count", "expert_keys", "moe_config",
-           "HF_DENSE_BLOCK"]
+           "HF_DENSE_BLOCK", "llama_converter_keys"]
 
 MetadataHook = Callable[[gguf.GGUFWriter, Mapping], None]
 # (the config being rebuilt, get(key, default, required, kind, **bounds) of the arch's typed metadata, the
@@ -198,3 +198,11 @@ def moe_config(cfg: dict, get, names, cv) -> None:
     ff_exp = get("expert_feed_forward_length", lo=1, hi=MAX_WIDTH)
     if ff_exp is not None:
         cfg["moe_intermediate_size"] = ff_exp
+
+
+def llama_converter_keys(writer: gguf.GGUFWriter, config: Mapping) -> None:
+    """The two keys llama.cpp's converter writes for every LlamaModel subclass (its set_gguf_parameters):
+    the vocabulary size and the rotated dimensions (the whole head: these families rotate every pair)."""
+    if config.get("vocab_size") is not None:
+        writer.add_vocab_size(int(config["vocab_size"]))
+    writer.add_rope_dimension_count(head_dim(config))
