@@ -1,0 +1,152 @@
+"""GGUF for the issue-26 architectures of the arch-std entries (formats/gguf/archs/mistral3.py, smollm.py, ...),
+judged by llama.cpp itself on a tiny random model of each (tests/support/fixtures_archs.py, STD_KINDS):
+
+- `hf->gguf --type f32` is what llama.cpp's own convert_hf_to_gguf.py writes for the same folder: every
+  tensor's name, type and bytes, every `{arch}.*` key; llama.cpp's logits on our file equal those on the
+  converter's file exactly, and follow transformers' (1e-4);
+- the architecture's quirk is exercised: without it transformers' logits move by far more than that
+  (Ministral 3's attention temperature, SmolLM3's NoPE layers);
+- `--type q8_0` and `--type q4_k_m` (256 wide, so the K types apply) equal llama-quantize's bytes of our F32 file;
+- `gguf->hf --type f32` loads in transformers as the source's class, with the source's logits exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import fixtures_archs
+from helpers import gguf_tensors, llama_logits, run_cli
+from llama_quantize import llama_quantize
+
+llama_cpp = pytest.importorskip("llama_cpp")
+gguf = pytest.importorskip("gguf")
+
+ROOT = Path(__file__).parents[2] / "_fixtures" / "archs"
+KINDS = fixtures_archs.STD_KINDS
+PROMPT = fixtures_archs.arch_prompt()
+CLASSES = {"mistral3": "Ministral3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+ARCHS = {"mistral3": "mistral3", "smollm3": "smollm3"}
+# keys that carry each kind's quirk: they must be in both files (and equal, as every key is)
+QUIRK_KEYS = {"mistral3": {"mistral3.attention.temperature_scale", "mistral3.rope.scaling.yarn_log_multiplier",
+                           "mistral3.rope.scaling.type"},
+              "smollm3": set()}
+
+
+def _cached(path: Path, build) -> Path:
+    done = path.with_name(path.name + ".done")
+    if not done.exists():
+        if path.is_dir():
+            shutil.rmtree(path)
+        path.unlink(missing_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        build(path)
+        done.write_text("ok")
+    return path
+
+
+def model_dir(kind: str, wide: bool = False) -> Path:
+    name = f"std-{kind}" + ("-wide" if wide else "")
+    return _cached(ROOT / name, lambda d: fixtures_archs.build_arch_model(d, kind, wide=wide))
+
+
+def ours_f32(kind: str, wide: bool = False) -> Path:
+    src = model_dir(kind, wide)
+    return _cached(ROOT / f"{src.name}-f32.gguf", lambda out: run_cli("hf->gguf", src, out, "--type", "f32"))
+
+
+def reference_f32(kind: str) -> Path:
+    import llama_cpp_reference as ref
+
+    try:
+        ref.llama_cpp_src()
+    except FileNotFoundError as e:
+        pytest.skip(f"llama.cpp's converter is not extracted: {e}")  # a failure under QCONVERT_REQUIRE_ORACLES
+    src = model_dir(kind)
+    return _cached(ROOT / f"std-{kind}-ref.gguf", lambda out: ref.convert_reference(src, out, model_name="tiny " + kind))
+
+
+def _model_keys(path: Path) -> dict:
+    r = gguf.GGUFReader(str(path))
+    return {k: f.contents() for k, f in r.fields.items() if not k.startswith(("GGUF.", "general.", "tokenizer."))}
+
+
+def _same_tensors(ours: Path, theirs: Path) -> set[str]:
+    """Both files hold the same tensors, each of the same ggml type, shape and bytes; -> the types present."""
+    a, b = gguf_tensors(ours), gguf_tensors(theirs)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert (a[name].tensor_type, list(a[name].shape)) == (b[name].tensor_type, list(b[name].shape)), name
+        assert bytes(a[name].data) == bytes(b[name].data), name
+    return {t.tensor_type.name for t in a.values()}
+
+
+def _logits_without_quirk(kind: str) -> np.ndarray:
+    """transformers' logits of the same weights with the kind's quirk switched off."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(model_dir(kind)))
+    if kind == "mistral3":
+        cfg.rope_parameters = {**cfg.rope_parameters, "llama_4_scaling_beta": 0.0}
+    elif kind == "smollm3":
+        cfg.no_rope_layers = [1] * cfg.num_hidden_layers
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir(kind)), config=cfg, dtype=torch.float32,
+                                                 attn_implementation="eager")
+    with torch.no_grad():
+        return model(torch.tensor([PROMPT])).logits[0].float().numpy()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_f32_is_what_llama_cpp_converter_writes_and_runs(kind):
+    ours, theirs = ours_f32(kind), reference_f32(kind)
+    assert _same_tensors(ours, theirs) == {"F32"}
+    ka, kb = _model_keys(ours), _model_keys(theirs)
+    assert ka == kb
+    assert QUIRK_KEYS[kind] <= set(ka)
+    assert gguf.GGUFReader(str(ours)).fields["general.architecture"].contents() == ARCHS[kind]
+
+    got = llama_logits(ours, PROMPT)
+    assert np.array_equal(got, llama_logits(theirs, PROMPT))
+    want = fixtures_archs.transformers_logits(model_dir(kind), PROMPT)
+    assert np.abs(got - want).max() < 1e-4, float(np.abs(got - want).max())
+    assert want.std(axis=-1).min() > 0.3  # far from uniform: a wrong weight would show
+    # the quirk is exercised: the same weights without it are far from what llama.cpp computes
+    assert np.abs(_logits_without_quirk(kind) - want).max() > 0.05
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_q8_0_equals_llama_quantize(kind, tmp_path):
+    ours = tmp_path / "ours-q8_0.gguf"
+    run_cli("hf->gguf", model_dir(kind), ours, "--type", "q8_0", "--allow-requant")
+    theirs = llama_quantize(ours_f32(kind), tmp_path / "llama-q8_0.gguf", 7)
+    assert "Q8_0" in _same_tensors(ours, theirs)
+    assert np.array_equal(llama_logits(ours, PROMPT), llama_logits(theirs, PROMPT))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_q4_k_m_equals_llama_quantize(kind, tmp_path):
+    ours = tmp_path / "ours-q4_k_m.gguf"
+    run_cli("hf->gguf", model_dir(kind, wide=True), ours, "--type", "q4_k_m", "--allow-requant")
+    theirs = llama_quantize(ours_f32(kind, wide=True), tmp_path / "llama-q4_k_m.gguf", 15)
+    assert {"Q4_K", "Q6_K"} <= _same_tensors(ours, theirs)
+    assert gguf.GGUFReader(str(ours)).fields["general.file_type"].contents() == 15
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gguf_to_hf_gives_back_the_source_class(kind, tmp_path):
+    out = tmp_path / "hf"
+    run_cli("gguf->hf", ours_f32(kind), out, "--type", "f32")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [CLASSES[kind]]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert type(model).__name__ == CLASSES[kind]
+    got = fixtures_archs.transformers_logits(out, PROMPT)
+    want = fixtures_archs.transformers_logits(model_dir(kind), PROMPT)
+    assert np.array_equal(got, want), float(np.abs(got - want).max())
