@@ -79,6 +79,9 @@ def _expected_shapes(cfg: Mapping, keys: Mapping[str, str]) -> dict[str, tuple[t
         for name in [n for n in out if n.startswith(("attn_q.", "attn_k.", "attn_v.", "attn_output.", "attn_q_norm",
                                                        "attn_k_norm"))]:
             del out[name]
+    if spec is not None and spec.qk_norm_whole:  # OLMo 2 / 3 normalise the whole q and k projections
+        out["attn_q_norm.weight"] = ((q,), says("num_attention_heads", "head_dim"))
+        out["attn_k_norm.weight"] = ((kvr,), says("num_key_value_heads", "head_dim"))
     if cfg.get("_arch") == "phi3":  # fused projections: q, k, v rows in one, gate and up rows in one
         out["attn_qkv.weight"] = ((q + 2 * kvr, e), says(*heads, "num_key_value_heads"))
         out["ffn_up.weight"] = ((2 * f, e), says(*ffn))

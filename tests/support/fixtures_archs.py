@@ -377,7 +377,7 @@ if __name__ == "__main__":
 # The arch-std kinds (issue 26): Ministral 3, SmolLM3, ... Kept apart from KINDS, which
 # test_gguf_archs.py runs; their own tests are tests/formats/gguf/test_gguf_archs_arch_std.py.
 # --------------------------------------------------------------------------------------------------
-STD_KINDS = ("mistral3", "smollm3")
+STD_KINDS = ("mistral3", "smollm3", "olmo3", "olmo2")
 
 
 def _mistral3(layers: int, wide: bool):
@@ -408,4 +408,25 @@ def _smollm3(layers: int, wide: bool):
     return cfg, SmolLM3ForCausalLM, {}
 
 
-BUILDERS.update({"mistral3": _mistral3, "smollm3": _smollm3})
+def _olmo3(layers: int, wide: bool):
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+    d = _dims(wide)
+    # Olmo 3: post-norms only (post_attention / post_feedforward), q/k RMSNorm over the whole projection, and
+    # layer_types left to Olmo 3's default (3 sliding, then 1 full): 4 layers so that one is full. A window
+    # of 8 < the 16-token prompt. llama.cpp's converter writes the pattern (olmo2.attention.sliding_window_pattern).
+    n = max(layers, 4)
+    cfg = Olmo3Config(**_common(n, d["hidden"], d["ffn"], tie=False), rms_norm_eps=1e-6, sliding_window=8,
+                      rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    return cfg, Olmo3ForCausalLM, {}
+
+
+def _olmo2(layers: int, wide: bool):
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+    d = _dims(wide)
+    # OLMo 2: OLMo 3's blocks without sliding windows (the same llama.cpp architecture, olmo2)
+    cfg = Olmo2Config(**_common(layers, d["hidden"], d["ffn"], tie=False), rms_norm_eps=1e-6,
+                      rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    return cfg, Olmo2ForCausalLM, {}
+
+
+BUILDERS.update({"mistral3": _mistral3, "smollm3": _smollm3, "olmo3": _olmo3, "olmo2": _olmo2})

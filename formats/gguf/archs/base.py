@@ -87,6 +87,9 @@ class GgufArch:
     config_from_gguf: ConfigHook = field(default=_no_config, repr=False)
     # rope types this architecture carries beyond linear / yarn / llama3 (Phi-3's longrope factor tables)
     extra_rope_types: tuple[str, ...] = ()
+    # q/k RMSNorm over the whole projection (OLMo 2 / 3: attn_q_norm is heads * head_dim wide, attn_k_norm
+    # kv_heads * head_dim) rather than over one head (Qwen3, Gemma 3): the shape checks follow it
+    qk_norm_whole: bool = False
 
     @property
     def enum(self) -> gguf.MODEL_ARCH:
