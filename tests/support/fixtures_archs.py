@@ -377,7 +377,7 @@ if __name__ == "__main__":
 # The arch-std kinds (issue 26): Ministral 3, SmolLM3, ... Kept apart from KINDS, which
 # test_gguf_archs.py runs; their own tests are tests/formats/gguf/test_gguf_archs_arch_std.py.
 # --------------------------------------------------------------------------------------------------
-STD_KINDS = ("mistral3", "smollm3", "olmo3", "olmo2")
+STD_KINDS = ("mistral3", "smollm3", "olmo3", "olmo2", "exaone4")
 
 
 def _mistral3(layers: int, wide: bool):
@@ -429,4 +429,17 @@ def _olmo2(layers: int, wide: bool):
     return cfg, Olmo2ForCausalLM, {}
 
 
-BUILDERS.update({"mistral3": _mistral3, "smollm3": _smollm3, "olmo3": _olmo3, "olmo2": _olmo2})
+def _exaone4(layers: int, wide: bool):
+    from transformers import Exaone4Config, Exaone4ForCausalLM
+    d = _dims(wide)
+    # EXAONE 4: post-norms only, per-head q/k RMSNorm. llama.cpp's exaone4 has sliding layers only for the 64-layer
+    # (32B) model, every other size attends fully with rope in every layer: the 1.2B's config (sliding_window
+    # null, every layer full_attention) is what this tiny model has.
+    n = layers
+    cfg = Exaone4Config(**_common(n, d["hidden"], d["ffn"], tie=False), head_dim=d["head_dim"], rms_norm_eps=1e-5,
+                        sliding_window=None, layer_types=["full_attention"] * n,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    return cfg, Exaone4ForCausalLM, {}
+
+
+BUILDERS.update({"mistral3": _mistral3, "smollm3": _smollm3, "olmo3": _olmo3, "olmo2": _olmo2, "exaone4": _exaone4})

@@ -31,14 +31,14 @@ ROOT = Path(__file__).parents[2] / "_fixtures" / "archs"
 KINDS = fixtures_archs.STD_KINDS
 PROMPT = fixtures_archs.arch_prompt()
 CLASSES = {"mistral3": "Ministral3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmo3": "Olmo3ForCausalLM",
-           "olmo2": "Olmo2ForCausalLM"}
-ARCHS = {"mistral3": "mistral3", "smollm3": "smollm3", "olmo3": "olmo2", "olmo2": "olmo2"}
+           "olmo2": "Olmo2ForCausalLM", "exaone4": "Exaone4ForCausalLM"}
+ARCHS = {"mistral3": "mistral3", "smollm3": "smollm3", "olmo3": "olmo2", "olmo2": "olmo2", "exaone4": "exaone4"}
 # keys that carry each kind's quirk: they must be in both files (and equal, as every key is)
 QUIRK_KEYS = {"mistral3": {"mistral3.attention.temperature_scale", "mistral3.rope.scaling.yarn_log_multiplier",
                            "mistral3.rope.scaling.type"},
               "smollm3": set(),
               "olmo3": {"olmo2.attention.sliding_window", "olmo2.attention.sliding_window_pattern"},
-              "olmo2": set()}
+              "olmo2": set(), "exaone4": set()}
 
 
 def _cached(path: Path, build) -> Path:
@@ -100,7 +100,7 @@ def _logits_without_quirk(kind: str) -> np.ndarray | None:
         cfg.no_rope_layers = [1] * cfg.num_hidden_layers
     elif kind == "olmo3":
         cfg.layer_types = ["full_attention"] * cfg.num_hidden_layers
-    else:  # OLMo 2's quirks are its post-norms and whole-projection q/k norms: the weights themselves
+    else:  # OLMo 2's and EXAONE 4's quirks are their post-norms and q/k norms: the weights themselves
         return None
     model = AutoModelForCausalLM.from_pretrained(str(model_dir(kind)), config=cfg, dtype=torch.float32,
                                                  attn_implementation="eager")
@@ -158,3 +158,26 @@ def test_gguf_to_hf_gives_back_the_source_class(kind, tmp_path):
     got = fixtures_archs.transformers_logits(out, PROMPT)
     want = fixtures_archs.transformers_logits(model_dir(kind), PROMPT)
     assert np.array_equal(got, want), float(np.abs(got - want).max())
+
+
+# configs llama.cpp's graph cannot honour: (kind, config change, words of the one-line warning)
+CAVEATS = [
+    ("smollm3", {"no_rope_layers": [1, 0, 1, 1]}, "no_rope_layers [1, 0, 1, 1] is not every 4th layer"),
+    ("exaone4", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+     "sliding windows only in 64-layer models"),
+    ("mistral3", {"rope_parameters": {"mscale": 2.0}}, "mscale 2.0 is not 1"),
+]
+
+
+@pytest.mark.parametrize("kind, change, words", CAVEATS, ids=[c[0] for c in CAVEATS])
+def test_what_llama_cpp_cannot_honour_is_named(kind, change, words, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(model_dir(kind), src)
+    config = json.loads((src / "config.json").read_text())
+    for key, value in change.items():
+        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out.gguf"
+    proc = run_cli("hf->gguf", src, out, "--type", "f32")
+    assert words in proc.stderr
+    assert _same_tensors(out, ours_f32(kind)) == {"F32"}  # the same tensors: only llama.cpp's run differs
