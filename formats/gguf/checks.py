@@ -202,6 +202,9 @@ def check_gguf_tensors(cfg: Mapping, arch: str, shapes: Mapping[str, tuple[int, 
         metadata_key["intermediate_size"] = keys["intermediate_size"] = f"{arch}.expert_feed_forward_length"
     facts, fact_keys = _expert_facts(cfg, arch, ConfigView(dict(cfg), path), lambda k: metadata_key.get(k, k))
     cfg = {**cfg, **facts}
+    dense_key = arch_by_name(arch).dense_ffn_key
+    if dense_key != "intermediate_size":  # Llama 4: the dense layers' width (feed_forward_length)
+        cfg["intermediate_size"] = cfg[dense_key]
     keys.update(fact_keys)
     where = where or {}
     _check_against(cfg, shapes, keys, arch, lambda n: where.get(n, path) if n else path, lambda n: n,
@@ -309,6 +312,9 @@ def check_writer_config(config: Mapping, arch: str, shapes: Mapping[str, tuple[i
                 g.float(name, default=None, lo=-FLOAT32_MAX, hi=FLOAT32_MAX)
     facts, names_of_keys = _expert_facts(config, arch, cv, lambda k: k)
     cfg.update(facts)
+    dense_key = arch_by_name(arch).dense_ffn_key
+    if dense_key != "intermediate_size":  # Llama 4: intermediate_size is the experts', this the dense layers'
+        cfg["intermediate_size"] = cv.int(dense_key, lo=1, hi=MAX_WIDTH)
     emb = shapes.get("token_embd.weight")
     if cfg["vocab_size"] is None:
         cfg["vocab_size"] = emb[0] if emb else 0

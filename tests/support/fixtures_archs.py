@@ -215,6 +215,8 @@ BUILDERS: Dict[str, Callable[[int, bool], Tuple[object, type, dict]]] = {
     "gemma3": _gemma3, "phi3": _phi3, "deepseek_v3": _deepseek_v3, "gpt_oss": _gpt_oss,
 }
 GEMMA_KINDS = ("gemma2", "gemma3")
+# kind -> a function of the model folder that adds to the fixture tokenizer what the family's converter looks up
+TOKENIZER_EXTRAS: Dict[str, Callable[[Path], None]] = {}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -290,6 +292,8 @@ def build_arch_model(out_dir, kind: str, seed: int = 0, layers: int = 2, wide: b
         model.generation_config.eos_token_id = 0
     model.save_pretrained(str(out), safe_serialization=True)
     _fixtures().build_tokenizer(out)
+    if kind in TOKENIZER_EXTRAS:
+        TOKENIZER_EXTRAS[kind](out)
     if tok_extra:
         path = out / "tokenizer_config.json"
         tok_cfg = json.loads(path.read_text())
@@ -377,7 +381,7 @@ if __name__ == "__main__":
 # The arch-std kinds (issue 26): Ministral 3, SmolLM3, ... Kept apart from KINDS, which
 # test_gguf_archs.py runs; their own tests are tests/formats/gguf/test_gguf_archs_arch_std.py.
 # --------------------------------------------------------------------------------------------------
-STD_KINDS = ("mistral3", "smollm3", "olmo3", "olmo2", "exaone4")
+STD_KINDS = ("mistral3", "smollm3", "olmo3", "olmo2", "exaone4", "llama4", "glm4_moe")
 
 
 def _mistral3(layers: int, wide: bool):
@@ -442,4 +446,55 @@ def _exaone4(layers: int, wide: bool):
     return cfg, Exaone4ForCausalLM, {}
 
 
-BUILDERS.update({"mistral3": _mistral3, "smollm3": _smollm3, "olmo3": _olmo3, "olmo2": _olmo2, "exaone4": _exaone4})
+def _llama4(layers: int, wide: bool):
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+    d = _dims(wide)
+    # Llama 4's text model: 4 layers so that layer 3 is NoPE (no_rope_layer_interval 4, as llama.cpp's
+    # n_no_rope_layer_step); interleave_moe_layer_step 2 (as Maverick) so that layers 0 and 2 are dense
+    # (intermediate_size_mlp) and 1 and 3 routed (4 experts of intermediate_size, top-1, plus the shared expert);
+    # the L2 q/k norm of the rope layers (use_qk_norm). The attention chunk (8192), the temperature tuning
+    # (floor_scale 8192, attn_scale 0.1) are the released values, which llama.cpp hard-codes; the 16-token
+    # prompt is inside one chunk and below the floor, as any prompt shorter than 8192 is.
+    n = max(layers, 4)
+    cfg = Llama4TextConfig(**_common(n, d["hidden"], d["moe_ffn"], tie=False), intermediate_size_mlp=d["ffn"],
+                           head_dim=d["head_dim"], num_local_experts=4, num_experts_per_tok=1,
+                           interleave_moe_layer_step=2, use_qk_norm=True, attention_chunk_size=8192,
+                           attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1, rms_norm_eps=1e-5,
+                           rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    return cfg, Llama4ForCausalLM, {}
+
+
+def _glm4_moe(layers: int, wide: bool):
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+    d = _dims(wide)
+    # GLM-4.5 in miniature: layer 0 dense (first_k_dense_replace 1), layers 1-2 routed (4 experts, top-2, sigmoid
+    # with the correction bias, one group) plus one shared expert; q/k/v biases, per-head q/k RMSNorm (GLM-4.5's
+    # use_qk_norm), half the head rotated (partial_rotary_factor 0.5, NEOX), routed_scaling_factor 2.5 (GLM-4.5's),
+    # one MTP module declared (num_nextn_predict_layers 1).
+    n = max(layers, 3)
+    cfg = Glm4MoeConfig(**_common(n, d["hidden"], d["ffn"], tie=False), head_dim=d["head_dim"],
+                        moe_intermediate_size=d["moe_ffn"], n_routed_experts=4, num_experts_per_tok=2,
+                        n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+                        num_mtp_layers=1, rms_norm_eps=1e-5,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5})
+    cfg.vocab_size = _fixtures().VOCAB_SIZE + 3  # glm_tokenizer's three special tokens
+    return cfg, Glm4MoeForCausalLM, {}
+
+
+def glm_tokenizer(out) -> None:
+    """The fixture tokenizer with the special tokens GLM's converter looks up by name (`[gMASK]` its bos,
+    `<|user|>` eot, `<|observation|>` eom; `<|endoftext|>` is the fixture's eos already), added after the 512
+    trained ones (ids 512-514: GLM configs declare vocab_size 515 here)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    path = Path(out) / "tokenizer.json"
+    tok = Tokenizer.from_file(str(path))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in ("[gMASK]", "<|user|>", "<|observation|>")])
+    tok.save(str(path))
+
+
+BUILDERS.update({"mistral3": _mistral3, "smollm3": _smollm3, "olmo3": _olmo3, "olmo2": _olmo2, "exaone4": _exaone4,
+                 "llama4": _llama4, "glm4_moe": _glm4_moe})
+TOKENIZER_EXTRAS["glm4_moe"] = glm_tokenizer

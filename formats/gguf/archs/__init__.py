@@ -18,7 +18,9 @@ themselves come from gguf-py's `TensorNameMap` for the architecture (names.py).
 """
 
 from . import llama, qwen, gemma, deepseek2, phi3, gpt_oss  # noqa: F401  (each registers its entries, in this order)
-from . import mistral3, smollm, olmo, exaone  # noqa: F401  (issue 26: Ministral 3, SmolLM3, OLMo 2/3, EXAONE 4)
+from . import mistral3, smollm, olmo, exaone, llama4, glm  # noqa: F401  (issue 26: Ministral 3, SmolLM3, OLMo 2/3, EXAONE 4,
+#                                                           Llama 4, GLM-4.5)
+from .llama4 import llama4_expert_part, merge_llama4_experts, split_llama4_experts
 from .base import (EXPERT_COUNT_KEYS, GgufArch, arch_by_name, arch_for_config, expert_count, expert_count_key,
                    expert_name, register_arch, registered, supported_classes)
 from .deepseek2 import kv_b_parts, merge_kv_b, split_kv_b
@@ -27,4 +29,4 @@ from .gpt_oss import GPT_OSS_SWIGLU, gpt_oss_expert_part, gpt_oss_layer_types, m
 __all__ = ["GgufArch", "register_arch", "registered", "arch_by_name", "arch_for_config", "supported_classes",
            "expert_name", "EXPERT_COUNT_KEYS", "expert_count", "expert_count_key", "kv_b_parts", "split_kv_b",
            "merge_kv_b", "gpt_oss_expert_part", "split_gpt_oss_experts", "merge_gpt_oss_experts", "GPT_OSS_SWIGLU",
-           "gpt_oss_layer_types"]
+           "gpt_oss_layer_types", "llama4_expert_part", "split_llama4_experts", "merge_llama4_experts"]

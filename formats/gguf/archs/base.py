@@ -90,6 +90,15 @@ class GgufArch:
     # q/k RMSNorm over the whole projection (OLMo 2 / 3: attn_q_norm is heads * head_dim wide, attn_k_norm
     # kv_heads * head_dim) rather than over one head (Qwen3, Gemma 3): the shape checks follow it
     qk_norm_whole: bool = False
+    # routed experts fused and transposed in HF ([experts, in, out]: gate_up_proj with the gate columns first,
+    # down_proj), Llama 4: split into llama.cpp's [experts, out, in] stacks and merged back (archs/llama4.py)
+    experts_in_out: bool = False
+    # the config.json key of the dense FFN's width (feed_forward_length): Llama 4 calls it intermediate_size_mlp,
+    # its intermediate_size being the experts' width (expert_feed_forward_length)
+    dense_ffn_key: str = "intermediate_size"
+    # block_count counts the config's MTP blocks (num_nextn_predict_layers) after the trunk, as llama.cpp's
+    # converter writes GLM-4.5 (with nextn_predict_layers; llama.cpp runs block_count minus those)
+    nextn_blocks: bool = False
 
     @property
     def enum(self) -> gguf.MODEL_ARCH:

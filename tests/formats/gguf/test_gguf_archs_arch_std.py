@@ -5,7 +5,8 @@ judged by llama.cpp itself on a tiny random model of each (tests/support/fixture
   tensor's name, type and bytes, every `{arch}.*` key; llama.cpp's logits on our file equal those on the
   converter's file exactly, and follow transformers' (1e-4);
 - the architecture's quirk is exercised: without it transformers' logits move by far more than that
-  (Ministral 3's attention temperature, SmolLM3's NoPE layers, OLMo 3's sliding windows);
+  (Ministral 3's attention temperature, SmolLM3's and Llama 4's NoPE layers, OLMo 3's sliding windows,
+  GLM-4.5's routed scaling factor);
 - `--type q8_0` and `--type q4_k_m` (256 wide, so the K types apply) equal llama-quantize's bytes of our F32 file;
 - `gguf->hf --type f32` loads in transformers as the source's class, with the source's logits exactly.
 """
@@ -31,14 +32,21 @@ ROOT = Path(__file__).parents[2] / "_fixtures" / "archs"
 KINDS = fixtures_archs.STD_KINDS
 PROMPT = fixtures_archs.arch_prompt()
 CLASSES = {"mistral3": "Ministral3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmo3": "Olmo3ForCausalLM",
-           "olmo2": "Olmo2ForCausalLM", "exaone4": "Exaone4ForCausalLM"}
-ARCHS = {"mistral3": "mistral3", "smollm3": "smollm3", "olmo3": "olmo2", "olmo2": "olmo2", "exaone4": "exaone4"}
+           "olmo2": "Olmo2ForCausalLM", "exaone4": "Exaone4ForCausalLM", "llama4": "Llama4ForCausalLM",
+           "glm4_moe": "Glm4MoeForCausalLM"}
+ARCHS = {"mistral3": "mistral3", "smollm3": "smollm3", "olmo3": "olmo2", "olmo2": "olmo2", "exaone4": "exaone4",
+         "llama4": "llama4", "glm4_moe": "glm4moe"}
+MOE_KINDS = ("llama4", "glm4_moe")
 # keys that carry each kind's quirk: they must be in both files (and equal, as every key is)
 QUIRK_KEYS = {"mistral3": {"mistral3.attention.temperature_scale", "mistral3.rope.scaling.yarn_log_multiplier",
                            "mistral3.rope.scaling.type"},
               "smollm3": set(),
               "olmo3": {"olmo2.attention.sliding_window", "olmo2.attention.sliding_window_pattern"},
-              "olmo2": set(), "exaone4": set()}
+              "olmo2": set(), "exaone4": set(),
+              "llama4": {"llama4.interleave_moe_layer_step", "llama4.expert_feed_forward_length"},
+              "glm4_moe": {"glm4moe.leading_dense_block_count", "glm4moe.expert_shared_count",
+                           "glm4moe.expert_weights_scale", "glm4moe.nextn_predict_layers", "glm4moe.expert_gating_func",
+                           "glm4moe.rope.dimension_count"}}
 
 
 def _cached(path: Path, build) -> Path:
@@ -100,6 +108,10 @@ def _logits_without_quirk(kind: str) -> np.ndarray | None:
         cfg.no_rope_layers = [1] * cfg.num_hidden_layers
     elif kind == "olmo3":
         cfg.layer_types = ["full_attention"] * cfg.num_hidden_layers
+    elif kind == "llama4":  # its NoPE layer
+        cfg.no_rope_layers = [1] * cfg.num_hidden_layers
+    elif kind == "glm4_moe":  # the routed experts' scale (expert_weights_scale)
+        cfg.routed_scaling_factor = 1.0
     else:  # OLMo 2's and EXAONE 4's quirks are their post-norms and q/k norms: the weights themselves
         return None
     model = AutoModelForCausalLM.from_pretrained(str(model_dir(kind)), config=cfg, dtype=torch.float32,
@@ -116,6 +128,8 @@ def test_f32_is_what_llama_cpp_converter_writes_and_runs(kind):
     assert ka == kb
     assert QUIRK_KEYS[kind] <= set(ka)
     assert gguf.GGUFReader(str(ours)).fields["general.architecture"].contents() == ARCHS[kind]
+    stacks = [n for n in gguf_tensors(ours) if n.endswith("_exps.weight")]
+    assert bool(stacks) == (kind in MOE_KINDS)
 
     got = llama_logits(ours, PROMPT)
     assert np.array_equal(got, llama_logits(theirs, PROMPT))
@@ -133,6 +147,10 @@ def test_q8_0_equals_llama_quantize(kind, tmp_path):
     run_cli("hf->gguf", model_dir(kind), ours, "--type", "q8_0", "--allow-requant")
     theirs = llama_quantize(ours_f32(kind), tmp_path / "llama-q8_0.gguf", 7)
     assert "Q8_0" in _same_tensors(ours, theirs)
+    if kind in MOE_KINDS:  # routers stay F32, the expert stacks quantized
+        a = gguf_tensors(ours)
+        assert all(a[n].tensor_type.name == "F32" for n in a if n.endswith("ffn_gate_inp.weight"))
+        assert all(a[n].tensor_type.name == "Q8_0" for n in a if n.endswith("_exps.weight"))
     assert np.array_equal(llama_logits(ours, PROMPT), llama_logits(theirs, PROMPT))
 
 
@@ -166,6 +184,8 @@ CAVEATS = [
     ("exaone4", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
      "sliding windows only in 64-layer models"),
     ("mistral3", {"rope_parameters": {"mscale": 2.0}}, "mscale 2.0 is not 1"),
+    ("llama4", {"attention_chunk_size": 4096}, "attention_chunk_size 4096 is not 8192"),
+    ("glm4_moe", {"n_group": 2, "topk_group": 1}, "without group pruning"),
 ]
 
 
