@@ -381,7 +381,7 @@ if __name__ == "__main__":
 # The arch-std kinds (issue 26): Ministral 3, SmolLM3, ... Kept apart from KINDS, which
 # test_gguf_archs.py runs; their own tests are tests/formats/gguf/test_gguf_archs_arch_std.py.
 # --------------------------------------------------------------------------------------------------
-STD_KINDS = ("mistral3", "smollm3", "olmo3", "olmo2", "exaone4", "llama4", "glm4_moe")
+STD_KINDS = ("mistral3", "smollm3", "olmo3", "olmo2", "exaone4", "llama4", "glm4_moe", "minimax_m2")
 
 
 def _mistral3(layers: int, wide: bool):
@@ -498,3 +498,22 @@ def glm_tokenizer(out) -> None:
 BUILDERS.update({"mistral3": _mistral3, "smollm3": _smollm3, "olmo3": _olmo3, "olmo2": _olmo2, "exaone4": _exaone4,
                  "llama4": _llama4, "glm4_moe": _glm4_moe})
 TOKENIZER_EXTRAS["glm4_moe"] = glm_tokenizer
+
+
+def _minimax_m2(layers: int, wide: bool):
+    from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
+    d = _dims(wide)
+    # MiniMax-M2 in miniature: every layer routed (4 experts of intermediate_size, top-2, sigmoid scores with the
+    # correction bias, renormalised), q/k RMSNorm over the whole projection, half of each head rotated. Its
+    # config.json carries rotary_dim and scoring_func "sigmoid" (llama.cpp's converter reads both; transformers
+    # derives partial_rotary_factor from rotary_dim and always routes by sigmoid).
+    cfg = MiniMaxM2Config(**_common(layers, d["hidden"], d["moe_ffn"], tie=False), head_dim=d["head_dim"],
+                          num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-6,
+                          rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                           "partial_rotary_factor": 0.5})
+    cfg.rotary_dim = d["head_dim"] // 2
+    cfg.scoring_func = "sigmoid"
+    return cfg, MiniMaxM2ForCausalLM, {}
+
+
+BUILDERS["minimax_m2"] = _minimax_m2

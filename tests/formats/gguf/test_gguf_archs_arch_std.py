@@ -6,7 +6,7 @@ judged by llama.cpp itself on a tiny random model of each (tests/support/fixture
   converter's file exactly, and follow transformers' (1e-4);
 - the architecture's quirk is exercised: without it transformers' logits move by far more than that
   (Ministral 3's attention temperature, SmolLM3's and Llama 4's NoPE layers, OLMo 3's sliding windows,
-  GLM-4.5's routed scaling factor);
+  GLM-4.5's routed scaling factor, MiniMax-M2's partial rope);
 - `--type q8_0` and `--type q4_k_m` (256 wide, so the K types apply) equal llama-quantize's bytes of our F32 file;
 - `gguf->hf --type f32` loads in transformers as the source's class, with the source's logits exactly.
 """
@@ -33,10 +33,10 @@ KINDS = fixtures_archs.STD_KINDS
 PROMPT = fixtures_archs.arch_prompt()
 CLASSES = {"mistral3": "Ministral3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmo3": "Olmo3ForCausalLM",
            "olmo2": "Olmo2ForCausalLM", "exaone4": "Exaone4ForCausalLM", "llama4": "Llama4ForCausalLM",
-           "glm4_moe": "Glm4MoeForCausalLM"}
+           "glm4_moe": "Glm4MoeForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM"}
 ARCHS = {"mistral3": "mistral3", "smollm3": "smollm3", "olmo3": "olmo2", "olmo2": "olmo2", "exaone4": "exaone4",
-         "llama4": "llama4", "glm4_moe": "glm4moe"}
-MOE_KINDS = ("llama4", "glm4_moe")
+         "llama4": "llama4", "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2"}
+MOE_KINDS = ("llama4", "glm4_moe", "minimax_m2")
 # keys that carry each kind's quirk: they must be in both files (and equal, as every key is)
 QUIRK_KEYS = {"mistral3": {"mistral3.attention.temperature_scale", "mistral3.rope.scaling.yarn_log_multiplier",
                            "mistral3.rope.scaling.type"},
@@ -46,7 +46,8 @@ QUIRK_KEYS = {"mistral3": {"mistral3.attention.temperature_scale", "mistral3.rop
               "llama4": {"llama4.interleave_moe_layer_step", "llama4.expert_feed_forward_length"},
               "glm4_moe": {"glm4moe.leading_dense_block_count", "glm4moe.expert_shared_count",
                            "glm4moe.expert_weights_scale", "glm4moe.nextn_predict_layers", "glm4moe.expert_gating_func",
-                           "glm4moe.rope.dimension_count"}}
+                           "glm4moe.rope.dimension_count"},
+              "minimax_m2": {"minimax-m2.expert_gating_func", "minimax-m2.rope.dimension_count"}}
 
 
 def _cached(path: Path, build) -> Path:
@@ -112,6 +113,8 @@ def _logits_without_quirk(kind: str) -> np.ndarray | None:
         cfg.no_rope_layers = [1] * cfg.num_hidden_layers
     elif kind == "glm4_moe":  # the routed experts' scale (expert_weights_scale)
         cfg.routed_scaling_factor = 1.0
+    elif kind == "minimax_m2":  # its partial rope (rope.dimension_count)
+        cfg.rope_parameters = {**cfg.rope_parameters, "partial_rotary_factor": 1.0}
     else:  # OLMo 2's and EXAONE 4's quirks are their post-norms and q/k norms: the weights themselves
         return None
     model = AutoModelForCausalLM.from_pretrained(str(model_dir(kind)), config=cfg, dtype=torch.float32,
