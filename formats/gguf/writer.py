@@ -384,6 +384,10 @@ class GgufWriter(Writer):
             return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT,
                               f"{arch} uses the token embedding as its output (llama.cpp loads no output.weight)",
                               action=GgufAction(drop=True))
+        if spec.skipped_tensors is not None and spec.skipped_tensors.search(rec.name):
+            return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT,
+                              f"multi-token prediction: llama.cpp's converter skips it and its {arch} does not load it",
+                              action=GgufAction(drop=True))
         out_name = gguf_tensor_name(rec.name, arch, n_layers)
         layer = layer_index(rec.name)
         if out_name is None and spec.drops_extra_layers and layer is not None and layer >= n_layers:

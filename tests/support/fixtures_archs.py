@@ -381,7 +381,8 @@ if __name__ == "__main__":
 # The arch-std kinds (issue 26): Ministral 3, SmolLM3, ... Kept apart from KINDS, which
 # test_gguf_archs.py runs; their own tests are tests/formats/gguf/test_gguf_archs_arch_std.py.
 # --------------------------------------------------------------------------------------------------
-STD_KINDS = ("mistral3", "smollm3", "olmo3", "olmo2", "exaone4", "llama4", "glm4_moe", "minimax_m2")
+STD_KINDS = ("mistral3", "smollm3", "olmo3", "olmo2", "exaone4", "llama4", "glm4_moe", "minimax_m2",
+             "ernie4_5_moe")
 
 
 def _mistral3(layers: int, wide: bool):
@@ -517,3 +518,44 @@ def _minimax_m2(layers: int, wide: bool):
 
 
 BUILDERS["minimax_m2"] = _minimax_m2
+
+
+def _ernie4_5_moe(layers: int, wide: bool):
+    from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
+    d = _dims(wide)
+    # ERNIE-4.5-21B-A3B in miniature: layer 0 dense (moe_layer_start_index 1), then routed layers (4 experts, top-2,
+    # softmax with the correction bias moe_statics.e_score_correction_bias) beside 2 shared experts. llama.cpp's
+    # converter writes the shared experts' width as intermediate_size // num_key_value_heads, which is
+    # moe_intermediate_size * moe_num_shared_experts in the released 21B (12288 // 4 = 1536 * 2) and here
+    # (ffn // 2 = moe_ffn * 2). A SentencePiece tokenizer.model, as ERNIE ships (ernie_tokenizer).
+    n = max(layers, 3)
+    cfg = Ernie4_5_MoeConfig(**_common(n, d["hidden"], d["ffn"], tie=False), moe_intermediate_size=d["moe_ffn"],
+                             moe_k=2, moe_num_experts=4, moe_num_shared_experts=2, moe_layer_start_index=1,
+                             moe_layer_end_index=n - 1, moe_layer_interval=1, use_bias=False, rms_norm_eps=1e-5,
+                             rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    cfg.eos_token_id = 2  # SentencePiece's </s>
+    return cfg, Ernie4_5_MoeForCausalLM, {}
+
+
+def sentencepiece_tokenizer(out) -> None:
+    """A SentencePiece BPE tokenizer.model (vocab 512: <unk> 0, <s> 1, </s> 2, byte fallback) trained on the
+    fixture corpus, in place of the byte-level tokenizer.json (ERNIE's converter reads tokenizer.model only)."""
+    import io
+
+    import sentencepiece as spm
+
+    out = Path(out)
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(_fixtures()._corpus()), model_writer=model,
+                                   vocab_size=_fixtures().VOCAB_SIZE, model_type="bpe", byte_fallback=True,
+                                   character_coverage=1.0, minloglevel=2)
+    (out / "tokenizer.model").write_bytes(model.getvalue())
+    (out / "tokenizer.json").unlink(missing_ok=True)
+    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>",
+                                                           "eos_token": "</s>", "unk_token": "<unk>"}, indent=2))
+    (out / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                             "unk_token": "<unk>"}, indent=2))
+
+
+BUILDERS["ernie4_5_moe"] = _ernie4_5_moe
+TOKENIZER_EXTRAS["ernie4_5_moe"] = sentencepiece_tokenizer

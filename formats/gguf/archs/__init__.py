@@ -20,7 +20,7 @@ themselves come from gguf-py's `TensorNameMap` for the architecture (names.py).
 from . import llama, qwen, gemma, deepseek2, phi3, gpt_oss  # noqa: F401  (each registers its entries, in this order)
 from . import mistral3, smollm, olmo, exaone, llama4, glm  # noqa: F401  (issue 26: Ministral 3, SmolLM3, OLMo 2/3, EXAONE 4,
 #                                                           Llama 4, GLM-4.5)
-from . import minimax  # noqa: F401  (issue 26: MiniMax-M2)
+from . import minimax, ernie  # noqa: F401  (issue 26: MiniMax-M2, ERNIE 4.5 MoE)
 from .llama4 import llama4_expert_part, merge_llama4_experts, split_llama4_experts
 from .base import (EXPERT_COUNT_KEYS, GgufArch, arch_by_name, arch_for_config, expert_count, expert_count_key,
                    expert_name, register_arch, registered, supported_classes)

@@ -99,6 +99,9 @@ class GgufArch:
     # block_count counts the config's MTP blocks (num_nextn_predict_layers) after the trunk, as llama.cpp's
     # converter writes GLM-4.5 (with nextn_predict_layers; llama.cpp runs block_count minus those)
     nextn_blocks: bool = False
+    # HF tensors llama.cpp's converter skips outright, outside model.layers (ERNIE 4.5's model.mtp_* block):
+    # dropped with a note instead of refused
+    skipped_tensors: re.Pattern | None = None
 
     @property
     def enum(self) -> gguf.MODEL_ARCH:
@@ -174,7 +177,7 @@ def expert_name(hf_name: str) -> tuple[str, int] | None:
 
 # config.json's key for the routed experts per MoE layer: Mixtral (and transformers 5's Qwen-MoE), older
 # Qwen-MoE configs, DeepSeek
-EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")  # ..., ERNIE 4.5
 
 
 def expert_count_key(config: Mapping) -> str | None:

@@ -6,7 +6,7 @@ judged by llama.cpp itself on a tiny random model of each (tests/support/fixture
   converter's file exactly, and follow transformers' (1e-4);
 - the architecture's quirk is exercised: without it transformers' logits move by far more than that
   (Ministral 3's attention temperature, SmolLM3's and Llama 4's NoPE layers, OLMo 3's sliding windows,
-  GLM-4.5's routed scaling factor, MiniMax-M2's partial rope);
+  GLM-4.5's routed scaling factor, MiniMax-M2's partial rope, ERNIE 4.5's dense lead layer);
 - `--type q8_0` and `--type q4_k_m` (256 wide, so the K types apply) equal llama-quantize's bytes of our F32 file;
 - `gguf->hf --type f32` loads in transformers as the source's class, with the source's logits exactly.
 """
@@ -33,10 +33,11 @@ KINDS = fixtures_archs.STD_KINDS
 PROMPT = fixtures_archs.arch_prompt()
 CLASSES = {"mistral3": "Ministral3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmo3": "Olmo3ForCausalLM",
            "olmo2": "Olmo2ForCausalLM", "exaone4": "Exaone4ForCausalLM", "llama4": "Llama4ForCausalLM",
-           "glm4_moe": "Glm4MoeForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM"}
+           "glm4_moe": "Glm4MoeForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM",
+           "ernie4_5_moe": "Ernie4_5_MoeForCausalLM"}
 ARCHS = {"mistral3": "mistral3", "smollm3": "smollm3", "olmo3": "olmo2", "olmo2": "olmo2", "exaone4": "exaone4",
-         "llama4": "llama4", "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2"}
-MOE_KINDS = ("llama4", "glm4_moe", "minimax_m2")
+         "llama4": "llama4", "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "ernie4_5_moe": "ernie4_5-moe"}
+MOE_KINDS = ("llama4", "glm4_moe", "minimax_m2", "ernie4_5_moe")
 # keys that carry each kind's quirk: they must be in both files (and equal, as every key is)
 QUIRK_KEYS = {"mistral3": {"mistral3.attention.temperature_scale", "mistral3.rope.scaling.yarn_log_multiplier",
                            "mistral3.rope.scaling.type"},
@@ -47,7 +48,9 @@ QUIRK_KEYS = {"mistral3": {"mistral3.attention.temperature_scale", "mistral3.rop
               "glm4_moe": {"glm4moe.leading_dense_block_count", "glm4moe.expert_shared_count",
                            "glm4moe.expert_weights_scale", "glm4moe.nextn_predict_layers", "glm4moe.expert_gating_func",
                            "glm4moe.rope.dimension_count"},
-              "minimax_m2": {"minimax-m2.expert_gating_func", "minimax-m2.rope.dimension_count"}}
+              "minimax_m2": {"minimax-m2.expert_gating_func", "minimax-m2.rope.dimension_count"},
+              "ernie4_5_moe": {"ernie4_5-moe.leading_dense_block_count", "ernie4_5-moe.expert_shared_feed_forward_length",
+                               "ernie4_5-moe.interleave_moe_layer_step"}}
 
 
 def _cached(path: Path, build) -> Path:
@@ -115,6 +118,8 @@ def _logits_without_quirk(kind: str) -> np.ndarray | None:
         cfg.routed_scaling_factor = 1.0
     elif kind == "minimax_m2":  # its partial rope (rope.dimension_count)
         cfg.rope_parameters = {**cfg.rope_parameters, "partial_rotary_factor": 1.0}
+    elif kind == "ernie4_5_moe":  # its dense lead layer (leading_dense_block_count)
+        cfg.moe_layer_start_index = 0
     else:  # OLMo 2's and EXAONE 4's quirks are their post-norms and q/k norms: the weights themselves
         return None
     model = AutoModelForCausalLM.from_pretrained(str(model_dir(kind)), config=cfg, dtype=torch.float32,
@@ -204,3 +209,22 @@ def test_what_llama_cpp_cannot_honour_is_named(kind, change, words, tmp_path):
     proc = run_cli("hf->gguf", src, out, "--type", "f32")
     assert words in proc.stderr
     assert _same_tensors(out, ours_f32(kind)) == {"F32"}  # the same tensors: only llama.cpp's run differs
+
+
+def test_ernie_mtp_block_is_dropped_as_the_converter_skips_it(tmp_path):
+    """ERNIE 4.5's checkpoints carry a multi-token-prediction block outside model.layers (model.mtp_*), which
+    llama.cpp's converter skips: dropped with a note, the GGUF the same as without it."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(model_dir("ernie4_5_moe"), src)
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors.update({"model.mtp_emb_norm.0.weight": torch.ones(128), "model.mtp_hidden_norm.0.weight": torch.ones(128),
+                    "model.mtp_linear_proj.0.weight": torch.zeros(128, 256),
+                    "model.mtp_block.0.self_attn.q_proj.weight": torch.zeros(128, 128)})
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    out, report = tmp_path / "out.gguf", tmp_path / "report.json"
+    run_cli("hf->gguf", src, out, "--type", "f32", "--report", report)
+    dropped = [t["name"] for t in json.loads(report.read_text())["tensors"] if t["target"] == "dropped"]
+    assert sorted(dropped) == sorted(n for n in tensors if n.startswith("model.mtp_"))
+    assert _same_tensors(out, ours_f32("ernie4_5_moe")) == {"F32"}
