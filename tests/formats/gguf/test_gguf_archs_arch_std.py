@@ -76,14 +76,25 @@ def ours_f32(kind: str, wide: bool = False) -> Path:
 
 
 def reference_f32(kind: str) -> Path:
+    """llama.cpp's converter's file of the kind's folder. The first call converts every kind not cached yet in one
+    child process (the converter and torch imported once, not once per kind)."""
     import llama_cpp_reference as ref
 
     try:
         ref.llama_cpp_src()
     except FileNotFoundError as e:
         pytest.skip(f"llama.cpp's converter is not extracted: {e}")  # a failure under QCONVERT_REQUIRE_ORACLES
-    src = model_dir(kind)
-    return _cached(ROOT / f"std-{kind}-ref.gguf", lambda out: ref.convert_reference(src, out, model_name="tiny " + kind))
+    path = ROOT / f"std-{kind}-ref.gguf"
+    done = path.with_name(path.name + ".done")
+    if not done.exists():
+        todo = [k for k in KINDS if not (ROOT / f"std-{k}-ref.gguf.done").exists()]
+        jobs = [(model_dir(k), ROOT / f"std-{k}-ref.gguf", "tiny " + k) for k in todo]
+        for _, out, _ in jobs:
+            out.unlink(missing_ok=True)
+        ref.convert_references(jobs)
+        for _, out, _ in jobs:
+            out.with_name(out.name + ".done").write_text("ok")
+    return path
 
 
 def _model_keys(path: Path) -> dict:
@@ -91,12 +102,24 @@ def _model_keys(path: Path) -> dict:
     return {k: f.contents() for k, f in r.fields.items() if not k.startswith(("GGUF.", "general.", "tokenizer."))}
 
 
-def _same_tensors(ours: Path, theirs: Path) -> set[str]:
-    """Both files hold the same tensors, each of the same ggml type, shape and bytes; -> the types present."""
+def _ne(shape, trim: bool) -> list[int]:
+    """A tensor's ggml ne; `trim`: without trailing 1s, as llama-quantize writes every tensor (ggml_n_dims)."""
+    ne = [int(d) for d in shape]
+    while trim and len(ne) > 1 and ne[-1] == 1:
+        ne.pop()
+    return ne
+
+
+def _same_tensors(ours: Path, theirs: Path, quantized: bool = False) -> set[str]:
+    """Both files hold the same tensors, each of the same ggml type, shape and bytes; -> the types present.
+    `quantized`: `theirs` is llama-quantize's, which drops trailing unit dimensions from the header (ERNIE's
+    [1, experts] exp_probs_b.bias: ne [experts, 1] in the converter's file and ours, [experts] in its); the
+    bytes are the same."""
     a, b = gguf_tensors(ours), gguf_tensors(theirs)
     assert sorted(a) == sorted(b)
     for name in a:
-        assert (a[name].tensor_type, list(a[name].shape)) == (b[name].tensor_type, list(b[name].shape)), name
+        assert a[name].tensor_type == b[name].tensor_type, name
+        assert _ne(a[name].shape, quantized) == _ne(b[name].shape, quantized), name
         assert bytes(a[name].data) == bytes(b[name].data), name
     return {t.tensor_type.name for t in a.values()}
 
@@ -149,12 +172,16 @@ def test_f32_is_what_llama_cpp_converter_writes_and_runs(kind):
     assert other is None or np.abs(other - want).max() > 0.05
 
 
-@pytest.mark.parametrize("kind", KINDS)
+# OLMo 2 is OLMo 3's architecture without windows: llama-quantize treats its tensors alike, so it is quantized once
+QUANT_KINDS = tuple(k for k in KINDS if k != "olmo2")
+
+
+@pytest.mark.parametrize("kind", QUANT_KINDS)
 def test_q8_0_equals_llama_quantize(kind, tmp_path):
     ours = tmp_path / "ours-q8_0.gguf"
     run_cli("hf->gguf", model_dir(kind), ours, "--type", "q8_0", "--allow-requant")
     theirs = llama_quantize(ours_f32(kind), tmp_path / "llama-q8_0.gguf", 7)
-    assert "Q8_0" in _same_tensors(ours, theirs)
+    assert "Q8_0" in _same_tensors(ours, theirs, quantized=True)
     if kind in MOE_KINDS:  # routers stay F32, the expert stacks quantized
         a = gguf_tensors(ours)
         assert all(a[n].tensor_type.name == "F32" for n in a if n.endswith("ffn_gate_inp.weight"))
@@ -162,12 +189,12 @@ def test_q8_0_equals_llama_quantize(kind, tmp_path):
     assert np.array_equal(llama_logits(ours, PROMPT), llama_logits(theirs, PROMPT))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", QUANT_KINDS)
 def test_q4_k_m_equals_llama_quantize(kind, tmp_path):
     ours = tmp_path / "ours-q4_k_m.gguf"
     run_cli("hf->gguf", model_dir(kind, wide=True), ours, "--type", "q4_k_m", "--allow-requant")
     theirs = llama_quantize(ours_f32(kind, wide=True), tmp_path / "llama-q4_k_m.gguf", 15)
-    assert {"Q4_K", "Q6_K"} <= _same_tensors(ours, theirs)
+    assert {"Q4_K", "Q6_K"} <= _same_tensors(ours, theirs, quantized=True)
     assert gguf.GGUFReader(str(ours)).fields["general.file_type"].contents() == 15
 
 
