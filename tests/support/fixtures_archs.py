@@ -368,7 +368,7 @@ if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description="Build a tiny random model of one architecture.")
-    ap.add_argument("kind", choices=KINDS)
+    ap.add_argument("kind", choices=KINDS + STD_KINDS)
     ap.add_argument("out_dir")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=2)
