@@ -12,6 +12,10 @@ config.json, which HF modules its blocks hold, which tensors every layer must ha
   (writer.GgufSession), the naming `expert_name` here;
 - gpt-oss keeps its experts fused and transposed ([experts, in, out], gate and up columns interleaved in
   gate_up_proj, biases per expert): gpt_oss.py turns them into llama.cpp's stacks and back.
+- Llama 4 keeps them fused and transposed too, gate columns then up (`experts_in_out`, llama4.py); its dense
+  layers' width is another config key (`dense_ffn_key`); OLMo 2/3 and MiniMax-M2 normalise the whole q/k
+  projection (`qk_norm_whole`); GLM-4.5 counts its MTP blocks in block_count (`nextn_blocks`); ERNIE 4.5's MTP
+  block outside model.layers is skipped as the converter skips it (`skipped_tensors`).
 
 A new architecture is one module here that calls `register_arch` (base.py), imported below; the names
 themselves come from gguf-py's `TensorNameMap` for the architecture (names.py).
