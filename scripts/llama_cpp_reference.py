@@ -49,8 +49,11 @@ def gemma2_vocab(self):
         return sentencepiece_vocab(self)
     self._set_vocab_gpt2()
 gemma.Gemma2Model.set_vocab = gemma2_vocab
-sys.argv = [src + "/convert_hf_to_gguf.py", *args]
-runpy.run_path(src + "/convert_hf_to_gguf.py", run_name="__main__")
+# `--jobs JSON`: several conversions (a list of argument lists) in this one process, which imports torch once
+import json
+for job in (json.loads(args[1]) if args[:1] == ["--jobs"] else [args]):
+    sys.argv = [src + "/convert_hf_to_gguf.py", *job]
+    runpy.run_path(src + "/convert_hf_to_gguf.py", run_name="__main__")
 """
 
 
@@ -92,6 +95,26 @@ def convert_reference(model_dir, out_path, outtype: str = "f32", pre: str = "qwe
         raise RuntimeError(f"convert_hf_to_gguf.py failed (exit {proc.returncode}) on {model_dir}:\n"
                            f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return Path(out_path)
+
+
+def convert_references(jobs, outtype: str = "f32", pre: str = "qwen2", src: str | os.PathLike | None = None,
+                       timeout: float = 1200) -> list[Path]:
+    """Several conversions in one child process (torch and the converter imported once): ``jobs`` is a list of
+    (model_dir, out_path, model_name or None). Returns the out paths; RuntimeError as convert_reference."""
+    import json
+
+    args = []
+    for model_dir, out_path, model_name in jobs:
+        job = [str(Path(model_dir).resolve()), "--outfile", str(Path(out_path).resolve()), "--outtype", outtype]
+        args.append(job + (["--model-name", model_name] if model_name else []))
+    cmd = [sys.executable, "-c", _CHILD, str(llama_cpp_src(src)), pre, "--jobs", json.dumps(args)]
+    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    missing = [str(out) for _, out, _ in jobs if not Path(out).is_file()]
+    if proc.returncode != 0 or missing:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed (exit {proc.returncode}; not written: {missing}):\n"
+                           f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return [Path(out) for _, out, _ in jobs]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,6 +79,9 @@ def _expected_shapes(cfg: Mapping, keys: Mapping[str, str]) -> dict[str, tuple[t
         for name in [n for n in out if n.startswith(("attn_q.", "attn_k.", "attn_v.", "attn_output.", "attn_q_norm",
                                                        "attn_k_norm"))]:
             del out[name]
+    if spec is not None and spec.qk_norm_whole:  # OLMo 2 / 3 normalise the whole q and k projections
+        out["attn_q_norm.weight"] = ((q,), says("num_attention_heads", "head_dim"))
+        out["attn_k_norm.weight"] = ((kvr,), says("num_key_value_heads", "head_dim"))
     if cfg.get("_arch") == "phi3":  # fused projections: q, k, v rows in one, gate and up rows in one
         out["attn_qkv.weight"] = ((q + 2 * kvr, e), says(*heads, "num_key_value_heads"))
         out["ffn_up.weight"] = ((2 * f, e), says(*ffn))
@@ -199,6 +202,9 @@ def check_gguf_tensors(cfg: Mapping, arch: str, shapes: Mapping[str, tuple[int, 
         metadata_key["intermediate_size"] = keys["intermediate_size"] = f"{arch}.expert_feed_forward_length"
     facts, fact_keys = _expert_facts(cfg, arch, ConfigView(dict(cfg), path), lambda k: metadata_key.get(k, k))
     cfg = {**cfg, **facts}
+    dense_key = arch_by_name(arch).dense_ffn_key
+    if dense_key != "intermediate_size":  # Llama 4: the dense layers' width (feed_forward_length)
+        cfg["intermediate_size"] = cfg[dense_key]
     keys.update(fact_keys)
     where = where or {}
     _check_against(cfg, shapes, keys, arch, lambda n: where.get(n, path) if n else path, lambda n: n,
@@ -306,6 +312,9 @@ def check_writer_config(config: Mapping, arch: str, shapes: Mapping[str, tuple[i
                 g.float(name, default=None, lo=-FLOAT32_MAX, hi=FLOAT32_MAX)
     facts, names_of_keys = _expert_facts(config, arch, cv, lambda k: k)
     cfg.update(facts)
+    dense_key = arch_by_name(arch).dense_ffn_key
+    if dense_key != "intermediate_size":  # Llama 4: intermediate_size is the experts', this the dense layers'
+        cfg["intermediate_size"] = cv.int(dense_key, lo=1, hi=MAX_WIDTH)
     emb = shapes.get("token_embd.weight")
     if cfg["vocab_size"] is None:
         cfg["vocab_size"] = emb[0] if emb else 0

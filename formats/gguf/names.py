@@ -199,14 +199,16 @@ _QK_RE = re.compile(r"(?:^|\.)self_attn\.([qk])_proj(?:\.|$)")
 
 def qk_row_permutation(hf_name: str, config: Mapping, arch: str) -> torch.Tensor | None:
     """Row permutation of ``q_proj`` / ``k_proj`` (weights, biases, or any per-output-row tensor of
-    those modules, e.g. quantized codes or scales indexed by output feature) for arch ``llama``.
+    those modules, e.g. quantized codes or scales indexed by output feature) for the architectures whose
+    entry sets ``permute_qk`` (llama and the families llama.cpp's converter runs as LlamaModel).
 
     Returns a LongTensor ``perm`` over the output rows such that ``permuted = rows[perm]`` equals
     llama.cpp's converter ``w.reshape(n, 2, rows//n//2, *rest).swapaxes(1, 2).reshape(w.shape)``
     with ``n = num_attention_heads`` for q and ``num_key_value_heads`` for k. ``None`` for any other
     tensor and for arches that use NEOX rope (qwen2, qwen3).
     """
-    if arch != "llama":
+    spec = arch_by_name(arch)
+    if spec is None or not spec.permute_qk:  # NEOX-rope families keep HF's rows
         return None
     m = _QK_RE.search(hf_name)
     if m is None:

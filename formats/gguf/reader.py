@@ -49,7 +49,7 @@ from ...kernels.ggml.layouts import CODEBOOK_LAYOUTS, FP4_LAYOUTS, LAYOUTS
 from ...kernels.ggml.legacy import unpack_blocks
 from .checks import check_gguf_tensors
 from .config import config_from_gguf, field_values
-from .archs import arch_by_name, merge_gpt_oss_experts, merge_kv_b
+from .archs import arch_by_name, merge_gpt_oss_experts, merge_kv_b, merge_llama4_experts
 from .names import expert_member, hf_tensor_name, inverse_permutation, is_expert_stack, qk_row_permutation
 from .tokenizer import tokenizer_files_from_gguf
 from ...converters.records import ModelSource
@@ -664,9 +664,10 @@ class GgufSource(ModelSource):
     def records(self) -> Iterator[TensorRecord]:
         halves: dict[str, dict[str, tuple[Path, object]]] = {}  # DeepSeek's attn_k_b / attn_v_b waiting for the other
         gate_up: dict[tuple[str, str], dict[str, tuple[Path, object]]] = {}  # gpt-oss's gate / up stacks, by layer
+        in_out = arch_by_name(self.arch).experts_in_out  # Llama 4 fuses them as gpt-oss, without interleaving
         for path, reader in zip(self.parts, self.readers):
             for t in reader.tensors:
-                g = _GPT_OSS_STACK.match(t.name) if self.arch == "gpt-oss" else None
+                g = _GPT_OSS_STACK.match(t.name) if self.arch == "gpt-oss" or in_out else None
                 if g is not None:
                     pair = gate_up.setdefault((g["block"], g["kind"]), {}) if g["role"] != "down" else {}
                     pair[g["role"]] = (path, t)
@@ -691,7 +692,7 @@ class GgufSource(ModelSource):
         for (block, kind), pair in gate_up.items():
             path, t = next(iter(pair.values()))
             other = "up" if "gate" in pair else "gate"
-            raise BadInput(f"{t.name} without blk.{block}.ffn_{other}_exps.{kind} (gpt-oss fuses the two into "
+            raise BadInput(f"{t.name} without blk.{block}.ffn_{other}_exps.{kind} ({self.arch} fuses the two into "
                            f"gate_up_proj)", path=path, tensor=t.name)
 
     def _gpt_oss_record(self, parts: dict, bias: bool) -> TensorRecord:
@@ -717,7 +718,8 @@ class GgufSource(ModelSource):
         def load() -> Dense:
             halves = [torch.from_numpy(np.array(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type),
                                                   dtype=np.float32)).reshape(sh) for (_, t), sh in zip(items, shapes)]
-            return Dense(merge_gpt_oss_experts(*halves, bias=bias))
+            merge = merge_llama4_experts if arch_by_name(self.arch).experts_in_out else merge_gpt_oss_experts
+            return Dense(merge(*halves, bias=bias))
 
         return TensorRecord(name, shape, "float32", load, source_file=str(items[0][0]),
                             source_name=" + ".join(t.name for _, t in items))

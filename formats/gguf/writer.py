@@ -50,6 +50,7 @@ from .checks import check_writer_config, config_json_path, layer_count
 from .metadata import add_model_metadata, rope_tensors
 from .archs import (EXPERT_COUNT_KEYS, arch_by_name, expert_count_key, gpt_oss_expert_part, kv_b_parts,
                     split_gpt_oss_experts, split_kv_b)
+from .archs import llama4_expert_part, split_llama4_experts
 from .names import expert_of, gguf_arch, layer_index, gguf_tensor_name, inverse_permutation, qk_row_permutation
 from .presets import PRESETS, ModelFacts, model_facts_from_gguf_names, preset_of, preset_type, quantized_by_llama_cpp
 from .tokenizer import add_tokenizer
@@ -147,6 +148,32 @@ def _gpt_oss_expert_records(rec: TensorRecord, where) -> list[TensorRecord]:
                         source_name=rec.source_name or rec.name)]
     return [replace(rec, name=f"{head}{half}_proj{suffix}", shape=shape, load=part(i),
                     source_name=f"{rec.source_name or rec.name} ({half} columns {i}::2)")
+            for i, half in enumerate(("gate", "up"))]
+
+
+def _in_out_expert_records(rec: TensorRecord, where) -> list[TensorRecord]:
+    """The stacked records of a fused, transposed expert tensor (Llama 4, archs.split_llama4_experts):
+    gate_up_proj [E, hidden, 2 * ffn] -> gate_proj / up_proj.weight [E, ffn, hidden] (the gate columns first),
+    down_proj [E, ffn, hidden] -> down_proj.weight [E, hidden, ffn]. Each record loads the source tensor and
+    takes its part."""
+    head, what = llama4_expert_part(rec.name)
+    if rec.is_grid:  # a grid's blocks run along its rows: transposing it keeps no grid
+        raise BadInput("the fused expert tensor is quantized here; only the dense [experts, in, out] form is split "
+                       "by this path", path=where, tensor=rec.name)
+    if len(rec.shape) != 3 or (what == "gate_up_proj" and rec.shape[-1] % 2):
+        raise BadInput(f"{what} is [experts, in, out]{' (gate columns, then up)' if what == 'gate_up_proj' else ''}, "
+                       f"not {list(rec.shape)}", path=where, tensor=rec.name)
+    n, rows, cols = rec.shape
+    shape = (n, cols // (2 if what == "gate_up_proj" else 1), rows)
+
+    def part(i: int):
+        return lambda: Dense(split_llama4_experts(what, rec.load().tensor)[i])
+
+    if what == "down_proj":
+        return [replace(rec, name=f"{head}down_proj.weight", shape=shape, load=part(0),
+                        source_name=rec.source_name or rec.name)]
+    return [replace(rec, name=f"{head}{half}_proj.weight", shape=shape, load=part(i),
+                    source_name=f"{rec.source_name or rec.name} ({half} columns)")
             for i, half in enumerate(("gate", "up"))]
 
 
@@ -340,6 +367,8 @@ class GgufWriter(Writer):
                 yield from _kv_b_records(rec, parts, source.config, config_json_path(source))
             elif arch == "gpt-oss" and gpt_oss_expert_part(rec.name):
                 yield from _gpt_oss_expert_records(rec, config_json_path(source))
+            elif arch_by_name(arch).experts_in_out and llama4_expert_part(rec.name):
+                yield from _in_out_expert_records(rec, config_json_path(source))
             elif _FUSED_EXPERTS.search(rec.name):
                 yield from _fused_expert_records(rec, config_json_path(source))
             else:
@@ -355,6 +384,10 @@ class GgufWriter(Writer):
             # llama.cpp's Gemma runs the embedding as the output projection and has no output tensor
             return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT,
                               f"{arch} uses the token embedding as its output (llama.cpp loads no output.weight)",
+                              action=GgufAction(drop=True))
+        if spec.skipped_tensors is not None and spec.skipped_tensors.search(rec.name):
+            return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT,
+                              f"multi-token prediction: llama.cpp's converter skips it and its {arch} does not load it",
                               action=GgufAction(drop=True))
         out_name = gguf_tensor_name(rec.name, arch, n_layers)
         layer = layer_index(rec.name)

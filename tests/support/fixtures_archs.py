@@ -215,6 +215,8 @@ BUILDERS: Dict[str, Callable[[int, bool], Tuple[object, type, dict]]] = {
     "gemma3": _gemma3, "phi3": _phi3, "deepseek_v3": _deepseek_v3, "gpt_oss": _gpt_oss,
 }
 GEMMA_KINDS = ("gemma2", "gemma3")
+# kind -> a function of the model folder that adds to the fixture tokenizer what the family's converter looks up
+TOKENIZER_EXTRAS: Dict[str, Callable[[Path], None]] = {}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -290,6 +292,8 @@ def build_arch_model(out_dir, kind: str, seed: int = 0, layers: int = 2, wide: b
         model.generation_config.eos_token_id = 0
     model.save_pretrained(str(out), safe_serialization=True)
     _fixtures().build_tokenizer(out)
+    if kind in TOKENIZER_EXTRAS:
+        TOKENIZER_EXTRAS[kind](out)
     if tok_extra:
         path = out / "tokenizer_config.json"
         tok_cfg = json.loads(path.read_text())
@@ -364,10 +368,194 @@ if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description="Build a tiny random model of one architecture.")
-    ap.add_argument("kind", choices=KINDS)
+    ap.add_argument("kind", choices=KINDS + STD_KINDS)
     ap.add_argument("out_dir")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--wide", action="store_true")
     a = ap.parse_args()
     print(build_arch_model(a.out_dir, a.kind, a.seed, a.layers, a.wide))
+
+
+# --------------------------------------------------------------------------------------------------
+# The arch-std kinds (issue 26): Ministral 3, SmolLM3, ... Kept apart from KINDS, which
+# test_gguf_archs.py runs; their own tests are tests/formats/gguf/test_gguf_archs_arch_std.py.
+# --------------------------------------------------------------------------------------------------
+STD_KINDS = ("mistral3", "smollm3", "olmo3", "olmo2", "exaone4", "llama4", "glm4_moe", "minimax_m2",
+             "ernie4_5_moe")
+
+
+def _mistral3(layers: int, wide: bool):
+    from transformers import Ministral3Config, Ministral3ForCausalLM
+    d = _dims(wide)
+    # Ministral 3's YaRN (factor 16 over 16384 there; 32 over 8 here, the 256 context) with Llama-4's attention temperature
+    # (llama_4_scaling_beta): queries at position p are scaled by 1 + beta * log(1 + floor(p / original)),
+    # which llama.cpp's mistral3 graph does with n_attn_temp_floor_scale = the original context. The
+    # original context of 8 is below the 16-token prompt, so the temperature bites on its second half.
+    # mscale = mscale_all_dim = 1 as released (llama.cpp reads mscale_all_dim as yarn_log_mul).
+    rope = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 32.0, "original_max_position_embeddings": 8,
+            "max_position_embeddings": 256, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+            "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}
+    cfg = Ministral3Config(**_common(layers, d["hidden"], d["ffn"], tie=False), head_dim=d["head_dim"],
+                           rms_norm_eps=1e-5, rope_parameters=rope)
+    return cfg, Ministral3ForCausalLM, {}
+
+
+def _smollm3(layers: int, wide: bool):
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+    d = _dims(wide)
+    # SmolLM3: every 4th layer has no rope (no_rope_layers [1, 1, 1, 0], transformers' default interval 4),
+    # which llama.cpp's smollm3 hard-codes (n_no_rope_layer_step = 4): 4 layers, so that one is NoPE. Tied
+    # embeddings as SmolLM3-3B.
+    n = max(layers, 4)
+    cfg = SmolLM3Config(**_common(n, d["hidden"], d["ffn"], tie=True), rms_norm_eps=1e-6,
+                        rope_parameters={"rope_type": "default", "rope_theta": 5e6})
+    return cfg, SmolLM3ForCausalLM, {}
+
+
+def _olmo3(layers: int, wide: bool):
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+    d = _dims(wide)
+    # Olmo 3: post-norms only (post_attention / post_feedforward), q/k RMSNorm over the whole projection, and
+    # layer_types left to Olmo 3's default (3 sliding, then 1 full): 4 layers so that one is full. A window
+    # of 8 < the 16-token prompt. llama.cpp's converter writes the pattern (olmo2.attention.sliding_window_pattern).
+    n = max(layers, 4)
+    cfg = Olmo3Config(**_common(n, d["hidden"], d["ffn"], tie=False), rms_norm_eps=1e-6, sliding_window=8,
+                      rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    return cfg, Olmo3ForCausalLM, {}
+
+
+def _olmo2(layers: int, wide: bool):
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+    d = _dims(wide)
+    # OLMo 2: OLMo 3's blocks without sliding windows (the same llama.cpp architecture, olmo2)
+    cfg = Olmo2Config(**_common(layers, d["hidden"], d["ffn"], tie=False), rms_norm_eps=1e-6,
+                      rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    return cfg, Olmo2ForCausalLM, {}
+
+
+def _exaone4(layers: int, wide: bool):
+    from transformers import Exaone4Config, Exaone4ForCausalLM
+    d = _dims(wide)
+    # EXAONE 4: post-norms only, per-head q/k RMSNorm. llama.cpp's exaone4 has sliding layers only for the 64-layer
+    # (32B) model, every other size attends fully with rope in every layer: the 1.2B's config (sliding_window
+    # null, every layer full_attention) is what this tiny model has.
+    n = layers
+    cfg = Exaone4Config(**_common(n, d["hidden"], d["ffn"], tie=False), head_dim=d["head_dim"], rms_norm_eps=1e-5,
+                        sliding_window=None, layer_types=["full_attention"] * n,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    return cfg, Exaone4ForCausalLM, {}
+
+
+def _llama4(layers: int, wide: bool):
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+    d = _dims(wide)
+    # Llama 4's text model: 4 layers so that layer 3 is NoPE (no_rope_layer_interval 4, as llama.cpp's
+    # n_no_rope_layer_step); interleave_moe_layer_step 2 (as Maverick) so that layers 0 and 2 are dense
+    # (intermediate_size_mlp) and 1 and 3 routed (4 experts of intermediate_size, top-1, plus the shared expert);
+    # the L2 q/k norm of the rope layers (use_qk_norm). The attention chunk (8192), the temperature tuning
+    # (floor_scale 8192, attn_scale 0.1) are the released values, which llama.cpp hard-codes; the 16-token
+    # prompt is inside one chunk and below the floor, as any prompt shorter than 8192 is.
+    n = max(layers, 4)
+    cfg = Llama4TextConfig(**_common(n, d["hidden"], d["moe_ffn"], tie=False), intermediate_size_mlp=d["ffn"],
+                           head_dim=d["head_dim"], num_local_experts=4, num_experts_per_tok=1,
+                           interleave_moe_layer_step=2, use_qk_norm=True, attention_chunk_size=8192,
+                           attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1, rms_norm_eps=1e-5,
+                           rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    return cfg, Llama4ForCausalLM, {}
+
+
+def _glm4_moe(layers: int, wide: bool):
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+    d = _dims(wide)
+    # GLM-4.5 in miniature: layer 0 dense (first_k_dense_replace 1), layers 1-2 routed (4 experts, top-2, sigmoid
+    # with the correction bias, one group) plus one shared expert; q/k/v biases, per-head q/k RMSNorm (GLM-4.5's
+    # use_qk_norm), half the head rotated (partial_rotary_factor 0.5, NEOX), routed_scaling_factor 2.5 (GLM-4.5's),
+    # one MTP module declared (num_nextn_predict_layers 1).
+    n = max(layers, 3)
+    cfg = Glm4MoeConfig(**_common(n, d["hidden"], d["ffn"], tie=False), head_dim=d["head_dim"],
+                        moe_intermediate_size=d["moe_ffn"], n_routed_experts=4, num_experts_per_tok=2,
+                        n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+                        num_mtp_layers=1, rms_norm_eps=1e-5,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5})
+    cfg.vocab_size = _fixtures().VOCAB_SIZE + 3  # glm_tokenizer's three special tokens
+    return cfg, Glm4MoeForCausalLM, {}
+
+
+def glm_tokenizer(out) -> None:
+    """The fixture tokenizer with the special tokens GLM's converter looks up by name (`[gMASK]` its bos,
+    `<|user|>` eot, `<|observation|>` eom; `<|endoftext|>` is the fixture's eos already), added after the 512
+    trained ones (ids 512-514: GLM configs declare vocab_size 515 here)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    path = Path(out) / "tokenizer.json"
+    tok = Tokenizer.from_file(str(path))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in ("[gMASK]", "<|user|>", "<|observation|>")])
+    tok.save(str(path))
+
+
+BUILDERS.update({"mistral3": _mistral3, "smollm3": _smollm3, "olmo3": _olmo3, "olmo2": _olmo2, "exaone4": _exaone4,
+                 "llama4": _llama4, "glm4_moe": _glm4_moe})
+TOKENIZER_EXTRAS["glm4_moe"] = glm_tokenizer
+
+
+def _minimax_m2(layers: int, wide: bool):
+    from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
+    d = _dims(wide)
+    # MiniMax-M2 in miniature: every layer routed (4 experts of intermediate_size, top-2, sigmoid scores with the
+    # correction bias, renormalised), q/k RMSNorm over the whole projection, half of each head rotated. Its
+    # config.json carries rotary_dim and scoring_func "sigmoid" (llama.cpp's converter reads both; transformers
+    # derives partial_rotary_factor from rotary_dim and always routes by sigmoid).
+    cfg = MiniMaxM2Config(**_common(layers, d["hidden"], d["moe_ffn"], tie=False), head_dim=d["head_dim"],
+                          num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-6,
+                          rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                           "partial_rotary_factor": 0.5})
+    cfg.rotary_dim = d["head_dim"] // 2
+    cfg.scoring_func = "sigmoid"
+    return cfg, MiniMaxM2ForCausalLM, {}
+
+
+BUILDERS["minimax_m2"] = _minimax_m2
+
+
+def _ernie4_5_moe(layers: int, wide: bool):
+    from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
+    d = _dims(wide)
+    # ERNIE-4.5-21B-A3B in miniature: layer 0 dense (moe_layer_start_index 1), then routed layers (4 experts, top-2,
+    # softmax with the correction bias moe_statics.e_score_correction_bias) beside 2 shared experts. llama.cpp's
+    # converter writes the shared experts' width as intermediate_size // num_key_value_heads, which is
+    # moe_intermediate_size * moe_num_shared_experts in the released 21B (12288 // 4 = 1536 * 2) and here
+    # (ffn // 2 = moe_ffn * 2). A SentencePiece tokenizer.model, as ERNIE ships (ernie_tokenizer).
+    n = max(layers, 3)
+    cfg = Ernie4_5_MoeConfig(**_common(n, d["hidden"], d["ffn"], tie=False), moe_intermediate_size=d["moe_ffn"],
+                             moe_k=2, moe_num_experts=4, moe_num_shared_experts=2, moe_layer_start_index=1,
+                             moe_layer_end_index=n - 1, moe_layer_interval=1, use_bias=False, rms_norm_eps=1e-5,
+                             rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    cfg.eos_token_id = 2  # SentencePiece's </s>
+    return cfg, Ernie4_5_MoeForCausalLM, {}
+
+
+def sentencepiece_tokenizer(out) -> None:
+    """A SentencePiece BPE tokenizer.model (vocab 512: <unk> 0, <s> 1, </s> 2, byte fallback) trained on the
+    fixture corpus, in place of the byte-level tokenizer.json (ERNIE's converter reads tokenizer.model only)."""
+    import io
+
+    import sentencepiece as spm
+
+    out = Path(out)
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(_fixtures()._corpus()), model_writer=model,
+                                   vocab_size=_fixtures().VOCAB_SIZE, model_type="bpe", byte_fallback=True,
+                                   character_coverage=1.0, minloglevel=2)
+    (out / "tokenizer.model").write_bytes(model.getvalue())
+    (out / "tokenizer.json").unlink(missing_ok=True)
+    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>",
+                                                           "eos_token": "</s>", "unk_token": "<unk>"}, indent=2))
+    (out / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                             "unk_token": "<unk>"}, indent=2))
+
+
+BUILDERS["ernie4_5_moe"] = _ernie4_5_moe
+TOKENIZER_EXTRAS["ernie4_5_moe"] = sentencepiece_tokenizer

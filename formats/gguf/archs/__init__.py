@@ -12,12 +12,20 @@ config.json, which HF modules its blocks hold, which tensors every layer must ha
   (writer.GgufSession), the naming `expert_name` here;
 - gpt-oss keeps its experts fused and transposed ([experts, in, out], gate and up columns interleaved in
   gate_up_proj, biases per expert): gpt_oss.py turns them into llama.cpp's stacks and back.
+- Llama 4 keeps them fused and transposed too, gate columns then up (`experts_in_out`, llama4.py); its dense
+  layers' width is another config key (`dense_ffn_key`); OLMo 2/3 and MiniMax-M2 normalise the whole q/k
+  projection (`qk_norm_whole`); GLM-4.5 counts its MTP blocks in block_count (`nextn_blocks`); ERNIE 4.5's MTP
+  block outside model.layers is skipped as the converter skips it (`skipped_tensors`).
 
 A new architecture is one module here that calls `register_arch` (base.py), imported below; the names
 themselves come from gguf-py's `TensorNameMap` for the architecture (names.py).
 """
 
 from . import llama, qwen, gemma, deepseek2, phi3, gpt_oss  # noqa: F401  (each registers its entries, in this order)
+from . import mistral3, smollm, olmo, exaone, llama4, glm  # noqa: F401  (issue 26: Ministral 3, SmolLM3, OLMo 2/3, EXAONE 4,
+#                                                           Llama 4, GLM-4.5)
+from . import minimax, ernie  # noqa: F401  (issue 26: MiniMax-M2, ERNIE 4.5 MoE)
+from .llama4 import llama4_expert_part, merge_llama4_experts, split_llama4_experts
 from .base import (EXPERT_COUNT_KEYS, GgufArch, arch_by_name, arch_for_config, expert_count, expert_count_key,
                    expert_name, register_arch, registered, supported_classes)
 from .deepseek2 import kv_b_parts, merge_kv_b, split_kv_b
@@ -26,4 +34,4 @@ from .gpt_oss import GPT_OSS_SWIGLU, gpt_oss_expert_part, gpt_oss_layer_types, m
 __all__ = ["GgufArch", "register_arch", "registered", "arch_by_name", "arch_for_config", "supported_classes",
            "expert_name", "EXPERT_COUNT_KEYS", "expert_count", "expert_count_key", "kv_b_parts", "split_kv_b",
            "merge_kv_b", "gpt_oss_expert_part", "split_gpt_oss_experts", "merge_gpt_oss_experts", "GPT_OSS_SWIGLU",
-           "gpt_oss_layer_types"]
+           "gpt_oss_layer_types", "llama4_expert_part", "split_llama4_experts", "merge_llama4_experts"]

@@ -13,11 +13,11 @@ from typing import Any, Callable, Mapping
 
 import gguf
 
-from ..hparams import MAX_WIDTH
+from ..hparams import MAX_WIDTH, head_dim
 
 __all__ = ["GgufArch", "register_arch", "registered", "arch_by_name", "arch_for_config", "supported_classes",
            "expert_name", "EXPERT_COUNT_KEYS", "expert_count_key", "expert_count", "expert_keys", "moe_config",
-           "HF_DENSE_BLOCK"]
+           "HF_DENSE_BLOCK", "llama_converter_keys"]
 
 MetadataHook = Callable[[gguf.GGUFWriter, Mapping], None]
 # (the config being rebuilt, get(key, default, required, kind, **bounds) of the arch's typed metadata, the
@@ -87,6 +87,21 @@ class GgufArch:
     config_from_gguf: ConfigHook = field(default=_no_config, repr=False)
     # rope types this architecture carries beyond linear / yarn / llama3 (Phi-3's longrope factor tables)
     extra_rope_types: tuple[str, ...] = ()
+    # q/k RMSNorm over the whole projection (OLMo 2 / 3: attn_q_norm is heads * head_dim wide, attn_k_norm
+    # kv_heads * head_dim) rather than over one head (Qwen3, Gemma 3): the shape checks follow it
+    qk_norm_whole: bool = False
+    # routed experts fused and transposed in HF ([experts, in, out]: gate_up_proj with the gate columns first,
+    # down_proj), Llama 4: split into llama.cpp's [experts, out, in] stacks and merged back (archs/llama4.py)
+    experts_in_out: bool = False
+    # the config.json key of the dense FFN's width (feed_forward_length): Llama 4 calls it intermediate_size_mlp,
+    # its intermediate_size being the experts' width (expert_feed_forward_length)
+    dense_ffn_key: str = "intermediate_size"
+    # block_count counts the config's MTP blocks (num_nextn_predict_layers) after the trunk, as llama.cpp's
+    # converter writes GLM-4.5 (with nextn_predict_layers; llama.cpp runs block_count minus those)
+    nextn_blocks: bool = False
+    # HF tensors llama.cpp's converter skips outright, outside model.layers (ERNIE 4.5's model.mtp_* block):
+    # dropped with a note instead of refused
+    skipped_tensors: re.Pattern | None = None
 
     @property
     def enum(self) -> gguf.MODEL_ARCH:
@@ -162,7 +177,7 @@ def expert_name(hf_name: str) -> tuple[str, int] | None:
 
 # config.json's key for the routed experts per MoE layer: Mixtral (and transformers 5's Qwen-MoE), older
 # Qwen-MoE configs, DeepSeek
-EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")  # ..., ERNIE 4.5
 
 
 def expert_count_key(config: Mapping) -> str | None:
@@ -198,3 +213,11 @@ def moe_config(cfg: dict, get, names, cv) -> None:
     ff_exp = get("expert_feed_forward_length", lo=1, hi=MAX_WIDTH)
     if ff_exp is not None:
         cfg["moe_intermediate_size"] = ff_exp
+
+
+def llama_converter_keys(writer: gguf.GGUFWriter, config: Mapping) -> None:
+    """The two keys llama.cpp's converter writes for every LlamaModel subclass (its set_gguf_parameters):
+    the vocabulary size and the rotated dimensions (the whole head: these families rotate every pair)."""
+    if config.get("vocab_size") is not None:
+        writer.add_vocab_size(int(config["vocab_size"]))
+    writer.add_rope_dimension_count(head_dim(config))
