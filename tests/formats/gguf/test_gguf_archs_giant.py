@@ -8,6 +8,8 @@ convert_hf_to_gguf.py and llama_model_quantize, and its runtime):
   installed gguf 0.19 does not name), and llama.cpp gives the same logits on both, within 1e-4 of
   transformers'; `--type q8_0` / `--type q4_k_m` are llama-quantize's bytes of our F32 file; `gguf->hf` loads
   in transformers as GlmMoeDsaForCausalLM with the source's logits.
+- DeepSeek-V4 and Kimi-K3 (llama.cpp's deepseek4 / kimi-k3, absent from the installed gguf 0.19) are refused in
+  one line that says so and names llama.cpp's converter.
 """
 
 from __future__ import annotations
@@ -156,3 +158,25 @@ def test_glm_dsa_indexer_heads_not_a_multiple_of_64_are_refused(tmp_path):
     proc = run_cli("hf->gguf", src, out, "--type", "f32", check_rc=2)
     assert "index_n_heads 32 is not a multiple of 64" in proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+@pytest.mark.parametrize("hf_class,gguf_name", [("DeepseekV4ForCausalLM", "deepseek4"),
+                                                ("KimiK3ForConditionalGeneration", "kimi-k3")])
+def test_giants_gguf_0_19_does_not_name_are_refused_saying_why(hf_class, gguf_name, tmp_path):
+    """DeepSeek-V4 and Kimi-K3 are llama.cpp architectures the installed gguf 0.19 does not name (and qconvert
+    does not write): one line naming the class, llama.cpp's name for it and the converter to use, exit 2,
+    nothing written."""
+    from safetensors.torch import save_file
+
+    assert gguf_name not in gguf.MODEL_ARCH_NAMES.values()
+    src = tmp_path / "src"
+    src.mkdir()
+    config = json.loads((glm_dir() / "config.json").read_text())
+    config.update(architectures=[hf_class])
+    (src / "config.json").write_text(json.dumps(config))
+    save_file({"model.embed_tokens.weight": torch.zeros(512, 128)}, str(src / "model.safetensors"))
+    out = tmp_path / "out.gguf"
+    proc = run_cli("hf->gguf", src, out, "--type", "f32", check_rc=2)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and hf_class in lines[0] and f"llama.cpp's {gguf_name}" in lines[0]
+    assert "convert_hf_to_gguf.py" in lines[0] and not out.exists()
