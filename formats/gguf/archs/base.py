@@ -87,6 +87,10 @@ class GgufArch:
     config_from_gguf: ConfigHook = field(default=_no_config, repr=False)
     # rope types this architecture carries beyond linear / yarn / llama3 (Phi-3's longrope factor tables)
     extra_rope_types: tuple[str, ...] = ()
+    # special tokens llama.cpp's converter looks up by their text, (tokenizer.ggml.<typ>_token_id, token), each
+    # taken where the tokenizer files name no id for it (GLM's [gMASK], <|user|>, <|observation|>: without
+    # eot llama.cpp's chat never stops at the end of a turn)
+    named_special_tokens: tuple[tuple[str, str], ...] = ()
 
     @property
     def enum(self) -> gguf.MODEL_ARCH:

@@ -25,6 +25,10 @@ INDEXER_TYPES_KEY = "{arch}.attention.indexer.types"
 INDEXER_HEAD_MULTIPLE = 64
 
 
+# llama.cpp's converter (_set_vocab_glm) takes these by their text, in this order
+GLM_SPECIAL_TOKENS = (("bos", "[gMASK]"), ("eot", "<|user|>"), ("unk", "<|endoftext|>"), ("eom", "<|observation|>"))
+
+
 def _indexer_types(config: Mapping) -> list[bool] | None:
     """config.json's indexer_types as llama.cpp stores them (True: the layer runs its own indexer)."""
     types = config.get("indexer_types")
@@ -91,4 +95,5 @@ def _glm_dsa_caveats(config: Mapping) -> list[str]:
 register_arch(GgufArch("glm-dsa", ("GlmMoeDsaForCausalLM",), ("glm_moe_dsa",), "GlmMoeDsaForCausalLM",
                        "glm_moe_dsa", moe=True, mla=True, extra_metadata=_glm_dsa_extra, drops_extra_layers=True,
                        attention=("attn_kv_a_mqa", "attn_kv_a_norm", "attn_k_b", "attn_v_b", "attn_output"),
-                       hf_block=GLM_DSA_BLOCK, config_from_gguf=_glm_dsa_config, caveats=_glm_dsa_caveats))
+                       hf_block=GLM_DSA_BLOCK, config_from_gguf=_glm_dsa_config, caveats=_glm_dsa_caveats,
+                       named_special_tokens=GLM_SPECIAL_TOKENS))

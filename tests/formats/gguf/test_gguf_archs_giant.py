@@ -84,8 +84,13 @@ def test_glm_dsa_f32_is_what_llama_cpp_converter_writes_and_runs():
     assert "blk.0.ffn_gate.weight" in a and "blk.0.ffn_gate_exps.weight" not in a
     assert {"blk.1.ffn_gate_exps.weight", "blk.1.ffn_up_shexp.weight", "blk.1.exp_probs_b.bias",
             "blk.1.attn_k_b.weight", "blk.1.attn_v_b.weight"} <= set(a)
-    fields = gguf.GGUFReader(str(ours)).fields
+    fields, theirs_fields = gguf.GGUFReader(str(ours)).fields, gguf.GGUFReader(str(theirs)).fields
     assert list(fields["glm-dsa.attention.indexer.types"].contents()) == [True, True, False]
+    # GLM's special tokens found by their text, as the converter finds them (eot <|user|>, eom <|observation|>)
+    for typ in ("bos", "eos", "eot", "eom", "unknown"):
+        key = f"tokenizer.ggml.{typ}_token_id"
+        assert fields[key].contents() == theirs_fields[key].contents(), key
+    assert fields["tokenizer.ggml.eot_token_id"].contents() == 509
 
     got = llama_logits(ours, PROMPT)
     assert np.array_equal(got, llama_logits(theirs, PROMPT))
