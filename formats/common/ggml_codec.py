@@ -251,8 +251,25 @@ def tensor_scale_of(params) -> float | None:
     return float(torch.tensor(1.0, dtype=torch.float32) / g) if params.global_scale_op == "div" else float(g)
 
 
+def _mxfp4_bit_identical(data: np.ndarray, codes: np.ndarray, params, n: int) -> BitIdentical | None:
+    """The proof that MXFP4 blocks hold the source's own bits, or None: a source that stores one E8M0 byte per
+    32 (compressed-tensors' mxfp4-pack-quantized, gpt-oss, DeepSeek-V4 and Kimi-K3's experts), without a global
+    scale, whose codes and exponents the blocks unpack back to exactly. Then ggml decodes every value as the
+    source does (the same E2M1 table times the same power of two), and the runner skips the float pass that
+    would otherwise cost more than the repack (a giant's layer of experts is gigabytes)."""
+    from ...kernels import floatq
+
+    scales = params.scales
+    if scales.dtype != torch.float8_e8m0fnu or params.group_size != 32 or params.global_scale is not None:
+        return None
+    back_codes, back_e = floatq.unpack_ggml_mxfp4(data, n)
+    if not (np.array_equal(back_codes, codes) and np.array_equal(back_e, scales.view(torch.uint8).numpy())):
+        return None
+    return BitIdentical("MXFP4 blocks unpack to the source's E2M1 codes and E8M0 exponents")
+
+
 def _encode_fp4(lay: BlockLayout, verdict: str, item: Dense | Grid, quant: QuantHow | None
-                ) -> tuple[np.ndarray, torch.Tensor]:
+                ) -> tuple[np.ndarray, torch.Tensor | BitIdentical]:
     """MXFP4 / NVFP4 blocks. An E2M1 float grid the checker let keep its codes is repacked (the codes, and the
     block scales as E8M0 exponents or UE4M3 bytes: the source's own bits); anything else is dequantized and
     quantized by ggml's reference quantizer (kernels/floatq.py, byte-identical to quantize_row_mxfp4_ref /
@@ -267,7 +284,8 @@ def _encode_fp4(lay: BlockLayout, verdict: str, item: Dense | Grid, quant: Quant
         if lay.name == "MXFP4":
             e = floatq.float_to_e8m0(p.folded_scales()[:, torch.arange(0, n, 32) // p.group_size]).numpy()
             data = floatq.pack_ggml_mxfp4(codes, e)
-            return data, torch.from_numpy(floatq.decode_ggml_mxfp4(data, n))
+            proof = _mxfp4_bit_identical(data, codes, p, n)
+            return data, proof if proof is not None else torch.from_numpy(floatq.decode_ggml_mxfp4(data, n))
         ts = tensor_scale_of(p)
         block = p.scales.to(torch.float32) if ts is not None else p.folded_scales()
         d = block[:, torch.arange(0, n, 16) // p.group_size].to(torch.float8_e4m3fn).view(torch.uint8) & 0x7F

@@ -570,6 +570,7 @@ def _write_gpt2(writer: gguf.GGUFWriter, tj: Mapping, tj_path: Path, model_dir: 
     _check_bpe_normalizer(tj, tj_path)
     tokens, types, _ = _token_table(tj, n_vocab, tj_path)
     sv = _special_vocab(model_dir, config, n_vocab, merges=True, unk_token_id=None, add_bos_default=False)
+    _add_named_special_tokens(sv, tokens, getattr(writer, "arch", ""), model_dir)
     if not sv.merges:
         raise BadInput("byte-level BPE tokenizer.json has no merges", path=tj_path)
     writer.add_tokenizer_model("gpt2")
@@ -577,6 +578,25 @@ def _write_gpt2(writer: gguf.GGUFWriter, tj: Mapping, tj_path: Path, model_dir: 
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     sv.add_to_gguf(writer, quiet=True)
+
+
+def _add_named_special_tokens(sv: gguf.SpecialVocab, tokens: Sequence[str], arch: str, model_dir: Path) -> None:
+    """The special tokens the architecture's converter finds by their text (archs: named_special_tokens),
+    where the tokenizer files name no id of that kind (gguf-py's SpecialVocab keeps the first id it is given,
+    as in llama.cpp's converter)."""
+    from .archs import arch_by_name
+
+    spec = arch_by_name(arch)
+    wanted = spec.named_special_tokens if spec is not None else ()
+    if not wanted:
+        return
+    ids = {tok: i for i, tok in enumerate(tokens)}
+    for typ, text in wanted:
+        if text in ids:
+            sv.special_token_ids.setdefault(typ, ids[text])
+        else:
+            logger.warning("%s: the tokenizer has no %s token; llama.cpp's %s converter takes it as the %s token",
+                           model_dir, text, arch, typ)
 
 
 def _write_llama(writer: gguf.GGUFWriter, tokens: Sequence, scores: Sequence[float], types: Sequence[int],

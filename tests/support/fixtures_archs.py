@@ -210,9 +210,58 @@ def _gpt_oss_rope(truncate: bool = True) -> dict:
             "beta_fast": 32.0, "beta_slow": 1.0, "truncate": truncate}
 
 
+def _glm_moe_dsa(layers: int, wide: bool):
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+    d = _dims(wide)
+    # GLM-5 in miniature: MLA with a q LoRA, DeepSeek's sigmoid router with the correction bias, one shared
+    # expert, dense lead layer(s), and the DSA indexer (64 heads: llama.cpp's indexer kernels want the head
+    # count a multiple of 64, as every released GLM-5 / DeepSeek-V3.2 has). index_topk 8 < the 16-token
+    # prompt, so the indexer's choice changes the logits; with 3+ layers the last one is "shared" (it
+    # reuses the previous layer's top-k and has no indexer tensors), as GLM-5.2's pattern has them.
+    nope = 256 if wide else 32
+    rank = 256 if wide else 64
+    indexer_types = ["full"] * layers if layers < 3 else ["full"] * (layers - 1) + ["shared"]
+    cfg = GlmMoeDsaConfig(**_common(layers, d["hidden"], d["ffn"], tie=False), moe_intermediate_size=d["moe_ffn"],
+                          n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                          first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                          q_lora_rank=rank, kv_lora_rank=rank, qk_nope_head_dim=nope, qk_rope_head_dim=16,
+                          v_head_dim=d["head_dim"], index_n_heads=64, index_head_dim=64, index_topk=8,
+                          indexer_types=indexer_types, rms_norm_eps=1e-5,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    cfg.num_key_value_heads = cfg.num_attention_heads  # MLA: every head has its own decompressed k/v
+    return cfg, GlmMoeDsaForCausalLM, {}
+
+
+# GLM's converters look their special tokens up by name (llama.cpp's _set_vocab_glm): the GLM fixtures'
+# tokenizer has them as added special tokens after the trained vocabulary
+GLM_SPECIAL_TOKENS = ("[gMASK]", "<|user|>", "<|observation|>", "<sop>")
+GLM_KINDS = ("glm_moe_dsa",)
+
+
+def _add_glm_tokens(out: Path) -> None:
+    """Retrain the fixture tokenizer 4 short and append GLM's special tokens (the vocabulary stays 512;
+    <|endoftext|> is already id 0)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    fx = _fixtures()
+    fx.build_tokenizer(out, vocab_size=fx.VOCAB_SIZE - len(GLM_SPECIAL_TOKENS))
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in GLM_SPECIAL_TOKENS])
+    assert tok.get_vocab_size() == fx.VOCAB_SIZE
+    tok.save(str(out / "tokenizer.json"))
+    path = out / "tokenizer_config.json"
+    tok_cfg = json.loads(path.read_text())
+    for t in GLM_SPECIAL_TOKENS:
+        tok_cfg["added_tokens_decoder"][str(tok.token_to_id(t))] = {
+            "content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+            "special": True}
+    path.write_text(json.dumps(tok_cfg, indent=2) + "\n")
+
+
 BUILDERS: Dict[str, Callable[[int, bool], Tuple[object, type, dict]]] = {
     "mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "gemma2": _gemma2,
     "gemma3": _gemma3, "phi3": _phi3, "deepseek_v3": _deepseek_v3, "gpt_oss": _gpt_oss,
+    "glm_moe_dsa": _glm_moe_dsa,
 }
 GEMMA_KINDS = ("gemma2", "gemma3")
 # kind -> a function of the model folder that adds to the fixture tokenizer what the family's converter looks up
@@ -243,6 +292,8 @@ def _draw(name: str, shape: tuple, gen, gemma: bool, tie: bool, kind: str = ""):
             gain = 4.0 if name.endswith("gate_up_proj") else 1.0
             return gain * torch.randn(shape, generator=gen) / shape[-2] ** 0.5
 
+    if name.endswith("indexer.k_norm.bias"):  # a LayerNorm's bias (GLM-5's indexer)
+        return 0.1 * torch.randn(shape, generator=gen)
     if len(shape) == 1 and _is_norm(name):
         if gemma:  # Gemma's RMSNorm multiplies by (1 + w)
             return 0.1 * torch.randn(shape, generator=gen)
@@ -291,7 +342,10 @@ def build_arch_model(out_dir, kind: str, seed: int = 0, layers: int = 2, wide: b
         model.generation_config.bos_token_id = 1
         model.generation_config.eos_token_id = 0
     model.save_pretrained(str(out), safe_serialization=True)
-    _fixtures().build_tokenizer(out)
+    if kind in GLM_KINDS:
+        _add_glm_tokens(out)
+    else:
+        _fixtures().build_tokenizer(out)
     if kind in TOKENIZER_EXTRAS:
         TOKENIZER_EXTRAS[kind](out)
     if tok_extra:
@@ -368,7 +422,7 @@ if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description="Build a tiny random model of one architecture.")
-    ap.add_argument("kind", choices=KINDS + STD_KINDS)
+    ap.add_argument("kind", choices=sorted(set(KINDS + STD_KINDS) | set(BUILDERS)))
     ap.add_argument("out_dir")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=2)

@@ -17,7 +17,7 @@ from ..hparams import MAX_WIDTH, head_dim
 
 __all__ = ["GgufArch", "register_arch", "registered", "arch_by_name", "arch_for_config", "supported_classes",
            "expert_name", "EXPERT_COUNT_KEYS", "expert_count_key", "expert_count", "expert_keys", "moe_config",
-           "HF_DENSE_BLOCK", "llama_converter_keys"]
+           "HF_DENSE_BLOCK", "llama_converter_keys", "register_not_written"]
 
 MetadataHook = Callable[[gguf.GGUFWriter, Mapping], None]
 # (the config being rebuilt, get(key, default, required, kind, **bounds) of the arch's typed metadata, the
@@ -102,6 +102,10 @@ class GgufArch:
     # HF tensors llama.cpp's converter skips outright, outside model.layers (ERNIE 4.5's model.mtp_* block):
     # dropped with a note instead of refused
     skipped_tensors: re.Pattern | None = None
+    # special tokens llama.cpp's converter looks up by their text, (tokenizer.ggml.<typ>_token_id, token), each
+    # taken where the tokenizer files name no id for it (GLM's [gMASK], <|user|>, <|observation|>: without
+    # eot llama.cpp's chat never stops at the end of a turn)
+    named_special_tokens: tuple[tuple[str, str], ...] = ()
 
     @property
     def enum(self) -> gguf.MODEL_ARCH:
@@ -158,7 +162,19 @@ def arch_for_config(config: Mapping) -> tuple[GgufArch | None, str]:
             if isinstance(mt, str) and mt in a.model_types:
                 return a, ""
         return None, f"model_type {mt!r}" if mt else "no architectures/model_type in config.json"
-    return None, f"architecture {', '.join(map(str, archs))}"
+    named = ", ".join(map(str, archs))
+    why = next((_NOT_WRITTEN[c] for c in archs if isinstance(c, str) and c in _NOT_WRITTEN), None)
+    return None, f"architecture {named}" + (f" ({why})" if why else "")
+
+
+# HF classes llama.cpp runs that qconvert does not write, with why (said in the refusal instead of a bare
+# "not supported"): register_not_written
+_NOT_WRITTEN: dict[str, str] = {}
+
+
+def register_not_written(hf_class: str, why: str) -> None:
+    """Name an HF class llama.cpp has an architecture for that qconvert does not write, and why."""
+    _NOT_WRITTEN[hf_class] = why
 
 
 # `...experts.<e>.<rest>`: one expert's tensor of a MoE layer (Mixtral's block_sparse_moe.experts.3.w1,
