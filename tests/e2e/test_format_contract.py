@@ -40,6 +40,7 @@ TARGET_ARGS: dict[str, list[str]] = {
     "uqff": ["--type", "q8_0", "--allow-requant"],
     "compressed-tensors": ["--type", "4g128", "--allow-requant"],
     "mlx": ["--type", "mlx4g64", "--allow-requant"],
+    "fp8": ["--type", "fp8", "--allow-requant"],
 }
 
 PRODUCERS = Path(__file__).resolve().parents[2] / "scripts" / "producers"
