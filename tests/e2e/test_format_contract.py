@@ -119,8 +119,21 @@ def _mxfp4_sample(dense: Path, tmp: Path) -> tuple[Path, Path]:
 
 # Per format that reads but cannot write: a function (source folder, destination folder) -> a sample of it, or
 # (sample, the dense folder it stands for) when the sample is not made from the shared dense source.
+def _torchao_sample(dense: Path, tmp: Path) -> tuple[Path, Path]:
+    """torchao's IntxWeightOnlyConfig (int4, groups of 32, symmetric) saved by transformers
+    (tests/producer_fixtures/torchao/intx4_g32_sym, made on CPU by scripts/producers/torchao.py from the base it
+    rebuilds here), and that base as the source."""
+    producer = _load_by_path("torchao_producer", PRODUCERS / "torchao.py")
+    base = producer.build_base(tmp / "torchao-base")
+    sample = tmp / "torchao"
+    shutil.copytree(Path(__file__).parents[1] / "producer_fixtures" / "torchao" / "intx4_g32_sym", sample,
+                    ignore=shutil.ignore_patterns("oracle.json"))
+    return sample, base
+
+
 READ_ONLY_SAMPLES: dict = {"awq": _awq_sample, "auto-round": _auto_round_sample, "bitsandbytes": _bitsandbytes_sample,
-                           "fp8": _fp8_sample, "modelopt": _modelopt_sample, "mxfp4": _mxfp4_sample}
+                           "fp8": _fp8_sample, "modelopt": _modelopt_sample, "mxfp4": _mxfp4_sample,
+                           "torchao": _torchao_sample}
 
 VERDICTS = {"exact", "near-exact", "requantize"}  # "refused" never reaches a written output
 
