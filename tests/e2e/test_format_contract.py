@@ -131,9 +131,20 @@ def _torchao_sample(dense: Path, tmp: Path) -> tuple[Path, Path]:
     return sample, base
 
 
+def _quark_sample(dense: Path, tmp: Path) -> tuple[Path, Path]:
+    """AMD Quark's OCP MXFP4 export (tests/producer_fixtures/quark/mxfp4, made on CPU by scripts/producers/quark.py
+    with amd-quark 0.13 from the base it rebuilds here), and that base as the source."""
+    producer = _load_by_path("quark_producer", PRODUCERS / "quark.py")
+    base = producer.build_base(tmp / "quark-base")
+    sample = tmp / "quark"
+    shutil.copytree(Path(__file__).parents[1] / "producer_fixtures" / "quark" / "mxfp4", sample,
+                    ignore=shutil.ignore_patterns("oracle.json"))
+    return sample, base
+
+
 READ_ONLY_SAMPLES: dict = {"awq": _awq_sample, "auto-round": _auto_round_sample, "bitsandbytes": _bitsandbytes_sample,
                            "fp8": _fp8_sample, "modelopt": _modelopt_sample, "mxfp4": _mxfp4_sample,
-                           "torchao": _torchao_sample}
+                           "torchao": _torchao_sample, "quark": _quark_sample}
 
 VERDICTS = {"exact", "near-exact", "requantize"}  # "refused" never reaches a written output
 

