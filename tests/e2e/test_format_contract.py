@@ -76,12 +76,6 @@ def _load_by_path(name: str, path: Path):
     return mod
 
 
-def _fp8_sample(dense: Path, tmp: Path) -> Path:
-    """transformers' own FineGrainedFP8 quantizer (Fp8Quantize) in 16x32 blocks (tests/support/fixtures_float.py)."""
-    ff = _load_by_path("fixtures_float", Path(__file__).parents[1] / "support" / "fixtures_float.py")
-    return ff.fp8_checkpoint(dense, tmp / "fp8", block=(16, 32), rule="transformers")
-
-
 def _modelopt_sample(dense: Path, tmp: Path) -> tuple[Path, Path]:
     """ModelOpt's NVFP4 export (tests/producer_fixtures/modelopt/nvfp4, made on CPU by scripts/producers/modelopt.py
     from a base it rebuilds here: the tiny llama, seed 1234, one layer), and that base as the source."""
@@ -143,7 +137,7 @@ def _quark_sample(dense: Path, tmp: Path) -> tuple[Path, Path]:
 
 
 READ_ONLY_SAMPLES: dict = {"awq": _awq_sample, "auto-round": _auto_round_sample, "bitsandbytes": _bitsandbytes_sample,
-                           "fp8": _fp8_sample, "modelopt": _modelopt_sample, "mxfp4": _mxfp4_sample,
+                           "modelopt": _modelopt_sample, "mxfp4": _mxfp4_sample,
                            "torchao": _torchao_sample, "quark": _quark_sample}
 
 VERDICTS = {"exact", "near-exact", "requantize"}  # "refused" never reaches a written output
