@@ -85,8 +85,14 @@ class QuarkSource(FloatModuleSource):
             prefix, _, part = name.rpartition(".")
             if part == "weight_scale":
                 if f"{prefix}.weight" not in self.ckpt.location:
-                    raise BadInput("weight_scale without weight", path=self.ckpt.file_of(name), tensor=f"{prefix}.weight")
+                    raise BadInput("weight_scale without weight", path=self.ckpt.file_of(name),
+                                   tensor=f"{prefix}.weight")
                 self.modules[prefix] = {"weight": f"{prefix}.weight", "weight_scale": name}
+        for name in self.ckpt.location:  # packed codes that lost their scale would pass for a dense U8 tensor
+            prefix = name[: -len(".weight")]
+            if name.endswith(".weight") and self.ckpt.dtype(name) == "U8" and prefix not in self.modules:
+                raise BadInput("U8 weight without its weight_scale (MXFP4 codes are values only times their E8M0 "
+                               "exponents)", path=self.ckpt.file_of(name), tensor=f"{prefix}.weight_scale")
         for prefix in self.modules:
             self._scheme_of(prefix)
             self._params(prefix)  # every module checked before a record is made

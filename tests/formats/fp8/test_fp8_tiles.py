@@ -95,7 +95,7 @@ def _decode_all(out: Path, fmt: str) -> dict:
     for name, t in tensors.items():
         if t.dtype == torch.float8_e4m3fn:
             s = tensors[name[: -len("weight")] + scale]
-            e8m0 = s.view(torch.uint8) if s.dtype == torch.float8_e8m0fnu else s.to(torch.float8_e8m0fnu).view(torch.uint8)
+            e8m0 = (s if s.dtype == torch.float8_e8m0fnu else s.to(torch.float8_e8m0fnu)).view(torch.uint8)
             assert torch.equal(e8m0.view(torch.float8_e8m0fnu).to(torch.float32), s.to(torch.float32)), name
             decoded[name] = decode_fp8_pow2_tiles(t.view(torch.uint8), e8m0)
     reader = Fp8Source(out) if fmt == "fp8" else CtSource(out)

@@ -102,6 +102,8 @@ BAD = {
         {f"{Q}": {"weight": None}})), ("not quantized", f"{Q}.weight", "model.safetensors")),
     "scale-shape": (lambda src: _rewrite_tensors(src, lambda t: t.update(
         {f"{Q}.weight_scale": t[f"{Q}.weight_scale"][:, :2].contiguous()})), ("scale shape", f"{Q}.weight_scale")),
+    "weight-without-scale": (lambda src: _rewrite_tensors(src, lambda t: t.pop(f"{Q}.weight_scale")),
+                             ("without its weight_scale", f"{Q}.weight_scale")),
     "nan-scale": (lambda src: _rewrite_tensors(src, lambda t: t[f"{Q}.weight_scale"].__setitem__((0, 0), 255)),
                   ("0xFF", f"{Q}.weight_scale")),
 }
