@@ -24,7 +24,8 @@ register_format(FormatEntry(
                 "int-/naive-/float-quantized and nvfp4 too",
     open_reader=open_ct, writer=CtWriter(), sniff=sniff,
     type_help="BITSgGROUP as for GPTQ (4g128, 4g32, 8g-1 per channel, a trailing a = asymmetric: 4g128a); "
-              "without --type each grid keeps its own",
+              "without --type each grid keeps its own; fp8: E4M3 in 128x128 tiles under power-of-two scales (MXFP4 "
+              "casts exactly)",
     examples=("qconvert 'gptq->compressed-tensors' model-gptq/ model-ct/",
               "qconvert 'hf->compressed-tensors' model/ model-ct/ --type 4g128 --allow-requant",
               "qconvert 'compressed-tensors->gguf' model-ct/ model.gguf --type Q4_0")))

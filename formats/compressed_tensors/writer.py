@@ -32,6 +32,12 @@ from ..common.gptq_type import parse_gptq_type
 from ..common.checkpoint import ShardWriter, copy_side_files, write_json
 from ...kernels.floatq import float_to_e8m0, pack_fp4
 from .schemes import CT_FLOAT, CT_PACK, pack_dense
+from ..common.fp8_tiles import FP8_TILE, cast_to_fp8_tiles
+from ...kernels.fp8_tiles import TILE
+
+# --type for the FP8 128x128 target (E4M3 codes, power-of-two scale per tile; formats/common/fp8_tiles.py)
+FP8_TILE_TYPES = ("fp8", "fp8-128x128-e8m0")
+_FP8_TILES = "fp8-tiles"  # CtAction.float_format of that target
 
 __all__ = ["CtWriter", "ct_rtn", "WeightScheme"]
 
@@ -113,6 +119,10 @@ class CtWriter(Writer):
         if rec.lossy_standin:
             # a folded stand-in (rotated GPTQ down_proj): the plain weights leave the grid
             return self._requant_plan(rec, explicit or "4g128", rec.lossy_standin)
+        if explicit and explicit.lower() in FP8_TILE_TYPES and _QUANTIZABLE.match(rec.name) and len(rec.shape) == 2:
+            # FP8 in 128x128 tiles under power-of-two scales (formats/common/fp8_tiles.py): MXFP4 casts exactly
+            d = check(rec.params if rec.is_grid else rec.dtype, rec.shape, FP8_TILE)
+            return self.plan(rec, d, f"float-quantized {FP8_TILE.name}", action=CtAction(float_format=_FP8_TILES))
         if rec.is_grid and _QUANTIZABLE.match(rec.name) and rec.params.element is not None and not explicit:
             plan = self._float_plan(rec)
             if plan is not None:
@@ -171,6 +181,8 @@ class CtSession(WriterSession):
 
     def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor:
         action: CtAction = plan.action or CtAction()
+        if action.float_format == _FP8_TILES:
+            return self._add_fp8_tiles(plan.name[: -len(".weight")], item)
         if action.float_format:
             return self._add_float(plan.name[: -len(".weight")], item, action.float_format)
         if action.dense is not None:
@@ -256,6 +268,21 @@ class CtSession(WriterSession):
                 eff = block.to(torch.float32) / g  # forward_helpers._dequantize: scale / global_scale first
                 values = (p.codebook[grid.codes.to(torch.int64)].view(out_f, -1, 16) * eff[..., None]).view(out_f, in_f)
         self.float_schemes[prefix] = (fmt, json.dumps(args, sort_keys=True))
+        return values
+
+    def _add_fp8_tiles(self, prefix: str, item: Dense | Grid) -> torch.Tensor:
+        """float-quantized, strategy block [128, 128]: E4M3 codes and one power-of-two scale per tile, stored as
+        float32 (which holds every E8M0 value; compressed-tensors multiplies in the scale's dtype, so the product
+        is exact) -> the float32 values compressed-tensors decompresses them to."""
+        import json
+
+        codes, e8m0, values = cast_to_fp8_tiles(item)
+        self.shards.put(f"{prefix}.weight", codes.view(torch.float8_e4m3fn))
+        self.shards.put(f"{prefix}.weight_scale", e8m0.view(torch.float8_e8m0fnu).to(torch.float32).contiguous())
+        args = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "actorder": None,
+                "observer": "memoryless_minmax", "observer_kwargs": {}, "zp_dtype": None, "scale_dtype": None,
+                "strategy": "block", "block_structure": list(TILE), "group_size": None}
+        self.float_schemes[prefix] = ("float-quantized", json.dumps(args, sort_keys=True))
         return values
 
     def close(self) -> None:

@@ -101,6 +101,7 @@ PRODUCED = Path(__file__).parents[1] / "producer_fixtures"  # checkpoints the fo
     ("awq/gemm_g32", "awq"), ("auto_round/asym4_g128", "auto-round"), ("bitsandbytes/nf4_dq", "bitsandbytes"),
     ("bitsandbytes/int8", "bitsandbytes"), ("compressed_tensors/w4a16_g32_sym", "compressed-tensors"),
     ("compressed_tensors/fp8_dynamic", "compressed-tensors"), ("mlx/model", "mlx"),
+    ("torchao/intx4_g32_sym", "torchao"), ("quark/mxfp4", "quark"),
 ])
 def test_inspect_names_each_producers_format_from_its_data(tmp_path, folder, fmt):
     """The format comes from the files (config, tensors), not from the folder's name: each producer's own

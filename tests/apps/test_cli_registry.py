@@ -236,7 +236,8 @@ def test_every_example_runs_as_written(fx, tmp_path, capsys):
                "bitsandbytes": PRODUCER_FIXTURES / "bitsandbytes" / "int8",
                "compressed-tensors": PRODUCER_FIXTURES / "compressed_tensors" / "w4a16_g32_sym",
                "modelopt": PRODUCER_FIXTURES / "modelopt" / "mxfp4", "fp8": _fp8_llama(fx, tmp_path),
-               "mxfp4": _gpt_oss_mxfp4(tmp_path)}
+               "mxfp4": _gpt_oss_mxfp4(tmp_path), "torchao": PRODUCER_FIXTURES / "torchao" / "intx4_g32_sym",
+               "quark": PRODUCER_FIXTURES / "quark" / "mxfp4"}
     ran = 0
     for entry in all_formats():
         for i, example in enumerate(entry.examples):

@@ -40,6 +40,7 @@ TARGET_ARGS: dict[str, list[str]] = {
     "uqff": ["--type", "q8_0", "--allow-requant"],
     "compressed-tensors": ["--type", "4g128", "--allow-requant"],
     "mlx": ["--type", "mlx4g64", "--allow-requant"],
+    "fp8": ["--type", "fp8", "--allow-requant"],
 }
 
 PRODUCERS = Path(__file__).resolve().parents[2] / "scripts" / "producers"
@@ -73,12 +74,6 @@ def _load_by_path(name: str, path: Path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def _fp8_sample(dense: Path, tmp: Path) -> Path:
-    """transformers' own FineGrainedFP8 quantizer (Fp8Quantize) in 16x32 blocks (tests/support/fixtures_float.py)."""
-    ff = _load_by_path("fixtures_float", Path(__file__).parents[1] / "support" / "fixtures_float.py")
-    return ff.fp8_checkpoint(dense, tmp / "fp8", block=(16, 32), rule="transformers")
 
 
 def _modelopt_sample(dense: Path, tmp: Path) -> tuple[Path, Path]:
@@ -118,8 +113,32 @@ def _mxfp4_sample(dense: Path, tmp: Path) -> tuple[Path, Path]:
 
 # Per format that reads but cannot write: a function (source folder, destination folder) -> a sample of it, or
 # (sample, the dense folder it stands for) when the sample is not made from the shared dense source.
+def _torchao_sample(dense: Path, tmp: Path) -> tuple[Path, Path]:
+    """torchao's IntxWeightOnlyConfig (int4, groups of 32, symmetric) saved by transformers
+    (tests/producer_fixtures/torchao/intx4_g32_sym, made on CPU by scripts/producers/torchao.py from the base it
+    rebuilds here), and that base as the source."""
+    producer = _load_by_path("torchao_producer", PRODUCERS / "torchao.py")
+    base = producer.build_base(tmp / "torchao-base")
+    sample = tmp / "torchao"
+    shutil.copytree(Path(__file__).parents[1] / "producer_fixtures" / "torchao" / "intx4_g32_sym", sample,
+                    ignore=shutil.ignore_patterns("oracle.json"))
+    return sample, base
+
+
+def _quark_sample(dense: Path, tmp: Path) -> tuple[Path, Path]:
+    """AMD Quark's OCP MXFP4 export (tests/producer_fixtures/quark/mxfp4, made on CPU by scripts/producers/quark.py
+    with amd-quark 0.13 from the base it rebuilds here), and that base as the source."""
+    producer = _load_by_path("quark_producer", PRODUCERS / "quark.py")
+    base = producer.build_base(tmp / "quark-base")
+    sample = tmp / "quark"
+    shutil.copytree(Path(__file__).parents[1] / "producer_fixtures" / "quark" / "mxfp4", sample,
+                    ignore=shutil.ignore_patterns("oracle.json"))
+    return sample, base
+
+
 READ_ONLY_SAMPLES: dict = {"awq": _awq_sample, "auto-round": _auto_round_sample, "bitsandbytes": _bitsandbytes_sample,
-                           "fp8": _fp8_sample, "modelopt": _modelopt_sample, "mxfp4": _mxfp4_sample}
+                           "modelopt": _modelopt_sample, "mxfp4": _mxfp4_sample,
+                           "torchao": _torchao_sample, "quark": _quark_sample}
 
 VERDICTS = {"exact", "near-exact", "requantize"}  # "refused" never reaches a written output
 

@@ -25,7 +25,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 CODE_ROOTS = ("converters", "formats", "kernels")
 FORMATS = {"gguf", "gptq", "gptq-v2", "hf", "hqq", "qqq", "uqff", "compressed-tensors", "mlx", "awq", "auto-round",
-           "bitsandbytes", "fp8", "modelopt", "mxfp4"}
+           "bitsandbytes", "fp8", "modelopt", "mxfp4", "torchao", "quark"}
 PRODUCED = REPO / "tests" / "producer_fixtures"  # checkpoints the formats' own producers made
 # never in a built distribution (the sdist holds only what builds the wheel, plus README and LICENSE)
 NOT_SHIPPED = ("tests/", "scripts/", "examples/", ".venv", ".git/", "_fixtures", "__pycache__", ".pyc")
@@ -185,6 +185,8 @@ def test_fresh_venv_lists_and_converts_every_format(fresh, fx, tmp_path):
         (py, "modelopt->gguf", PRODUCED / "modelopt" / "nvfp4", t / "nvfp4.gguf"),  # read modelopt, NVFP4 blocks
         (script, "gguf->uqff", t / "mx.gguf", t / "mx-uqff"),  # read gguf MXFP4, write uqff mxfp4
         (py, "fp8->hf", t / "fp8", t / "fp8-hf"),             # read fp8 (made below from a checkpoint here)
+        (script, "torchao->gguf", PRODUCED / "torchao" / "intx4_g32_sym", t / "ao.gguf"),  # read torchao
+        (py, "quark->fp8", PRODUCED / "quark" / "mxfp4", t / "quark-fp8"),  # read quark, write fp8
     ]
     steps.append((script, "mxfp4->gguf", t / "gpt-oss-mxfp4", t / "gpt-oss.gguf"))  # read gpt-oss MXFP4
     import fixtures
