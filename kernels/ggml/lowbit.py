@@ -75,7 +75,8 @@ def dequantize_lowbit(lay: BlockLayout, data: np.ndarray) -> np.ndarray:
     codes, scales = unpack_lowbit(lay, data)
     rows, n = codes.shape
     if lay.name == "Q1_0":  # ggml: bit ? d : -d (a NaN d keeps ggml's sign bits too)
-        d = np.repeat(scales.astype(np.float32), lay.block, axis=1)
+        # times 1: a signalling-NaN fp16 comes out of ggml's (F16C) conversion quiet, out of numpy's as it was
+        d = np.repeat(scales.astype(np.float32) * np.float32(1), lay.block, axis=1)
         return np.where(codes == 3, d, -d)
     q = codes.reshape(rows, -1, lay.block).astype(np.float32) - np.float32(ZERO_POINT[lay.name])
     return (q * scales.astype(np.float32)[..., None]).reshape(rows, n)
