@@ -730,7 +730,8 @@ class GgufSource(ModelSource):
 
     def _lowbit_grid(self, t, lay, path: Path, inv, expert=None) -> Grid:
         params, codes, words = self._lowbit_parts(t, lay, path, inv, with_codes=True, expert=expert)
-        tag = f"ggml:{lay.name}" if lay is not Q2_0_PRISM else "prismml:Q2_0-128"
+        # PrismML's blocks under a tag of their own: a Q2_0 writer copies only blocks tagged ggml:Q2_0
+        tag = f"ggml:{lay.name}" if lay is not Q2_0_PRISM else "ggml:Q2_0-prismml128"
         return Grid(params, codes, PackedCodes(words, 2, tag))
 
     def _lowbit_parts(self, t, lay, path: Path, inv, with_codes: bool, expert=None):
