@@ -10,7 +10,8 @@
  * reassociation, no reciprocal). Conditional updates are selects. kernels/ggml/kquant_c.py builds and loads
  * this file; tests/test_kquants.py compares it with the numpy codecs and with ggml.
  *
- * Also here: the legacy reference quantizers (quantize_row_q4_0_ref .. q8_0_ref, tests/test_legacy_vs_ggml.py),
+ * Also here: the legacy reference quantizers (quantize_row_q4_0_ref .. q8_0_ref, tests/test_legacy_vs_ggml.py), the
+ * 1-2-bit ones (quantize_row_q1_0_ref, _q2_0_ref, _tq1_0_ref, _tq2_0_ref, tests/kernels/test_lowbit_vs_ggml.py),
  * the GPTQ word decode and the GPTQ 4-bit -> Q4_0 repack with its proof.
  */
 #include <stdint.h>

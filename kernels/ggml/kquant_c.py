@@ -1,4 +1,5 @@
-"""The C twin of the reference K-quantizers (kernels/ggml/kquant_c.c; also the legacy Q4_0 .. Q8_0 quantizers, the GPTQ
+"""The C twin of the reference K-quantizers (kernels/ggml/kquant_c.c; also the legacy Q4_0 .. Q8_0 quantizers, the 1-2-bit
+Q1_0 / Q2_0 / TQ1_0 / TQ2_0 ones (kernels/ggml/lowbit.py), the GPTQ
 word decode and the GPTQ -> Q4_0 repack): built once per machine with the system C compiler, cached, loaded with
 ctypes, and run on a pool of Python threads (a ctypes call releases the GIL).
 
