@@ -196,6 +196,8 @@ def encode_tensor(lay: BlockLayout, verdict: str, item: Dense | Grid,
         return _encode_codebook(lay, item, quant)
     if lay.kind == "fp4":
         return _encode_fp4(lay, verdict, item, quant)
+    if lay.kind == "lowbit":
+        return _encode_lowbit(lay, source, quant)
     if quant is not None and quant.needed:  # kept grid codes, an imatrix or llama.cpp's quantizer (QuantHow)
         return encode_quantized(lay, item, quant, source)
     x = source()
@@ -238,6 +240,24 @@ def _encode_codebook(lay: BlockLayout, item: Dense | Grid, quant: QuantHow | Non
     else:
         data = quantize(x2, imatrix)
     return data, torch.from_numpy(dequantize(data, shape[-1])).view(shape)
+
+
+def _encode_lowbit(lay: BlockLayout, source: SourceValues, quant: QuantHow | None) -> tuple[np.ndarray, torch.Tensor]:
+    """Q1_0 / Q2_0 / TQ1_0 / TQ2_0: the weights through ggml's reference quantizer (kernels/ggml/lowbit.py, C), or
+    llama.cpp's own with --quantizer llama.cpp; decoded as ggml decodes them."""
+    from ...kernels.ggml.lowbit import dequantize_lowbit, quantize_lowbit
+
+    x = source()
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous().numpy()
+    threads = max(1, torch.get_num_threads())
+    if quant is not None and quant.backend == "llama.cpp":
+        from ...kernels.ggml.libggml import ggml_quantize
+
+        data = ggml_quantize(x2, lay.name, threads=threads)
+    else:
+        data = quantize_lowbit(x2, lay.name, threads)
+    return data, torch.from_numpy(dequantize_lowbit(lay, data)).view(shape)
 
 
 def tensor_scale_of(params) -> float | None:

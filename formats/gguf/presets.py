@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from ...kernels.ggml.layouts import LAYOUTS
+from ...kernels.ggml.layouts import TARGET_LAYOUTS
 
 __all__ = ["Preset", "PRESETS", "ModelFacts", "preset_of", "preset_type", "use_more_bits", "quantized_by_llama_cpp",
            "model_facts_from_gguf_names", "quantize_order", "is_llm_type_70b", "n_dims"]
@@ -52,7 +52,15 @@ PRESETS = {p.name: p for p in (
     Preset("q5_k_m", 17, "Q5_K"),
     Preset("q6_k", 18, "Q6_K"),
     Preset("q8_0", 7, "Q8_0"),
+    # the 1-2-bit file types (LLAMA_FTYPE_MOSTLY_*): the base type everywhere but the output (Q6_K, or Q8_0 where
+    # its rows do not fill the base type's blocks) and, but for Q1_0, an untied token_embd (Q4_K; :534-536)
+    Preset("q1_0", 40, "Q1_0"),
+    Preset("q2_0", 41, "Q2_0"),
+    Preset("tq1_0", 36, "TQ1_0"),
+    Preset("tq2_0", 37, "TQ2_0"),
 )}
+# llama-quant.cpp:534-536: an untied token_embd of these file types is Q4_K
+_EMBD_Q4_K = ("q2_0", "tq1_0", "tq2_0")
 
 
 @dataclass(frozen=True)
@@ -189,7 +197,7 @@ def _output_type(preset: Preset, shape, facts: ModelFacts) -> tuple[str, str]:
     Q8_0 preset and when the rows do not fill the base type's blocks."""
     if facts.arch == "falcon":
         return "Q8_0", f"{preset.name}: falcon output -> Q8_0"
-    if shape[-1] % LAYOUTS[preset.base].block:
+    if shape[-1] % TARGET_LAYOUTS[preset.base].block:
         return "Q8_0", f"{preset.name}: output rows do not fill {preset.base} blocks -> Q8_0"
     return ("Q8_0" if preset.base == "Q8_0" else "Q6_K"), f"{preset.name}: output"
 
@@ -250,6 +258,8 @@ def preset_type(preset: Preset, gguf_name: str, shape, facts: ModelFacts) -> tup
         return t, rule + (" (tied embedding)" if cat == "token_embd" else "")
     layer = _layer(gguf_name)
     chosen, where = None, ""
+    if cat == "token_embd" and p in _EMBD_Q4_K:
+        return "Q4_K", f"{p}: token_embd"
     if cat in _ATTN_V_LIKE:
         i = _rank(gguf_name, facts)
         chosen, where = _attn_v_type(p, preset.base, i, facts), f"{cat} #{i} of {facts.n_wv}"

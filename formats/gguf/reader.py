@@ -13,7 +13,12 @@ ggml order under llama.cpp names, each in one ggml type. Reading turns it back i
   scales; an NVFP4 weight's `<name>.scale` tensor, which llama.cpp multiplies its matmul by, is the grid's
   "post" global scale, and is not a record of its own), also carrying their block bytes; every other type
   gguf-py can decode (IQ*, TQ*) as `Dense` float32 from `gguf.quants.dequantize` (their codebooks are not
-  grids), IQ4_NL and IQ4_XS with their block bytes too (`CodebookDense`) so the same type copies them.
+  grids), IQ4_NL and IQ4_XS with their block bytes too (`CodebookDense`) so the same type copies them;
+  the 1- and 2-bit types Q1_0, Q2_0, TQ1_0 and TQ2_0 as 2-bit grids `d * (q - z)` decoded as ggml's
+  dequantize_row_* (kernels/ggml/lowbit.py; gguf-py has no Q1_0 decoder and gguf 0.19 no Q2_0 at all: its
+  reader is given our facts for that type, `_Reader`). Q2_0 is 64-value blocks upstream and 128-value ones in
+  PrismML's fork, under one type id: which one a file holds is read from its tensors' byte extents
+  (`_resolve_q2_0`), never from the tag.
 
 Files are memory-mapped and tensors are read one at a time. Before gguf-py's reader sees a file, a
 bounded walk of its header (`scan_header`) checks every count and length against the bytes that remain,
@@ -45,7 +50,8 @@ from ...converters.errors import BadInput
 from ...converters.records import Dense, Grid, GridParams, PackedCodes, TensorRecord
 from ...kernels.ggml.kblocks import K_ZERO_POINT, unpack_k_blocks
 from ...kernels import floatq
-from ...kernels.ggml.layouts import CODEBOOK_LAYOUTS, FP4_LAYOUTS, LAYOUTS
+from ...kernels.ggml.layouts import CODEBOOK_LAYOUTS, FP4_LAYOUTS, GGUF_PY_UNKNOWN, LAYOUTS, LOWBIT_LAYOUTS, Q2_0_PRISM
+from ...kernels.ggml.lowbit import ZERO_POINT, dequantize_lowbit, unpack_lowbit
 from ...kernels.ggml.legacy import unpack_blocks
 from .checks import check_gguf_tensors
 from .config import config_from_gguf, field_values
@@ -137,6 +143,7 @@ class _TensorInfo:
     offset: int  # into the data section
     nbytes: int
     info_at: int  # byte offset of the tensor info in the file
+    block: int = 0  # Q2_0: the block size its byte extent shows (64 upstream, 128 PrismML), else 0
 
 
 @dataclass
@@ -208,12 +215,51 @@ class _Walk:
 
 
 def _ggml_type_facts(type_id: int):
+    """(type name, elements per block, bytes per block) from gguf-py, or from our layout table for the types this
+    llama.cpp has and gguf 0.19 lacks (Q2_0); None for an unknown id."""
+    if type_id in GGUF_PY_UNKNOWN:
+        lay = GGUF_PY_UNKNOWN[type_id]
+        return lay.name, lay.block, lay.nbytes
     try:
         qtype = gguf.GGMLQuantizationType(type_id)
         block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     except (ValueError, KeyError):
         return None
-    return qtype, block, type_size
+    return qtype.name, block, type_size
+
+
+def _resolve_q2_0(w, tensors: list, data_offset: int, size: int, alignment: int) -> None:
+    """Which Q2_0 a file holds, from where its Q2_0 tensors' data ends: upstream's 64-value blocks of 18 bytes or
+    PrismML's 128-value blocks of 34 bytes (the same type id 42). Each tensor's extent is the distance to the next
+    tensor's offset (the last one's: to the end of the file, less than one alignment of padding after it); the
+    variant is the one every Q2_0 tensor of the file fits. A file where none fits is refused; where both fit every
+    tensor (each under 2048 values, too small to tell) the upstream one is read. Sets each tensor's nbytes and block."""
+    q2 = [i for i, t in enumerate(tensors) if t.type_id == 42]
+    if not q2:
+        return
+    fits = {64: True, 128: True}
+    for i in q2:
+        t = tensors[i]
+        n = t.nbytes // LOWBIT_LAYOUTS["Q2_0"].nbytes * 64  # elements (the scan sized it as upstream's)
+        for lay in (LOWBIT_LAYOUTS["Q2_0"], Q2_0_PRISM):
+            nbytes = n // lay.block * lay.nbytes if n % lay.block == 0 else -1
+            padded = -(-nbytes // alignment) * alignment
+            if i + 1 < len(tensors):
+                ok = nbytes >= 0 and tensors[i + 1].offset - t.offset == padded
+            else:
+                rest = size - data_offset - t.offset
+                ok = nbytes >= 0 and nbytes <= rest < nbytes + alignment
+            fits[lay.block] = fits[lay.block] and ok
+    block = 64 if fits[64] else 128 if fits[128] else 0
+    if not block:
+        t = tensors[q2[0]]
+        raise w.fail(f"Q2_0 tensor data fits neither 64-value blocks of 18 bytes (llama.cpp) nor 128-value blocks "
+                     f"of 34 bytes (PrismML) for every Q2_0 tensor (dims {list(t.dims)})", tensor=t.name)
+    lay = LOWBIT_LAYOUTS["Q2_0"] if block == 64 else Q2_0_PRISM
+    for i in q2:
+        t = tensors[i]
+        t.nbytes = t.nbytes // LOWBIT_LAYOUTS["Q2_0"].nbytes * 64 // lay.block * lay.nbytes
+        t.block = block
 
 
 def scan_header(path: Path) -> GgufHeader:
@@ -306,17 +352,18 @@ def _scan(path: Path, mm, size: int) -> GgufHeader:
         facts = _ggml_type_facts(type_id)
         if facts is None:
             raise w.fail(f"unknown ggml type id {type_id}", tensor=name)
-        qtype, block, type_size = facts
+        qname, block, type_size = facts
         n_elems = 1
         for d in dims:
             n_elems *= d
         if n_elems >= 1 << 63:
             raise w.fail(f"dimensions {list(dims)} hold {n_elems} elements, more than a GGUF can", tensor=name)
         if dims and dims[0] % block:
-            raise w.fail(f"rows of {dims[0]} elements are not whole {qtype.name} blocks of {block}", tensor=name)
+            raise w.fail(f"rows of {dims[0]} elements are not whole {qname} blocks of {block}", tensor=name)
         tensors.append(_TensorInfo(name, dims, type_id, offset, n_elems // block * type_size, at))
 
     data_offset = -(-w.pos // alignment) * alignment
+    _resolve_q2_0(w, tensors, data_offset, size, alignment)
     expected = 0
     for i, t in enumerate(tensors):
         if t.offset != expected:
@@ -342,7 +389,7 @@ def _scan(path: Path, mm, size: int) -> GgufHeader:
 
 def _type_label(type_id: int) -> str:
     facts = _ggml_type_facts(type_id)
-    return facts[0].name if facts else f"type {type_id}"
+    return facts[0] if facts else f"type {type_id}"
 
 
 @contextlib.contextmanager
@@ -362,12 +409,45 @@ def quiet_libraries():
                 lg.setLevel(level)
 
 
+class _Reader(gguf.GGUFReader):
+    """gguf-py's reader, told the tensors of the types gguf 0.19 does not know (Q2_0) by our header walk: those
+    become ReaderTensors of uint8 block bytes [rows, row_bytes] whose tensor_type is the plain type id (42), and
+    the others are gguf-py's own, in file order."""
+
+    def __init__(self, path: Path, header: GgufHeader):
+        self._header_infos = {t.name: t for t in header.tensors}
+        super().__init__(str(path), "r")
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        known = [f for f in fields if int(f.parts[4][0]) not in GGUF_PY_UNKNOWN]
+        super()._build_tensors(start_offs, known)
+        if len(known) == len(fields):
+            return
+        theirs = iter(self.tensors)
+        tensors = []
+        for field in fields:
+            if int(field.parts[4][0]) not in GGUF_PY_UNKNOWN:
+                tensors.append(next(theirs))
+                continue
+            name = str(bytes(field.parts[1]), encoding="utf-8")
+            info = self._header_infos[name]
+            dims = field.parts[3]
+            n_elems = int(np.prod(dims))
+            data_offs = int(start_offs + field.parts[5][0])
+            byte_shape = (*reversed([int(d) for d in dims[1:]]), info.nbytes // max(1, n_elems // int(dims[0])))
+            tensors.append(gguf.gguf_reader.ReaderTensor(
+                name=name, tensor_type=int(field.parts[4][0]), shape=dims, n_elements=n_elems, n_bytes=info.nbytes,
+                data_offset=data_offs, data=self._get(data_offs, np.uint8, info.nbytes).reshape(byte_shape),
+                field=field))
+        self.tensors = tensors
+
+
 def _open(path: Path) -> tuple[gguf.GGUFReader, GgufHeader]:
     """The header walked and checked first (scan_header), then gguf-py's reader over the same bytes."""
     header = scan_header(path)
     try:
         with quiet_libraries():
-            reader = gguf.GGUFReader(str(path), "r")
+            reader = _Reader(path, header)
     except Exception:  # noqa: BLE001 - the walk accepted the header; gguf-py disagreeing is still bad input
         raise BadInput("GGUF header that gguf-py cannot parse although its layout is consistent", path=path) from None
     if len(reader.tensors) != len(header.tensors) or any(
@@ -398,6 +478,8 @@ def _block_bytes(t, lay, path: Path, inv, expert=None) -> torch.Tensor:
 
 
 def _type_name(t) -> str:
+    if int(t.tensor_type) in GGUF_PY_UNKNOWN:
+        return GGUF_PY_UNKNOWN[int(t.tensor_type)].name
     try:
         return gguf.GGMLQuantizationType(int(t.tensor_type)).name
     except ValueError:
@@ -539,6 +621,16 @@ class GgufSource(ModelSource):
             params = self._fp4_parts(t, type_name, path, inv, with_codes=False, expert=expert)[0]
             return TensorRecord(name, shape, "grid", lambda: self._fp4_grid(t, type_name, path, inv, expert),
                                 params=params, source_file=where, native_type=type_name, source_name=label)
+        if type_name in LOWBIT_LAYOUTS:
+            if len(shape) != 2:
+                raise BadInput(f"{type_name} tensor of shape {shape}: only 2-D block tensors are supported",
+                               path=path, tensor=t.name)
+            lay = self._lowbit_layout(t)
+            params = self._lowbit_parts(t, lay, path, inv, with_codes=False, expert=expert)[0]
+            prism = lay is Q2_0_PRISM  # PrismML's 128-blocks: not upstream Q2_0's blocks, never copied as them
+            return TensorRecord(name, shape, "grid", lambda: self._lowbit_grid(t, lay, path, inv, expert),
+                                params=params, source_file=where, native_type=None if prism else type_name,
+                                source_name=label)
         if type_name in GRID_TYPES:
             if len(shape) != 2:
                 raise BadInput(f"{type_name} tensor of shape {shape}: only 2-D block tensors are supported",
@@ -621,6 +713,35 @@ class GgufSource(ModelSource):
         params = GridParams(bits=4, group_size=group, scales=scales, zeros=torch.zeros(scales.shape, dtype=torch.int8),
                             codebook=floatq.element_table("e2m1", negative_zero=False),  # ggml's kvalues: code 8 is 0
                             global_scale=post, global_scale_op="post")
+        return params, (torch.from_numpy(codes) if with_codes else None), words
+
+    def _lowbit_layout(self, t):
+        """The layout of a 1-2-bit tensor: Q2_0's from its byte extent (the header walk's `block`), else the table's."""
+        if _type_name(t) != "Q2_0":
+            return LOWBIT_LAYOUTS[_type_name(t)]
+        info = next(h for h in self._header_of(t).tensors if h.name == t.name)
+        return Q2_0_PRISM if info.block == 128 else LOWBIT_LAYOUTS["Q2_0"]
+
+    def _header_of(self, t) -> GgufHeader:
+        for reader, header in zip(self.readers, self.headers):
+            if any(x is t for x in reader.tensors):
+                return header
+        raise KeyError(t.name)
+
+    def _lowbit_grid(self, t, lay, path: Path, inv, expert=None) -> Grid:
+        params, codes, words = self._lowbit_parts(t, lay, path, inv, with_codes=True, expert=expert)
+        # PrismML's blocks under a tag of their own: a Q2_0 writer copies only blocks tagged ggml:Q2_0
+        tag = f"ggml:{lay.name}" if lay is not Q2_0_PRISM else "ggml:Q2_0-prismml128"
+        return Grid(params, codes, PackedCodes(words, 2, tag))
+
+    def _lowbit_parts(self, t, lay, path: Path, inv, with_codes: bool, expert=None):
+        """Q1_0 / Q2_0 / TQ1_0 / TQ2_0 blocks as a 2-bit grid (kernels/ggml/lowbit.py): fp16 `d` per block, zero
+        point 2 (Q1_0's signs as codes 1 / 3) or 1."""
+        words = _block_bytes(t, lay, path, inv, expert)
+        codes, scales = unpack_lowbit(lay, words.numpy())
+        scales = torch.from_numpy(scales)
+        zeros = torch.full_like(scales, ZERO_POINT[lay.name], dtype=torch.int16)
+        params = GridParams(bits=2, group_size=lay.block, scales=scales, zeros=zeros)
         return params, (torch.from_numpy(codes) if with_codes else None), words
 
     def _grid(self, t, type_name: str, path: Path, inv, expert=None) -> Grid:
@@ -716,13 +837,21 @@ class GgufSource(ModelSource):
             shape = (s[0], s[2], s[1]) if "down" in parts else (s[0], s[2], 2 * s[1])
 
         def load() -> Dense:
-            halves = [torch.from_numpy(np.array(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type),
-                                                  dtype=np.float32)).reshape(sh) for (_, t), sh in zip(items, shapes)]
+            halves = [torch.from_numpy(self._float32(t)).reshape(sh) for (_, t), sh in zip(items, shapes)]
             merge = merge_llama4_experts if arch_by_name(self.arch).experts_in_out else merge_gpt_oss_experts
             return Dense(merge(*halves, bias=bias))
 
         return TensorRecord(name, shape, "float32", load, source_file=str(items[0][0]),
                             source_name=" + ".join(t.name for _, t in items))
+
+    def _float32(self, t) -> np.ndarray:
+        """A whole tensor decoded to float32: the 1-2-bit types by kernels/ggml/lowbit.py, others by gguf-py."""
+        if _type_name(t) in LOWBIT_LAYOUTS:
+            lay = self._lowbit_layout(t)
+            data = np.asarray(t.data, dtype=np.uint8)
+            n = int(t.shape[0])
+            return dequantize_lowbit(lay, data.reshape(-1, lay.row_bytes(n)))
+        return np.array(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
 
     def _kv_b_record(self, pair: dict) -> TensorRecord:
         """kv_b_proj from llama.cpp's two MLA halves (archs.merge_kv_b): k_b [heads, kv_lora, nope] and
@@ -737,9 +866,7 @@ class GgufSource(ModelSource):
         shape = (k_shape[0] * (k_shape[2] + v_shape[1]), k_shape[1])
 
         def load() -> Dense:
-            halves = [torch.from_numpy(np.array(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type),
-                                                  dtype=np.float32)).reshape(s)
-                      for t, s in ((k, k_shape), (v, v_shape))]
+            halves = [torch.from_numpy(self._float32(t)).reshape(s) for t, s in ((k, k_shape), (v, v_shape))]
             return Dense(merge_kv_b(*halves))
 
         return TensorRecord(name, shape, "float32", load, source_file=str(k_path),
@@ -780,8 +907,10 @@ class GgufSource(ModelSource):
                 "file_type": self.kv.get("general.file_type"), "ggml_types": counts,
                 "tensors": sum(counts.values()),
                 "reading": "F32/F16/BF16 as dense; Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and Q2_K..Q6_K as grids equal to "
-                           "gguf-py's dequantization, with their block bytes kept for same-type copies; other "
-                           "types (IQ*, TQ*, MXFP4, NVFP4) as float32 via gguf.quants.dequantize"}
+                           "gguf-py's dequantization, with their block bytes kept for same-type copies; Q1_0/Q2_0/"
+                           "TQ1_0/TQ2_0 as 2-bit grids equal to ggml's dequantize_row_* (Q2_0's 64- or PrismML's "
+                           "128-value blocks told by byte size); other types (IQ*, MXFP4, NVFP4) as float32 via "
+                           "gguf.quants.dequantize"}
         if self.folder is not None:  # a file's description stays as it was
             info |= {"folder": str(self.folder), "ignored_files": self.ignored_files}
         return info

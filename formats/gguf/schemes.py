@@ -6,14 +6,16 @@ IQ4_XS: codes index a fixed non-linear table; IQ3_S, IQ3_XXS, IQ2_S, IQ2_XS, IQ2
 lattice codebook) are a family of their own, "ggml-codebook", registered here: no grid keeps its codes in them, so
 every source is requantized (kernels/ggml/iq4_nl.py, iq4_xs.py, iq3_s.py, iq2.py: ggml's quantize_iq4_nl / _iq4_xs /
 _iq3_s / _iq3_xxs / _iq2_s / _iq2_xs / _iq2_xxs). The IQ2 types and IQ3_XXS need an importance matrix
-(imatrix_refusal).
+(imatrix_refusal). The 1- and 2-bit types Q1_0, Q2_0, TQ1_0 and TQ2_0 are the "ggml-lowbit" family, also registered
+here: a source of the very type copies its blocks, every other is quantized with ggml's reference quantizer
+(kernels/ggml/lowbit.py, kquant_c.c).
 """
 
 from __future__ import annotations
 
 from ...converters.checker import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Decision, TargetScheme, check, register_family
 from ...converters.records import GridParams
-from ...kernels.ggml.layouts import CODEBOOK_LAYOUTS, FP4_LAYOUTS, LAYOUTS, TARGET_LAYOUTS
+from ...kernels.ggml.layouts import CODEBOOK_LAYOUTS, FP4_LAYOUTS, LAYOUTS, LOWBIT_LAYOUTS, TARGET_LAYOUTS
 from ..common.block_schemes import ggml_scheme
 
 __all__ = ["GGUF_SCHEMES", "ALIGNED_CANDIDATES", "default_grid_type", "k_fallback", "imatrix_refusal"]
@@ -57,6 +59,37 @@ def codebook_scheme(name: str) -> TargetScheme:
                         zero="none", scale=scale, ggml_type=lay.ggml_type, block_bytes=lay.nbytes)
 
 
+LOWBIT_FAMILY = "ggml-lowbit"
+# what each 1-2-bit type stores, for the checker's reasons (ggml-quants.c quantize_row_*_ref)
+_LOWBIT_VALUES = {"Q1_0": "the sign of each weight times the block's mean |w| (fp16)",
+                  "Q2_0": "round(w / amax) in {-1, 0, 1} times the block's amax (fp16)",
+                  "TQ1_0": "round(w / amax) in {-1, 0, 1} times the block's amax (fp16), five trits a byte",
+                  "TQ2_0": "round(w / amax) in {-1, 0, 1} times the block's amax (fp16), 2-bit codes"}
+
+
+def check_ggml_lowbit(src, shape, s: TargetScheme, native, prefer_groups=()) -> Decision:
+    """A ggml 1-2-bit type (Q1_0, Q2_0, TQ1_0, TQ2_0): a GGUF source of this very type copies its blocks; every other
+    source is dequantized and quantized with ggml's reference quantizer, whose scale is a statistic of the block
+    (mean |w| or amax), not a free one: a grid's codes stay only when its scale is that statistic, which no other
+    format's producer guarantees."""
+    if native == s.name:
+        return Decision(EXACT, f"{s.name} blocks copied byte for byte", copied=True, keeps_codes=True)
+    if shape[-1] % s.block:
+        return Decision(REFUSED, f"rows of {shape[-1]} are not a whole number of {s.name} blocks of {s.block}")
+    what = "grid" if isinstance(src, GridParams) else f"dense {src}"
+    return Decision(REQUANTIZE, f"{what} weights quantized with ggml's {s.name} quantizer: {_LOWBIT_VALUES[s.name]}")
+
+
+register_family(LOWBIT_FAMILY, check_ggml_lowbit)
+
+
+def lowbit_scheme(name: str) -> TargetScheme:
+    """A ggml 1-2-bit type as a target: one fp16 scale per block, 2-bit grid codes (kernels/ggml/lowbit.py)."""
+    lay = LOWBIT_LAYOUTS[name]
+    return TargetScheme(name, LOWBIT_FAMILY, bits=lay.bits, group=lay.block, block=lay.block, zero="none",
+                        scale="fp16", ggml_type=lay.ggml_type, block_bytes=lay.nbytes)
+
+
 def fp4_scheme(name: str) -> TargetScheme:
     """A ggml FP4 float-block type (the "float-block" family, formats/common/block_schemes.py): E2M1 codes times a block scale.
     MXFP4: an E8M0 exponent per 32 elements. NVFP4: a UE4M3 scale per 16 (in 64-element blocks), and llama.cpp
@@ -71,7 +104,8 @@ def fp4_scheme(name: str) -> TargetScheme:
 
 GGUF_SCHEMES: dict[str, TargetScheme] = {**{name: ggml_scheme(name) for name in LAYOUTS},
                                          **{name: codebook_scheme(name) for name in CODEBOOK_LAYOUTS},
-                                         **{name: fp4_scheme(name) for name in FP4_LAYOUTS}}
+                                         **{name: fp4_scheme(name) for name in FP4_LAYOUTS},
+                                         **{name: lowbit_scheme(name) for name in LOWBIT_LAYOUTS}}
 # aligned candidates, cheapest first: the checker's first exact (else near-exact) one is the suggestion
 ALIGNED_CANDIDATES = tuple(GGUF_SCHEMES[t] for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "NVFP4",
                                                      "F16", "F32"))
@@ -82,6 +116,9 @@ _K_FALLBACK = {"Q2_K": ("Q4_0", "Q4_1"), "Q3_K": ("Q4_0", "Q4_1"), "Q4_K": ("Q5_
 # the same for the 256-element codebook types (llama-quant.cpp:402-410: the IQ1/IQ2/IQ3 types and IQ4_XS ->
 # IQ4_NL, whatever the source)
 _CODEBOOK_FALLBACK = {t: "IQ4_NL" for t in ("IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS")}
+# the 1-2-bit types' (llama-quant.cpp:411-415): Q2_0, TQ1_0, TQ2_0 -> Q4_0; Q1_0 has none (llama-quantize stops:
+# "no tensor type fallback is defined for type q1_0"), so its plan is refused
+_LOWBIT_FALLBACK = {"Q2_0": "Q4_0", "TQ1_0": "Q4_0", "TQ2_0": "Q4_0"}
 # what a codebook type's codes index, for the checker's reasons
 _CODEBOOK_VALUES = {"IQ4_NL": "a non-linear 16-value table", "IQ4_XS": "a non-linear 16-value table",
                     "IQ3_S": "a 512-point lattice of 4-value groups with signs apart",
@@ -140,7 +177,9 @@ def k_fallback(target: str, shape, params) -> tuple[str, str]:
     n = int(shape[-1])
     if lay.kind == "float" or n % lay.block == 0:
         return target, ""
-    chosen = _CODEBOOK_FALLBACK.get(target, target)  # a 32-block type (legacy, IQ4_NL) has none smaller
+    if lay.kind == "lowbit" and target not in _LOWBIT_FALLBACK:
+        return target, ""  # Q1_0: no fallback in llama-quantize; the checker refuses the rows
+    chosen = _CODEBOOK_FALLBACK.get(target, _LOWBIT_FALLBACK.get(target, target))  # a 32-block type has none smaller
     if lay.kind == "k":
         symmetric_choice, with_min = _K_FALLBACK[target]
         chosen = symmetric_choice if params is None or params.symmetric else with_min

@@ -44,7 +44,7 @@ from ...converters.errors import BadInput, QConvertError
 from ...converters.validate import ConfigView
 from ...converters.plan import BitIdentical, Options, TensorPlan, Writer, WriterSession, unknown_type
 from ...converters.records import Dense, Grid, TensorRecord
-from ...kernels.ggml.layouts import CODEBOOK_LAYOUTS, TARGET_LAYOUTS  # grid, codebook (IQ4_*) types
+from ...kernels.ggml.layouts import CODEBOOK_LAYOUTS, GGUF_PY_UNKNOWN, TARGET_LAYOUTS  # grid, codebook (IQ4_*) types
 from ..common.ggml_codec import QUANTIZERS, QuantHow
 from .checks import check_writer_config, config_json_path, layer_count
 from .metadata import add_model_metadata, rope_tensors
@@ -67,7 +67,8 @@ _FILE_TYPE_NAMES = {"F32": "ALL_F32", "Q3_K": "MOSTLY_Q3_K_M", "Q4_K": "MOSTLY_Q
                     "IQ2_S": "MOSTLY_IQ2_M", "MXFP4": "MOSTLY_MXFP4_MOE"}
 FILE_TYPES = {t: int(gguf.LlamaFileType[_FILE_TYPE_NAMES.get(t, f"MOSTLY_{t}")]) for t in (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
-    "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "MXFP4", "NVFP4")}
+    "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "MXFP4", "NVFP4", "Q1_0", "TQ1_0", "TQ2_0")}
+FILE_TYPES["Q2_0"] = 41  # LLAMA_FTYPE_MOSTLY_Q2_0 (llama.h), which gguf 0.19's LlamaFileType lacks
 # tensors a checkpoint may carry that llama.cpp recomputes itself
 _DROPPED = re.compile(r"rotary_emb\.inv_freq$")
 _WRITABLE = tuple(GGUF_SCHEMES)
@@ -591,8 +592,11 @@ class GgufSession(WriterSession):
             rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
             nbytes = rows * lay.row_bytes(shape[-1])
             byte_shape = [*shape[:-1], lay.row_bytes(shape[-1])]  # gguf-py converts bytes back to elements
-            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes,
-                              raw_dtype=gguf.GGMLQuantizationType(lay.ggml_type))
+            if lay.ggml_type in GGUF_PY_UNKNOWN:  # Q2_0: gguf 0.19 has no sizes for it; the element shape as it is
+                w.add_tensor_info(name, list(shape), np.dtype(np.int8), nbytes, raw_dtype=lay.ggml_type)
+            else:
+                w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes,
+                                  raw_dtype=gguf.GGMLQuantizationType(lay.ggml_type))
             if first.action.expert is not None:
                 self.stack_size[name] = len(members)
             scales = [m.action.tensor_scale for m in members]

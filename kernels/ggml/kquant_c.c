@@ -10,7 +10,8 @@
  * reassociation, no reciprocal). Conditional updates are selects. kernels/ggml/kquant_c.py builds and loads
  * this file; tests/test_kquants.py compares it with the numpy codecs and with ggml.
  *
- * Also here: the legacy reference quantizers (quantize_row_q4_0_ref .. q8_0_ref, tests/test_legacy_vs_ggml.py),
+ * Also here: the legacy reference quantizers (quantize_row_q4_0_ref .. q8_0_ref, tests/test_legacy_vs_ggml.py), the
+ * 1-2-bit ones (quantize_row_q1_0_ref, _q2_0_ref, _tq1_0_ref, _tq2_0_ref, tests/kernels/test_lowbit_vs_ggml.py),
  * the GPTQ word decode and the GPTQ 4-bit -> Q4_0 repack with its proof.
  */
 #include <stdint.h>
@@ -1006,4 +1007,117 @@ int qc_quantize_legacy(int type, const float *x, uint8_t *y, int64_t nb) {
     return 0;
 }
 
-int qc_abi_version(void) { return 5; }
+/* --------------------------------------------------------------------------------------------------
+ * The 1- and 2-bit types (ggml-quants.c quantize_row_q1_0_ref, _q2_0_ref, _tq1_0_ref, _tq2_0_ref): one plain
+ * loop per block, the same float32 expressions in the same order as ggml's, roundf / lroundf as ggml calls them
+ * (round half away from zero; what a NaN becomes is what those calls and int conversions give on this machine,
+ * as in ggml). Bytes per block: Q1_0 18 (128 values), Q2_0 18 (64), TQ1_0 54 (256), TQ2_0 66 (256).
+ * -------------------------------------------------------------------------------------------------- */
+#define LB_MAX(a, b) ((a) > (b) ? (a) : (b))  /* ggml's MAX: a NaN b replaces amax, as in ggml */
+
+static void q1_0_block(const float *x, uint8_t *y) {
+    float sum_abs = 0.0f;
+    for (int j = 0; j < 128; j++) sum_abs += fabsf(x[j]);
+    const float d = sum_abs / 128;
+    put16(y, fp32_to_fp16(d));
+    uint8_t *qs = y + 2;
+    for (int j = 0; j < 16; j++) qs[j] = 0;
+    for (int j = 0; j < 128; j++)
+        if (x[j] >= 0.0f) qs[j / 8] |= (uint8_t)(1 << (j % 8));
+}
+
+static void q2_0_block(const float *x, uint8_t *y) {
+    float amax = 0.0f;
+    for (int j = 0; j < 64; j++) {
+        const float a = fabsf(x[j]);
+        if (a > amax) amax = a;
+    }
+    const float d = amax;
+    const float id = d > 0.0f ? 1.0f / d : 0.0f;
+    put16(y, fp32_to_fp16(d));
+    uint8_t *qs = y + 2;
+    for (int j = 0; j < 16; j++) qs[j] = 0;
+    for (int j = 0; j < 64; j++) {
+        int q = (int)roundf(x[j] * id) + 1;
+        if (q < 0) q = 0;
+        if (q > 3) q = 3;
+        qs[j / 4] |= (uint8_t)((uint8_t)q << ((j % 4) * 2));
+    }
+}
+
+static float tq_amax(const float *x) {
+    float amax = 0.0f;
+    for (int j = 0; j < 256; j++) amax = LB_MAX(amax, fabsf(x[j]));
+    return amax;
+}
+
+/* five trits (the first most significant) as ggml stores them: ceil(t * 256 / 243) */
+static void tq1_0_block(const float *x, uint8_t *y) {
+    const float d = tq_amax(x);
+    const float id = d ? 1.0f / d : 0.0f;
+    uint8_t *qs = y, *qh = y + 48;
+    put16(y + 52, fp32_to_fp16(d));
+    for (int m = 0; m < 32; m++) {
+        uint8_t q = 0;
+        for (int n = 0; n < 5; n++) {
+            int xi = lroundf(x[m + n * 32] * id) + 1;
+            q *= 3;
+            q += xi;
+        }
+        qs[m] = (uint8_t)(((uint16_t)q * 256 + (243 - 1)) / 243);
+    }
+    x += 160;
+    for (int m = 0; m < 16; m++) {
+        uint8_t q = 0;
+        for (int n = 0; n < 5; n++) {
+            int xi = lroundf(x[m + n * 16] * id) + 1;
+            q *= 3;
+            q += xi;
+        }
+        qs[32 + m] = (uint8_t)(((uint16_t)q * 256 + (243 - 1)) / 243);
+    }
+    x += 80;
+    for (int j = 0; j < 4; j++) {
+        uint8_t q = 0;
+        for (int m = 0; m < 4; m++) {
+            int xi = lroundf(x[j + m * 4] * id) + 1;
+            q *= 3;
+            q += xi;
+        }
+        q *= 3;  /* the first value to the most significant trit */
+        qh[j] = (uint8_t)(((uint16_t)q * 256 + (243 - 1)) / 243);
+    }
+}
+
+static void tq2_0_block(const float *x, uint8_t *y) {
+    const float d = tq_amax(x);
+    const float id = d ? 1.0f / d : 0.0f;
+    put16(y + 64, fp32_to_fp16(d));
+    for (int j = 0; j < 64; j += 32) {
+        for (int m = 0; m < 32; m++) {
+            uint8_t q = 0;
+            for (int n = 0; n < 4; n++) {
+                int xi = lroundf(x[m + n * 32] * id) + 1;
+                q += (xi & 3) << (2 * n);
+            }
+            y[j + m] = q;
+        }
+        x += 128;
+    }
+}
+
+/* entry point: type 1 Q1_0 (blocks of 128), 2 Q2_0 (64), 34 TQ1_0 (256), 35 TQ2_0 (256); nb blocks. 0, or -1. */
+int qc_quantize_lowbit(int type, const float *x, uint8_t *y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++) {
+        switch (type) {
+        case 1: q1_0_block(x + i * 128, y + i * 18); break;
+        case 2: q2_0_block(x + i * 64, y + i * 18); break;
+        case 34: tq1_0_block(x + i * 256, y + i * 54); break;
+        case 35: tq2_0_block(x + i * 256, y + i * 66); break;
+        default: return -1;
+        }
+    }
+    return 0;
+}
+
+int qc_abi_version(void) { return 6; }

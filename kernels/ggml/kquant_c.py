@@ -1,4 +1,5 @@
-"""The C twin of the reference K-quantizers (kernels/ggml/kquant_c.c; also the legacy Q4_0 .. Q8_0 quantizers, the GPTQ
+"""The C twin of the reference K-quantizers (kernels/ggml/kquant_c.c; also the legacy Q4_0 .. Q8_0 quantizers, the 1-2-bit
+Q1_0 / Q2_0 / TQ1_0 / TQ2_0 ones (kernels/ggml/lowbit.py), the GPTQ
 word decode and the GPTQ -> Q4_0 repack): built once per machine with the system C compiler, cached, loaded with
 ctypes, and run on a pool of Python threads (a ctypes call releases the GIL).
 
@@ -34,13 +35,15 @@ import numpy as np
 
 from .layouts import LAYOUTS
 
-__all__ = ["available", "quantize", "quantize_legacy", "dequantize", "dequantize_gptq", "gptq4_to_q4_0", "TYPE_IDS",
+__all__ = ["available", "quantize", "quantize_legacy", "quantize_lowbit", "LOWBIT_TYPE_IDS", "dequantize", "dequantize_gptq", "gptq4_to_q4_0", "TYPE_IDS",
            "LEGACY_TYPE_IDS", "CHUNK_BLOCKS"]
 
 _SOURCE = Path(__file__).with_name("kquant_c.c")
 _FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-fno-strict-aliasing"]
 TYPE_IDS = {"Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
 LEGACY_TYPE_IDS = {"Q4_0": 40, "Q4_1": 41, "Q5_0": 50, "Q5_1": 51, "Q8_0": 80}
+# the 1- and 2-bit types: (qc_quantize_lowbit's type, elements per block, bytes per block)
+LOWBIT_TYPE_IDS = {"Q1_0": (1, 128, 18), "Q2_0": (2, 64, 18), "TQ1_0": (34, 256, 54), "TQ2_0": (35, 256, 66)}
 _BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 # super-blocks per task handed to a thread (512K values, 2 MiB of float32): small enough that a thread
 # slowed by another process leaves the rest to the others, large enough that a call costs nothing
@@ -96,9 +99,9 @@ def _build() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(lib_path))
         except OSError:
             continue
-        if lib.qc_abi_version() != 5:
+        if lib.qc_abi_version() != 6:
             continue
-        for fn in (lib.qc_quantize_k, lib.qc_dequantize_k, lib.qc_quantize_legacy):
+        for fn in (lib.qc_quantize_k, lib.qc_dequantize_k, lib.qc_quantize_legacy, lib.qc_quantize_lowbit):
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -165,6 +168,29 @@ def quantize_legacy(x: np.ndarray, type_name: str, threads: int = 1) -> np.ndarr
     def run(s: int) -> None:
         e = min(nb, s + step)
         fn(tid, x0 + s * 128, y0 + s * bb, e - s)
+
+    _spread(run, nb, threads, step)
+    return out
+
+
+def quantize_lowbit(x: np.ndarray, type_name: str, threads: int = 1) -> np.ndarray:
+    """float32 [..., n] (n a whole number of blocks) -> uint8 [..., n/block*block_bytes], as ggml's
+    quantize_row_q1_0_ref / _q2_0_ref / _tq1_0_ref / _tq2_0_ref (blocks never straddle rows, so quantizing the
+    whole buffer as one row, as ggml_quantize_chunk does without an imatrix, gives the same bytes)."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the C quantizers are not available")
+    tid, block, bb = LOWBIT_TYPE_IDS[type_name]
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.shape[-1] % block:
+        raise ValueError(f"rows of {x.shape[-1]} are not whole {type_name} blocks of {block}")
+    nb = x.size // block
+    out = np.empty((*x.shape[:-1], x.shape[-1] // block * bb), np.uint8)
+    x0, y0 = x.ctypes.data, out.ctypes.data
+    step = max(1, (1 << 19) // block)  # 512K values per task, as the K chunks
+
+    def run(s: int) -> None:
+        lib.qc_quantize_lowbit(tid, x0 + s * block * 4, y0 + s * bb, min(nb, s + step) - s)
 
     _spread(run, nb, threads, step)
     return out

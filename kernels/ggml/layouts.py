@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 __all__ = ["BlockLayout", "LAYOUTS", "layout", "FLOAT_TYPES", "LEGACY_TYPES", "K_TYPES", "CODEBOOK_LAYOUTS",
-           "CODEBOOK_TYPES", "FP4_LAYOUTS", "FP4_TYPES", "TARGET_LAYOUTS"]
+           "CODEBOOK_TYPES", "FP4_LAYOUTS", "FP4_TYPES", "LOWBIT_LAYOUTS", "LOWBIT_TYPES", "Q2_0_PRISM",
+           "IQ1_LAYOUTS", "TARGET_LAYOUTS", "GGUF_PY_UNKNOWN"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class BlockLayout:
     bits: int  # bits per code (float types: bits per element)
     offset: int = 0  # legacy symmetric types: value = d * (q - offset)
     has_min: bool = False  # legacy asymmetric types: value = d * q + m
-    kind: str = "legacy"  # "float" | "legacy" | "k" | "codebook" | "fp4"
+    kind: str = "legacy"  # "float" | "legacy" | "k" | "codebook" | "fp4" | "lowbit" | "iq1"
     sub_block: int = 0  # K types, IQ4_XS, the IQ2/IQ3 types: elements sharing one sub-block scale
     signed_codes: bool = False  # Q8_0 stores int8 codes
 
@@ -106,8 +107,26 @@ CODEBOOK_TYPES = tuple(CODEBOOK_LAYOUTS)
 FP4_LAYOUTS: dict[str, BlockLayout] = {t.name: t for t in (_ggml("MXFP4", 4, kind="fp4"),
                                                            _ggml("NVFP4", 4, kind="fp4", sub_block=16))}
 FP4_TYPES = tuple(FP4_LAYOUTS)
-# every type a writer can store: the grid types, the codebook types and the FP4 float-block types
-TARGET_LAYOUTS: dict[str, BlockLayout] = {**LAYOUTS, **CODEBOOK_LAYOUTS, **FP4_LAYOUTS}
+# The 1- and 2-bit types (kernels/ggml/lowbit.py): one fp16 `d` per block and 2-bit grid codes, w = d * (q - z).
+# Q1_0 128-blocks of signs (ggml 41), Q2_0 64-blocks of 2-bit codes (ggml 42, which gguf 0.19 does not know: its
+# facts are ggml-common.h's, QK2_0 64, 2 + 16 bytes), TQ1_0 / TQ2_0 the ternary 256-blocks (ggml 34, 35).
+# `bits` is the grid's code width (2 for all: Q1_0's signs are the codes 1 and 3 around the zero point 2).
+LOWBIT_LAYOUTS: dict[str, BlockLayout] = {t.name: t for t in (
+    _ggml("Q1_0", 2, kind="lowbit"), BlockLayout("Q2_0", 42, 64, 18, 2, kind="lowbit"),
+    _ggml("TQ1_0", 2, kind="lowbit"), _ggml("TQ2_0", 2, kind="lowbit"))}
+LOWBIT_TYPES = tuple(LOWBIT_LAYOUTS)
+# PrismML's llama.cpp fork writes 128-value Q2_0 blocks (fp16 d + 32 bytes) under the same type id 42: read only,
+# told apart by the tensor's byte size (kernels/ggml/lowbit.py q2_0_layout_for_size)
+Q2_0_PRISM = BlockLayout("Q2_0", 42, 128, 34, 2, kind="lowbit")
+# IQ1_S (ggml 19: fp16 d, 32 bytes of grid index lows, 8 uint16 of index highs, 3-bit scale and delta sign per
+# 32-block) and IQ1_M (ggml 29: no d field, the fp16 scale spread over the top nibbles of its four uint16 scales),
+# 256-blocks on ggml's 2048-point iq1s grid plus a +-0.125 delta: read (decoded as ggml decodes them), not written
+IQ1_LAYOUTS: dict[str, BlockLayout] = {t.name: t for t in (_ggml("IQ1_S", 1, kind="iq1", sub_block=32),
+                                                           _ggml("IQ1_M", 1, kind="iq1", sub_block=16))}
+# ggml types this llama.cpp has that gguf 0.19's GGMLQuantizationType lacks: type id -> layout
+GGUF_PY_UNKNOWN: dict[int, BlockLayout] = {42: LOWBIT_LAYOUTS["Q2_0"]}
+# every type a writer can store: the grid types, the codebook types, the FP4 float-block types and the 1-2-bit types
+TARGET_LAYOUTS: dict[str, BlockLayout] = {**LAYOUTS, **CODEBOOK_LAYOUTS, **FP4_LAYOUTS, **LOWBIT_LAYOUTS}
 
 
 def layout(name: str) -> BlockLayout:

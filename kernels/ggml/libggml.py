@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .layouts import TARGET_LAYOUTS
+from .layouts import IQ1_LAYOUTS, TARGET_LAYOUTS
 
-__all__ = ["available", "ggml_quantize", "library_path"]
+__all__ = ["available", "ggml_quantize", "ggml_dequantize", "library_path"]
 
 
 def library_path() -> Path | None:
@@ -74,4 +74,20 @@ def ggml_quantize(x: np.ndarray, type_name: str, imatrix: np.ndarray | None = No
     bounds = np.linspace(0, rows, threads + 1).astype(int)
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(lambda i: run(bounds[i], bounds[i + 1]), range(threads)))
+    return out
+
+
+def ggml_dequantize(data: np.ndarray, type_name: str, n: int) -> np.ndarray:
+    """uint8 [rows, row_bytes] of `type_name` blocks -> float32 [rows, n] from ggml's own dequantize_row_<type>
+    (the oracle the readers are checked against, for the types gguf-py cannot decode or decodes its own way)."""
+    lay = {**TARGET_LAYOUTS, **IQ1_LAYOUTS}[type_name.upper()]
+    data = np.ascontiguousarray(data, dtype=np.uint8)
+    rows = data.shape[0]
+    if data.shape[1] != lay.row_bytes(n):
+        raise ValueError(f"{type_name} rows of {n} take {lay.row_bytes(n)} bytes, not {data.shape[1]}")
+    f = getattr(_lib(), f"dequantize_row_{lay.name.lower()}")
+    f.restype = None
+    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    out = np.empty((rows, n), np.float32)
+    f(data.ctypes.data, out.ctypes.data, rows * n)  # rows are whole blocks: one call over them all
     return out
