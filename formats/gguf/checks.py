@@ -29,7 +29,9 @@ def _required_block(arch: str, layer_names: set[str]) -> tuple[str, ...]:
     has_routed = any(n in layer_names for n in _MOE_BLOCK)
     has_dense = any(n in layer_names for n in spec.dense_ffn)
     routed = has_routed or (spec.moe and not has_dense)
-    return spec.norms + spec.attention + spec.block_extra + (_MOE_BLOCK if routed else spec.dense_ffn)
+    linear = bool(spec.linear_attention) and any(n in layer_names for n in spec.linear_attention)
+    attention = spec.linear_attention if linear else spec.attention
+    return spec.norms + attention + spec.block_extra + (_MOE_BLOCK if routed else spec.dense_ffn)
 
 
 def _expected_shapes(cfg: Mapping, keys: Mapping[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -79,6 +81,8 @@ def _expected_shapes(cfg: Mapping, keys: Mapping[str, str]) -> dict[str, tuple[t
         for name in [n for n in out if n.startswith(("attn_q.", "attn_k.", "attn_v.", "attn_output.", "attn_q_norm",
                                                        "attn_k_norm"))]:
             del out[name]
+    if spec is not None and spec.gated_query:  # each head's query and its output gate
+        out["attn_q.weight"] = ((2 * q, e), says(*heads) + " (query and gate)")
     if cfg.get("_arch") == "phi3":  # fused projections: q, k, v rows in one, gate and up rows in one
         out["attn_qkv.weight"] = ((q + 2 * kvr, e), says(*heads, "num_key_value_heads"))
         out["ffn_up.weight"] = ((2 * f, e), says(*ffn))

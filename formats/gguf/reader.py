@@ -553,7 +553,7 @@ class GgufSource(ModelSource):
         else:
             raise BadInput(f"ggml type {type_name} cannot be decoded (gguf-py has no dequantizer for it)",
                            path=path, tensor=t.name)
-        shift = self.norm_shift if t.name.endswith("norm.weight") else 0.0
+        shift = self.norm_shift if arch_by_name(self.arch).shifts_norm(t.name) else 0.0
         if shift and dtype != "float32":
             dtype = "float32"  # w = stored - 1 is computed in float32
         return TensorRecord(name, shape, dtype, lambda: self._dense(t, type_name, shape, inv, expert, shift),
@@ -676,7 +676,9 @@ class GgufSource(ModelSource):
                     continue
                 m = _KV_B_HALF.match(t.name) if self.mla else None
                 if m is None:
-                    yield from self._records(path, t)
+                    restore = arch_by_name(self.arch).from_gguf_record  # the architecture's transforms undone
+                    for rec in self._records(path, t):
+                        yield rec if restore is None else restore(rec, self.config, path)
                     continue
                 pair = halves.setdefault(m["block"], {})
                 pair[m["half"]] = (path, t)

@@ -50,6 +50,7 @@ from .checks import check_writer_config, config_json_path, layer_count
 from .metadata import add_model_metadata, rope_tensors
 from .archs import (EXPERT_COUNT_KEYS, arch_by_name, expert_count_key, gpt_oss_expert_part, kv_b_parts,
                     split_gpt_oss_experts, split_kv_b)
+from .archs.base import GGUF_TRANSFORM
 from .names import expert_of, gguf_arch, layer_index, gguf_tensor_name, inverse_permutation, qk_row_permutation
 from .presets import PRESETS, ModelFacts, model_facts_from_gguf_names, preset_of, preset_type, quantized_by_llama_cpp
 from .tokenizer import add_tokenizer
@@ -333,14 +334,17 @@ class GgufWriter(Writer):
         loads (archs.split_kv_b), fused experts split into their stacks (gpt-oss's transposed, interleaved
         form by archs.split_gpt_oss_experts); every other record passes as it is."""
         arch, _ = self._arch(source)
+        spec = arch_by_name(arch)
         for rec in records:
-            parts = kv_b_parts(rec.name) if arch_by_name(arch).mla else None
+            parts = kv_b_parts(rec.name) if spec.mla else None
             if parts is not None:
                 yield from _kv_b_records(rec, parts, source.config, config_json_path(source))
             elif arch == "gpt-oss" and gpt_oss_expert_part(rec.name):
                 yield from _gpt_oss_expert_records(rec, config_json_path(source))
             elif _FUSED_EXPERTS.search(rec.name):
                 yield from _fused_expert_records(rec, config_json_path(source))
+            elif spec.to_gguf_record is not None:  # the architecture's own transforms (archs/)
+                yield spec.to_gguf_record(rec, source.config, config_json_path(source))
             else:
                 yield rec
 
@@ -354,6 +358,10 @@ class GgufWriter(Writer):
             # llama.cpp's Gemma runs the embedding as the output projection and has no output tensor
             return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT,
                               f"{arch} uses the token embedding as its output (llama.cpp loads no output.weight)",
+                              action=GgufAction(drop=True))
+        if spec.mtp_prefixes and rec.name.startswith(spec.mtp_prefixes):
+            return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT,
+                              "multi-token prediction block: left out, as llama.cpp's converter does with --no-mtp",
                               action=GgufAction(drop=True))
         out_name = gguf_tensor_name(rec.name, arch, n_layers)
         layer = layer_index(rec.name)
@@ -403,7 +411,9 @@ class GgufWriter(Writer):
                                                  quantize_dense)
             target, fallback_note = k_fallback(target, rule_shape, None)
             v = check(rec.dtype, rec.shape, GGUF_SCHEMES[target], native=codebook)
-            if spec.norm_shift and out_name.endswith("norm.weight") and v.verdict == EXACT:
+            if rec.layer_flags.get(GGUF_TRANSFORM) and v.verdict == EXACT:  # a transform that rounds (archs/)
+                v = replace(v, verdict=NEAR_EXACT, reason=f"{v.reason}; {rec.layer_flags[GGUF_TRANSFORM]}")
+            if spec.shifts_norm(out_name) and v.verdict == EXACT:
                 v = replace(v, verdict=NEAR_EXACT, reason=f"{v.reason}; stored as {spec.norm_shift:g} + w as "
                             f"llama.cpp's {arch} reads its norms (the float32 addition rounds)")
         action = GgufAction(expert=expert)
@@ -529,7 +539,8 @@ class GgufSession(WriterSession):
         for key, value in tokenizer.items():  # the keys check_model built (GgufWriter._tokenizer_keys)
             w.add_key_value(key, value.value, value.type, sub_type=value.sub_type)
         self.extra = list(rope_tensors(source.config, arch))
-        self.norm_shift = arch_by_name(arch).norm_shift
+        self.spec = arch_by_name(arch)
+        self.norm_shift = self.spec.norm_shift
         n_experts = _expert_count(source) if any(p.action.expert is not None for p in kept) else 0
         self.pending: dict[str, _ExpertSpill] = {}  # stacks of experts being filled
         self.reference: torch.Tensor | None = None  # the last add's source values (take_reference)
@@ -564,7 +575,7 @@ class GgufSession(WriterSession):
         if perm is not None:
             # a Grid, or reader.CodebookDense (IQ4_*), reorders its block bytes too
             item = item.permute_rows(perm) if hasattr(item, "permute_rows") else Dense(item.tensor[perm])
-        shift = self.norm_shift if plan.out_name.endswith("norm.weight") else 0.0
+        shift = self.norm_shift if self.spec.shifts_norm(plan.out_name) else 0.0
         if shift:  # Gemma: llama.cpp multiplies by the stored norm, transformers by 1 + w
             item = Dense(item.dequantize(torch.float32) + shift)
         source = SourceValues(item)

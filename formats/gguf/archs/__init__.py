@@ -18,6 +18,7 @@ themselves come from gguf-py's `TensorNameMap` for the architecture (names.py).
 """
 
 from . import llama, qwen, gemma, deepseek2, phi3, gpt_oss  # noqa: F401  (each registers its entries, in this order)
+from . import qwen35  # noqa: F401  (Qwen3.5: hybrid linear attention)
 from .base import (EXPERT_COUNT_KEYS, GgufArch, arch_by_name, arch_for_config, expert_count, expert_count_key,
                    expert_name, register_arch, registered, supported_classes)
 from .deepseek2 import kv_b_parts, merge_kv_b, split_kv_b

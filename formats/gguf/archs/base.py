@@ -17,7 +17,7 @@ from ..hparams import MAX_WIDTH
 
 __all__ = ["GgufArch", "register_arch", "registered", "arch_by_name", "arch_for_config", "supported_classes",
            "expert_name", "EXPERT_COUNT_KEYS", "expert_count_key", "expert_count", "expert_keys", "moe_config",
-           "HF_DENSE_BLOCK"]
+           "HF_DENSE_BLOCK", "GGUF_TRANSFORM"]
 
 MetadataHook = Callable[[gguf.GGUFWriter, Mapping], None]
 # (the config being rebuilt, get(key, default, required, kind, **bounds) of the arch's typed metadata, the
@@ -48,6 +48,10 @@ HF_DENSE_BLOCK = (
 
 
 MetadataHook = Callable[[gguf.GGUFWriter, Mapping], None]
+
+# TensorRecord.layer_flags key of a record an architecture's transform changed in a way that rounds (the
+# value: why; the GGUF writer then calls the tensor near-exact, as it does a shifted norm)
+GGUF_TRANSFORM = "gguf-transform"
 
 
 def _no_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
@@ -87,6 +91,29 @@ class GgufArch:
     config_from_gguf: ConfigHook = field(default=_no_config, repr=False)
     # rope types this architecture carries beyond linear / yarn / llama3 (Phi-3's longrope factor tables)
     extra_rope_types: tuple[str, ...] = ()
+    # hybrid models (Qwen3.5, Qwen3-Next): the tensors a linear-attention layer has in place of `attention`;
+    # a layer holding any of them is checked for these instead (llama.cpp's loader reads the layer's kind
+    # from its recurrent_layers key)
+    linear_attention: tuple[str, ...] = ()
+    # GGUF norms `norm_shift` leaves alone: Qwen3.5's gated RMSNorm of the linear attention (ssm_norm)
+    # multiplies by w where every other norm of the model multiplies by 1 + w
+    unshifted_norms: tuple[str, ...] = ()
+    # full-attention q_proj rows hold each head's query and its output gate (Qwen3-Next / 3.5): 2x rows
+    gated_query: bool = False
+    # name prefixes of a multi-token-prediction block saved beside the layers (Qwen3.5's `mtp.*`): dropped
+    # with a note, as llama.cpp's converter does with --no-mtp (its runtime does not use it for generation)
+    mtp_prefixes: tuple[str, ...] = ()
+    # the tensor transforms llama.cpp's converter applies beyond names, row permutations and norm shifts,
+    # one record at a time (shape changes, head reorders, A = -exp(A_log)): (record, config.json, the file
+    # to name) -> the record as the GGUF stores it, and back (reader: HF-named record holding the GGUF's
+    # values -> the HF values). None: none
+    to_gguf_record: Callable[..., Any] | None = field(default=None, repr=False)
+    from_gguf_record: Callable[..., Any] | None = field(default=None, repr=False)
+
+    def shifts_norm(self, gguf_name: str) -> bool:
+        """Whether the GGUF tensor is a norm stored as `norm_shift + w`."""
+        return bool(self.norm_shift) and gguf_name.endswith("norm.weight") and not any(
+            gguf_name.endswith(f".{n}.weight") for n in self.unshifted_norms)
 
     @property
     def enum(self) -> gguf.MODEL_ARCH:

@@ -1,0 +1,249 @@
+"""Qwen3.5 / Qwen3.6 (qwen35): Gated-DeltaNet linear-attention layers between full-attention layers, MRoPE.
+
+What llama.cpp's converter does beyond names (conversion/qwen.py: Qwen3NextModel and
+_LinearAttentionVReorderBase.modify_tensors, _Qwen35MRopeMixin), each undone on the way back:
+
+- every RMSNorm multiplies by 1 + w in transformers (Qwen3_5RMSNorm) and is stored as 1 + w (norm_shift),
+  except the linear attention's gated norm (Qwen3_5RMSNormGated, w itself): `ssm_norm` stays as it is;
+- A_log is stored as A = -exp(A_log) (`ssm_a`, no .weight suffix), dt_bias as `ssm_dt.bias`, the depthwise
+  conv1d kernel [channels, 1, kernel] as [channels, kernel];
+- with fewer key heads than value heads, the value heads are reordered from grouped by key head
+  ([k0: v0 v1, k1: v0 v1]) to tiled ([k0 v0, k1 v0, k0 v1, k1 v1]) so that ggml broadcasts the keys
+  instead of repeating them: the V rows of in_proj_qkv and the conv1d kernel, the rows of in_proj_z,
+  in_proj_a and in_proj_b, A_log and dt_bias, and the columns of out_proj;
+- the multi-token-prediction block (`mtp.*`) is left out, as the converter does with --no-mtp.
+
+The full-attention q_proj holds each head's query and its output gate (2x rows: gated_query).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Mapping
+
+import gguf
+import torch
+
+from ....converters.errors import BadInput
+from ....converters.records import Dense, TensorRecord
+from .base import GGUF_TRANSFORM, HF_DENSE_BLOCK, GgufArch, register_arch
+from ..hparams import MAX_HEADS, MAX_WIDTH, rope_parameters
+
+
+LINEAR_ATTENTION_BLOCK = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
+                          "linear_attn.in_proj_a", "linear_attn.conv1d", "linear_attn.dt_proj",
+                          "linear_attn.A_log", "linear_attn.norm", "linear_attn.out_proj")
+# what llama.cpp's qwen35 loader requires of a linear-attention layer (ssm_a and ssm_dt.bias have no .weight)
+_LINEAR_REQUIRED = ("attn_qkv", "attn_gate", "ssm_conv1d", "ssm_alpha", "ssm_beta", "ssm_norm", "ssm_out")
+# Qwen3.5's default MRoPE sections (time, height, width, extra), which llama.cpp's loader requires: its
+# converter writes them when a config has none (_Qwen35MRopeMixin)
+DEFAULT_MROPE_SECTION = [11, 11, 10, 0]
+# the per-layer recurrent flags llama.cpp's hybrid loaders read; gguf 0.19 (PyPI) has no name for the key yet
+# (the vendored gguf-py: Keys.Attention.RECURRENT_LAYERS)
+RECURRENT_LAYERS_KEY = "{arch}.attention.recurrent_layers"
+
+
+class LinearAttentionDims:
+    """The Gated DeltaNet sizes of a config.json (checked: the value heads a multiple of the key heads)."""
+
+    def __init__(self, config: Mapping, where: object = None):
+        try:
+            self.k_heads = int(config["linear_num_key_heads"])
+            self.v_heads = int(config["linear_num_value_heads"])
+            self.k_dim = int(config["linear_key_head_dim"])
+            self.v_dim = int(config["linear_value_head_dim"])
+        except (KeyError, TypeError, ValueError):
+            raise BadInput("config.json lacks linear_num_key_heads / linear_num_value_heads / linear_key_head_dim / "
+                           "linear_value_head_dim, which size the linear attention", path=where) from None
+        if not (0 < self.k_heads <= MAX_HEADS and 0 < self.v_heads <= MAX_HEADS and 0 < self.k_dim <= MAX_WIDTH
+                and 0 < self.v_dim <= MAX_WIDTH) or self.v_heads % self.k_heads:
+            raise BadInput(f"linear_num_value_heads {self.v_heads} is not a positive multiple of "
+                           f"linear_num_key_heads {self.k_heads} (or a head size is out of range)", path=where)
+        self.per_k = self.v_heads // self.k_heads
+
+    @property
+    def reorders(self) -> bool:
+        return self.per_k > 1
+
+
+def _swap_heads(t: torch.Tensor, dim: int, outer: int, inner: int, size: int) -> torch.Tensor:
+    """Along `dim` (outer x inner x size entries), exchange the outer and inner head indices: grouped
+    [k][v_per_k] -> tiled [v_per_k][k] with (outer, inner) = (k heads, value heads per key head); the
+    inverse with the two swapped."""
+    shape = list(t.shape)
+    dim %= len(shape)
+    t = t.reshape(*shape[:dim], outer, inner, size, *shape[dim + 1:])
+    return t.transpose(dim, dim + 1).contiguous().reshape(shape)
+
+
+def _reorder(kind: str, t: torch.Tensor, d: LinearAttentionDims, to_gguf: bool) -> torch.Tensor:
+    """The value-head reorder of one linear-attention tensor (`kind` its HF module), or its inverse."""
+    outer, inner = (d.k_heads, d.per_k) if to_gguf else (d.per_k, d.k_heads)
+    if kind == "in_proj_qkv":  # only the V rows (after q and k)
+        qk = 2 * d.k_heads * d.k_dim
+        return torch.cat([t[:qk], _swap_heads(t[qk:], 0, outer, inner, d.v_dim)])
+    if kind == "conv1d":  # channels: q, k, then v
+        qk = 2 * d.k_heads * d.k_dim
+        return torch.cat([t[:qk], _swap_heads(t[qk:], 0, outer, inner, d.v_dim)])
+    if kind == "in_proj_z":
+        return _swap_heads(t, 0, outer, inner, d.v_dim)
+    if kind in ("in_proj_a", "in_proj_b", "A_log", "dt_bias"):
+        return _swap_heads(t, 0, outer, inner, 1)
+    if kind == "out_proj":  # its columns are the value heads
+        return _swap_heads(t, 1, outer, inner, d.v_dim)
+    return t
+
+
+def _linear_kind(hf_name: str) -> str | None:
+    """`in_proj_qkv`, `conv1d`, `A_log`, ... for a linear-attention tensor, else None."""
+    head, sep, tail = hf_name.partition(".linear_attn.")
+    if not sep:
+        return None
+    return tail.split(".")[0]
+
+
+_A_LOG_NOTE = "stored as A = -exp(A_log), as llama.cpp's ssm_a (float32 exp rounds)"
+
+
+def linear_attention_to_gguf(rec: TensorRecord, config: Mapping, where: object = None) -> TensorRecord:
+    """A record as llama.cpp's converter stores it: the conv1d kernel squeezed, A_log as -exp(A_log), the value
+    heads tiled. A quantized record is dequantized first (its grid does not survive a column reorder or an
+    exp); records outside the linear attention pass as they are."""
+    kind = _linear_kind(rec.name)
+    if kind is None or kind in ("norm",):
+        return rec
+    d = LinearAttentionDims(config, where)
+    shape = tuple(rec.shape)
+    if kind == "conv1d":
+        if len(shape) != 3 or shape[1] != 1:
+            raise BadInput(f"conv1d kernel of shape {list(shape)}: expected [channels, 1, kernel]", path=where,
+                           tensor=rec.name)
+        shape = (shape[0], shape[2])
+    if not d.reorders and kind not in ("conv1d", "A_log"):
+        return rec
+    lossy = kind == "A_log"
+
+    def load() -> Dense:
+        item = rec.load()
+        t = item.tensor if isinstance(item, Dense) else item.dequantize(torch.float32)
+        if kind == "conv1d":
+            t = t.reshape(shape)
+        if d.reorders:
+            t = _reorder(kind, t, d, to_gguf=True)
+        if kind == "A_log":  # in the source's dtype, as the converter computes it
+            t = -torch.exp(t)
+        return Dense(t.contiguous())
+
+    flags = dict(rec.layer_flags, **({GGUF_TRANSFORM: _A_LOG_NOTE} if lossy else {}))
+    dtype = rec.dtype if not rec.is_grid else "float32"
+    return replace(rec, shape=shape, dtype=dtype, load=load, params=None, native_type=None, layer_flags=flags,
+                   source_name=rec.source_name or rec.name)
+
+
+def linear_attention_from_gguf(rec: TensorRecord, config: Mapping, where: object = None) -> TensorRecord:
+    """The inverse of :func:`linear_attention_to_gguf` on a GGUF's record (HF-named, the GGUF's values)."""
+    kind = _linear_kind(rec.name)
+    if kind is None or kind == "norm":
+        return rec
+    d = LinearAttentionDims(config, where)
+    shape = tuple(rec.shape)
+    if kind == "conv1d":
+        shape = (shape[0], 1, shape[1])
+    if not d.reorders and kind not in ("conv1d", "A_log"):
+        return rec
+
+    def load() -> Dense:
+        item = rec.load()
+        t = item.tensor if isinstance(item, Dense) else item.dequantize(torch.float32)
+        if kind == "A_log":
+            t = torch.log(-t.to(torch.float32))
+        if d.reorders:
+            t = _reorder(kind, t, d, to_gguf=False)
+        return Dense(t.reshape(shape).contiguous())
+
+    dtype = "float32" if kind == "A_log" or rec.is_grid else rec.dtype
+    return replace(rec, shape=shape, dtype=dtype, load=load, params=None, native_type=None)
+
+
+# --------------------------------------------------------------------------------------------------
+# metadata, both ways
+# --------------------------------------------------------------------------------------------------
+def _layer_types(config: Mapping) -> list[str]:
+    n = int(config["num_hidden_layers"])
+    types = config.get("layer_types")
+    if types is None:  # transformers' default: every full_attention_interval-th layer is full attention
+        interval = int(config.get("full_attention_interval") or 4)
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or any(t not in ("linear_attention", "full_attention")
+                                                             for t in types):
+        raise BadInput(f"layer_types must name linear_attention or full_attention for each of the {n} layers")
+    return types
+
+
+def _rope_dims(config: Mapping) -> int:
+    hd = int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
+    factor = rope_parameters(config).get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
+    return int(hd * float(factor))
+
+
+def _qwen35_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
+    """The keys llama.cpp's converter adds for Qwen3.5 (Qwen3NextModel.set_gguf_parameters and
+    _Qwen35MRopeMixin): the Gated DeltaNet sizes as ssm.*, which layers are recurrent, the rotated part of
+    each head, and the MRoPE sections (required by llama.cpp's qwen35 loader)."""
+    d = LinearAttentionDims(config)
+    writer.add_ssm_conv_kernel(int(config.get("linear_conv_kernel_dim") or 4))
+    writer.add_ssm_state_size(d.k_dim)
+    writer.add_ssm_group_count(d.k_heads)
+    writer.add_ssm_time_step_rank(d.v_heads)
+    writer.add_ssm_inner_size(d.v_dim * d.v_heads)
+    writer.add_array(RECURRENT_LAYERS_KEY.format(arch=writer.arch),
+                     [t == "linear_attention" for t in _layer_types(config)])
+    writer.add_full_attention_interval(int(config.get("full_attention_interval") or 4))
+    writer.add_rope_dimension_count(_rope_dims(config))
+    section = rope_parameters(config).get("mrope_section")
+    if section is None:
+        writer.add_rope_dimension_sections(DEFAULT_MROPE_SECTION)
+    else:
+        writer.add_rope_dimension_sections([int(s) for s in (list(section) + [0, 0, 0, 0])[:4]])
+
+
+def _qwen35_config(cfg: dict, get, names, cv) -> None:
+    """Qwen3_5TextConfig from the GGUF keys: the linear attention's sizes, the layer kinds, rope on
+    rope.dimension_count of each head in the stored MRoPE sections (interleaved, as Qwen3.5's rotary does)."""
+    arch = "qwen35"
+    v_heads = get("ssm.time_step_rank", required=True, lo=1, hi=MAX_HEADS)
+    inner = get("ssm.inner_size", required=True, lo=1, hi=MAX_WIDTH * MAX_HEADS)
+    if inner % v_heads:
+        raise BadInput(f"metadata {arch}.ssm.inner_size {inner} is not a multiple of {arch}.ssm.time_step_rank "
+                       f"{v_heads}", path=cv.path)
+    n = cfg["num_hidden_layers"]
+    flags = cv.get(RECURRENT_LAYERS_KEY.format(arch=arch))
+    if not isinstance(flags, list) or len(flags) != n or not all(isinstance(f, bool) for f in flags):
+        raise BadInput(f"metadata {arch}.attention.recurrent_layers is not {n} booleans (one per layer)",
+                       path=cv.path)
+    rope_dims = get("rope.dimension_count", required=True, lo=2, hi=cfg["head_dim"])
+    sections = cv.get(f"{arch}.rope.dimension_sections")
+    if not isinstance(sections, list) or len(sections) != 4 or not all(isinstance(s, int) for s in sections):
+        raise BadInput(f"metadata {arch}.rope.dimension_sections is not 4 integers", path=cv.path)
+    cfg.update(linear_conv_kernel_dim=get("ssm.conv_kernel", required=True, lo=1, hi=MAX_WIDTH),
+               linear_key_head_dim=get("ssm.state_size", required=True, lo=1, hi=MAX_WIDTH),
+               linear_num_key_heads=get("ssm.group_count", required=True, lo=1, hi=v_heads),
+               linear_num_value_heads=v_heads, linear_value_head_dim=inner // v_heads,
+               layer_types=["linear_attention" if f else "full_attention" for f in flags],
+               attention_bias=False)
+    if v_heads % cfg["linear_num_key_heads"]:
+        raise BadInput(f"metadata {arch}.ssm.time_step_rank {v_heads} is not a multiple of {arch}.ssm.group_count "
+                       f"{cfg['linear_num_key_heads']}", path=cv.path)
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta"),
+                              "partial_rotary_factor": rope_dims / cfg["head_dim"],
+                              "mrope_section": list(sections[:3]), "mrope_interleaved": True}
+    cfg.pop("rope_scaling", None)
+
+
+register_arch(GgufArch("qwen35", ("Qwen3_5ForCausalLM",), ("qwen3_5_text",), "Qwen3_5ForCausalLM", "qwen3_5_text",
+                       norm_shift=1.0, unshifted_norms=("ssm_norm",), extra_metadata=_qwen35_extra,
+                       norms=("attn_norm", "post_attention_norm"),
+                       attention=("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm"),
+                       linear_attention=_LINEAR_REQUIRED, gated_query=True, mtp_prefixes=("mtp.", "model.mtp."),
+                       hf_block=HF_DENSE_BLOCK + LINEAR_ATTENTION_BLOCK, config_from_gguf=_qwen35_config,
+                       to_gguf_record=linear_attention_to_gguf, from_gguf_record=linear_attention_from_gguf))
