@@ -50,7 +50,6 @@ from .checks import check_writer_config, config_json_path, layer_count
 from .metadata import add_model_metadata, rope_tensors
 from .archs import (EXPERT_COUNT_KEYS, arch_by_name, expert_count_key, gpt_oss_expert_part, kv_b_parts,
                     split_gpt_oss_experts, split_kv_b)
-from .archs.base import GGUF_TRANSFORM
 from .names import expert_of, gguf_arch, layer_index, gguf_tensor_name, inverse_permutation, qk_row_permutation
 from .presets import PRESETS, ModelFacts, model_facts_from_gguf_names, preset_of, preset_type, quantized_by_llama_cpp
 from .tokenizer import add_tokenizer
@@ -411,8 +410,9 @@ class GgufWriter(Writer):
                                                  quantize_dense)
             target, fallback_note = k_fallback(target, rule_shape, None)
             v = check(rec.dtype, rec.shape, GGUF_SCHEMES[target], native=codebook)
-            if rec.layer_flags.get(GGUF_TRANSFORM) and v.verdict == EXACT:  # a transform that rounds (archs/)
-                v = replace(v, verdict=NEAR_EXACT, reason=f"{v.reason}; {rec.layer_flags[GGUF_TRANSFORM]}")
+            stored = spec.stored_values(out_name)  # an elementwise map that rounds (archs/)
+            if stored is not None and v.verdict == EXACT:
+                v = replace(v, verdict=NEAR_EXACT, reason=f"{v.reason}; {stored[2]}")
             if spec.shifts_norm(out_name) and v.verdict == EXACT:
                 v = replace(v, verdict=NEAR_EXACT, reason=f"{v.reason}; stored as {spec.norm_shift:g} + w as "
                             f"llama.cpp's {arch} reads its norms (the float32 addition rounds)")
@@ -578,12 +578,17 @@ class GgufSession(WriterSession):
         shift = self.norm_shift if self.spec.shifts_norm(plan.out_name) else 0.0
         if shift:  # Gemma: llama.cpp multiplies by the stored norm, transformers by 1 + w
             item = Dense(item.dequantize(torch.float32) + shift)
+        stored = self.spec.stored_values(plan.out_name)  # Qwen3.5's A = -exp(A_log): measured after the inverse
+        if stored is not None:
+            item = Dense(stored[0](item.dequantize(torch.float32)))
         source = SourceValues(item)
         data, decoded = encode_tensor(lay, plan.verdict, item, plan.action.quant, source=source)
         if shift:
             decoded = decoded - shift
+        if stored is not None and not isinstance(decoded, BitIdentical):
+            decoded = stored[1](decoded)
         self._write(plan, data.reshape(-1))
-        ref = None if shift or isinstance(decoded, BitIdentical) else source.values
+        ref = None if shift or stored is not None or isinstance(decoded, BitIdentical) else source.values
         if perm is not None and not isinstance(decoded, BitIdentical):
             decoded = decoded[inverse_permutation(perm)]
             ref = None if ref is None else ref[inverse_permutation(perm)]

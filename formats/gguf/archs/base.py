@@ -17,7 +17,7 @@ from ..hparams import MAX_WIDTH
 
 __all__ = ["GgufArch", "register_arch", "registered", "arch_by_name", "arch_for_config", "supported_classes",
            "expert_name", "EXPERT_COUNT_KEYS", "expert_count_key", "expert_count", "expert_keys", "moe_config",
-           "HF_DENSE_BLOCK", "GGUF_TRANSFORM"]
+           "HF_DENSE_BLOCK", "StoredValues"]
 
 MetadataHook = Callable[[gguf.GGUFWriter, Mapping], None]
 # (the config being rebuilt, get(key, default, required, kind, **bounds) of the arch's typed metadata, the
@@ -49,9 +49,14 @@ HF_DENSE_BLOCK = (
 
 MetadataHook = Callable[[gguf.GGUFWriter, Mapping], None]
 
-# TensorRecord.layer_flags key of a record an architecture's transform changed in a way that rounds (the
-# value: why; the GGUF writer then calls the tensor near-exact, as it does a shifted norm)
-GGUF_TRANSFORM = "gguf-transform"
+# an elementwise map llama.cpp's converter applies to a tensor's values (Qwen3.5's A = -exp(A_log)): the
+# values as stored, the inverse (the writer measures the error after it, against the source's values), and
+# why the tensor is near-exact
+StoredValues = tuple[Callable[[Any], Any], Callable[[Any], Any], str]
+
+
+def _as_is(gguf_name: str) -> StoredValues | None:
+    return None
 
 
 def _no_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
@@ -103,10 +108,13 @@ class GgufArch:
     # name prefixes of a multi-token-prediction block saved beside the layers (Qwen3.5's `mtp.*`): dropped
     # with a note, as llama.cpp's converter does with --no-mtp (its runtime does not use it for generation)
     mtp_prefixes: tuple[str, ...] = ()
-    # the tensor transforms llama.cpp's converter applies beyond names, row permutations and norm shifts,
-    # one record at a time (shape changes, head reorders, A = -exp(A_log)): (record, config.json, the file
-    # to name) -> the record as the GGUF stores it, and back (reader: HF-named record holding the GGUF's
-    # values -> the HF values). None: none
+    # the elementwise maps that round (gguf name -> StoredValues or None), applied by the writer's session so
+    # that the error is measured against the source's own values
+    stored_values: Callable[[str], StoredValues | None] = field(default=_as_is, repr=False)
+    # the exact tensor transforms llama.cpp's converter applies beyond names, q/k row permutations and norm
+    # shifts, one record at a time (shape changes, head reorders): (record, config.json, the file to name)
+    # -> the record as the GGUF stores it, and back (reader: an HF-named record holding the GGUF's values ->
+    # the HF values, elementwise maps of `stored_values` undone too). None: none
     to_gguf_record: Callable[..., Any] | None = field(default=None, repr=False)
     from_gguf_record: Callable[..., Any] | None = field(default=None, repr=False)
 

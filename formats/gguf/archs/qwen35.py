@@ -26,7 +26,7 @@ import torch
 
 from ....converters.errors import BadInput
 from ....converters.records import Dense, TensorRecord
-from .base import GGUF_TRANSFORM, HF_DENSE_BLOCK, GgufArch, register_arch
+from .base import HF_DENSE_BLOCK, GgufArch, StoredValues, register_arch
 from ..hparams import MAX_HEADS, MAX_WIDTH, rope_parameters
 
 
@@ -102,13 +102,19 @@ def _linear_kind(hf_name: str) -> str | None:
     return tail.split(".")[0]
 
 
-_A_LOG_NOTE = "stored as A = -exp(A_log), as llama.cpp's ssm_a (float32 exp rounds)"
+_A_LOG = (lambda a_log: -torch.exp(a_log), lambda a: torch.log(-a),
+          "stored as A = -exp(A_log), as llama.cpp's ssm_a (float32 exp rounds)")
+
+
+def a_log_values(gguf_name: str) -> StoredValues | None:
+    """A_log is stored as A = -exp(A_log) (the writer's session applies it and measures after the log)."""
+    return _A_LOG if gguf_name.endswith(".ssm_a") else None
 
 
 def linear_attention_to_gguf(rec: TensorRecord, config: Mapping, where: object = None) -> TensorRecord:
-    """A record as llama.cpp's converter stores it: the conv1d kernel squeezed, A_log as -exp(A_log), the value
-    heads tiled. A quantized record is dequantized first (its grid does not survive a column reorder or an
-    exp); records outside the linear attention pass as they are."""
+    """A record as llama.cpp's converter stores it: the conv1d kernel squeezed, the value heads tiled (A_log's
+    -exp is the session's: a_log_values). A quantized record is dequantized first (its grid does not
+    survive a column reorder); records outside the linear attention pass as they are."""
     kind = _linear_kind(rec.name)
     if kind is None or kind in ("norm",):
         return rec
@@ -119,9 +125,8 @@ def linear_attention_to_gguf(rec: TensorRecord, config: Mapping, where: object =
             raise BadInput(f"conv1d kernel of shape {list(shape)}: expected [channels, 1, kernel]", path=where,
                            tensor=rec.name)
         shape = (shape[0], shape[2])
-    if not d.reorders and kind not in ("conv1d", "A_log"):
+    if not d.reorders and kind != "conv1d":
         return rec
-    lossy = kind == "A_log"
 
     def load() -> Dense:
         item = rec.load()
@@ -130,13 +135,10 @@ def linear_attention_to_gguf(rec: TensorRecord, config: Mapping, where: object =
             t = t.reshape(shape)
         if d.reorders:
             t = _reorder(kind, t, d, to_gguf=True)
-        if kind == "A_log":  # in the source's dtype, as the converter computes it
-            t = -torch.exp(t)
         return Dense(t.contiguous())
 
-    flags = dict(rec.layer_flags, **({GGUF_TRANSFORM: _A_LOG_NOTE} if lossy else {}))
     dtype = rec.dtype if not rec.is_grid else "float32"
-    return replace(rec, shape=shape, dtype=dtype, load=load, params=None, native_type=None, layer_flags=flags,
+    return replace(rec, shape=shape, dtype=dtype, load=load, params=None, native_type=None,
                    source_name=rec.source_name or rec.name)
 
 
@@ -156,7 +158,7 @@ def linear_attention_from_gguf(rec: TensorRecord, config: Mapping, where: object
         item = rec.load()
         t = item.tensor if isinstance(item, Dense) else item.dequantize(torch.float32)
         if kind == "A_log":
-            t = torch.log(-t.to(torch.float32))
+            t = _A_LOG[1](t.to(torch.float32))
         if d.reorders:
             t = _reorder(kind, t, d, to_gguf=False)
         return Dense(t.reshape(shape).contiguous())
@@ -246,4 +248,5 @@ register_arch(GgufArch("qwen35", ("Qwen3_5ForCausalLM",), ("qwen3_5_text",), "Qw
                        attention=("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm"),
                        linear_attention=_LINEAR_REQUIRED, gated_query=True, mtp_prefixes=("mtp.", "model.mtp."),
                        hf_block=HF_DENSE_BLOCK + LINEAR_ATTENTION_BLOCK, config_from_gguf=_qwen35_config,
-                       to_gguf_record=linear_attention_to_gguf, from_gguf_record=linear_attention_from_gguf))
+                       to_gguf_record=linear_attention_to_gguf, from_gguf_record=linear_attention_from_gguf,
+                       stored_values=a_log_values))
