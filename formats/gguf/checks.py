@@ -37,12 +37,12 @@ def _required_block(arch: str, layer_names: set[str]) -> tuple[str, ...]:
 def _expected_shapes(cfg: Mapping, keys: Mapping[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
     """GGUF base name (``blk.N.`` stripped) -> (HF-order shape, the metadata it follows from) for the
     weights and biases of a llama / qwen2 / qwen3 model. ``keys`` names each hyper-parameter."""
-    e, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    e, f, v = cfg["hidden_size"], cfg.get("intermediate_size") or 0, cfg["vocab_size"]
     hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     k = keys
 
     def says(*names: str) -> str:
-        return ", ".join(f"{k[n]} {cfg[n]}" for n in names)
+        return ", ".join(f"{k[n]} {cfg.get(n)}" for n in names)
 
     hdv = cfg.get("_value_head_dim", hd)
     q, kvr, qv, kvv = nh * hd, nkv * hd, nh * hdv, nkv * hdv
@@ -285,7 +285,8 @@ def check_writer_config(config: Mapping, arch: str, shapes: Mapping[str, tuple[i
                            "head_dim is given)", path=path)
         hd = n_embd // n_head
     cfg = {"hidden_size": n_embd, "num_attention_heads": n_head, "num_key_value_heads": n_kv, "head_dim": hd,
-           "intermediate_size": cv.int("intermediate_size", lo=1, hi=MAX_WIDTH),
+           "intermediate_size": cv.int("intermediate_size", lo=1, hi=MAX_WIDTH) if arch_by_name(arch).dense_ffn_width
+           else cv.int("intermediate_size", default=None, lo=1, hi=MAX_WIDTH),
            "num_hidden_layers": cv.int("num_hidden_layers", lo=1),
            "vocab_size": cv.int("vocab_size", default=None, lo=1, hi=MAX_VOCAB)}
     cv.int("max_position_embeddings", lo=1, hi=2**32 - 1)

@@ -64,7 +64,8 @@ def add_model_metadata(writer: gguf.GGUFWriter, config: Mapping, arch: str, *, f
     writer.add_context_length(int(require(config, "max_position_embeddings")))
     writer.add_embedding_length(n_embd)
     writer.add_block_count(int(require(config, "num_hidden_layers")))
-    writer.add_feed_forward_length(int(require(config, "intermediate_size")))
+    if spec.dense_ffn_width or config.get("intermediate_size") is not None:
+        writer.add_feed_forward_length(int(require(config, "intermediate_size")))
     writer.add_head_count(n_head)
     writer.add_head_count_kv(1 if spec.mla else n_kv)
     writer.add_rope_freq_base(float(rp["rope_theta"]))

@@ -220,7 +220,7 @@ GEMMA_KINDS = ("gemma2", "gemma3")
 # --------------------------------------------------------------------------------------------------
 # Hybrid linear-attention families (arch-hybrid): Qwen3.5
 # --------------------------------------------------------------------------------------------------
-HYBRID_KINDS = ("qwen3_5",)
+HYBRID_KINDS = ("qwen3_5", "qwen3_5_moe")
 
 
 def _qwen3_5(layers: int, wide: bool):
@@ -245,6 +245,26 @@ def _qwen3_5(layers: int, wide: bool):
 
 
 BUILDERS["qwen3_5"] = _qwen3_5
+
+
+def _qwen3_5_moe(layers: int, wide: bool):
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    d = _dims(wide)
+    # Qwen3.5-MoE (35B-A3B's layout): the layer mix of _qwen3_5, every layer routed (4 experts, top 2,
+    # renormalised as transformers' router always does) with a sigmoid-gated shared expert; no dense FFN
+    dense, _, _ = _qwen3_5(layers, wide)
+    kept = {k: getattr(dense, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                           "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings",
+                                           "bos_token_id", "eos_token_id", "pad_token_id", "head_dim",
+                                           "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                                           "linear_num_key_heads", "linear_num_value_heads", "rms_norm_eps",
+                                           "layer_types", "rope_parameters")}
+    cfg = Qwen3_5MoeTextConfig(**kept, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=d["moe_ffn"],
+                               shared_expert_intermediate_size=2 * d["moe_ffn"])
+    return cfg, Qwen3_5MoeForCausalLM, {}
+
+
+BUILDERS["qwen3_5_moe"] = _qwen3_5_moe
 
 
 def _qwen_mtp_block(out: Path, seed: int) -> None:
@@ -276,7 +296,7 @@ def _qwen_mtp_block(out: Path, seed: int) -> None:
 
 
 # what a kind's checkpoint carries beyond transformers' own save (called with the folder and the seed)
-AFTER_SAVE: Dict[str, Callable[[Path, int], None]] = {"qwen3_5": _qwen_mtp_block}
+AFTER_SAVE: Dict[str, Callable[[Path, int], None]] = {"qwen3_5": _qwen_mtp_block, "qwen3_5_moe": _qwen_mtp_block}
 
 
 # --------------------------------------------------------------------------------------------------

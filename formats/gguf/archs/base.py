@@ -103,6 +103,9 @@ class GgufArch:
     # GGUF norms `norm_shift` leaves alone: Qwen3.5's gated RMSNorm of the linear attention (ssm_norm)
     # multiplies by w where every other norm of the model multiplies by 1 + w
     unshifted_norms: tuple[str, ...] = ()
+    # the model has a dense FFN width (config intermediate_size, GGUF feed_forward_length); Qwen3.5-MoE
+    # routes every layer and has neither (llama.cpp's converter then writes no feed_forward_length)
+    dense_ffn_width: bool = True
     # full-attention q_proj rows hold each head's query and its output gate (Qwen3-Next / 3.5): 2x rows
     gated_query: bool = False
     # name prefixes of a multi-token-prediction block saved beside the layers (Qwen3.5's `mtp.*`): dropped

@@ -1,4 +1,4 @@
-"""Qwen3.5 / Qwen3.6 (qwen35): Gated-DeltaNet linear-attention layers between full-attention layers, MRoPE.
+"""Qwen3.5 / Qwen3.6 (qwen35, and qwen35moe: every layer routed, a gated shared expert): Gated-DeltaNet linear-attention layers between full-attention layers, MRoPE.
 
 What llama.cpp's converter does beyond names (conversion/qwen.py: Qwen3NextModel and
 _LinearAttentionVReorderBase.modify_tensors, _Qwen35MRopeMixin), each undone on the way back:
@@ -26,7 +26,8 @@ import torch
 
 from ....converters.errors import BadInput
 from ....converters.records import Dense, TensorRecord
-from .base import HF_DENSE_BLOCK, GgufArch, StoredValues, register_arch
+from .base import HF_DENSE_BLOCK, GgufArch, StoredValues, moe_config, register_arch
+from .qwen import QWEN_MOE_BLOCK, qwen_moe_extra
 from ..hparams import MAX_HEADS, MAX_WIDTH, rope_parameters
 
 
@@ -209,10 +210,14 @@ def _qwen35_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
         writer.add_rope_dimension_sections([int(s) for s in (list(section) + [0, 0, 0, 0])[:4]])
 
 
-def _qwen35_config(cfg: dict, get, names, cv) -> None:
+def _qwen35moe_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
+    qwen_moe_extra(writer, config)  # the routed and shared experts' counts and widths (Qwen2MoeModel's keys)
+    _qwen35_extra(writer, config)
+
+
+def _qwen35_config(cfg: dict, get, names, cv, arch: str = "qwen35") -> None:
     """Qwen3_5TextConfig from the GGUF keys: the linear attention's sizes, the layer kinds, rope on
     rope.dimension_count of each head in the stored MRoPE sections (interleaved, as Qwen3.5's rotary does)."""
-    arch = "qwen35"
     v_heads = get("ssm.time_step_rank", required=True, lo=1, hi=MAX_HEADS)
     inner = get("ssm.inner_size", required=True, lo=1, hi=MAX_WIDTH * MAX_HEADS)
     if inner % v_heads:
@@ -242,6 +247,18 @@ def _qwen35_config(cfg: dict, get, names, cv) -> None:
     cfg.pop("rope_scaling", None)
 
 
+def _qwen35moe_config(cfg: dict, get, names, cv) -> None:
+    """Qwen3_5MoeTextConfig: _qwen35_config plus the routed experts (every layer; transformers' router always
+    renormalises the top-k weights, as llama.cpp's qwen35moe graph does) and the gated shared expert."""
+    _qwen35_config(cfg, get, names, cv, arch="qwen35moe")
+    moe_config(cfg, get, names, cv)
+    if "num_local_experts" not in cfg:
+        raise BadInput("GGUF metadata lacks qwen35moe.expert_count (Qwen3.5-MoE routes every layer)", path=cv.path)
+    cfg["num_experts"] = cfg.pop("num_local_experts")
+    cfg["shared_expert_intermediate_size"] = get("expert_shared_feed_forward_length", required=True, lo=1,
+                                                 hi=MAX_WIDTH)
+
+
 register_arch(GgufArch("qwen35", ("Qwen3_5ForCausalLM",), ("qwen3_5_text",), "Qwen3_5ForCausalLM", "qwen3_5_text",
                        norm_shift=1.0, unshifted_norms=("ssm_norm",), extra_metadata=_qwen35_extra,
                        norms=("attn_norm", "post_attention_norm"),
@@ -250,3 +267,12 @@ register_arch(GgufArch("qwen35", ("Qwen3_5ForCausalLM",), ("qwen3_5_text",), "Qw
                        hf_block=HF_DENSE_BLOCK + LINEAR_ATTENTION_BLOCK, config_from_gguf=_qwen35_config,
                        to_gguf_record=linear_attention_to_gguf, from_gguf_record=linear_attention_from_gguf,
                        stored_values=a_log_values))
+register_arch(GgufArch("qwen35moe", ("Qwen3_5MoeForCausalLM",), ("qwen3_5_moe_text",), "Qwen3_5MoeForCausalLM",
+                       "qwen3_5_moe_text", moe=True, dense_ffn_width=False,
+                       norm_shift=1.0, unshifted_norms=("ssm_norm",), extra_metadata=_qwen35moe_extra,
+                       norms=("attn_norm", "post_attention_norm"),
+                       attention=("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm"),
+                       linear_attention=_LINEAR_REQUIRED, gated_query=True, mtp_prefixes=("mtp.", "model.mtp."),
+                       hf_block=HF_DENSE_BLOCK + LINEAR_ATTENTION_BLOCK + QWEN_MOE_BLOCK,
+                       config_from_gguf=_qwen35moe_config, to_gguf_record=linear_attention_to_gguf,
+                       from_gguf_record=linear_attention_from_gguf, stored_values=a_log_values))

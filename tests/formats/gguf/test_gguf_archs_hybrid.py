@@ -1,4 +1,5 @@
-"""GGUF for the hybrid linear-attention families (issue 26): Qwen3.5 (qwen35), judged by llama.cpp itself on a
+"""GGUF for the hybrid linear-attention families (issue 26): Qwen3.5 (qwen35) and Qwen3.5-MoE (qwen35moe: every
+layer routed, 4 experts top 2, a gated shared expert), judged by llama.cpp itself on a
 tiny random model with the real layer mix (three Gated-DeltaNet layers, then a full-attention one; 2 key and 4
 value heads so that the value heads are reordered as on the released models; an MTP block beside the layers):
 
@@ -28,10 +29,10 @@ gguf = pytest.importorskip("gguf")
 ROOT = Path(__file__).parents[2] / "_fixtures" / "archs"
 KINDS = fixtures_archs.HYBRID_KINDS
 PROMPT = fixtures_archs.arch_prompt()
-CLASSES = {"qwen3_5": "Qwen3_5ForCausalLM"}
-ARCHS = {"qwen3_5": "qwen35"}
+CLASSES = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+ARCHS = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}
 # the converter's flags for the file qconvert matches: Qwen3.5's MTP block left out
-CONVERTER_FLAGS = {"qwen3_5": ("--no-mtp",)}
+CONVERTER_FLAGS = {"qwen3_5": ("--no-mtp",), "qwen3_5_moe": ("--no-mtp",)}
 
 
 def _cached(path: Path, build) -> Path:
@@ -74,12 +75,23 @@ def _model_keys(path: Path) -> dict:
     return {k: f.contents() for k, f in r.fields.items() if not k.startswith(("GGUF.", "general.", "tokenizer."))}
 
 
-def _same_tensors(ours: Path, theirs: Path) -> set[str]:
-    """Both files hold the same tensors, each of the same ggml type, shape and bytes; -> the types present."""
+def _dims(shape) -> list[int]:
+    """ggml's dimensions as llama-quantize writes them (ggml_n_dims: trailing 1s dropped, so the shared-expert
+    gate [hidden, 1] of the converter's file is [hidden] in llama-quantize's)."""
+    dims = [int(d) for d in shape]
+    while len(dims) > 1 and dims[-1] == 1:
+        dims.pop()
+    return dims
+
+
+def _same_tensors(ours: Path, theirs: Path, exact_dims: bool = True) -> set[str]:
+    """Both files hold the same tensors, each of the same ggml type, shape and bytes; -> the types present.
+    `exact_dims` False: shapes compared as ggml_n_dims counts them (llama-quantize's output)."""
     a, b = gguf_tensors(ours), gguf_tensors(theirs)
     assert sorted(a) == sorted(b)
+    dims = (lambda s: [int(d) for d in s]) if exact_dims else _dims
     for name in a:
-        assert (a[name].tensor_type, list(a[name].shape)) == (b[name].tensor_type, list(b[name].shape)), name
+        assert (a[name].tensor_type, dims(a[name].shape)) == (b[name].tensor_type, dims(b[name].shape)), name
         assert bytes(a[name].data) == bytes(b[name].data), name
     return {t.tensor_type.name for t in a.values()}
 
@@ -97,6 +109,9 @@ def test_f32_is_what_llama_cpp_converter_writes_and_runs(kind, tmp_path):
     # both kinds of layer are there: Gated DeltaNet (A, conv, tiled heads) and gated full attention
     assert {"blk.0.ssm_a", "blk.0.ssm_dt.bias", "blk.0.ssm_conv1d.weight", "blk.0.attn_qkv.weight",
             "blk.0.ssm_norm.weight", "blk.3.attn_q.weight", "blk.3.attn_q_norm.weight"} <= names
+    if kind == "qwen3_5_moe":  # routed and shared experts in every layer, no dense FFN
+        assert {"blk.0.ffn_gate_exps.weight", "blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate_inp_shexp.weight",
+                "blk.3.ffn_down_shexp.weight"} <= names and not any(".ffn_gate.weight" in n for n in names)
     results = {t["name"]: t for t in json.loads(report.read_text())["tensors"]}
     mtp = [n for n in results if n.startswith("mtp.")]
     assert mtp and all(results[n]["target"] == "dropped" for n in mtp)
@@ -120,10 +135,11 @@ def test_quantized_equals_llama_quantize(kind, preset, ftype, wide, tmp_path):
     ours = tmp_path / f"ours-{preset}.gguf"
     run_cli("hf->gguf", model_dir(kind, wide), ours, "--type", preset, "--allow-requant")
     theirs = llama_quantize(f32, tmp_path / f"llama-{preset}.gguf", ftype)
-    types = _same_tensors(ours, theirs)
+    types = _same_tensors(ours, theirs, exact_dims=False)
     assert ({"Q8_0"} if preset == "q8_0" else {"Q4_K", "Q6_K"}) <= types
     a = gguf_tensors(ours)
-    assert all(a[n].tensor_type.name == "F32" for n in a if n.endswith((".ssm_a", ".ssm_conv1d.weight", ".ssm_dt.bias")))
+    assert all(a[n].tensor_type.name == "F32" for n in a if n.endswith((".ssm_a", ".ssm_conv1d.weight", ".ssm_dt.bias",
+                                                                        "ffn_gate_inp.weight", "gate_inp_shexp.weight")))
     if preset == "q8_0":
         assert np.array_equal(llama_logits(ours, PROMPT), llama_logits(theirs, PROMPT))
 
