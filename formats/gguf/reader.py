@@ -664,6 +664,8 @@ class GgufSource(ModelSource):
     def records(self) -> Iterator[TensorRecord]:
         halves: dict[str, dict[str, tuple[Path, object]]] = {}  # DeepSeek's attn_k_b / attn_v_b waiting for the other
         gate_up: dict[tuple[str, str], dict[str, tuple[Path, object]]] = {}  # gpt-oss's gate / up stacks, by layer
+        restore = arch_by_name(self.arch).from_gguf_record  # the architecture's transforms undone (archs/)
+        held: dict = {}  # records such a transform keeps until their partner arrives
         for path, reader in zip(self.parts, self.readers):
             for t in reader.tensors:
                 g = _GPT_OSS_STACK.match(t.name) if self.arch == "gpt-oss" else None
@@ -676,15 +678,18 @@ class GgufSource(ModelSource):
                     continue
                 m = _KV_B_HALF.match(t.name) if self.mla else None
                 if m is None:
-                    restore = arch_by_name(self.arch).from_gguf_record  # the architecture's transforms undone
                     for rec in self._records(path, t):
-                        yield rec if restore is None else restore(rec, self.config, path)
+                        yield from ([rec] if restore is None else restore(rec, self.config, path, held))
                     continue
                 pair = halves.setdefault(m["block"], {})
                 pair[m["half"]] = (path, t)
                 if len(pair) == 2:
                     del halves[m["block"]]
                     yield self._kv_b_record(pair)
+        for pair in held.values():  # a transform's record whose partner never came
+            rec = next(iter(pair.values()))
+            raise BadInput("tensor without the partner its architecture merges it with", path=self.path,
+                           tensor=rec.source_name or rec.name)
         for block, pair in halves.items():
             path, t = next(iter(pair.values()))
             other = "attn_v_b" if "k" in pair else "attn_k_b"

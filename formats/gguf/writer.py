@@ -343,7 +343,7 @@ class GgufWriter(Writer):
             elif _FUSED_EXPERTS.search(rec.name):
                 yield from _fused_expert_records(rec, config_json_path(source))
             elif spec.to_gguf_record is not None:  # the architecture's own transforms (archs/)
-                yield spec.to_gguf_record(rec, source.config, config_json_path(source))
+                yield from spec.to_gguf_record(rec, source.config, config_json_path(source))
             else:
                 yield rec
 

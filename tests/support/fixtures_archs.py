@@ -220,7 +220,7 @@ GEMMA_KINDS = ("gemma2", "gemma3")
 # --------------------------------------------------------------------------------------------------
 # Hybrid linear-attention families (arch-hybrid): Qwen3.5
 # --------------------------------------------------------------------------------------------------
-HYBRID_KINDS = ("qwen3_5", "qwen3_5_moe")
+HYBRID_KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
 def _qwen3_5(layers: int, wide: bool):
@@ -267,7 +267,31 @@ def _qwen3_5_moe(layers: int, wide: bool):
 BUILDERS["qwen3_5_moe"] = _qwen3_5_moe
 
 
-def _qwen_mtp_block(out: Path, seed: int) -> None:
+def _qwen3_next(layers: int, wide: bool):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    d = _dims(wide)
+    # Qwen3-Next-80B-A3B's layout: the layer mix of _qwen3_5 with its linear attention's projections fused
+    # (in_proj_qkvz, in_proj_ba, per key head), every layer routed (decoder_sparse_step 1, no mlp_only_layers:
+    # llama.cpp's qwen3next has no dense layers) with a gated shared expert, top-k renormalised
+    # (norm_topk_prob, which llama.cpp's graph always does), plain rope on a quarter of each head
+    dense, _, _ = _qwen3_5(layers, wide)
+    kept = {k: getattr(dense, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                           "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                                           "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+                                           "head_dim", "linear_conv_kernel_dim", "linear_key_head_dim",
+                                           "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                                           "rms_norm_eps", "layer_types")}
+    cfg = Qwen3NextConfig(**kept, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=d["moe_ffn"],
+                          shared_expert_intermediate_size=2 * d["moe_ffn"], norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[],
+                          rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+    return cfg, Qwen3NextForCausalLM, {}
+
+
+BUILDERS["qwen3_next"] = _qwen3_next
+
+
+def _qwen_mtp_block(out: Path, seed: int, count_in_config: bool = True) -> None:
     """Add the multi-token-prediction block Qwen3.5 / Qwen3-Next checkpoints ship beside the model (`mtp.*`:
     fc over [embedding, hidden], its two input norms, a final norm and one full-attention decoder layer;
     transformers ignores it on load, `_keys_to_ignore_on_load_unexpected`), and `mtp_num_hidden_layers` in
@@ -291,12 +315,15 @@ def _qwen_mtp_block(out: Path, seed: int) -> None:
         mtp["mtp.layers.0." + name[len(prefix):]] = torch.randn(t.shape, generator=gen) * t.std()
     tensors.update(mtp)
     save_file(tensors, str(path), metadata={"format": "pt"})
-    config["mtp_num_hidden_layers"] = 1
+    if count_in_config:  # Qwen3.5's configs say so; Qwen3-Next's do not (its converter counts the tensors)
+        config["mtp_num_hidden_layers"] = 1
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
 # what a kind's checkpoint carries beyond transformers' own save (called with the folder and the seed)
-AFTER_SAVE: Dict[str, Callable[[Path, int], None]] = {"qwen3_5": _qwen_mtp_block, "qwen3_5_moe": _qwen_mtp_block}
+AFTER_SAVE: Dict[str, Callable[[Path, int], None]] = {
+    "qwen3_5": _qwen_mtp_block, "qwen3_5_moe": _qwen_mtp_block,
+    "qwen3_next": lambda out, seed: _qwen_mtp_block(out, seed, count_in_config=False)}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -115,9 +115,10 @@ class GgufArch:
     # that the error is measured against the source's own values
     stored_values: Callable[[str], StoredValues | None] = field(default=_as_is, repr=False)
     # the exact tensor transforms llama.cpp's converter applies beyond names, q/k row permutations and norm
-    # shifts, one record at a time (shape changes, head reorders): (record, config.json, the file to name)
-    # -> the record as the GGUF stores it, and back (reader: an HF-named record holding the GGUF's values ->
-    # the HF values, elementwise maps of `stored_values` undone too). None: none
+    # shifts (shape changes, head reorders, a fused projection split): writer (record, config.json, the file
+    # to name) -> the records as the GGUF stores them; reader (an HF-named record holding the GGUF's values,
+    # config, file, a dict the hook keeps records in until their partner arrives) -> the HF records, the
+    # elementwise maps of `stored_values` undone too. None: none
     to_gguf_record: Callable[..., Any] | None = field(default=None, repr=False)
     from_gguf_record: Callable[..., Any] | None = field(default=None, repr=False)
 

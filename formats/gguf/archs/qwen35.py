@@ -1,4 +1,5 @@
-"""Qwen3.5 / Qwen3.6 (qwen35, and qwen35moe: every layer routed, a gated shared expert): Gated-DeltaNet linear-attention layers between full-attention layers, MRoPE.
+"""Qwen3.5 / Qwen3.6 (qwen35, and qwen35moe: every layer routed, a gated shared expert) and Qwen3-Next
+(qwen3next: the same layers with fused linear-attention projections, no MRoPE, no value-head reorder): Gated-DeltaNet linear-attention layers between full-attention layers, MRoPE.
 
 What llama.cpp's converter does beyond names (conversion/qwen.py: Qwen3NextModel and
 _LinearAttentionVReorderBase.modify_tensors, _Qwen35MRopeMixin), each undone on the way back:
@@ -112,60 +113,115 @@ def a_log_values(gguf_name: str) -> StoredValues | None:
     return _A_LOG if gguf_name.endswith(".ssm_a") else None
 
 
-def linear_attention_to_gguf(rec: TensorRecord, config: Mapping, where: object = None) -> TensorRecord:
-    """A record as llama.cpp's converter stores it: the conv1d kernel squeezed, the value heads tiled (A_log's
-    -exp is the session's: a_log_values). A quantized record is dequantized first (its grid does not
-    survive a column reorder); records outside the linear attention pass as they are."""
-    kind = _linear_kind(rec.name)
-    if kind is None or kind in ("norm",):
-        return rec
-    d = LinearAttentionDims(config, where)
-    shape = tuple(rec.shape)
-    if kind == "conv1d":
-        if len(shape) != 3 or shape[1] != 1:
-            raise BadInput(f"conv1d kernel of shape {list(shape)}: expected [channels, 1, kernel]", path=where,
-                           tensor=rec.name)
-        shape = (shape[0], shape[2])
-    if not d.reorders and kind != "conv1d":
-        return rec
+def _dense(item) -> torch.Tensor:
+    return item.tensor if isinstance(item, Dense) else item.dequantize(torch.float32)
 
-    def load() -> Dense:
-        item = rec.load()
-        t = item.tensor if isinstance(item, Dense) else item.dequantize(torch.float32)
+
+def _qkvz_rows(d: LinearAttentionDims) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-Next's in_proj_qkvz rows ([q k v z] per key head) -> (the rows of [q_all k_all v_all], of z_all):
+    what llama.cpp's converter splits it into (attn_qkv, attn_gate)."""
+    kd, vd = d.k_dim, d.per_k * d.v_dim
+    rows = torch.arange(d.k_heads * (2 * kd + 2 * vd)).reshape(d.k_heads, 2 * kd + 2 * vd)
+    q, k, v, z = rows.split([kd, kd, vd, vd], dim=1)
+    return torch.cat([q.reshape(-1), k.reshape(-1), v.reshape(-1)]), z.reshape(-1)
+
+
+def _to_gguf(tiled: bool):
+    """The writer's hook (GgufArch.to_gguf_record): `tiled` reorders the value heads (Qwen3.5's converter),
+    Qwen3-Next's fused in_proj_qkvz is split into in_proj_qkv and in_proj_z as llama.cpp stores them."""
+
+    def to_gguf(rec: TensorRecord, config: Mapping, where: object = None) -> list[TensorRecord]:
+        """A record as llama.cpp's converter stores it: the conv1d kernel squeezed, the value heads tiled
+        (A_log's -exp is the session's: a_log_values), in_proj_qkvz split. A quantized record is dequantized
+        first (its grid does not survive a column reorder); records outside the linear attention pass."""
+        kind = _linear_kind(rec.name)
+        if kind is None or kind == "norm":
+            return [rec]
+        d = LinearAttentionDims(config, where)
+        dtype = rec.dtype if not rec.is_grid else "float32"
+        if kind == "in_proj_qkvz":
+            qkv, z = _qkvz_rows(d)
+            if tuple(rec.shape[:1]) != (qkv.numel() + z.numel(),) or len(rec.shape) != 2:
+                raise BadInput(f"in_proj_qkvz of shape {list(rec.shape)} contradicts the linear attention's "
+                               f"sizes ({qkv.numel() + z.numel()} rows)", path=where, tensor=rec.name)
+            head = rec.name[: rec.name.index(".in_proj_qkvz")]
+            return [replace(rec, name=f"{head}.{part}.weight", shape=(rows.numel(), rec.shape[1]), dtype=dtype,
+                            load=(lambda rows=rows: Dense(_dense(rec.load())[rows].contiguous())), params=None,
+                            native_type=None, source_name=f"{rec.source_name or rec.name} ({what} rows)")
+                    for part, rows, what in (("in_proj_qkv", qkv, "q, k, v"), ("in_proj_z", z, "z"))]
+        shape = tuple(rec.shape)
         if kind == "conv1d":
-            t = t.reshape(shape)
-        if d.reorders:
-            t = _reorder(kind, t, d, to_gguf=True)
-        return Dense(t.contiguous())
+            if len(shape) != 3 or shape[1] != 1:
+                raise BadInput(f"conv1d kernel of shape {list(shape)}: expected [channels, 1, kernel]", path=where,
+                               tensor=rec.name)
+            shape = (shape[0], shape[2])
+        reorder = tiled and d.reorders
+        if not reorder and kind != "conv1d":
+            return [rec]
 
-    dtype = rec.dtype if not rec.is_grid else "float32"
-    return replace(rec, shape=shape, dtype=dtype, load=load, params=None, native_type=None,
-                   source_name=rec.source_name or rec.name)
+        def load() -> Dense:
+            t = _dense(rec.load())
+            if kind == "conv1d":
+                t = t.reshape(shape)
+            if reorder:
+                t = _reorder(kind, t, d, to_gguf=True)
+            return Dense(t.contiguous())
+
+        return [replace(rec, shape=shape, dtype=dtype, load=load, params=None, native_type=None,
+                        source_name=rec.source_name or rec.name)]
+
+    return to_gguf
 
 
-def linear_attention_from_gguf(rec: TensorRecord, config: Mapping, where: object = None) -> TensorRecord:
-    """The inverse of :func:`linear_attention_to_gguf` on a GGUF's record (HF-named, the GGUF's values)."""
-    kind = _linear_kind(rec.name)
-    if kind is None or kind == "norm":
-        return rec
-    d = LinearAttentionDims(config, where)
-    shape = tuple(rec.shape)
-    if kind == "conv1d":
-        shape = (shape[0], 1, shape[1])
-    if not d.reorders and kind not in ("conv1d", "A_log"):
-        return rec
+def _from_gguf(tiled: bool, fused: bool):
+    """The reader's hook (GgufArch.from_gguf_record), the inverse of _to_gguf: (record, config, the file,
+    `held`: records kept between calls) -> the records to yield (Qwen3-Next's in_proj_qkv waits in `held` for
+    its in_proj_z, and the two are merged back into in_proj_qkvz)."""
 
-    def load() -> Dense:
-        item = rec.load()
-        t = item.tensor if isinstance(item, Dense) else item.dequantize(torch.float32)
-        if kind == "A_log":
-            t = _A_LOG[1](t.to(torch.float32))
-        if d.reorders:
-            t = _reorder(kind, t, d, to_gguf=False)
-        return Dense(t.reshape(shape).contiguous())
+    def from_gguf(rec: TensorRecord, config: Mapping, where: object, held: dict) -> list[TensorRecord]:
+        kind = _linear_kind(rec.name)
+        if kind is None or kind == "norm":
+            return [rec]
+        d = LinearAttentionDims(config, where)
+        if fused and kind in ("in_proj_qkv", "in_proj_z"):
+            head = rec.name[: rec.name.index(f".{kind}")]
+            pair = held.setdefault(head, {})
+            pair[kind] = rec
+            if len(pair) < 2:
+                return []
+            del held[head]
+            qkv, z = _qkvz_rows(d)
+            order = torch.argsort(torch.cat([qkv, z]))  # row r of in_proj_qkvz is row order[r] of [qkv; z]
+            a, b = pair["in_proj_qkv"], pair["in_proj_z"]
+            if a.shape[0] != qkv.numel() or b.shape[0] != z.numel() or a.shape[1:] != b.shape[1:]:
+                raise BadInput(f"{a.source_name or a.name} and {b.source_name or b.name} of shapes {list(a.shape)} "
+                               f"and {list(b.shape)} do not make one in_proj_qkvz", path=where, tensor=a.name)
 
-    dtype = "float32" if kind == "A_log" or rec.is_grid else rec.dtype
-    return replace(rec, shape=shape, dtype=dtype, load=load, params=None, native_type=None)
+            def load() -> Dense:
+                return Dense(torch.cat([_dense(a.load()), _dense(b.load())])[order].contiguous())
+
+            return [replace(a, name=f"{head}.in_proj_qkvz.weight", shape=(qkv.numel() + z.numel(), *a.shape[1:]),
+                            dtype="float32", load=load, params=None, native_type=None,
+                            source_name=f"{a.source_name} + {b.source_name}")]
+        shape = tuple(rec.shape)
+        if kind == "conv1d":
+            shape = (shape[0], 1, shape[1])
+        reorder = tiled and d.reorders
+        if not reorder and kind not in ("conv1d", "A_log"):
+            return [rec]
+
+        def load() -> Dense:
+            t = _dense(rec.load())
+            if kind == "A_log":
+                t = _A_LOG[1](t.to(torch.float32))
+            if reorder:
+                t = _reorder(kind, t, d, to_gguf=False)
+            return Dense(t.reshape(shape).contiguous())
+
+        dtype = "float32" if kind == "A_log" or rec.is_grid else rec.dtype
+        return [replace(rec, shape=shape, dtype=dtype, load=load, params=None, native_type=None)]
+
+    return from_gguf
 
 
 # --------------------------------------------------------------------------------------------------
@@ -189,10 +245,9 @@ def _rope_dims(config: Mapping) -> int:
     return int(hd * float(factor))
 
 
-def _qwen35_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
-    """The keys llama.cpp's converter adds for Qwen3.5 (Qwen3NextModel.set_gguf_parameters and
-    _Qwen35MRopeMixin): the Gated DeltaNet sizes as ssm.*, which layers are recurrent, the rotated part of
-    each head, and the MRoPE sections (required by llama.cpp's qwen35 loader)."""
+def _linear_attention_keys(writer: gguf.GGUFWriter, config: Mapping) -> None:
+    """The keys Qwen3-Next and Qwen3.5 share (Qwen3NextModel.set_gguf_parameters): the Gated DeltaNet sizes as
+    ssm.*, which layers are recurrent, the rotated part of each head."""
     d = LinearAttentionDims(config)
     writer.add_ssm_conv_kernel(int(config.get("linear_conv_kernel_dim") or 4))
     writer.add_ssm_state_size(d.k_dim)
@@ -203,6 +258,28 @@ def _qwen35_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
                      [t == "linear_attention" for t in _layer_types(config)])
     writer.add_full_attention_interval(int(config.get("full_attention_interval") or 4))
     writer.add_rope_dimension_count(_rope_dims(config))
+
+
+def _qwen3next_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
+    qwen_moe_extra(writer, config)
+    _linear_attention_keys(writer, config)
+
+
+def _qwen3next_caveats(config: Mapping) -> list[str]:
+    out = []
+    # llama.cpp's qwen3next graph always renormalises the chosen experts' weights and has no dense layers
+    if config.get("norm_topk_prob") is False:
+        out.append("norm_topk_prob is false but llama.cpp's qwen3next always renormalises the top-k expert weights")
+    if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
+        out.append("mlp_only_layers / decoder_sparse_step ask for dense layers, which llama.cpp's qwen3next lacks")
+    return out
+
+
+def _qwen35_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
+    """The keys llama.cpp's converter adds for Qwen3.5 (Qwen3NextModel.set_gguf_parameters and
+    _Qwen35MRopeMixin): the Gated DeltaNet sizes as ssm.*, which layers are recurrent, the rotated part of
+    each head, and the MRoPE sections (required by llama.cpp's qwen35 loader)."""
+    _linear_attention_keys(writer, config)
     section = rope_parameters(config).get("mrope_section")
     if section is None:
         writer.add_rope_dimension_sections(DEFAULT_MROPE_SECTION)
@@ -215,7 +292,7 @@ def _qwen35moe_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
     _qwen35_extra(writer, config)
 
 
-def _qwen35_config(cfg: dict, get, names, cv, arch: str = "qwen35") -> None:
+def _qwen35_config(cfg: dict, get, names, cv, arch: str = "qwen35", mrope: bool = True) -> None:
     """Qwen3_5TextConfig from the GGUF keys: the linear attention's sizes, the layer kinds, rope on
     rope.dimension_count of each head in the stored MRoPE sections (interleaved, as Qwen3.5's rotary does)."""
     v_heads = get("ssm.time_step_rank", required=True, lo=1, hi=MAX_HEADS)
@@ -229,7 +306,7 @@ def _qwen35_config(cfg: dict, get, names, cv, arch: str = "qwen35") -> None:
         raise BadInput(f"metadata {arch}.attention.recurrent_layers is not {n} booleans (one per layer)",
                        path=cv.path)
     rope_dims = get("rope.dimension_count", required=True, lo=2, hi=cfg["head_dim"])
-    sections = cv.get(f"{arch}.rope.dimension_sections")
+    sections = cv.get(f"{arch}.rope.dimension_sections") if mrope else [0, 0, 0, 0]
     if not isinstance(sections, list) or len(sections) != 4 or not all(isinstance(s, int) for s in sections):
         raise BadInput(f"metadata {arch}.rope.dimension_sections is not 4 integers", path=cv.path)
     cfg.update(linear_conv_kernel_dim=get("ssm.conv_kernel", required=True, lo=1, hi=MAX_WIDTH),
@@ -242,9 +319,22 @@ def _qwen35_config(cfg: dict, get, names, cv, arch: str = "qwen35") -> None:
         raise BadInput(f"metadata {arch}.ssm.time_step_rank {v_heads} is not a multiple of {arch}.ssm.group_count "
                        f"{cfg['linear_num_key_heads']}", path=cv.path)
     cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta"),
-                              "partial_rotary_factor": rope_dims / cfg["head_dim"],
-                              "mrope_section": list(sections[:3]), "mrope_interleaved": True}
+                              "partial_rotary_factor": rope_dims / cfg["head_dim"]}
+    if mrope:
+        cfg["rope_parameters"].update(mrope_section=list(sections[:3]), mrope_interleaved=True)
     cfg.pop("rope_scaling", None)
+
+
+def _qwen3next_config(cfg: dict, get, names, cv) -> None:
+    """Qwen3NextConfig: _qwen35_config without MRoPE, the routed experts in every layer (renormalised, as
+    llama.cpp's graph does) and the gated shared expert."""
+    _qwen35_config(cfg, get, names, cv, arch="qwen3next", mrope=False)
+    moe_config(cfg, get, names, cv)
+    if "num_local_experts" not in cfg:
+        raise BadInput("GGUF metadata lacks qwen3next.expert_count (Qwen3-Next routes every layer)", path=cv.path)
+    cfg.update(num_experts=cfg.pop("num_local_experts"), norm_topk_prob=True, decoder_sparse_step=1,
+               mlp_only_layers=[], shared_expert_intermediate_size=get("expert_shared_feed_forward_length",
+                                                                       required=True, lo=1, hi=MAX_WIDTH))
 
 
 def _qwen35moe_config(cfg: dict, get, names, cv) -> None:
@@ -265,8 +355,8 @@ register_arch(GgufArch("qwen35", ("Qwen3_5ForCausalLM",), ("qwen3_5_text",), "Qw
                        attention=("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm"),
                        linear_attention=_LINEAR_REQUIRED, gated_query=True, mtp_prefixes=("mtp.", "model.mtp."),
                        hf_block=HF_DENSE_BLOCK + LINEAR_ATTENTION_BLOCK, config_from_gguf=_qwen35_config,
-                       to_gguf_record=linear_attention_to_gguf, from_gguf_record=linear_attention_from_gguf,
-                       stored_values=a_log_values))
+                       to_gguf_record=_to_gguf(tiled=True),
+                       from_gguf_record=_from_gguf(tiled=True, fused=False), stored_values=a_log_values))
 register_arch(GgufArch("qwen35moe", ("Qwen3_5MoeForCausalLM",), ("qwen3_5_moe_text",), "Qwen3_5MoeForCausalLM",
                        "qwen3_5_moe_text", moe=True, dense_ffn_width=False,
                        norm_shift=1.0, unshifted_norms=("ssm_norm",), extra_metadata=_qwen35moe_extra,
@@ -274,5 +364,16 @@ register_arch(GgufArch("qwen35moe", ("Qwen3_5MoeForCausalLM",), ("qwen3_5_moe_te
                        attention=("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm"),
                        linear_attention=_LINEAR_REQUIRED, gated_query=True, mtp_prefixes=("mtp.", "model.mtp."),
                        hf_block=HF_DENSE_BLOCK + LINEAR_ATTENTION_BLOCK + QWEN_MOE_BLOCK,
-                       config_from_gguf=_qwen35moe_config, to_gguf_record=linear_attention_to_gguf,
-                       from_gguf_record=linear_attention_from_gguf, stored_values=a_log_values))
+                       config_from_gguf=_qwen35moe_config, to_gguf_record=_to_gguf(tiled=True),
+                       from_gguf_record=_from_gguf(tiled=True, fused=False), stored_values=a_log_values))
+# Qwen3-Next: its linear attention's projections fused per key head (in_proj_qkvz, split into attn_qkv and
+# attn_gate; in_proj_ba kept as ssm_ba), value heads left grouped (its converter does not tile them)
+register_arch(GgufArch("qwen3next", ("Qwen3NextForCausalLM",), ("qwen3_next",), "Qwen3NextForCausalLM", "qwen3_next",
+                       moe=True, norm_shift=1.0, unshifted_norms=("ssm_norm",), extra_metadata=_qwen3next_extra,
+                       norms=("attn_norm", "post_attention_norm"),
+                       attention=("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm"),
+                       linear_attention=("attn_qkv", "attn_gate", "ssm_conv1d", "ssm_ba", "ssm_norm", "ssm_out"),
+                       gated_query=True, mtp_prefixes=("mtp.", "model.mtp."), caveats=_qwen3next_caveats,
+                       hf_block=HF_DENSE_BLOCK + LINEAR_ATTENTION_BLOCK + ("linear_attn.in_proj_ba",) + QWEN_MOE_BLOCK,
+                       config_from_gguf=_qwen3next_config, to_gguf_record=_to_gguf(tiled=False),
+                       from_gguf_record=_from_gguf(tiled=False, fused=True), stored_values=a_log_values))

@@ -1,5 +1,6 @@
-"""GGUF for the hybrid linear-attention families (issue 26): Qwen3.5 (qwen35) and Qwen3.5-MoE (qwen35moe: every
-layer routed, 4 experts top 2, a gated shared expert), judged by llama.cpp itself on a
+"""GGUF for the hybrid linear-attention families (issue 26): Qwen3.5 (qwen35), Qwen3.5-MoE (qwen35moe: every
+layer routed, 4 experts top 2, a gated shared expert) and Qwen3-Next (qwen3next: the same with its linear
+attention's projections fused, in_proj_qkvz split into attn_qkv / attn_gate and merged back), judged by llama.cpp itself on a
 tiny random model with the real layer mix (three Gated-DeltaNet layers, then a full-attention one; 2 key and 4
 value heads so that the value heads are reordered as on the released models; an MTP block beside the layers):
 
@@ -29,10 +30,11 @@ gguf = pytest.importorskip("gguf")
 ROOT = Path(__file__).parents[2] / "_fixtures" / "archs"
 KINDS = fixtures_archs.HYBRID_KINDS
 PROMPT = fixtures_archs.arch_prompt()
-CLASSES = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
-ARCHS = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}
-# the converter's flags for the file qconvert matches: Qwen3.5's MTP block left out
-CONVERTER_FLAGS = {"qwen3_5": ("--no-mtp",), "qwen3_5_moe": ("--no-mtp",)}
+CLASSES = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
+ARCHS = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
+# the converter's flags for the file qconvert matches: the MTP block left out (Qwen3-Next's converter
+# refuses a checkpoint without one unless told so)
+CONVERTER_FLAGS = {kind: ("--no-mtp",) for kind in CLASSES}
 
 
 def _cached(path: Path, build) -> Path:
@@ -109,7 +111,7 @@ def test_f32_is_what_llama_cpp_converter_writes_and_runs(kind, tmp_path):
     # both kinds of layer are there: Gated DeltaNet (A, conv, tiled heads) and gated full attention
     assert {"blk.0.ssm_a", "blk.0.ssm_dt.bias", "blk.0.ssm_conv1d.weight", "blk.0.attn_qkv.weight",
             "blk.0.ssm_norm.weight", "blk.3.attn_q.weight", "blk.3.attn_q_norm.weight"} <= names
-    if kind == "qwen3_5_moe":  # routed and shared experts in every layer, no dense FFN
+    if kind != "qwen3_5":  # routed and shared experts in every layer, no dense FFN
         assert {"blk.0.ffn_gate_exps.weight", "blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate_inp_shexp.weight",
                 "blk.3.ffn_down_shexp.weight"} <= names and not any(".ffn_gate.weight" in n for n in names)
     results = {t["name"]: t for t in json.loads(report.read_text())["tensors"]}
