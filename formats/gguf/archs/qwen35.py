@@ -126,6 +126,22 @@ def _qkvz_rows(d: LinearAttentionDims) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([q.reshape(-1), k.reshape(-1), v.reshape(-1)]), z.reshape(-1)
 
 
+# the linear-attention projections whose value-head reorder moves whole rows (out_proj's moves columns)
+_ROW_KINDS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")
+
+
+def _rows_of(rec: TensorRecord, rows: torch.Tensor, name: str, what: str) -> TensorRecord:
+    """The record of `rec`'s rows `rows` (a permutation or a subset), named `name`: a grid's rows with their
+    codes and parameters (GridParams.permute_rows), a dense tensor's rows."""
+    label = f"{rec.source_name or rec.name} ({what})"
+    shape = (rows.numel(), *rec.shape[1:])
+    if rec.is_grid:
+        return replace(rec, name=name, shape=shape, params=rec.params.permute_rows(rows),
+                       load=lambda: rec.load().permute_rows(rows), source_name=label)
+    return replace(rec, name=name, shape=shape, load=lambda: Dense(rec.load().tensor[rows].contiguous()),
+                   source_name=label)
+
+
 def _to_gguf(tiled: bool):
     """The writer's hook (GgufArch.to_gguf_record): `tiled` reorders the value heads (Qwen3.5's converter),
     Qwen3-Next's fused in_proj_qkvz is split into in_proj_qkv and in_proj_z as llama.cpp stores them."""
@@ -145,10 +161,12 @@ def _to_gguf(tiled: bool):
                 raise BadInput(f"in_proj_qkvz of shape {list(rec.shape)} contradicts the linear attention's "
                                f"sizes ({qkv.numel() + z.numel()} rows)", path=where, tensor=rec.name)
             head = rec.name[: rec.name.index(".in_proj_qkvz")]
-            return [replace(rec, name=f"{head}.{part}.weight", shape=(rows.numel(), rec.shape[1]), dtype=dtype,
-                            load=(lambda rows=rows: Dense(_dense(rec.load())[rows].contiguous())), params=None,
-                            native_type=None, source_name=f"{rec.source_name or rec.name} ({what} rows)")
+            return [_rows_of(rec, rows, f"{head}.{part}.weight", f"{what} rows")
                     for part, rows, what in (("in_proj_qkv", qkv, "q, k, v"), ("in_proj_z", z, "z"))]
+        if tiled and d.reorders and kind in _ROW_KINDS and len(rec.shape) == 2:
+            # rows only: a quantized source's grid keeps its codes (whole rows move)
+            rows = _reorder(kind, torch.arange(rec.shape[0]), d, to_gguf=True)
+            return [_rows_of(rec, rows, rec.name, "value heads tiled")]
         shape = tuple(rec.shape)
         if kind == "conv1d":
             if len(shape) != 3 or shape[1] != 1:
