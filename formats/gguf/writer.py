@@ -72,9 +72,11 @@ _WRITABLE = tuple(GGUF_SCHEMES)
 
 
 # tensors llama.cpp keeps in float32 whatever the file type (its converter and llama-quantize alike): the MoE
-# routers, and every tensor that is not a `.weight` (DeepSeek's router bias exp_probs_b.bias, gpt-oss's 2-D
-# per-expert biases ffn_*_exps.bias: its converter's `new_name[-7:] not in (".weight", ...)` rule)
-_F32_ALWAYS = re.compile(r"(?:\.ffn_gate_inp(?:_shexp)?\.weight|\.exp_probs_b\.bias|\.ffn_(?:gate|up|down)_exps\.bias)$")
+# routers, the linear attention's conv kernel (ssm_conv1d: ggml's ssm_conv aborts on any other type), and every
+# tensor that is not a `.weight` (DeepSeek's router bias exp_probs_b.bias, gpt-oss's 2-D per-expert biases
+# ffn_*_exps.bias: its converter's `new_name[-7:] not in (".weight", ...)` rule)
+_F32_ALWAYS = re.compile(r"(?:\.ffn_gate_inp(?:_shexp)?\.weight|\.ssm_conv1d\.weight|\.exp_probs_b\.bias"
+                         r"|\.ffn_(?:gate|up|down)_exps\.bias)$")
 
 
 def _always_f32(out_name: str) -> bool:
