@@ -69,25 +69,27 @@ def llama_cpp_src(explicit: str | os.PathLike | None = None) -> Path:
 
 
 def reference_command(model_dir, out_path, outtype: str = "f32", pre: str = "qwen2",
-                      src: str | os.PathLike | None = None, model_name: str | None = None) -> list[str]:
-    """The child-process command line that converts ``model_dir`` to ``out_path``."""
+                      src: str | os.PathLike | None = None, model_name: str | None = None,
+                      extra_args: tuple[str, ...] = ()) -> list[str]:
+    """The child-process command line that converts ``model_dir`` to ``out_path`` (``extra_args``: more of
+    the converter's own flags, e.g. ``--no-mtp``)."""
     cmd = [sys.executable, "-c", _CHILD, str(llama_cpp_src(src)), pre,
            str(Path(model_dir).resolve()), "--outfile", str(Path(out_path).resolve()), "--outtype", outtype]
     if model_name:
         cmd += ["--model-name", model_name]
-    return cmd
+    return cmd + list(extra_args)
 
 
 def convert_reference(model_dir, out_path, outtype: str = "f32", pre: str = "qwen2",
                       src: str | os.PathLike | None = None, timeout: float = 600,
-                      model_name: str | None = None) -> Path:
+                      model_name: str | None = None, extra_args: tuple[str, ...] = ()) -> Path:
     """Convert an HF model folder with llama.cpp's converter; returns ``out_path``. Raises
     RuntimeError with the converter's output when it fails.
 
     ``model_name`` sets general.name (by default the converter derives it from the folder name). It
     matters to llama.cpp: a general.name containing "phi3" or "phi-3" makes its vocab loader look up
     Phi-3's "</s>", "<unk>" and "<s>" tokens and fail ("unordered_map::at") on a vocab without them."""
-    cmd = reference_command(model_dir, out_path, outtype, pre, src, model_name)
+    cmd = reference_command(model_dir, out_path, outtype, pre, src, model_name, extra_args)
     # NO_LOCAL_GGUF would make the converter take the installed gguf package instead of its own
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)

@@ -29,18 +29,20 @@ def _required_block(arch: str, layer_names: set[str]) -> tuple[str, ...]:
     has_routed = any(n in layer_names for n in _MOE_BLOCK)
     has_dense = any(n in layer_names for n in spec.dense_ffn)
     routed = has_routed or (spec.moe and not has_dense)
-    return spec.norms + spec.attention + spec.block_extra + (_MOE_BLOCK if routed else spec.dense_ffn)
+    linear = bool(spec.linear_attention) and any(n in layer_names for n in spec.linear_attention)
+    attention = spec.linear_attention if linear else spec.attention
+    return spec.norms + attention + spec.block_extra + (_MOE_BLOCK if routed else spec.dense_ffn)
 
 
 def _expected_shapes(cfg: Mapping, keys: Mapping[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
     """GGUF base name (``blk.N.`` stripped) -> (HF-order shape, the metadata it follows from) for the
     weights and biases of a llama / qwen2 / qwen3 model. ``keys`` names each hyper-parameter."""
-    e, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    e, f, v = cfg["hidden_size"], cfg.get("intermediate_size") or 0, cfg["vocab_size"]
     hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     k = keys
 
     def says(*names: str) -> str:
-        return ", ".join(f"{k[n]} {cfg[n]}" for n in names)
+        return ", ".join(f"{k[n]} {cfg.get(n)}" for n in names)
 
     hdv = cfg.get("_value_head_dim", hd)
     q, kvr, qv, kvv = nh * hd, nkv * hd, nh * hdv, nkv * hdv
@@ -82,6 +84,8 @@ def _expected_shapes(cfg: Mapping, keys: Mapping[str, str]) -> dict[str, tuple[t
     if spec is not None and spec.qk_norm_whole:  # OLMo 2 / 3 normalise the whole q and k projections
         out["attn_q_norm.weight"] = ((q,), says("num_attention_heads", "head_dim"))
         out["attn_k_norm.weight"] = ((kvr,), says("num_key_value_heads", "head_dim"))
+    if spec is not None and spec.gated_query:  # each head's query and its output gate
+        out["attn_q.weight"] = ((2 * q, e), says(*heads) + " (query and gate)")
     if cfg.get("_arch") == "phi3":  # fused projections: q, k, v rows in one, gate and up rows in one
         out["attn_qkv.weight"] = ((q + 2 * kvr, e), says(*heads, "num_key_value_heads"))
         out["ffn_up.weight"] = ((2 * f, e), says(*ffn))
@@ -287,7 +291,8 @@ def check_writer_config(config: Mapping, arch: str, shapes: Mapping[str, tuple[i
                            "head_dim is given)", path=path)
         hd = n_embd // n_head
     cfg = {"hidden_size": n_embd, "num_attention_heads": n_head, "num_key_value_heads": n_kv, "head_dim": hd,
-           "intermediate_size": cv.int("intermediate_size", lo=1, hi=MAX_WIDTH),
+           "intermediate_size": cv.int("intermediate_size", lo=1, hi=MAX_WIDTH) if arch_by_name(arch).dense_ffn_width
+           else cv.int("intermediate_size", default=None, lo=1, hi=MAX_WIDTH),
            "num_hidden_layers": cv.int("num_hidden_layers", lo=1),
            "vocab_size": cv.int("vocab_size", default=None, lo=1, hi=MAX_VOCAB)}
     cv.int("max_position_embeddings", lo=1, hi=2**32 - 1)

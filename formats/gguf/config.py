@@ -50,6 +50,7 @@ def config_from_gguf(fields: Any, tensor_names: Iterable[str] | None = None, *, 
         raise QConvertError(f"GGUF architecture {arch!r:.60} cannot be turned into a config.json; "
                             f"supported: {', '.join(supported_archs())}", path=path)
     cv = _typed(kv, path)
+    spec = arch_by_name(arch)
 
     def get(key: str, default: Any = None, required: bool = False, kind: str = "int", **bounds) -> Any:
         full = f"{arch}.{key}"
@@ -79,13 +80,12 @@ def config_from_gguf(fields: Any, tensor_names: Iterable[str] | None = None, *, 
     n_vocab = len(tokens) if tokens else get("vocab_size", lo=1, hi=MAX_VOCAB)
     if n_vocab is None:
         raise BadInput("GGUF metadata has neither tokenizer.ggml.tokens nor a vocab_size", path=path)
-    spec = arch_by_name(arch)
     cls, model_type = spec.hf_class, spec.model_type
     cfg: dict[str, Any] = {
         "architectures": [cls],
         "model_type": model_type,
         "hidden_size": n_embd,
-        "intermediate_size": get("feed_forward_length", required=True, lo=1, hi=MAX_WIDTH),
+        "intermediate_size": get("feed_forward_length", required=spec.dense_ffn_width, lo=1, hi=MAX_WIDTH),
         "num_hidden_layers": get("block_count", required=True, lo=1),
         "num_attention_heads": n_head,
         "num_key_value_heads": n_kv,
@@ -96,6 +96,8 @@ def config_from_gguf(fields: Any, tensor_names: Iterable[str] | None = None, *, 
         "vocab_size": int(n_vocab),
         "hidden_act": "silu",
     }
+    if cfg["intermediate_size"] is None:  # no dense FFN (dense_ffn_width False)
+        del cfg["intermediate_size"]
     if hd_v != hd:  # transformers has one head_dim: check_gguf_tensors refuses this after naming any bad shape
         cfg["_value_head_dim"] = hd_v
     names = set(tensor_names) if tensor_names is not None else None

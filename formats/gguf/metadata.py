@@ -65,7 +65,8 @@ def add_model_metadata(writer: gguf.GGUFWriter, config: Mapping, arch: str, *, f
     writer.add_embedding_length(n_embd)
     mtp = int(config.get("num_nextn_predict_layers") or 0) if spec.nextn_blocks else 0  # GLM-4.5's MTP blocks
     writer.add_block_count(int(require(config, "num_hidden_layers")) + mtp)
-    writer.add_feed_forward_length(int(require(config, spec.dense_ffn_key)))
+    if spec.dense_ffn_width or config.get(spec.dense_ffn_key) is not None:
+        writer.add_feed_forward_length(int(require(config, spec.dense_ffn_key)))
     writer.add_head_count(n_head)
     writer.add_head_count_kv(1 if spec.mla else n_kv)
     writer.add_rope_freq_base(float(rp["rope_theta"]))

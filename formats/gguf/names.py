@@ -110,6 +110,9 @@ def gguf_tensor_name(hf_name: str, arch: str, n_layers: int) -> str | None:
     # gpt-oss's attention sinks are a bare parameter (self_attn.sinks); llama.cpp names the tensor
     # attn_sinks.weight (its converter appends .weight: conversion/gpt_oss.py filter_tensors)
     hf_name = re.sub(r"\.self_attn\.sinks$", ".self_attn.sinks.weight", hf_name)
+    # Gated DeltaNet's step bias (Qwen3.5 / Qwen3-Next linear_attn.dt_bias) is llama.cpp's ssm_dt.bias (its
+    # converter renames it dt_proj.bias: conversion/qwen.py Qwen3NextModel.modify_tensors)
+    hf_name = re.sub(r"\.linear_attn\.dt_bias$", ".linear_attn.dt_proj.bias", hf_name)
     base, layer = _split_index(hf_name)
     if layer is not None and layer >= int(n_layers):
         return None
@@ -184,6 +187,7 @@ def hf_tensor_name(gguf_name: str, arch: str, n_layers: int) -> str | None:
         return None
     hf = re.sub(r"\.e_score_correction\.bias$", ".e_score_correction_bias", hf)
     hf = re.sub(r"\.self_attn\.sinks\.weight$", ".self_attn.sinks", hf)
+    hf = re.sub(r"\.linear_attn\.dt_proj\.bias$", ".linear_attn.dt_bias", hf)
     if layer is None or not base.startswith("blk.0."):
         return None if layer is not None or hf.startswith("model.layers.") else hf
     return f"model.layers.{layer}." + hf[len("model.layers.0."):]

@@ -645,7 +645,7 @@ class GgufSource(ModelSource):
         else:
             raise BadInput(f"ggml type {type_name} cannot be decoded (gguf-py has no dequantizer for it)",
                            path=path, tensor=t.name)
-        shift = self.norm_shift if t.name.endswith("norm.weight") else 0.0
+        shift = self.norm_shift if arch_by_name(self.arch).shifts_norm(t.name) else 0.0
         if shift and dtype != "float32":
             dtype = "float32"  # w = stored - 1 is computed in float32
         return TensorRecord(name, shape, dtype, lambda: self._dense(t, type_name, shape, inv, expert, shift),
@@ -786,6 +786,8 @@ class GgufSource(ModelSource):
         halves: dict[str, dict[str, tuple[Path, object]]] = {}  # DeepSeek's attn_k_b / attn_v_b waiting for the other
         gate_up: dict[tuple[str, str], dict[str, tuple[Path, object]]] = {}  # gpt-oss's gate / up stacks, by layer
         in_out = arch_by_name(self.arch).experts_in_out  # Llama 4 fuses them as gpt-oss, without interleaving
+        restore = arch_by_name(self.arch).from_gguf_record  # the architecture's transforms undone (archs/)
+        held: dict = {}  # records such a transform keeps until their partner arrives
         for path, reader in zip(self.parts, self.readers):
             for t in reader.tensors:
                 g = _GPT_OSS_STACK.match(t.name) if self.arch == "gpt-oss" or in_out else None
@@ -798,13 +800,18 @@ class GgufSource(ModelSource):
                     continue
                 m = _KV_B_HALF.match(t.name) if self.mla else None
                 if m is None:
-                    yield from self._records(path, t)
+                    for rec in self._records(path, t):
+                        yield from ([rec] if restore is None else restore(rec, self.config, path, held))
                     continue
                 pair = halves.setdefault(m["block"], {})
                 pair[m["half"]] = (path, t)
                 if len(pair) == 2:
                     del halves[m["block"]]
                     yield self._kv_b_record(pair)
+        for pair in held.values():  # a transform's record whose partner never came
+            rec = next(iter(pair.values()))
+            raise BadInput("tensor without the partner its architecture merges it with", path=self.path,
+                           tensor=rec.source_name or rec.name)
         for block, pair in halves.items():
             path, t = next(iter(pair.values()))
             other = "attn_v_b" if "k" in pair else "attn_k_b"

@@ -75,9 +75,11 @@ _WRITABLE = tuple(GGUF_SCHEMES)
 
 
 # tensors llama.cpp keeps in float32 whatever the file type (its converter and llama-quantize alike): the MoE
-# routers, and every tensor that is not a `.weight` (DeepSeek's router bias exp_probs_b.bias, gpt-oss's 2-D
-# per-expert biases ffn_*_exps.bias: its converter's `new_name[-7:] not in (".weight", ...)` rule)
-_F32_ALWAYS = re.compile(r"(?:\.ffn_gate_inp(?:_shexp)?\.weight|\.exp_probs_b\.bias|\.ffn_(?:gate|up|down)_exps\.bias)$")
+# routers, the linear attention's conv kernel (ssm_conv1d: ggml's ssm_conv aborts on any other type), and every
+# tensor that is not a `.weight` (DeepSeek's router bias exp_probs_b.bias, gpt-oss's 2-D per-expert biases
+# ffn_*_exps.bias: its converter's `new_name[-7:] not in (".weight", ...)` rule)
+_F32_ALWAYS = re.compile(r"(?:\.ffn_gate_inp(?:_shexp)?\.weight|\.ssm_conv1d\.weight|\.exp_probs_b\.bias"
+                         r"|\.ffn_(?:gate|up|down)_exps\.bias)$")
 
 
 def _always_f32(out_name: str) -> bool:
@@ -362,8 +364,9 @@ class GgufWriter(Writer):
         loads (archs.split_kv_b), fused experts split into their stacks (gpt-oss's transposed, interleaved
         form by archs.split_gpt_oss_experts); every other record passes as it is."""
         arch, _ = self._arch(source)
+        spec = arch_by_name(arch)
         for rec in records:
-            parts = kv_b_parts(rec.name) if arch_by_name(arch).mla else None
+            parts = kv_b_parts(rec.name) if spec.mla else None
             if parts is not None:
                 yield from _kv_b_records(rec, parts, source.config, config_json_path(source))
             elif arch == "gpt-oss" and gpt_oss_expert_part(rec.name):
@@ -372,6 +375,8 @@ class GgufWriter(Writer):
                 yield from _in_out_expert_records(rec, config_json_path(source))
             elif _FUSED_EXPERTS.search(rec.name):
                 yield from _fused_expert_records(rec, config_json_path(source))
+            elif spec.to_gguf_record is not None:  # the architecture's own transforms (archs/)
+                yield from spec.to_gguf_record(rec, source.config, config_json_path(source))
             else:
                 yield rec
 
@@ -389,6 +394,10 @@ class GgufWriter(Writer):
         if spec.skipped_tensors is not None and spec.skipped_tensors.search(rec.name):
             return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT,
                               f"multi-token prediction: llama.cpp's converter skips it and its {arch} does not load it",
+                              action=GgufAction(drop=True))
+        if spec.mtp_prefixes and rec.name.startswith(spec.mtp_prefixes):
+            return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT,
+                              "multi-token prediction block: left out, as llama.cpp's converter does with --no-mtp",
                               action=GgufAction(drop=True))
         out_name = gguf_tensor_name(rec.name, arch, n_layers)
         layer = layer_index(rec.name)
@@ -438,7 +447,10 @@ class GgufWriter(Writer):
                                                  quantize_dense)
             target, fallback_note = k_fallback(target, rule_shape, None)
             v = check(rec.dtype, rec.shape, GGUF_SCHEMES[target], native=codebook)
-            if spec.norm_shift and out_name.endswith("norm.weight") and v.verdict == EXACT:
+            stored = spec.stored_values(out_name)  # an elementwise map that rounds (archs/)
+            if stored is not None and v.verdict == EXACT:
+                v = replace(v, verdict=NEAR_EXACT, reason=f"{v.reason}; {stored[2]}")
+            if spec.shifts_norm(out_name) and v.verdict == EXACT:
                 v = replace(v, verdict=NEAR_EXACT, reason=f"{v.reason}; stored as {spec.norm_shift:g} + w as "
                             f"llama.cpp's {arch} reads its norms (the float32 addition rounds)")
         action = GgufAction(expert=expert)
@@ -579,7 +591,8 @@ class GgufSession(WriterSession):
         for key, value in tokenizer.items():  # the keys check_model built (GgufWriter._tokenizer_keys)
             w.add_key_value(key, value.value, value.type, sub_type=value.sub_type)
         self.extra = list(rope_tensors(source.config, arch))
-        self.norm_shift = arch_by_name(arch).norm_shift
+        self.spec = arch_by_name(arch)
+        self.norm_shift = self.spec.norm_shift
         n_experts = _expert_count(source) if any(p.action.expert is not None for p in kept) else 0
         self.pending: dict[str, _ExpertSpill] = {}  # stacks of experts being filled
         self.reference: torch.Tensor | None = None  # the last add's source values (take_reference)
@@ -628,15 +641,20 @@ class GgufSession(WriterSession):
         if perm is not None:
             # a Grid, or reader.CodebookDense (IQ4_*), reorders its block bytes too
             item = item.permute_rows(perm) if hasattr(item, "permute_rows") else Dense(item.tensor[perm])
-        shift = self.norm_shift if plan.out_name.endswith("norm.weight") else 0.0
+        shift = self.norm_shift if self.spec.shifts_norm(plan.out_name) else 0.0
         if shift:  # Gemma: llama.cpp multiplies by the stored norm, transformers by 1 + w
             item = Dense(item.dequantize(torch.float32) + shift)
+        stored = self.spec.stored_values(plan.out_name)  # Qwen3.5's A = -exp(A_log): measured after the inverse
+        if stored is not None:
+            item = Dense(stored[0](item.dequantize(torch.float32)))
         source = SourceValues(item)
         data, decoded = encode_tensor(lay, plan.verdict, item, plan.action.quant, source=source)
         if shift:
             decoded = decoded - shift
+        if stored is not None and not isinstance(decoded, BitIdentical):
+            decoded = stored[1](decoded)
         self._write(plan, data.reshape(-1))
-        ref = None if shift or isinstance(decoded, BitIdentical) else source.values
+        ref = None if shift or stored is not None or isinstance(decoded, BitIdentical) else source.values
         if perm is not None and not isinstance(decoded, BitIdentical):
             decoded = decoded[inverse_permutation(perm)]
             ref = None if ref is None else ref[inverse_permutation(perm)]

@@ -269,6 +269,115 @@ TOKENIZER_EXTRAS: Dict[str, Callable[[Path], None]] = {}
 
 
 # --------------------------------------------------------------------------------------------------
+# Hybrid linear-attention families (arch-hybrid): Qwen3.5
+# --------------------------------------------------------------------------------------------------
+HYBRID_KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+def _qwen3_5(layers: int, wide: bool):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    d = _dims(wide)
+    # Qwen3.5 (dense): three Gated-DeltaNet (linear attention) layers then one full-attention layer, as the
+    # released models repeat (full_attention_interval 4); linear attention with 2 key heads and 4 value heads, so llama.cpp's converter reorders the value heads (grouped -> tiled), as on the real models
+    # (16 key / 32 value heads). Full attention: 4 heads of head_dim with the output gate (q_proj twice as
+    # wide), rope on a quarter of each head (partial_rotary_factor 0.25) in MRoPE sections, which for text
+    # (all sections at the same position) is plain rope. Layers 4 unless asked otherwise.
+    layers = max(layers, 4)
+    hd = d["head_dim"]
+    cfg = Qwen3_5TextConfig(**_common(layers, d["hidden"], d["ffn"], tie=False), head_dim=hd,
+                            linear_conv_kernel_dim=4, linear_key_head_dim=hd, linear_value_head_dim=hd,
+                            linear_num_key_heads=2, linear_num_value_heads=4, rms_norm_eps=1e-6,
+                            layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                         for i in range(layers)],
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                             "mrope_section": [hd // 16, hd // 32, hd // 8 - hd // 16 - hd // 32],
+                                             "mrope_interleaved": True})
+    return cfg, Qwen3_5ForCausalLM, {}
+
+
+BUILDERS["qwen3_5"] = _qwen3_5
+
+
+def _qwen3_5_moe(layers: int, wide: bool):
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    d = _dims(wide)
+    # Qwen3.5-MoE (35B-A3B's layout): the layer mix of _qwen3_5, every layer routed (4 experts, top 2,
+    # renormalised as transformers' router always does) with a sigmoid-gated shared expert; no dense FFN
+    dense, _, _ = _qwen3_5(layers, wide)
+    kept = {k: getattr(dense, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                           "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings",
+                                           "bos_token_id", "eos_token_id", "pad_token_id", "head_dim",
+                                           "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                                           "linear_num_key_heads", "linear_num_value_heads", "rms_norm_eps",
+                                           "layer_types", "rope_parameters")}
+    cfg = Qwen3_5MoeTextConfig(**kept, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=d["moe_ffn"],
+                               shared_expert_intermediate_size=2 * d["moe_ffn"])
+    return cfg, Qwen3_5MoeForCausalLM, {}
+
+
+BUILDERS["qwen3_5_moe"] = _qwen3_5_moe
+
+
+def _qwen3_next(layers: int, wide: bool):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    d = _dims(wide)
+    # Qwen3-Next-80B-A3B's layout: the layer mix of _qwen3_5 with its linear attention's projections fused
+    # (in_proj_qkvz, in_proj_ba, per key head), every layer routed (decoder_sparse_step 1, no mlp_only_layers:
+    # llama.cpp's qwen3next has no dense layers) with a gated shared expert, top-k renormalised
+    # (norm_topk_prob, which llama.cpp's graph always does), plain rope on a quarter of each head
+    dense, _, _ = _qwen3_5(layers, wide)
+    kept = {k: getattr(dense, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                           "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                                           "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+                                           "head_dim", "linear_conv_kernel_dim", "linear_key_head_dim",
+                                           "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                                           "rms_norm_eps", "layer_types")}
+    cfg = Qwen3NextConfig(**kept, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=d["moe_ffn"],
+                          shared_expert_intermediate_size=2 * d["moe_ffn"], norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[],
+                          rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+    return cfg, Qwen3NextForCausalLM, {}
+
+
+BUILDERS["qwen3_next"] = _qwen3_next
+
+
+def _qwen_mtp_block(out: Path, seed: int, count_in_config: bool = True) -> None:
+    """Add the multi-token-prediction block Qwen3.5 / Qwen3-Next checkpoints ship beside the model (`mtp.*`:
+    fc over [embedding, hidden], its two input norms, a final norm and one full-attention decoder layer;
+    transformers ignores it on load, `_keys_to_ignore_on_load_unexpected`), and `mtp_num_hidden_layers` in
+    config.json as the released configs say. llama.cpp's converter refuses a Qwen3.5 without it unless told
+    --no-mtp; the values are random (no runtime here runs the block)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(str(path))
+    config = json.loads((out / "config.json").read_text())
+    full = config["layer_types"].index("full_attention")
+    gen = torch.Generator().manual_seed(seed + 1)
+    hidden = config["hidden_size"]
+    mtp = {"mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=gen) / (2 * hidden) ** 0.5}
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{norm}.weight"] = 0.1 * torch.randn(hidden, generator=gen)
+    prefix = f"model.layers.{full}."
+    for name in sorted(n for n in tensors if n.startswith(prefix)):
+        t = tensors[name]
+        mtp["mtp.layers.0." + name[len(prefix):]] = torch.randn(t.shape, generator=gen) * t.std()
+    tensors.update(mtp)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    if count_in_config:  # Qwen3.5's configs say so; Qwen3-Next's do not (its converter counts the tensors)
+        config["mtp_num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+# what a kind's checkpoint carries beyond transformers' own save (called with the folder and the seed)
+AFTER_SAVE: Dict[str, Callable[[Path, int], None]] = {
+    "qwen3_5": _qwen_mtp_block, "qwen3_5_moe": _qwen_mtp_block,
+    "qwen3_next": lambda out, seed: _qwen_mtp_block(out, seed, count_in_config=False)}
+
+
+# --------------------------------------------------------------------------------------------------
 # Weights
 # --------------------------------------------------------------------------------------------------
 def _is_norm(name: str) -> bool:
@@ -294,6 +403,16 @@ def _draw(name: str, shape: tuple, gen, gemma: bool, tie: bool, kind: str = ""):
 
     if name.endswith("indexer.k_norm.bias"):  # a LayerNorm's bias (GLM-5's indexer)
         return 0.1 * torch.randn(shape, generator=gen)
+    if kind in HYBRID_KINDS:
+        # Gated DeltaNet: A = -exp(A_log) decays each value head's state (HF draws A_log = log U(1, 16)),
+        # dt_bias the softplus step's bias; every RMSNorm but the gated one of the linear attention
+        # multiplies by (1 + w), as Gemma's
+        if name.endswith(".A_log"):
+            return torch.log(1 + 15 * torch.rand(shape, generator=gen))
+        if name.endswith(".dt_bias"):
+            return 0.5 * torch.randn(shape, generator=gen)
+        if len(shape) == 1 and _is_norm(name) and not name.endswith("linear_attn.norm.weight"):
+            return 0.1 * torch.randn(shape, generator=gen)
     if len(shape) == 1 and _is_norm(name):
         if gemma:  # Gemma's RMSNorm multiplies by (1 + w)
             return 0.1 * torch.randn(shape, generator=gen)
@@ -342,6 +461,8 @@ def build_arch_model(out_dir, kind: str, seed: int = 0, layers: int = 2, wide: b
         model.generation_config.bos_token_id = 1
         model.generation_config.eos_token_id = 0
     model.save_pretrained(str(out), safe_serialization=True)
+    if kind in AFTER_SAVE:
+        AFTER_SAVE[kind](out, seed)
     if kind in GLM_KINDS:
         _add_glm_tokens(out)
     else:

@@ -17,7 +17,7 @@ from ..hparams import MAX_WIDTH, head_dim
 
 __all__ = ["GgufArch", "register_arch", "registered", "arch_by_name", "arch_for_config", "supported_classes",
            "expert_name", "EXPERT_COUNT_KEYS", "expert_count_key", "expert_count", "expert_keys", "moe_config",
-           "HF_DENSE_BLOCK", "llama_converter_keys", "register_not_written"]
+           "HF_DENSE_BLOCK", "llama_converter_keys", "register_not_written", "StoredValues"]
 
 MetadataHook = Callable[[gguf.GGUFWriter, Mapping], None]
 # (the config being rebuilt, get(key, default, required, kind, **bounds) of the arch's typed metadata, the
@@ -48,6 +48,15 @@ HF_DENSE_BLOCK = (
 
 
 MetadataHook = Callable[[gguf.GGUFWriter, Mapping], None]
+
+# an elementwise map llama.cpp's converter applies to a tensor's values (Qwen3.5's A = -exp(A_log)): the
+# values as stored, the inverse (the writer measures the error after it, against the source's values), and
+# why the tensor is near-exact
+StoredValues = tuple[Callable[[Any], Any], Callable[[Any], Any], str]
+
+
+def _as_is(gguf_name: str) -> StoredValues | None:
+    return None
 
 
 def _no_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
@@ -106,6 +115,36 @@ class GgufArch:
     # taken where the tokenizer files name no id for it (GLM's [gMASK], <|user|>, <|observation|>: without
     # eot llama.cpp's chat never stops at the end of a turn)
     named_special_tokens: tuple[tuple[str, str], ...] = ()
+    # hybrid models (Qwen3.5, Qwen3-Next): the tensors a linear-attention layer has in place of `attention`;
+    # a layer holding any of them is checked for these instead (llama.cpp's loader reads the layer's kind
+    # from its recurrent_layers key)
+    linear_attention: tuple[str, ...] = ()
+    # GGUF norms `norm_shift` leaves alone: Qwen3.5's gated RMSNorm of the linear attention (ssm_norm)
+    # multiplies by w where every other norm of the model multiplies by 1 + w
+    unshifted_norms: tuple[str, ...] = ()
+    # the model has a dense FFN width (config intermediate_size, GGUF feed_forward_length); Qwen3.5-MoE
+    # routes every layer and has neither (llama.cpp's converter then writes no feed_forward_length)
+    dense_ffn_width: bool = True
+    # full-attention q_proj rows hold each head's query and its output gate (Qwen3-Next / 3.5): 2x rows
+    gated_query: bool = False
+    # name prefixes of a multi-token-prediction block saved beside the layers (Qwen3.5's `mtp.*`): dropped
+    # with a note, as llama.cpp's converter does with --no-mtp (its runtime does not use it for generation)
+    mtp_prefixes: tuple[str, ...] = ()
+    # the elementwise maps that round (gguf name -> StoredValues or None), applied by the writer's session so
+    # that the error is measured against the source's own values
+    stored_values: Callable[[str], StoredValues | None] = field(default=_as_is, repr=False)
+    # the exact tensor transforms llama.cpp's converter applies beyond names, q/k row permutations and norm
+    # shifts (shape changes, head reorders, a fused projection split): writer (record, config.json, the file
+    # to name) -> the records as the GGUF stores them; reader (an HF-named record holding the GGUF's values,
+    # config, file, a dict the hook keeps records in until their partner arrives) -> the HF records, the
+    # elementwise maps of `stored_values` undone too. None: none
+    to_gguf_record: Callable[..., Any] | None = field(default=None, repr=False)
+    from_gguf_record: Callable[..., Any] | None = field(default=None, repr=False)
+
+    def shifts_norm(self, gguf_name: str) -> bool:
+        """Whether the GGUF tensor is a norm stored as `norm_shift + w`."""
+        return bool(self.norm_shift) and gguf_name.endswith("norm.weight") and not any(
+            gguf_name.endswith(f".{n}.weight") for n in self.unshifted_norms)
 
     @property
     def enum(self) -> gguf.MODEL_ARCH:

@@ -15,7 +15,7 @@ QWEN_MOE_BLOCK = ("mlp.gate", "mlp.experts.gate_proj", "mlp.experts.up_proj", "m
                 "mlp.shared_expert_gate")
 
 
-def _qwen_moe_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
+def qwen_moe_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
     expert_keys(writer, config)
     if config.get("moe_intermediate_size") is not None:
         writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
@@ -49,9 +49,9 @@ register_arch(GgufArch("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), "Qwen2ForCaus
 register_arch(GgufArch("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), "Qwen3ForCausalLM", "qwen3",
                        block_extra=("attn_q_norm", "attn_k_norm")))
 register_arch(GgufArch("qwen2moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), "Qwen2MoeForCausalLM", "qwen2_moe",
-                       moe=True, extra_metadata=_qwen_moe_extra, hf_block=HF_DENSE_BLOCK + QWEN_MOE_BLOCK,
+                       moe=True, extra_metadata=qwen_moe_extra, hf_block=HF_DENSE_BLOCK + QWEN_MOE_BLOCK,
                        config_from_gguf=_qwen2moe_config))
 register_arch(GgufArch("qwen3moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "Qwen3MoeForCausalLM", "qwen3_moe",
-                       moe=True, extra_metadata=_qwen_moe_extra, block_extra=("attn_q_norm", "attn_k_norm"),
+                       moe=True, extra_metadata=qwen_moe_extra, block_extra=("attn_q_norm", "attn_k_norm"),
                        caveats=_qwen3moe_caveats, hf_block=HF_DENSE_BLOCK + QWEN_MOE_BLOCK,
                        config_from_gguf=_qwen3moe_config))

@@ -1,0 +1,219 @@
+"""GGUF for the hybrid linear-attention families (issue 26): Qwen3.5 (qwen35), Qwen3.5-MoE (qwen35moe: every
+layer routed, 4 experts top 2, a gated shared expert) and Qwen3-Next (qwen3next: the same with its linear
+attention's projections fused, in_proj_qkvz split into attn_qkv / attn_gate and merged back), judged by llama.cpp itself on a
+tiny random model with the real layer mix (three Gated-DeltaNet layers, then a full-attention one; 2 key and 4
+value heads so that the value heads are reordered as on the released models; an MTP block beside the layers):
+
+- `hf->gguf --type f32` writes every tensor (name, type, bytes) and every `qwen35.*` key that llama.cpp's own
+  converter writes with --no-mtp (the MTP block left out the same way), and llama.cpp's logits on the two
+  files are identical; they follow transformers' within 1e-4;
+- `--type q8_0` and `--type q4_k_m` (256 wide: K types) equal llama-quantize's bytes of our F32 file;
+- `gguf->hf` loads in transformers as Qwen3_5ForCausalLM with the source's logits (1e-4).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fixtures_archs
+from helpers import gguf_tensors, llama_logits, run_cli
+from llama_quantize import llama_quantize
+
+llama_cpp = pytest.importorskip("llama_cpp")
+gguf = pytest.importorskip("gguf")
+
+ROOT = Path(__file__).parents[2] / "_fixtures" / "archs"
+KINDS = fixtures_archs.HYBRID_KINDS
+PROMPT = fixtures_archs.arch_prompt()
+CLASSES = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
+ARCHS = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
+# the converter's flags for the file qconvert matches: the MTP block left out (Qwen3-Next's converter
+# refuses a checkpoint without one unless told so)
+CONVERTER_FLAGS = {kind: ("--no-mtp",) for kind in CLASSES}
+
+
+def _cached(path: Path, build) -> Path:
+    done = path.with_name(path.name + ".done")
+    if not done.exists():
+        if path.is_dir():
+            shutil.rmtree(path)
+        path.unlink(missing_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        build(path)
+        done.write_text("ok")
+    return path
+
+
+def model_dir(kind: str, wide: bool = False) -> Path:
+    name = f"hybrid-{kind}" + ("-wide" if wide else "")
+    return _cached(ROOT / name, lambda d: fixtures_archs.build_arch_model(d, kind, wide=wide))
+
+
+def ours_f32(kind: str, wide: bool = False) -> Path:
+    src = model_dir(kind, wide)
+    return _cached(src.with_name(src.name + "-f32.gguf"), lambda out: run_cli("hf->gguf", src, out, "--type", "f32"))
+
+
+def reference_f32(kind: str) -> Path:
+    import llama_cpp_reference as ref
+
+    try:
+        ref.llama_cpp_src()
+    except FileNotFoundError as e:
+        pytest.skip(f"llama.cpp's converter is not extracted: {e}")  # a failure under QCONVERT_REQUIRE_ORACLES
+    src = model_dir(kind)
+    return _cached(ROOT / f"hybrid-{kind}-ref.gguf",
+                   lambda out: ref.convert_reference(src, out, model_name=f"tiny {kind}",
+                                                     extra_args=CONVERTER_FLAGS.get(kind, ())))
+
+
+def _model_keys(path: Path) -> dict:
+    r = gguf.GGUFReader(str(path))
+    return {k: f.contents() for k, f in r.fields.items() if not k.startswith(("GGUF.", "general.", "tokenizer."))}
+
+
+def _dims(shape) -> list[int]:
+    """ggml's dimensions as llama-quantize writes them (ggml_n_dims: trailing 1s dropped, so the shared-expert
+    gate [hidden, 1] of the converter's file is [hidden] in llama-quantize's)."""
+    dims = [int(d) for d in shape]
+    while len(dims) > 1 and dims[-1] == 1:
+        dims.pop()
+    return dims
+
+
+def _same_tensors(ours: Path, theirs: Path, exact_dims: bool = True) -> set[str]:
+    """Both files hold the same tensors, each of the same ggml type, shape and bytes; -> the types present.
+    `exact_dims` False: shapes compared as ggml_n_dims counts them (llama-quantize's output)."""
+    a, b = gguf_tensors(ours), gguf_tensors(theirs)
+    assert sorted(a) == sorted(b)
+    dims = (lambda s: [int(d) for d in s]) if exact_dims else _dims
+    for name in a:
+        assert (a[name].tensor_type, dims(a[name].shape)) == (b[name].tensor_type, dims(b[name].shape)), name
+        assert bytes(a[name].data) == bytes(b[name].data), name
+    return {t.tensor_type.name for t in a.values()}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_f32_is_what_llama_cpp_converter_writes_and_runs(kind, tmp_path):
+    report = tmp_path / "report.json"
+    ours = tmp_path / "ours.gguf"
+    run_cli("hf->gguf", model_dir(kind), ours, "--type", "f32", "--report", report)
+    theirs = reference_f32(kind)
+    assert _same_tensors(ours, theirs) == {"F32"}
+    assert _model_keys(ours) == _model_keys(theirs)
+    assert gguf.GGUFReader(str(ours)).fields["general.architecture"].contents() == ARCHS[kind]
+    names = set(gguf_tensors(ours))
+    # both kinds of layer are there: Gated DeltaNet (A, conv, tiled heads) and gated full attention
+    assert {"blk.0.ssm_a", "blk.0.ssm_dt.bias", "blk.0.ssm_conv1d.weight", "blk.0.attn_qkv.weight",
+            "blk.0.ssm_norm.weight", "blk.3.attn_q.weight", "blk.3.attn_q_norm.weight"} <= names
+    if kind != "qwen3_5":  # routed and shared experts in every layer, no dense FFN
+        assert {"blk.0.ffn_gate_exps.weight", "blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate_inp_shexp.weight",
+                "blk.3.ffn_down_shexp.weight"} <= names and not any(".ffn_gate.weight" in n for n in names)
+    results = {t["name"]: t for t in json.loads(report.read_text())["tensors"]}
+    mtp = [n for n in results if n.startswith("mtp.")]
+    assert mtp and all(results[n]["target"] == "dropped" for n in mtp)
+    # A = -exp(A_log) may round: said so, and measured after the log (exact where it happens not to round)
+    assert "-exp(A_log)" in results["model.layers.0.linear_attn.A_log"]["reason"]
+    assert all(t["verdict"] in ("exact", "near-exact") and t["max_abs_err"] < 1e-6 for t in results.values())
+
+    got = llama_logits(ours, PROMPT)
+    assert np.array_equal(got, llama_logits(theirs, PROMPT))  # the same file to llama.cpp
+    want = fixtures_archs.transformers_logits(model_dir(kind), PROMPT)
+    assert np.abs(got - want).max() < 1e-4, float(np.abs(got - want).max())  # measured 6e-6
+    assert want.std(axis=-1).min() > 0.3  # far from uniform: a wrong weight would show
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("preset, ftype, wide", [("q8_0", 7, False), ("q4_k_m", 15, True)])
+def test_quantized_equals_llama_quantize(kind, preset, ftype, wide, tmp_path):
+    """llama-quantize's per-tensor types and bytes on the hybrid layers (the SSM tensors kept F32, the
+    Q4_K_M mix's Q6_K choices), from our F32 file; 256 wide for the K types."""
+    f32 = ours_f32(kind, wide)
+    ours = tmp_path / f"ours-{preset}.gguf"
+    run_cli("hf->gguf", model_dir(kind, wide), ours, "--type", preset, "--allow-requant")
+    theirs = llama_quantize(f32, tmp_path / f"llama-{preset}.gguf", ftype)
+    types = _same_tensors(ours, theirs, exact_dims=False)
+    assert ({"Q8_0"} if preset == "q8_0" else {"Q4_K", "Q6_K"}) <= types
+    a = gguf_tensors(ours)
+    assert all(a[n].tensor_type.name == "F32" for n in a if n.endswith((".ssm_a", ".ssm_conv1d.weight", ".ssm_dt.bias",
+                                                                        "ffn_gate_inp.weight", "gate_inp_shexp.weight")))
+    if preset == "q8_0":
+        assert np.array_equal(llama_logits(ours, PROMPT), llama_logits(theirs, PROMPT))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gguf_to_hf_gives_back_the_source_class(kind, tmp_path):
+    out = tmp_path / "hf"
+    run_cli("gguf->hf", ours_f32(kind), out, "--type", "f32")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [CLASSES[kind]]
+    source = json.loads((model_dir(kind) / "config.json").read_text())
+    for key in ("layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                "linear_value_head_dim", "linear_conv_kernel_dim"):
+        assert config[key] == source[key], key
+    got = fixtures_archs.transformers_logits(out, PROMPT)
+    want = fixtures_archs.transformers_logits(model_dir(kind), PROMPT)
+    assert np.abs(got - want).max() < 1e-4, float(np.abs(got - want).max())
+
+
+def test_linear_heads_that_do_not_divide_are_refused(tmp_path):
+    """A config whose value heads are not a multiple of its key heads: one line naming config.json, exit 2,
+    nothing written."""
+    src = tmp_path / "bad"
+    shutil.copytree(model_dir("qwen3_5"), src)
+    config = json.loads((src / "config.json").read_text())
+    config["linear_num_value_heads"] = 3
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out.gguf"
+    proc = run_cli("hf->gguf", src, out, "--type", "f32", check_rc=2)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "linear_num_value_heads 3" in lines[0] and "config.json" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
+
+
+# -- a quantized source: gptqmodel's GPTQ of the tiny Qwen3.5 (tests/producer_fixtures/gptq_qwen35) --------------
+GPTQ_QWEN35 = Path(__file__).parents[2] / "producer_fixtures" / "gptq_qwen35"
+
+
+def test_gptqmodel_qwen35_keeps_its_codes(tmp_path):
+    """gptqmodel's 4-bit g32 Qwen3.5 (scripts/producers/gptqmodel_qwen35.py) to GGUF: every GPTQ projection whose
+    llama.cpp form moves whole rows (in_proj_qkv with its value heads tiled, in_proj_z, the attention, the MLPs)
+    keeps its codes as Q4_0, error 0; out_proj, whose value-head reorder moves columns, is written as its exact
+    float32 dequantization. Read back (gguf->hf), every quantized module equals gptqmodel's own
+    dequantization (rounded to fp16, as gptqmodel computes it); those weights in F32 run in llama.cpp within 1e-4
+    of transformers, and the Q4_0 file runs with llama.cpp's Q8_0 activations (judged on the mean and top-1)."""
+    from safetensors.torch import load_file
+
+    import torch
+
+    out = tmp_path / "q4_0.gguf"
+    report = tmp_path / "report.json"
+    run_cli("gptq->gguf", GPTQ_QWEN35 / "model", out, "--report", report)
+    results = {t["name"]: t for t in json.loads(report.read_text())["tensors"]}
+    reference = load_file(str(GPTQ_QWEN35 / "reference.safetensors"))
+    assert any(".linear_attn.in_proj_qkv." in n for n in reference)
+    for name in reference:
+        t = results[name]
+        if ".out_proj." in name:
+            assert (t["target"], t["verdict"], t["max_abs_err"]) == ("F32", "exact", 0), t
+        else:
+            assert (t["target"], t["verdict"], t["max_abs_err"]) == ("Q4_0", "exact", 0), t
+    hf = tmp_path / "hf"
+    run_cli("gguf->hf", out, hf, "--type", "f32")
+    back = load_file(str(hf / "model.safetensors"))
+    for name, want in reference.items():
+        assert torch.equal(back[name].to(torch.float16), want.to(torch.float16)), name
+    # what the file holds, in F32, runs in llama.cpp as in transformers; the Q4_0 file itself runs with
+    # llama.cpp's Q8_0 activations (measured on this tiny model: mean 0.037, top-1 13 of 16 positions)
+    want = fixtures_archs.transformers_logits(hf, PROMPT)
+    f32 = tmp_path / "same-weights-f32.gguf"
+    run_cli("hf->gguf", hf, f32, "--type", "f32")
+    assert np.abs(llama_logits(f32, PROMPT) - want).max() < 1e-4
+    got = llama_logits(out, PROMPT)
+    assert np.abs(got - want).mean() < 0.05, float(np.abs(got - want).mean())
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.75
