@@ -144,3 +144,18 @@ def quantize(x: np.ndarray, imatrix: np.ndarray | None, type_name: str, threads:
     if errors:
         raise ValueError(_ERRORS.get(errors[0], f"the C lattice quantizer failed (code {errors[0]})"))
     return out
+
+
+def c_twin(x: np.ndarray, imatrix: np.ndarray | None, type_name: str, threads: int | None) -> np.ndarray | None:
+    """The default CPU path of kernels/ggml/iq3_s.py and iq2.py's quantize_*: this C twin's bytes (noted as kernel
+    "c"), or None where it cannot run (no compiler, QCONVERT_COMPILE=0) and the numpy codec runs instead."""
+    if not available():
+        return None
+    from ..dispatch import note_kernel, usable_cpus
+
+    note_kernel("quantize", "c")
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim != 2:
+        raise ValueError(f"{type_name} quantizes rows: a 2-D array, not shape {x.shape}")
+    threads = min(8, usable_cpus()) if threads is None else max(1, int(threads))
+    return quantize(x, imatrix, type_name, threads)
