@@ -26,12 +26,15 @@ import numpy as np
 
 from .kquant_c import _cache_dirs, _compiler, _spread
 
-__all__ = ["available", "quantize", "TYPE_IDS", "BLOCK_BYTES"]
+__all__ = ["available", "quantize", "quantize_k_imatrix", "K_IMATRIX_TYPES", "TYPE_IDS", "BLOCK_BYTES"]
 
-_SOURCE = Path(__file__).with_name("iq_c.c")
+# one library: the lattice quantizers, and the K quantizers with an importance matrix (kquant_imatrix_c.c)
+_SOURCES = [Path(__file__).with_name("iq_c.c"), Path(__file__).with_name("kquant_imatrix_c.c")]
 _FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-fno-strict-aliasing"]
 TYPE_IDS = {"IQ3_S": 0, "IQ3_XXS": 1, "IQ2_S": 2, "IQ2_XS": 3, "IQ2_XXS": 4}
 BLOCK_BYTES = {"IQ3_S": 110, "IQ3_XXS": 98, "IQ2_S": 82, "IQ2_XS": 74, "IQ2_XXS": 66}
+# the K types with an importance matrix this library quantizes (ggml's quantize_row_q*_K_impl), their ids, bytes
+K_IMATRIX_TYPES = {"Q4_K": (4, 144), "Q5_K": (5, 176), "Q6_K": (6, 210)}
 _ERRORS = {1: "no neighbour of finite weighted error: ggml's quantizer aborts on this input (GGML_ASSERT(grid_index "
               ">= 0) in its find_best_neighbour); the values or their weights overflow float32",
            2: "a block scale is NaN: ggml's quantizer aborts on this input (GGML_ASSERT(scale >= 0)); the values or "
@@ -46,9 +49,9 @@ _lock = threading.Lock()
 
 def _build() -> ctypes.CDLL | None:
     cc = _compiler()
-    if cc is None or not _SOURCE.is_file():
+    if cc is None or not all(src.is_file() for src in _SOURCES):
         return None
-    key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), cc.encode(),
+    key = hashlib.sha256(b"\0".join([*(src.read_bytes() for src in _SOURCES), " ".join(_FLAGS).encode(), cc.encode(),
                                      platform.machine().encode(), platform.system().encode()])).hexdigest()[:20]
     name = f"iq_c-{key}.so"
     for folder in _cache_dirs():
@@ -58,7 +61,7 @@ def _build() -> ctypes.CDLL | None:
                 folder.mkdir(parents=True, exist_ok=True)
                 fd, tmp = tempfile.mkstemp(prefix=".iq_c-", suffix=".so", dir=folder)
                 os.close(fd)
-                proc = subprocess.run([*cc.split(), *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"],
+                proc = subprocess.run([*cc.split(), *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"],
                                       capture_output=True, timeout=120)
                 if proc.returncode != 0:
                     os.unlink(tmp)
@@ -75,6 +78,8 @@ def _build() -> ctypes.CDLL | None:
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.qc_iq_quantize.restype = ctypes.c_int
         lib.qc_iq_quantize.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, i64, i64]
+        lib.qc_k_imatrix_quantize.restype = ctypes.c_int
+        lib.qc_k_imatrix_quantize.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, i64, i64]
         lib.qc_iq_set_lattice.restype = None
         lib.qc_iq_set_lattice.argtypes = [ctypes.c_int] * 5 + [ptr] * 5
         return lib
@@ -159,3 +164,25 @@ def c_twin(x: np.ndarray, imatrix: np.ndarray | None, type_name: str, threads: i
         raise ValueError(f"{type_name} quantizes rows: a 2-D array, not shape {x.shape}")
     threads = min(8, usable_cpus()) if threads is None else max(1, int(threads))
     return quantize(x, imatrix, type_name, threads)
+
+
+def quantize_k_imatrix(x: np.ndarray, imatrix: np.ndarray, type_name: str, threads: int = 1) -> np.ndarray:
+    """float32 [rows, n] (n % 256 == 0) and an importance matrix [n] -> ggml_quantize_chunk's Q4_K / Q5_K / Q6_K
+    bytes [rows, n // 256 * block bytes] (quantize_row_q*_K_impl). Bands of rows go to `threads` threads."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the C quantizers are not available")
+    tid, bb = K_IMATRIX_TYPES[type_name]
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rows, n = x.shape
+    qw = np.ascontiguousarray(imatrix, dtype=np.float32).reshape(-1)
+    if n % 256 or qw.size != n:
+        raise ValueError(f"{type_name}: rows of {n} values (a multiple of 256 needed), imatrix of {qw.size}")
+    out = np.empty((rows, n // 256 * bb), np.uint8)
+    band = max(1, 4 * _TASK_SUPER_BLOCKS // max(1, n // 256))
+
+    def run(r0: int) -> None:
+        lib.qc_k_imatrix_quantize(tid, x.ctypes.data, n, qw.ctypes.data, out.ctypes.data, r0, min(rows, r0 + band))
+
+    _spread(run, rows, threads, band)
+    return out

@@ -62,7 +62,7 @@ def c_path():
 
 @pytest.mark.parametrize("t", TYPES)
 def test_c_bytes_equal_ggml_on_weight_rows_one_and_two_threads(t, c_path):
-    x, imatrix = _weights(48, 2048, TYPES.index(t))
+    x, imatrix = _weights(16, 2048, TYPES.index(t))
     quantize = _quantize(t)
     for weights in (imatrix, None):
         if weights is None and t in NEEDS_WEIGHTS:
@@ -74,7 +74,7 @@ def test_c_bytes_equal_ggml_on_weight_rows_one_and_two_threads(t, c_path):
             one = quantize(x, weights, threads=1)
         assert trace["quantize"] == ["c"], trace
         two = quantize(x, weights, threads=2)
-        assert one.shape == theirs.shape == (48, 2048 // 256 * iq_c.BLOCK_BYTES[t])
+        assert one.shape == theirs.shape == (16, 2048 // 256 * iq_c.BLOCK_BYTES[t])
         assert one.tobytes() == theirs.tobytes(), f"{t} imatrix={weights is not None}: bytes differ from ggml"
         assert two.tobytes() == theirs.tobytes(), f"{t}: 2 threads changed the bytes"
 
@@ -122,3 +122,21 @@ def test_numpy_fallback_still_equals_ggml(t, monkeypatch):
     x = np.concatenate([x, _edges(512)[[0, 2, 5]]])
     ours = _quantize(t)(x, imatrix, threads=1)
     assert ours.tobytes() == ggml_quantize(x, t, imatrix).tobytes()
+
+
+@pytest.mark.parametrize("t", ("Q4_K", "Q5_K", "Q6_K"))
+def test_k_types_with_imatrix_take_the_c_path_with_ggml_bytes(t, c_path):
+    """quantize_k with an importance matrix: kernels/ggml/kquant_imatrix_c.c (no torch.compile), ggml's bytes on
+    weight rows and edge rows, 1 and 2 threads, noted as kernel "c"."""
+    from qconvert.kernels.ggml.kquants import quantize_k
+
+    x, imatrix = _weights(32, 2048, 60)
+    edges = _edges(2048)
+    imatrix[:40] = 0
+    for rows in (x, edges):
+        theirs = ggml_quantize(rows, t, imatrix)
+        with dispatch.kernel_trace() as trace:
+            one = quantize_k(rows, t, imatrix=imatrix, threads=1)
+        assert trace["quantize"] == ["c"], trace
+        assert one.tobytes() == theirs.tobytes(), f"{t}: bytes differ from ggml"
+        assert quantize_k(rows, t, imatrix=imatrix, threads=2).tobytes() == theirs.tobytes()
