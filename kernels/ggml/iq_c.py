@@ -34,7 +34,7 @@ _FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fa
 TYPE_IDS = {"IQ3_S": 0, "IQ3_XXS": 1, "IQ2_S": 2, "IQ2_XS": 3, "IQ2_XXS": 4}
 BLOCK_BYTES = {"IQ3_S": 110, "IQ3_XXS": 98, "IQ2_S": 82, "IQ2_XS": 74, "IQ2_XXS": 66}
 # the K types with an importance matrix this library quantizes (ggml's quantize_row_q*_K_impl), their ids, bytes
-K_IMATRIX_TYPES = {"Q4_K": (4, 144), "Q5_K": (5, 176), "Q6_K": (6, 210)}
+K_IMATRIX_TYPES = {"Q2_K": (2, 84), "Q3_K": (3, 110), "Q4_K": (4, 144), "Q5_K": (5, 176), "Q6_K": (6, 210)}
 _ERRORS = {1: "no neighbour of finite weighted error: ggml's quantizer aborts on this input (GGML_ASSERT(grid_index "
               ">= 0) in its find_best_neighbour); the values or their weights overflow float32",
            2: "a block scale is NaN: ggml's quantizer aborts on this input (GGML_ASSERT(scale >= 0)); the values or "
@@ -167,7 +167,7 @@ def c_twin(x: np.ndarray, imatrix: np.ndarray | None, type_name: str, threads: i
 
 
 def quantize_k_imatrix(x: np.ndarray, imatrix: np.ndarray, type_name: str, threads: int = 1) -> np.ndarray:
-    """float32 [rows, n] (n % 256 == 0) and an importance matrix [n] -> ggml_quantize_chunk's Q4_K / Q5_K / Q6_K
+    """float32 [rows, n] (n % 256 == 0) and an importance matrix [n] -> ggml_quantize_chunk's Q2_K .. Q6_K
     bytes [rows, n // 256 * block bytes] (quantize_row_q*_K_impl). Bands of rows go to `threads` threads."""
     lib = _lib()
     if lib is None:

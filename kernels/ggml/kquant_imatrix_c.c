@@ -1,4 +1,4 @@
-/* qconvert: ggml's K quantizers WITH an importance matrix (quantize_row_q4_K_impl, _q5_K_impl, _q6_K_impl of
+/* qconvert: ggml's K quantizers WITH an importance matrix (quantize_row_q2_K_impl .. _q6_K_impl of
  * ggml-quants.c, what ggml_quantize_chunk runs when it is given quant_weights) in plain C, one super-block at a
  * time. Built with kernels/ggml/iq_c.c into one library by kernels/ggml/iq_c.py (kquant_c.c, the reference K
  * quantizers without an imatrix, is another helper's file).
@@ -307,9 +307,88 @@ static void k_q6(const float *x, const float *qwb, uint8_t *y) {
     }
 }
 
-/* rows [r0, r1) of x [rows, n] with quant_weights qw [n] -> bytes (type 4: Q4_K, 5: Q5_K, 6: Q6_K); 0 on success */
+/* Q2_K of one super-block (84 bytes: scales[16], qs[64], d, dmin), quantize_row_q2_K_impl */
+static void k_q2(const float *x, const float *qwb, uint8_t *y) {
+    uint8_t L[256], Ls[16], Lm[16];
+    float mins[16], scales[16], sw[16], weight[16];
+    float sumx2 = 0;
+    for (int j = 0; j < 256; ++j) sumx2 += x[j] * x[j];
+    float sigma2 = sumx2 / 256;
+    for (int j = 0; j < 16; ++j) {
+        const float *qw = qwb + 16 * j;
+        for (int l = 0; l < 16; ++l) weight[l] = qw[l] * sqrtf(sigma2 + x[16 * j + l] * x[16 * j + l]);
+        sw[j] = 0;
+        for (int l = 0; l < 16; ++l) sw[j] += weight[l];
+        scales[j] = k_make_qkx3(16, 3, x + 16 * j, weight, L + 16 * j, &mins[j], -0.9f, 0.05f, 36);
+    }
+    float dm = k_make_qp(16, 15, scales, Ls, sw);
+    float mm = k_make_qp(16, 15, mins, Lm, sw);
+    uint16_t dh = k_fp32_to_fp16(dm), mh = k_fp32_to_fp16(mm);
+    memcpy(y + 80, &dh, 2); memcpy(y + 82, &mh, 2);
+    dm = k_fp16_to_fp32(dh);
+    mm = k_fp16_to_fp32(mh);
+    for (int j = 0; j < 16; ++j) y[j] = (uint8_t)(Ls[j] | (Lm[j] << 4));
+    for (int j = 0; j < 16; ++j) {
+        const float d = dm * (y[j] & 0xF);
+        if (!d) continue;
+        const float m = mm * (y[j] >> 4);
+        for (int ii = 0; ii < 16; ++ii) L[16 * j + ii] = (uint8_t)k_clamp(k_nearest_int((x[16 * j + ii] + m) / d), 0, 3);
+    }
+    for (int j = 0; j < 256; j += 128)
+        for (int l = 0; l < 32; ++l)
+            y[16 + j / 4 + l] = (uint8_t)(L[j + l] | (L[j + l + 32] << 2) | (L[j + l + 64] << 4) | (L[j + l + 96] << 6));
+}
+
+/* Q3_K of one super-block (110 bytes: hmask[32], qs[64], scales[12], d), quantize_row_q3_K_impl */
+static void k_q3(const float *x, const float *qwb, uint8_t *y) {
+    int8_t L[256], Ls[16];
+    float scales[16], weight[16], sw[16];
+    float sumx2 = 0;
+    for (int j = 0; j < 256; ++j) sumx2 += x[j] * x[j];
+    float sigma2 = 2 * sumx2 / 256;
+    for (int j = 0; j < 16; ++j) {
+        const float *qw = qwb + 16 * j;
+        for (int l = 0; l < 16; ++l) weight[l] = qw[l] * sqrtf(sigma2 + x[16 * j + l] * x[16 * j + l]);
+        float sumw = 0;
+        for (int l = 0; l < 16; ++l) sumw += weight[l];
+        sw[j] = sumw;
+        scales[j] = k_make_qx(16, 4, x + 16 * j, L + 16 * j, weight);
+    }
+    uint8_t *ysc = y + 96;
+    memset(ysc, 0, 12);
+    float d_block = k_make_qx(16, 32, scales, Ls, sw);
+    for (int j = 0; j < 16; ++j) {
+        int l = Ls[j];
+        if (j < 8) ysc[j] = (uint8_t)(l & 0xF);
+        else ysc[j - 8] |= (uint8_t)((l & 0xF) << 4);
+        l >>= 4;
+        ysc[j % 4 + 8] |= (uint8_t)(l << (2 * (j / 4)));
+    }
+    uint16_t dh = k_fp32_to_fp16(d_block);
+    memcpy(y + 108, &dh, 2);
+    for (int j = 0; j < 16; ++j) {
+        int8_t sc = (int8_t)(j < 8 ? ysc[j] & 0xF : ysc[j - 8] >> 4);
+        sc = (int8_t)((sc | (((ysc[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32);
+        float d = k_fp16_to_fp32(dh) * sc;
+        if (!d) continue;
+        for (int ii = 0; ii < 16; ++ii) L[16 * j + ii] = (int8_t)(k_clamp(k_nearest_int(x[16 * j + ii] / d), -4, 3) + 4);
+    }
+    uint8_t *hmask = y;
+    memset(hmask, 0, 32);
+    int m = 0;
+    uint8_t hm = 1;
+    for (int j = 0; j < 256; ++j) {
+        if (L[j] > 3) { hmask[m] |= hm; L[j] -= 4; }
+        if (++m == 32) { m = 0; hm <<= 1; }
+    }
+    for (int j = 0; j < 256; j += 128)
+        for (int l = 0; l < 32; ++l)
+            y[32 + j / 4 + l] = (uint8_t)(L[j + l] | (L[j + l + 32] << 2) | (L[j + l + 64] << 4) | (L[j + l + 96] << 6));
+}
+
+/* rows [r0, r1) of x [rows, n] with quant_weights qw [n] -> bytes (type 2: Q2_K, 3: Q3_K, 4: Q4_K, 5: Q5_K, 6: Q6_K); 0 on success */
 int qc_k_imatrix_quantize(int type, const float *x, int64_t n, const float *qw, uint8_t *y, int64_t r0, int64_t r1) {
-    const int nbytes = type == 4 ? 144 : type == 5 ? 176 : type == 6 ? 210 : 0;
+    const int nbytes = type == 2 ? 84 : type == 3 ? 110 : type == 4 ? 144 : type == 5 ? 176 : type == 6 ? 210 : 0;
     if (!nbytes || !qw) return 4;
     const int64_t nsup = n / 256, row_bytes = nsup * nbytes;
     for (int64_t r = r0; r < r1; ++r) {
@@ -317,6 +396,8 @@ int qc_k_imatrix_quantize(int type, const float *x, int64_t n, const float *qw, 
             const float *xb = x + r * n + 256 * s;
             uint8_t *yb = y + r * row_bytes + s * nbytes;
             if (type == 6) k_q6(xb, qw + 256 * s, yb);
+            else if (type == 2) k_q2(xb, qw + 256 * s, yb);
+            else if (type == 3) k_q3(xb, qw + 256 * s, yb);
             else k_q45(type == 4 ? 15 : 31, xb, qw + 256 * s, yb);
         }
     }

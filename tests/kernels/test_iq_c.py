@@ -124,7 +124,7 @@ def test_numpy_fallback_still_equals_ggml(t, monkeypatch):
     assert ours.tobytes() == ggml_quantize(x, t, imatrix).tobytes()
 
 
-@pytest.mark.parametrize("t", ("Q4_K", "Q5_K", "Q6_K"))
+@pytest.mark.parametrize("t", ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
 def test_k_types_with_imatrix_take_the_c_path_with_ggml_bytes(t, c_path):
     """quantize_k with an importance matrix: kernels/ggml/kquant_imatrix_c.c (no torch.compile), ggml's bytes on
     weight rows and edge rows, 1 and 2 threads, noted as kernel "c"."""
