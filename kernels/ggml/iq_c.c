@@ -15,6 +15,13 @@
 #include <string.h>
 #include <float.h>
 #include <math.h>
+#include <stdlib.h>
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__) && !defined(QC_NO_CLONES)
+#define QC_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define QC_CLONES
+#endif
 
 #define EPS_DEFAULT 1e-15f  /* GROUP_MAX_EPS: IQ2_XS, IQ2_XXS */
 #define EPS_1E8 1e-8f       /* GROUP_MAX_EPS_IQ3_XXS, GROUP_MAX_EPS_IQ2_S */
@@ -31,6 +38,8 @@ typedef struct {
     const int64_t *start;   /* [kmap_size]: where an off-grid code's neighbour list starts in flat */
     const int64_t *count;   /* [kmap_size]: its length */
     const int32_t *flat;
+    int64_t total;          /* entries in flat */
+    float *cand_values;     /* [dim][total]: coordinate i of the candidate at flat[p] at cand_values[i*total + p] */
 } lattice_t;
 
 static lattice_t LAT[N_TYPES];
@@ -40,7 +49,16 @@ int qc_iq_abi_version(void) { return 1; }
 void qc_iq_set_lattice(int type, int bits, int dim, int npoints, int kmap_size, const float *values,
                        const int32_t *kmap, const int64_t *start, const int64_t *count, const int32_t *flat) {
     if (type < 0 || type >= N_TYPES) return;
-    lattice_t l = {bits, dim, npoints, kmap_size, values, kmap, start, count, flat};
+    int64_t total = 0;
+    for (int u = 0; u < kmap_size; ++u) if (start[u] + count[u] > total) total = start[u] + count[u];
+    /* the candidates' coordinates laid out list by list, one row per coordinate, so that the distance loop over a
+     * list's candidates reads contiguous memory and vectorizes (the same float32 operations per candidate) */
+    float *cv = malloc(sizeof(float) * (size_t)(total > 0 ? total : 1) * (size_t)dim);
+    if (!cv) return;
+    for (int64_t p = 0; p < total; ++p)
+        for (int i = 0; i < dim; ++i) cv[i * total + p] = values[(int64_t)flat[p] * dim + i];
+    free(LAT[type].cand_values);
+    lattice_t l = {bits, dim, npoints, kmap_size, values, kmap, start, count, flat, total, cv};
     LAT[type] = l;
 }
 
@@ -71,20 +89,25 @@ static inline int clampi(int v, int lo, int hi) { return v < lo ? lo : (v > hi ?
 
 /* The best neighbour of an off-grid code: least sum(waux * (scale*q - xval)^2), the first of equal ones; -1 when
  * none is below FLT_MAX (ggml asserts). */
-static int best_neighbour(const lattice_t *lat, int u, const float *xval, const float *waux, float scale) {
-    const int32_t *cand = lat->flat + lat->start[u];
-    const int64_t nc = lat->count[u];
+QC_CLONES static int best_neighbour(const lattice_t *lat, int u, const float *xval, const float *waux, float scale) {
+    const int64_t st = lat->start[u], nc = lat->count[u];
     const int dim = lat->dim;
     float best_d2 = FLT_MAX;
     int best = -1;
-    for (int64_t j = 0; j < nc; ++j) {
-        const float *pg = lat->values + (int64_t)cand[j] * dim;
-        float d2 = 0;
-        for (int i = 0; i < dim; ++i) {
-            float diff = scale * pg[i] - xval[i];
-            d2 += waux[i] * diff * diff;
+    float d2[256];
+    for (int64_t c0 = 0; c0 < nc; c0 += 256) {
+        const int m = (int)(nc - c0 < 256 ? nc - c0 : 256);
+        for (int j = 0; j < m; ++j) d2[j] = 0;
+        for (int i = 0; i < dim; ++i) {  /* d2 += weight[i]*diff*diff, coordinate after coordinate as ggml */
+            const float *q = lat->cand_values + i * lat->total + st + c0;
+            const float xi = xval[i], wi = waux[i];
+            for (int j = 0; j < m; ++j) {
+                float diff = scale * q[j] - xi;
+                d2[j] += wi * diff * diff;
+            }
         }
-        if (d2 < best_d2) { best_d2 = d2; best = cand[j]; }
+        for (int j = 0; j < m; ++j)
+            if (d2[j] < best_d2) { best_d2 = d2[j]; best = lat->flat[st + c0 + j]; }
     }
     return best;
 }
@@ -376,7 +399,7 @@ static int quantize_super(int type, const float *xbl, const float *qwbl, uint8_t
 }
 
 /* rows [r0, r1) of x [rows, n] -> their bytes in y (row r at y + r * row_bytes); qw [n] or NULL. */
-int qc_iq_quantize(int type, const float *x, int64_t n, const float *qw, uint8_t *y, int64_t r0, int64_t r1) {
+QC_CLONES int qc_iq_quantize(int type, const float *x, int64_t n, const float *qw, uint8_t *y, int64_t r0, int64_t r1) {
     if (type < 0 || type >= N_TYPES) return QC_BAD_TYPE;
     if (!LAT[type].kmap) return QC_NO_TABLES;
     const int nbytes = SPECS[type].nbytes;
