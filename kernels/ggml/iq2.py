@@ -33,7 +33,8 @@ scale s (bits 28..31); a value decodes as `((d * (0.5 + s)) * 0.25) * grid[index
 not positive being dead too; 13 trials id = (5 + is*0.1)/eff_max, is = -6..6, then every group recoded from the
 kept scale (when positive); d stored as fp16(d); max_scale 0 clears the super-block's words.
 
-Exactness and limits as kernels/ggml/iq3_s.py: float32 in C's association order, sums element by element, inputs
+The default CPU path is the C twin, kernels/ggml/iq_c.c (same bytes; this numpy code is the reference and the
+fallback without a C compiler or with QCONVERT_COMPILE=0). Exactness and limits as kernels/ggml/iq3_s.py: float32 in C's association order, sums element by element, inputs
 where C aborts raise ValueError, NaN inputs not reproduced. Speed (2048x4096 with an imatrix, one thread, README):
 numpy takes 4-8x ggml's C time; the neighbour lists of the 2-bit grids are long (IQ2_XS: about 58 candidates a
 group searched on weight-like data), each candidate costing a handful of array operations per coordinate.

@@ -35,7 +35,8 @@ without FMA contraction, so plain float32 numpy gives the same bytes (tests/kern
 ggml_quantize_chunk). Inputs where C aborts (its GGML_ASSERTs: no neighbour of finite error, a NaN scale: values
 whose squares or weighted sums overflow float32) raise ValueError here; NaN inputs are not reproduced.
 
-Speed: all live blocks of a band of rows at once (Python loops over the 19 trials, the 32 positions of a sum and
+Speed: the default CPU path is the C twin, kernels/ggml/iq_c.c (same bytes; docs/benchmarks.md); this numpy code is
+the reference and the fallback (no C compiler, QCONVERT_COMPILE=0): all live blocks of a band of rows at once (Python loops over the 19 trials, the 32 positions of a sum and
 the 4 coordinates of a distance), the neighbour candidates of every off-grid group in one flat array; bands from
 a thread pool (iq4_nl.quantize_bands). Timings: README.md.
 """

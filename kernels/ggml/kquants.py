@@ -1053,7 +1053,8 @@ def quantize_k(x: np.ndarray, type_name, imatrix=None, threads: int | None = Non
 
     Without an importance matrix the C twin of the reference quantizers runs (kernels/ggml/kquant_c.c, where a C
     compiler is available: 2-7x llama.cpp's own reference quantizer), its chunks taken by `threads`
-    threads. Otherwise `threads` (default: default_threads()): on the compiled path (large tensors) the compiled
+    threads. With one, ggml's quantize_row_q*_K_impl in C (kernels/ggml/kquant_imatrix_c.c via iq_c.py: no
+    torch.compile tracing per process), bands of rows from `threads` threads. Without the C twins, `threads` (default: default_threads()): on the compiled path (large tensors) the compiled
     searches run on that many torch intra-op threads (they hold the GIL, so Python threads would
     serialize them); otherwise rows are split into bands quantized from a thread pool (numpy releases
     the GIL inside its array operations). Every super-block is independent, so the bytes do not depend
