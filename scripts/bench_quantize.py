@@ -4,6 +4,12 @@ bf16-rounded float32 tensors of real LLM shapes.
 
     python scripts/bench_quantize.py                 # >= 256 MB of bf16 input, 1 and 2 threads
     python scripts/bench_quantize.py --mb 64 --types Q4_K,Q6_K --threads 1
+    python scripts/bench_quantize.py --imatrix --repeat 5     # 2048x2048 with an imatrix: IQ and K types, Q4_1
+
+--imatrix: one 2048x2048 bf16 tensor and a random importance vector, each type's time the MIN of --repeat runs
+(other processes share the CPUs), ours (kernels/ggml/iq_c.c, kquant_imatrix_c.c; Q4_1 without imatrix: the
+legacy C path) against ggml_quantize_chunk at the same thread count, after a warm-up call on both sides (ggml's
+grid init for the IQ types, our C build); a markdown table row per type and thread count.
 
 Throughput is MB/s of bf16 input (2 bytes per weight), the best of --repeat runs, after a warm-up call
 at each thread count (torch.compile of the fused Q4_0/Q8_0 kernels happens once per process and thread
@@ -91,6 +97,38 @@ def rmse(inputs, outs, t: str) -> float:
     return (se / n) ** 0.5
 
 
+IMATRIX_TYPES = ("IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_1")
+
+
+def ours_with_imatrix(x: np.ndarray, t: str, imatrix: np.ndarray | None, threads: int) -> np.ndarray:
+    from qconvert.kernels.ggml import iq2, iq3_s
+
+    if t.startswith("IQ"):
+        return getattr(iq3_s if t.startswith("IQ3") else iq2, f"quantize_{t.lower()}")(x, imatrix, threads=threads)
+    if LAYOUTS[t].kind == "k":
+        return kq.quantize_k(x, t, imatrix=imatrix, threads=threads)
+    from qconvert.kernels.ggml import kquant_c
+
+    return kquant_c.quantize_legacy(x, t, threads)  # Q4_1 from dense weights (no imatrix: the reference quantizer)
+
+
+def bench_imatrix(types, thread_counts, repeat: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn((2048, 2048), generator=gen) * 2048 ** -0.5).to(torch.bfloat16).to(torch.float32).numpy()
+    imatrix = np.random.default_rng(0).gamma(0.7, 1.0, 2048).astype(np.float32)
+    print(f"2048x2048 bf16, imatrix gamma(0.7); min of {repeat} runs; ratio = ggml time / ours (>= 1.5 is the target)")
+    print("| type | threads | ours s | ggml s | ggml/ours | same bytes |")
+    print("|---|---|---|---|---|---|")
+    for t in types:
+        im = None if t == "Q4_1" else imatrix
+        for n in thread_counts:
+            ours_with_imatrix(x[:8], t, im, n), ggml_quantize(x[:8], t, im, threads=n)  # warm-up: builds, grid init
+            our_time, ours = timed(lambda a: ours_with_imatrix(a, t, im, n), [x], repeat)
+            gg_time, theirs = timed(lambda a: ggml_quantize(a, t, im, threads=n), [x], repeat)
+            same = np.array_equal(ours[0], np.asarray(theirs[0]).reshape(ours[0].shape))
+            print(f"| {t} | {n} | {our_time:.3f} | {gg_time:.3f} | {gg_time / our_time:.2f} | {same} |", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=float, default=256, help="MB of bf16 input (default 256)")
@@ -98,7 +136,12 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--shapes", default=None, help="e.g. 256x1024,512x512 instead of llama-7B's shapes")
+    ap.add_argument("--imatrix", action="store_true", help="the 2048x2048 imatrix table (IQ and K types, Q4_1)")
     args = ap.parse_args(argv)
+    if args.imatrix:
+        types = IMATRIX_TYPES if args.types == ",".join(TYPES) else [t.strip().upper() for t in args.types.split(",")]
+        bench_imatrix(types, [int(n) for n in args.threads.split(",")], max(1, args.repeat))
+        return 0
     shapes = SHAPES if not args.shapes else tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
     types = [t.strip().upper() for t in args.types.split(",")]
     thread_counts = [int(n) for n in args.threads.split(",")]

@@ -33,7 +33,8 @@ scale s (bits 28..31); a value decodes as `((d * (0.5 + s)) * 0.25) * grid[index
 not positive being dead too; 13 trials id = (5 + is*0.1)/eff_max, is = -6..6, then every group recoded from the
 kept scale (when positive); d stored as fp16(d); max_scale 0 clears the super-block's words.
 
-Exactness and limits as kernels/ggml/iq3_s.py: float32 in C's association order, sums element by element, inputs
+The default CPU path is the C twin, kernels/ggml/iq_c.c (same bytes; this numpy code is the reference and the
+fallback without a C compiler or with QCONVERT_COMPILE=0). Exactness and limits as kernels/ggml/iq3_s.py: float32 in C's association order, sums element by element, inputs
 where C aborts raise ValueError, NaN inputs not reproduced. Speed (2048x4096 with an imatrix, one thread, README):
 numpy takes 4-8x ggml's C time; the neighbour lists of the 2-bit grids are long (IQ2_XS: about 58 candidates a
 group searched on weight-like data), each candidate costing a handful of array operations per coordinate.
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import iq_c
 from .iq4_nl import quantize_bands
 from .iq_lattice import (decode_values, even_signs, lattice, lattice_weights, parity_sign_values, positive_scales,
                          search_blocks, sign_bytes, signs_and_values, super_scales)
@@ -62,6 +64,9 @@ def quantize_iq2_s(x: np.ndarray, imatrix: np.ndarray | None = None, threads: in
     imatrix: [n] importance per column, or None. Bands of rows from `threads` threads, as quantize_iq3_s."""
     from ..dispatch import note_kernel  # the report's "kernel": no Triton twin of this quantizer
 
+    out = iq_c.c_twin(x, imatrix, "IQ2_S", threads)  # the C twin by default (same bytes), numpy without it
+    if out is not None:
+        return out
     note_kernel("quantize", "numpy")
     return quantize_bands(x, imatrix, threads, "IQ2_S", SUPER_BLOCK, IQ2_BYTES["IQ2_S"], _iq2_s_band)
 
@@ -100,10 +105,13 @@ def quantize_iq2_xs(x: np.ndarray, imatrix: np.ndarray | None = None, threads: i
     imatrix: [n] importance per column, required (ggml asserts it). Bands of rows as quantize_iq2_s."""
     from ..dispatch import note_kernel  # the report's "kernel": no Triton twin of this quantizer
 
-    note_kernel("quantize", "numpy")
     if imatrix is None:
         raise ValueError("IQ2_XS needs an importance matrix: ggml asserts one (ggml_quantize_chunk's "
                          "GGML_ASSERT(imatrix != NULL), quantize_iq2_xs's GGML_ASSERT(quant_weights))")
+    out = iq_c.c_twin(x, imatrix, "IQ2_XS", threads)  # the C twin by default (same bytes), numpy without it
+    if out is not None:
+        return out
+    note_kernel("quantize", "numpy")
     return quantize_bands(x, imatrix, threads, "IQ2_XS", SUPER_BLOCK, IQ2_BYTES["IQ2_XS"], _iq2_xs_band)
 
 
@@ -154,10 +162,13 @@ def quantize_iq2_xxs(x: np.ndarray, imatrix: np.ndarray | None = None, threads: 
     imatrix: [n] importance per column, required (ggml asserts it). Bands of rows as quantize_iq2_s."""
     from ..dispatch import note_kernel  # the report's "kernel": no Triton twin of this quantizer
 
-    note_kernel("quantize", "numpy")
     if imatrix is None:
         raise ValueError("IQ2_XXS needs an importance matrix: ggml asserts one (ggml_quantize_chunk's "
                          "GGML_ASSERT(imatrix != NULL), quantize_iq2_xxs's GGML_ASSERT(quant_weights))")
+    out = iq_c.c_twin(x, imatrix, "IQ2_XXS", threads)  # the C twin by default (same bytes), numpy without it
+    if out is not None:
+        return out
+    note_kernel("quantize", "numpy")
     return quantize_bands(x, imatrix, threads, "IQ2_XXS", SUPER_BLOCK, IQ2_BYTES["IQ2_XXS"], _iq2_xxs_band)
 
 

@@ -35,7 +35,8 @@ without FMA contraction, so plain float32 numpy gives the same bytes (tests/kern
 ggml_quantize_chunk). Inputs where C aborts (its GGML_ASSERTs: no neighbour of finite error, a NaN scale: values
 whose squares or weighted sums overflow float32) raise ValueError here; NaN inputs are not reproduced.
 
-Speed: all live blocks of a band of rows at once (Python loops over the 19 trials, the 32 positions of a sum and
+Speed: the default CPU path is the C twin, kernels/ggml/iq_c.c (same bytes; docs/benchmarks.md); this numpy code is
+the reference and the fallback (no C compiler, QCONVERT_COMPILE=0): all live blocks of a band of rows at once (Python loops over the 19 trials, the 32 positions of a sum and
 the 4 coordinates of a distance), the neighbour candidates of every off-grid group in one flat array; bands from
 a thread pool (iq4_nl.quantize_bands). Timings: README.md.
 """
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import iq_c
 from .iq4_nl import quantize_bands
 from .iq_lattice import (decode_values, even_signs, lattice, lattice_weights, parity_sign_values, positive_scales,
                          search_blocks, sign_bytes, super_scales)
@@ -66,6 +68,9 @@ def quantize_iq3_s(x: np.ndarray, imatrix: np.ndarray | None = None, threads: in
     `threads` threads (default: the usable CPUs, at most 8); the bytes do not depend on the split."""
     from ..dispatch import note_kernel  # the report's "kernel": no Triton twin of this quantizer
 
+    out = iq_c.c_twin(x, imatrix, "IQ3_S", threads)  # the C twin by default (same bytes), numpy without it
+    if out is not None:
+        return out
     note_kernel("quantize", "numpy")
     return quantize_bands(x, imatrix, threads, "IQ3_S", SUPER_BLOCK, SUPER_BLOCK_BYTES, _quantize_band)
 
@@ -157,6 +162,9 @@ def quantize_iq3_xxs(x: np.ndarray, imatrix: np.ndarray | None = None, threads: 
     imatrix: [n] importance per column, or None. Bands of rows as quantize_iq3_s."""
     from ..dispatch import note_kernel  # the report's "kernel": no Triton twin of this quantizer
 
+    out = iq_c.c_twin(x, imatrix, "IQ3_XXS", threads)  # the C twin by default (same bytes), numpy without it
+    if out is not None:
+        return out
     note_kernel("quantize", "numpy")
     return quantize_bands(x, imatrix, threads, "IQ3_XXS", SUPER_BLOCK, IQ3_XXS_BYTES, _iq3_xxs_band)
 

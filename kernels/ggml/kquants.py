@@ -62,7 +62,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..dispatch import usable_cpus
-from . import kquant_c, kquant_fused
+from . import iq_c, kquant_c, kquant_fused
 from .layouts import K_TYPES as _LAYOUT_K_TYPES
 from .layouts import LAYOUTS
 
@@ -1053,7 +1053,8 @@ def quantize_k(x: np.ndarray, type_name, imatrix=None, threads: int | None = Non
 
     Without an importance matrix the C twin of the reference quantizers runs (kernels/ggml/kquant_c.c, where a C
     compiler is available: 2-7x llama.cpp's own reference quantizer), its chunks taken by `threads`
-    threads. Otherwise `threads` (default: default_threads()): on the compiled path (large tensors) the compiled
+    threads. With one, ggml's quantize_row_q*_K_impl in C (kernels/ggml/kquant_imatrix_c.c via iq_c.py: no
+    torch.compile tracing per process), bands of rows from `threads` threads. Without the C twins, `threads` (default: default_threads()): on the compiled path (large tensors) the compiled
     searches run on that many torch intra-op threads (they hold the GIL, so Python threads would
     serialize them); otherwise rows are split into bands quantized from a thread pool (numpy releases
     the GIL inside its array operations). Every super-block is independent, so the bytes do not depend
@@ -1064,7 +1065,8 @@ def quantize_k(x: np.ndarray, type_name, imatrix=None, threads: int | None = Non
         return quantize_q8_K(x)
     from ..triton.route import k_quantize  # the Triton twin (kernels/triton/kquant.py) when chosen and covered
 
-    routed = k_quantize(x, name, imatrix, imatrix is None and kquant_c.available())
+    c_path = kquant_c.available() if imatrix is None else (name in iq_c.K_IMATRIX_TYPES and iq_c.available())
+    routed = k_quantize(x, name, imatrix, c_path)
     if routed is not None:
         return routed
     quantize = _QUANTIZERS[name]
@@ -1075,6 +1077,12 @@ def quantize_k(x: np.ndarray, type_name, imatrix=None, threads: int | None = Non
         # the reference quantizers in C (kernels/ggml/kquant_c.c): same bytes, chunks taken by a thread pool
         xb, shape = _as_blocks(x)
         return kquant_c.quantize(xb, name, threads).reshape(_out_shape(shape, BLOCK_BYTES[name]))
+    if imatrix is not None and name in iq_c.K_IMATRIX_TYPES and iq_c.available() and x.shape[-1] % QK_K == 0:
+        # ggml's quantize_row_q*_K_impl in C (kernels/ggml/kquant_imatrix_c.c): same bytes, no torch.compile
+        # tracing per process; bands of rows taken by a thread pool
+        x2 = np.ascontiguousarray(x, dtype=F32).reshape(rows, x.shape[-1])
+        out = iq_c.quantize_k_imatrix(x2, imatrix, name, threads)
+        return out.reshape(_out_shape(x.shape, BLOCK_BYTES[name]))
     if _fused_for(x, name, imatrix):
         # the compiled searches hold the GIL: they run on torch's intra-op threads instead
         with kquant_fused.intra_op_threads(threads):

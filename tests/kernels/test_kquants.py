@@ -298,16 +298,16 @@ def _no_c(monkeypatch) -> None:
 
 
 def _numpy_bytes(x, t, imatrix=None):
-    from qconvert.kernels.ggml import kquant_c
+    from qconvert.kernels.ggml import iq_c, kquant_c
     from qconvert.kernels.ggml import kquant_fused as kf
 
-    saved, saved_c = kf.MIN_VALUES, kquant_c.available
+    saved, saved_c, saved_iq = kf.MIN_VALUES, kquant_c.available, iq_c.available
     kf.MIN_VALUES = 1 << 62
-    kquant_c.available = lambda: False
+    kquant_c.available = iq_c.available = lambda: False  # the C twins too (iq_c: the imatrix K types)
     try:
         return kq.quantize_k(x, t, imatrix=imatrix, threads=1)
     finally:
-        kf.MIN_VALUES, kquant_c.available = saved, saved_c
+        kf.MIN_VALUES, kquant_c.available, iq_c.available = saved, saved_c, saved_iq
 
 
 # Q3_K without an importance matrix has no compiled part (its coordinate descent stays in numpy)
@@ -326,9 +326,13 @@ def test_compiled_searches_give_the_numpy_and_c_bytes(t, compiled_searches, orac
 
 
 @pytest.mark.parametrize("t", TYPES)
-def test_compiled_weighted_searches_equal_ggml(t, compiled_searches):
-    """With an importance matrix every K type has a compiled search (Q3_K: make_qx_quants)."""
+def test_compiled_weighted_searches_equal_ggml(t, compiled_searches, monkeypatch):
+    """With an importance matrix every K type has a compiled search (Q3_K: make_qx_quants), the fallback where
+    the C twin (kernels/ggml/kquant_imatrix_c.c: Q4_K, Q5_K, Q6_K; tests/kernels/test_iq_c.py) is not built."""
+    from qconvert.kernels.ggml import iq_c
     from qconvert.kernels.ggml.libggml import available, ggml_quantize
+
+    monkeypatch.setattr(iq_c, "available", lambda: False)
 
     if not available():
         pytest.skip("llama-cpp-python is not installed: no ggml_quantize_chunk to compare with")
