@@ -90,10 +90,12 @@ def test_wheel_holds_every_subpackage_and_nothing_else(built):
     dist_info = [n for n in names if ".dist-info/" in n]
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in dist_info)
     data = [n for n in names if not n.endswith(".py") and ".dist-info/" not in n]
-    # the bundled text `verify --logits` scores when no prompts are given; the C K-quantizers' source
-    # (kernels/kquant_c.py builds it on first use)
-    assert sorted(data) == ["qconvert/converters/apps/verify_text.txt", "qconvert/kernels/ggml/kquant_c.c",
-                            "qconvert/py.typed"], data
+    # the bundled text `verify --logits` scores when no prompts are given; every C quantizer's source
+    # (kernels/ggml/kquant_c.py and iq_c.py build them on first use; without them the wheel silently falls back
+    # to the slower numpy paths)
+    c_sources = sorted(f"qconvert/kernels/ggml/{p.name}" for p in (REPO / "kernels" / "ggml").glob("*.c"))
+    assert {"qconvert/kernels/ggml/kquant_c.c", "qconvert/kernels/ggml/iq_c.c"} <= set(c_sources)
+    assert sorted(data) == sorted(["qconvert/converters/apps/verify_text.txt", "qconvert/py.typed", *c_sources]), data
     assert not [n for n in names if any(bad in n for bad in NOT_SHIPPED)]
     meta = zipfile.ZipFile(built["wheel"]).read(next(n for n in dist_info if n.endswith("METADATA"))).decode()
     assert "License-Expression: MIT" in meta and "License-File: LICENSE" in meta
