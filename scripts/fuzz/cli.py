@@ -12,10 +12,10 @@ from pathlib import Path
 from . import __doc__ as PACKAGE_DOC
 from . import common
 from .child import child_case
-from .common import DEFAULT_WORK, READERS, read_text
+from .common import DEFAULT_WORK, read_text
 from .fuzzer import Fuzzer
 from .report import print_summary, write_markdown, write_summary_json
-from .seeds import Seed, seeds_for
+from .seeds import READERS, Seed, seeds_for
 from .tested_code import code_hash, preload_qconvert
 
 
@@ -62,7 +62,7 @@ def replay(args) -> int:
             print(f"\n{extra}:\n{text.rstrip()[-4000:]}")
     print(f"\noutcome: {o.outcome} {o.signature}\n{o.line}")
     print(f"case folder (mutated input in {case_dir / 'in'}): {case_dir}")
-    return 0 if o.outcome in ("ok", "refused") else 1
+    return 0 if o.outcome in ("ok", "exact", "changed", "refused") else 1
 
 
 def main(argv=None) -> int:
@@ -79,6 +79,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default=str(DEFAULT_WORK), help="cache of GGUF seeds and seed references")
     ap.add_argument("--targets", default="hf,gguf", help="conversions run per case after inspect: hf (--type f32, "
                     "always; compared with the seed's for silent corruption) and gguf (--type f16)")
+    ap.add_argument("--inspect", action=argparse.BooleanOptionalAction, default=True,
+                    help="run `qconvert inspect` on every case before the conversions (--no-inspect: faster)")
     ap.add_argument("--fixtures", default=str(common.FIXTURES), help="the test fixtures folder the seeds come from")
     ap.add_argument("--max-seeds", type=int, default=0, help="use only the first K seeds of each reader")
     ap.add_argument("--mutations", help="only mutation kinds matching this regex (e.g. 'gguf|cfg')")

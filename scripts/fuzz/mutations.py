@@ -8,6 +8,7 @@ They run in the child (child.child_case), never in the parent: the qmodel.pt edi
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 import shutil
@@ -345,7 +346,11 @@ def m_st_scalar(rng, ctx):
     f.write_bytes(data)
     # a header-like value (hqq's nbits/shape/packing..., UQFF's tags and version) is structure; an element of
     # a small weight tensor (a qzeros of 4x8) is data
-    ctx.structural = count <= 4 or name.rpartition(".")[2] in _META_SUFFIXES
+    # a small float tensor set to a finite value is a scale (ModelOpt's per-tensor weight_scale_2, FP8's
+    # per-tensor scale): data -- zero is what a producer writes for an all-zero weight, and any finite value is a
+    # valid checkpoint's -- while NaN / inf must be refused, so those stay structural
+    ctx.structural = (name.rpartition(".")[2] in _META_SUFFIXES
+                      or (count <= 4 and (fmt not in "fd" or not math.isfinite(value))))
     same = ""
     if name.endswith(".weight.dtype") and fmt not in "fd" and f"{name[:-len('.dtype')]}.shape" in h:
         # a UQFF GGUF-block layer's ggml type changed to one of the same size (Q4_K <-> Q4_0 <-> IQ4_NL): its
