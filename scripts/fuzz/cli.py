@@ -85,10 +85,16 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seeds", type=int, default=0, help="use only the first K seeds of each reader")
     ap.add_argument("--mutations", help="only mutation kinds matching this regex (e.g. 'gguf|cfg')")
     ap.add_argument("--replay", help="rerun one case: a findings JSON line, a file holding one, or a case JSON")
+    ap.add_argument("--table", metavar="SUMMARY_JSON", help="print docs/fuzzing.md's table of a --summary-json file")
     ap.add_argument("--verbose", action="store_true", help="print every case")
     ap.add_argument("--quiet", action="store_true", help="print only the table")
     args = ap.parse_args(argv)
     args.replay_mode = False
+    if args.table:
+        from .report import docs_table
+
+        print(docs_table(json.loads(Path(args.table).read_text())))
+        return 0
     common.FIXTURES = Path(args.fixtures).resolve()  # before any seed is looked up or child forked
 
     code = code_hash()  # of the code preloaded next

@@ -97,3 +97,26 @@ def _git_head() -> str:
                               text=True).stdout.strip()
     except Exception:
         return "?"
+
+
+DOC_COLUMNS = ("exact", "changed", "refused", "noisy", "silent", "no-file", "traceback", "hang", "bad-refusal",
+               "warning-first", "alloc", "error", "ok", "skipped")
+
+
+def docs_table(summary: dict) -> str:
+    """The markdown table of docs/fuzzing.md from a --summary-json file: per reader the cases, each outcome
+    and the seconds its cases took in their children (the readers run interleaved, so the run's wall time
+    is the total's)."""
+    counts, secs = summary["counts"], summary.get("command_seconds", {})
+    head = ["reader", "cases", *DOC_COLUMNS, "child s"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    total = {c: 0 for c in DOC_COLUMNS}
+    for reader in sorted(counts):
+        row = counts[reader]
+        rows.append(f"| {reader} | {sum(row.values())} | " + " | ".join(str(row.get(c, 0)) for c in DOC_COLUMNS)
+                    + f" | {secs.get(reader, {}).get('case', 0):.0f} |")
+        for c in DOC_COLUMNS:
+            total[c] += row.get(c, 0)
+    rows.append(f"| all | {sum(total.values())} | " + " | ".join(str(total[c]) for c in DOC_COLUMNS)
+                + f" | wall {summary.get('seconds', 0):.0f} |")
+    return "\n".join(rows)
