@@ -34,6 +34,7 @@ class Fuzzer:
         self.cases_dir = Path(tempfile.mkdtemp(prefix="cases-", dir=self.work))
         self.pool = ForkPool(args.jobs)
         self.counts: dict[str, dict[str, int]] = {}
+        self.kind_counts: dict[str, dict[str, dict[str, int]]] = {}  # reader -> mutation kind -> outcome -> cases
         self.command_seconds: dict[str, dict[str, float]] = {}  # reader -> command (and "case", the whole child) -> seconds
         self.findings: list[dict] = []
         self.seed_failures: list[str] = []
@@ -164,6 +165,8 @@ class Fuzzer:
             o = compared_outcome(o, meta, compare_digests(ref, res["digest"]))
         row = self.counts.setdefault(reader, {})
         row[o.outcome] = row.get(o.outcome, 0) + 1
+        by_kind = self.kind_counts.setdefault(reader, {}).setdefault(meta.get("kind") or "-", {})
+        by_kind[o.outcome] = by_kind.get(o.outcome, 0) + 1  # which mutations end exact / changed / refused
         times = self.command_seconds.setdefault(reader, {"case": 0.0})
         times["case"] = round(times["case"] + seconds, 3)
         for c in res.get("commands", ()):

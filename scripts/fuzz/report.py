@@ -55,7 +55,7 @@ def write_summary_json(path: Path, fz: Fuzzer, finished: bool = True) -> None:
     tmp.write_text(json.dumps({
         "finished": finished, "code": fz.hash, "git": fz.__dict__.setdefault("git", _git_head()),
         "counts": fz.counts, "seed_failures": fz.seed_failures, "seconds": round(fz.seconds, 1),
-        "command_seconds": fz.command_seconds,
+        "command_seconds": fz.command_seconds, "kind_counts": fz.kind_counts,
         "findings": [{k: r[k] for k in ("reader", "outcome", "signature", "case", "seed", "mutation", "line")}
                      for r in fz.findings]}, indent=1))
     tmp.replace(path)
