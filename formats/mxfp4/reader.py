@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 
 from ...converters.errors import BadInput
+from ...converters.model_shapes import INTEGER_TAGS
 from ...converters.validate import ConfigView
 from ...converters.records import Grid, TensorRecord
 from ...kernels.floatq import unpack_fp4
@@ -68,6 +69,13 @@ class Mxfp4Source(CheckpointSource):
             elif name.endswith("_scales") and name[: -len("_scales")] + "_blocks" not in self.ckpt.location:
                 raise BadInput("_scales without _blocks", path=self.ckpt.file_of(name),
                                tensor=name[: -len("_scales")] + "_blocks")
+            elif not name.endswith("_scales") and self.ckpt.dtype(name) in INTEGER_TAGS:
+                # every tensor besides the MXFP4 stacks is a float parameter (biases, sinks, router, norms,
+                # embeddings: modules_to_not_convert); an integer tag of a float's width would pass its bits
+                # on as integers (found by scripts/fuzz: a bias retagged F32 -> U32 converted)
+                raise BadInput(f"dtype {self.ckpt.dtype(name)} is an integer type, but gpt-oss stores every tensor "
+                               "besides the MXFP4 blocks and scales as floats", path=self.ckpt.file_of(name),
+                               tensor=name)
         for name in self.stacks:
             self._stack_shape(name)  # every stack checked before a record is made
         self._check_gpt_oss_layers(conf.path)

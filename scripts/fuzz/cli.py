@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -65,6 +66,40 @@ def replay(args) -> int:
     return 0 if o.outcome in ("ok", "exact", "changed", "refused") else 1
 
 
+def replay_findings(args) -> int:
+    """Rerun every case of a findings .jsonl with this code (after a fix): one line per case, old outcome ->
+    new; exit 1 when any still ends in a defect."""
+    from .classify import DEFECTS
+
+    still = 0
+    args.quiet = True
+    for line in Path(args.replay_findings).read_text().splitlines():
+        if not line.strip():
+            continue
+        case = json.loads(line)
+        args.seed = case.get("master_seed", args.seed)
+        args.mutations = case.get("only")
+        args.replay_mode = True
+        fz = Fuzzer(args)
+        seed = {s.name: s for s in seeds_for(case["reader"], fz.work)}.get(case["seed"])
+        if seed is None:
+            print(f"{case['reader']} #{case['case']} {case['seed']}: seed not found")
+            still += 1
+            continue
+        fz.seed_of[(case["reader"], seed.name)] = seed
+        job = fz.case_job(case["reader"], seed, int(case["case"]))
+        fz.pool.submit(job, child_case, fz.on_case)
+        while fz.pool.running or fz.ref_queue:
+            fz._submit_refs()
+            fz.pool.drain()
+        o = fz.last[0]
+        still += o.outcome in DEFECTS
+        print(f"{case['reader']} #{case['case']} {case['seed']}: {case['outcome']} -> {o.outcome}: {o.line[:200]}",
+              flush=True)
+        shutil.rmtree(fz.cases_dir, ignore_errors=True)
+    return 1 if still else 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=PACKAGE_DOC.splitlines()[0])
     ap.add_argument("--readers", default=",".join(READERS), help=f"comma-separated, of {', '.join(READERS)}")
@@ -86,6 +121,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mutations", help="only mutation kinds matching this regex (e.g. 'gguf|cfg')")
     ap.add_argument("--replay", help="rerun one case: a findings JSON line, a file holding one, or a case JSON")
     ap.add_argument("--table", metavar="SUMMARY_JSON", help="print docs/fuzzing.md's table of a --summary-json file")
+    ap.add_argument("--replay-findings", metavar="FINDINGS_JSONL", help="rerun every case of a --findings file")
     ap.add_argument("--verbose", action="store_true", help="print every case")
     ap.add_argument("--quiet", action="store_true", help="print only the table")
     args = ap.parse_args(argv)
@@ -103,6 +139,8 @@ def main(argv=None) -> int:
     args.code_hash = code
     if args.replay:
         return replay(args)
+    if args.replay_findings:
+        return replay_findings(args)
     readers = [r.strip() for r in args.readers.split(",") if r.strip()]
     unknown = [r for r in readers if r not in READERS]
     if unknown:
