@@ -78,11 +78,16 @@ def open_bnb(path: Path, **_: object) -> "BnbSource":
 
 def _quant_state_json(blob: torch.Tensor, where: Path, tensor: str) -> dict:
     """bitsandbytes' pack_dict_to_tensor: JSON, utf-8, as a uint8 tensor."""
+    raw = bytes(blob.reshape(-1).tolist())
     try:
-        data = json.loads(bytes(blob.reshape(-1).tolist()).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise BadInput(f"quant_state JSON is corrupt ({type(e).__name__}: {str(e)[:60]})", path=where,
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:  # said in our words: the codec's message is library text (scripts/fuzz)
+        raise BadInput(f"quant_state JSON is corrupt (not UTF-8 at byte {e.start})", path=where,
                        tensor=tensor) from None
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise BadInput(f"quant_state JSON is corrupt ({str(e)[:60]})", path=where, tensor=tensor) from None
     if not isinstance(data, dict):
         raise BadInput("quant_state JSON is not an object", path=where, tensor=tensor)
     return data

@@ -61,6 +61,8 @@ def _quant_config(conf: CheckpointConfig) -> dict:
         raise BadInput(f"quantization_config.quant_method is {method!r}, not 'compressed-tensors'", path=where)
     for key in ("sparsity_config", "transform_config"):
         extra = qc.get(key)
+        if extra is not None and not isinstance(extra, dict):  # an object or null in every producer's config
+            raise BadInput(f"quantization_config.{key} is not an object", path=where)
         if extra and not (key == "sparsity_config" and extra.get("format") in (None, "dense")):
             raise BadInput(f"quantization_config.{key} is set: sparse or transformed (rotated) compressed-tensors "
                            "models are not read", path=where)

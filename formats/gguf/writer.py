@@ -586,8 +586,13 @@ class GgufSession(WriterSession):
                 counts[p.target] = counts.get(p.target, 0) + 1
         dominant = max(counts, key=counts.get) if counts else "F32"
         preset_file_type = next((p.action.file_type for p in kept if p.action.file_type is not None), None)
-        add_model_metadata(w, source.config, arch,
-                           file_type=FILE_TYPES.get(dominant, 0) if preset_file_type is None else preset_file_type)
+        try:
+            add_model_metadata(w, source.config, arch,
+                               file_type=FILE_TYPES.get(dominant, 0) if preset_file_type is None else preset_file_type)
+        except QConvertError as e:  # the hyper-parameters' refusals (metadata.py, archs/) name no file: the config's
+            if e.path is not None:
+                raise
+            raise type(e)(e.detail, path=config_json_path(source), tensor=e.tensor) from None
         for key, value in tokenizer.items():  # the keys check_model built (GgufWriter._tokenizer_keys)
             w.add_key_value(key, value.value, value.type, sub_type=value.sub_type)
         self.extra = list(rope_tensors(source.config, arch))

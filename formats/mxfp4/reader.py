@@ -24,6 +24,8 @@ from typing import Iterator
 import torch
 
 from ...converters.errors import BadInput
+from ...converters.model_shapes import INTEGER_TAGS
+from ...converters.validate import ConfigView
 from ...converters.records import Grid, TensorRecord
 from ...kernels.floatq import unpack_fp4
 from ..common.float_grids import float_grid
@@ -67,8 +69,50 @@ class Mxfp4Source(CheckpointSource):
             elif name.endswith("_scales") and name[: -len("_scales")] + "_blocks" not in self.ckpt.location:
                 raise BadInput("_scales without _blocks", path=self.ckpt.file_of(name),
                                tensor=name[: -len("_scales")] + "_blocks")
+            elif not name.endswith("_scales") and self.ckpt.dtype(name) in INTEGER_TAGS:
+                # every tensor besides the MXFP4 stacks is a float parameter (biases, sinks, router, norms,
+                # embeddings: modules_to_not_convert); an integer tag of a float's width would pass its bits
+                # on as integers (found by scripts/fuzz: a bias retagged F32 -> U32 converted)
+                raise BadInput(f"dtype {self.ckpt.dtype(name)} is an integer type, but gpt-oss stores every tensor "
+                               "besides the MXFP4 blocks and scales as floats", path=self.ckpt.file_of(name),
+                               tensor=name)
         for name in self.stacks:
             self._stack_shape(name)  # every stack checked before a record is made
+        self._check_gpt_oss_layers(conf.path)
+
+    def _check_gpt_oss_layers(self, config_path: Path) -> None:
+        """Every tensor each gpt-oss layer has (transformers' GptOssDecoderLayer: q/k/v/o biases when
+        attention_bias, which gpt-oss's config defaults to true; the sinks; the router's weight and bias; the
+        experts and their biases), so that a checkpoint missing one is refused here, naming it: the core's
+        per-architecture check (converters/model_shapes.py) covers only dense llama/mistral/qwen layouts, and
+        without this a missing bias converted to a GGUF without it (llama.cpp's gpt-oss loader requires every
+        one; found by scripts/fuzz)."""
+        if self.config.get("model_type") != "gpt_oss":
+            return
+        view = ConfigView(self.config, config_path)
+        n_layers = view.int("num_hidden_layers", lo=1, hi=100_000)
+        attn = ["q_proj", "k_proj", "v_proj", "o_proj"]
+        needed = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.sinks",
+                  "mlp.router.weight", "mlp.router.bias", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias"]
+        needed += [f"self_attn.{p}.weight" for p in attn]
+        if view.bool("attention_bias", default=True):
+            needed += [f"self_attn.{p}.bias" for p in attn]
+        for i in range(n_layers):
+            head = f"model.layers.{i}."
+            held = [n for n in self.ckpt.location if n.startswith(head)]
+            where = self.ckpt.file_of(held[0]) if held else self.path
+            for suffix in needed + ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]:
+                name = head + suffix
+                if name in self.ckpt.location:
+                    continue
+                if suffix.endswith("_proj") and name + "_blocks" in self.ckpt.location:  # stored as MXFP4 blocks
+                    continue
+                raise BadInput(f"missing: gpt-oss has it in every layer (config.json says {n_layers} layers)",
+                               path=where, tensor=name + ("_blocks" if suffix.endswith("_proj") else ""))
+        tied = view.bool("tie_word_embeddings", default=False)
+        for name in ("model.embed_tokens.weight", "model.norm.weight") + (() if tied else ("lm_head.weight",)):
+            if name not in self.ckpt.location:
+                raise BadInput("missing: gpt-oss needs it", path=self.path / self.ckpt.shards[0], tensor=name)
 
     def _bad(self, msg: str, tensor: str) -> BadInput:
         return BadInput(msg, path=self.ckpt.file_of(tensor), tensor=tensor)

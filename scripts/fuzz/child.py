@@ -21,10 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import MB, READERS
-from .formats import st_read, st_tensors
+from .common import MB
+from .formats import Gguf, st_read, st_tensors
 from .mutations import Ctx, Skip, apply_mutation
-from .seeds import Seed
+from .seeds import READER_SEEDS, READERS, Seed
 from .tested_code import run_cli
 
 
@@ -56,6 +56,25 @@ def st_digest(out_dir: Path) -> dict:
             s, e = h[name]["data_offsets"]
             digest[name] = [h[name]["dtype"], h[name]["shape"], hashlib.sha1(b[8 + n + s:8 + n + e]).hexdigest()]
     return digest
+
+
+def gguf_digest(path: Path) -> dict:
+    """{tensor name: [ggml type, dims, sha1 of its bytes]} of a GGUF file (a tensor's bytes run to the next
+    tensor's offset: the padding between them is part of what the writer wrote)."""
+    b = path.read_bytes()
+    g = Gguf(b)
+    ts = sorted(g.tensors, key=lambda t: t.offset)
+    digest = {}
+    for i, t in enumerate(ts):
+        start = g.data_start + t.offset
+        end = g.data_start + ts[i + 1].offset if i + 1 < len(ts) else len(b)
+        digest[t.name.decode("utf-8", "replace")] = [t.ttype, list(t.dims), hashlib.sha1(b[start:end]).hexdigest()]
+    return digest
+
+
+def output_digest(out: Path) -> dict:
+    """The tensors of a conversion's output (an hf folder or a GGUF file), by name."""
+    return gguf_digest(out) if out.is_file() else st_digest(out)
 
 
 _KEEP_OPEN: list = []  # files faulthandler writes to (they must stay open)
@@ -105,7 +124,8 @@ def child_case(job: dict) -> int:
         shutil.copy(seed.path, root / "model.gguf")
         inp = root / "model.gguf"
     else:
-        shutil.copytree(seed.path, root, ignore=shutil.ignore_patterns(".done", ".lock", "mistralrs_logprobs.json"))
+        shutil.copytree(seed.path, root, ignore=shutil.ignore_patterns(".done", ".lock", "mistralrs_logprobs.json",
+                                                                       *job.get("seed_ignore", ())))
         inp = root
     ctx = Ctx(root, inp, job["reader"])
     meta = {"kind": None, "mutation": None, "structural": None, "input": str(inp)}
@@ -132,32 +152,38 @@ def child_case(job: dict) -> int:
     _limit_memory(bound)
     _KEEP_OPEN.append(open(case_dir / "hang.txt", "w"))
     faulthandler.dump_traceback_later(job["timeout"], exit=True, file=_KEEP_OPEN[-1])
-    out = case_dir / "out"
-    commands = [("inspect", ["inspect", str(ctx.input)])] if job.get("inspect", True) else []
+    fmt, target = READERS[job["reader"]], READER_SEEDS[job["reader"]].target
+    out = case_dir / ("out.gguf" if target == "gguf" else "out")
+    commands = [("inspect", ["inspect", str(ctx.input)], None)] if job.get("inspect", True) else []
+    # "convert": the reader's target conversion, whose output the oracle compares with the seed's.
     # --allow-requant: only a rotated GPTQ's folded down_proj needs it (->hf f32 is exact otherwise); a
     # refused plan would hide what the reader does with the input
-    commands.append(("convert", [f"{READERS[job['reader']]}->hf", str(ctx.input), str(out), "--type", "f32",
-                                 "--allow-requant", "--quiet"]))
-    if "gguf" in job.get("targets", ()):  # the GGUF writer reads what hf ignores (tokenizer, metadata)
-        commands.append(("to-gguf", [f"{READERS[job['reader']]}->gguf", str(ctx.input), str(case_dir / "out.gguf"),
-                                     "--type", "f16", "--allow-requant", "--quiet"]))
-    for name, argv in commands:
+    commands.append(("convert", [f"{fmt}->{target}", str(ctx.input), str(out)]
+                     + (["--type", "f32"] if target == "hf" else []) + ["--allow-requant", "--quiet"], out))
+    if "gguf" in job.get("targets", ()) and target != "gguf":  # the GGUF writer reads what hf ignores (tokenizer, metadata)
+        gguf_out = case_dir / "gguf-out.gguf"
+        commands.append(("to-gguf", [f"{fmt}->gguf", str(ctx.input), str(gguf_out), "--type", "f16",
+                                     "--allow-requant", "--quiet"], gguf_out))
+    for name, argv, target_path in commands:
         _redirect(case_dir / f"{name}.out", case_dir / f"{name}.err")
         t0 = time.monotonic()
         rc = run_cli(argv)
-        res["commands"].append({"name": name, "argv": argv, "rc": rc, "seconds": round(time.monotonic() - t0, 3)})
+        res["commands"].append({"name": name, "argv": argv, "rc": rc, "seconds": round(time.monotonic() - t0, 3),
+                                "out": str(target_path) if target_path else None})
         (case_dir / "result.json").write_text(json.dumps(res))
         if rc not in (0, 2, 130):  # a bug: the CLI said so in one line; --debug gives the traceback's frames
             _redirect(case_dir / f"{name}.debug.out", case_dir / f"{name}.debug.err")
-            run_cli([a + "-debug" if a in (str(out), str(case_dir / "out.gguf")) else a for a in argv] + ["--debug"])
+            run_cli([a + "-debug" if a == str(target_path) else a for a in argv] + ["--debug"])
     faulthandler.cancel_dump_traceback_later()
     res["rss_growth"] = max(0, _status("VmHWM") - rss0)
     hf = next((c for c in res["commands"] if c["name"] == "convert"), None)
     if hf is not None and hf["rc"] == 0:
+        # the oracle: every tensor of the output, compared by the parent with the seed's own conversion for every
+        # case that exits 0 (a data mutation too: whether it changed a value is measured, not assumed)
         if job.get("ref_out"):  # the seed's own conversion: keep its digest
-            Path(job["ref_out"]).write_text(json.dumps(st_digest(out)))
-        elif meta["structural"]:  # compared with the seed's conversion by the parent
-            res["digest"] = st_digest(out)
+            Path(job["ref_out"]).write_text(json.dumps(output_digest(out)))
+        else:
+            res["digest"] = output_digest(out)
     (case_dir / "result.json").write_text(json.dumps(res))
     return 0
 

@@ -1,6 +1,6 @@
 """A finished child's files (case.json, result.json, the commands' stderr, hang.txt, crash.txt) -> its
 outcome and a signature that groups equal findings; OUTCOMES in order of severity (a case takes its worst
-command's); compare_digests and silent_outcome turn an exit 0 with other tensors than the seed's into
+command's); compare_digests and compared_outcome turn an exit 0 into `exact`, `changed` or
 `silent`.
 """
 
@@ -15,10 +15,15 @@ from pathlib import Path
 
 from .common import MB, REPO, read_text
 
-OUTCOMES = ("skipped", "ok", "refused", "noisy", "silent", "warning-first", "bad-refusal", "traceback", "hang", "alloc",
-            "error")
+# exit 0 is `exact` (every output tensor equal to the seed's conversion), `changed` (a data mutation -- bytes
+# of a tensor, which no reader can tell from other values -- changed some) or `silent` (any other mutation
+# changed some: it should have been refused); `ok` is an exit 0 that could not be compared (the seed's own
+# conversion failed, reported as a seed problem)
+OUTCOMES = ("skipped", "ok", "exact", "changed", "refused", "noisy", "silent", "warning-first", "no-file",
+            "bad-refusal", "traceback", "hang", "alloc", "error")
 SEVERITY = {o: i for i, o in enumerate(OUTCOMES)}
-FINDING_OUTCOMES = ("silent", "warning-first", "bad-refusal", "traceback", "hang", "alloc", "noisy", "error")
+DEFECTS = ("silent", "warning-first", "no-file", "bad-refusal", "traceback", "hang", "alloc", "error")
+FINDING_OUTCOMES = DEFECTS + ("noisy",)
 
 
 LIBRARY_TEXT = re.compile(
@@ -78,7 +83,7 @@ class Outcome:
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
-def classify_command(name: str, rc: int | None, err: str, root: str, out: Path, case_dir: Path) -> Outcome:
+def classify_command(name: str, rc: int | None, err: str, root: str, target: Path | None, case_dir: Path) -> Outcome:
     lines = [ln.rstrip("\r") for ln in err.split("\n") if ln.strip()]  # lines as a terminal shows them
     if ALLOC_TEXT.search(err):
         exc, sig = tb_signature(err)
@@ -106,9 +111,8 @@ def classify_command(name: str, rc: int | None, err: str, root: str, out: Path, 
         if LIBRARY_TEXT.search(msg):
             return Outcome("bad-refusal", name, line[:300], "library text: " + _normalize(detail, root))
         if root not in msg:
-            return Outcome("bad-refusal", name, line[:300], "names no input file: " + _normalize(msg, root))
-        if name in ("convert", "to-gguf"):
-            target = out if name == "convert" else case_dir / "out.gguf"
+            return Outcome("no-file", name, line[:300], "names no input file: " + _normalize(msg, root))
+        if target is not None:
             left = [p.name for p in case_dir.iterdir() if ".qconvert-tmp-" in p.name and target.name in p.name]
             if target.exists() or left:
                 return Outcome("bad-refusal", name, line[:300],
@@ -127,7 +131,6 @@ def classify_case(case_dir: Path, status: int | None, rusage, killed: bool) -> t
     meta = json.loads(read_text(case_dir / "case.json") or "{}")
     res = json.loads(read_text(case_dir / "result.json") or "{}")
     root = str(case_dir / "in")
-    out = case_dir / "out"
     hang = read_text(case_dir / "hang.txt")
     crash = read_text(case_dir / "crash.txt")
     done = {c["name"]: c for c in res.get("commands", [])}
@@ -145,12 +148,13 @@ def classify_case(case_dir: Path, status: int | None, rusage, killed: bool) -> t
     for n in names:
         err = read_text(case_dir / f"{n}.err")
         if n in done:
-            o = classify_command(n, done[n]["rc"], err, root, out, case_dir)
+            o = classify_command(n, done[n]["rc"], err, root, Path(done[n]["out"]) if done[n].get("out") else None,
+                                 case_dir)
         else:  # the child died in this command
             sig_no = os.WTERMSIG(status) if status is not None and os.WIFSIGNALED(status) else None
             text = err + "\n" + crash
             if ALLOC_TEXT.search(text):
-                o = classify_command(n, None, text, root, out, case_dir)
+                o = classify_command(n, None, text, root, None, case_dir)
             else:
                 exc, sig = tb_signature(crash or err, most_recent_first=bool(crash))
                 what = f"killed by {signal.Signals(sig_no).name}" if sig_no else f"child exit {os.WEXITSTATUS(status) if status is not None else '?'}"
@@ -180,8 +184,12 @@ def compare_digests(ref: dict, got: dict) -> str | None:
     return "; ".join(parts)
 
 
-def silent_outcome(worst: Outcome, meta: dict, diff: str | None) -> Outcome:
-    if diff and SEVERITY[worst.outcome] < SEVERITY["silent"]:
+def compared_outcome(worst: Outcome, meta: dict, diff: str | None) -> Outcome:
+    """An exit-0 case's outcome once its output was compared with the seed's (diff None: every tensor equal)."""
+    if worst.outcome == "ok":
+        worst = Outcome("exact" if not diff else "changed" if not meta.get("structural") else "ok",
+                        worst.command, diff[:300] if diff else "", worst.signature)
+    if diff and meta.get("structural") and SEVERITY[worst.outcome] < SEVERITY["silent"]:
         return Outcome("silent", "convert", diff[:300], f"silent {meta.get('kind')}: " +
                        "; ".join(re.sub(r"^\d+ ", "", part.split(" (")[0]) for part in diff.split("; ")))
     return worst

@@ -1,4 +1,4 @@
-"""What the fuzzer's modules share: the repository, the fixtures folder, the readers, MB, read_text.
+"""What the fuzzer's modules share: the repository, the fixtures folder, MB, read_text.
 
 FIXTURES is the one piece of state set at run time: cli.main sets it from --fixtures before any seed is
 looked up (and before any child is forked, which inherits it). Read it as `common.FIXTURES` at call time,
@@ -15,11 +15,6 @@ REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "_fixtures"
 DEFAULT_WORK = Path(tempfile.gettempdir()) / f"qconvert-fuzz-{os.getuid()}"
 MB = 1024 * 1024
-
-READERS = {  # reader -> the format name the CLI is given
-    "gptq": "gptq", "gptq-v2": "gptq-v2", "qqq": "qqq", "hqq": "hqq", "hqq-pt": "hqq", "gguf": "gguf",
-    "uqff": "uqff", "hf": "hf",
-}
 
 
 def read_text(path: Path) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from . import common
 from .child import child_build_gguf, child_case
-from .classify import FINDING_OUTCOMES, SEVERITY, classify_case, compare_digests, silent_outcome
+from .classify import FINDING_OUTCOMES, SEVERITY, classify_case, compare_digests, compared_outcome
 from .common import MB, read_text
 from .pool import ForkPool
 from .seeds import LLAMA_BUILDS, Seed, gguf_builds, gguf_seed_dir, is_done, seeds_for
@@ -34,6 +34,7 @@ class Fuzzer:
         self.cases_dir = Path(tempfile.mkdtemp(prefix="cases-", dir=self.work))
         self.pool = ForkPool(args.jobs)
         self.counts: dict[str, dict[str, int]] = {}
+        self.kind_counts: dict[str, dict[str, dict[str, int]]] = {}  # reader -> mutation kind -> outcome -> cases
         self.command_seconds: dict[str, dict[str, float]] = {}  # reader -> command (and "case", the whole child) -> seconds
         self.findings: list[dict] = []
         self.seed_failures: list[str] = []
@@ -47,6 +48,7 @@ class Fuzzer:
                 shutil.rmtree(old, ignore_errors=True)
         self.only = args.mutations
         self.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+        self._t0 = self._progress_at = time.monotonic()
 
     # -- seeds ---------------------------------------------------------------------------------------------
     def build_gguf_seeds(self) -> None:
@@ -113,7 +115,7 @@ class Fuzzer:
         path.parent.mkdir(parents=True, exist_ok=True)
         case_dir = Path(tempfile.mkdtemp(prefix="ref-", dir=self.cases_dir))
         job = {"dir": str(case_dir), "reader": reader, "seed_name": seed.name, "seed_path": str(seed.path),
-               "seed_kind": seed.kind, "mutate": False, "ref_out": str(path), "timeout": self.args.timeout * 4,
+               "seed_kind": seed.kind, "seed_ignore": list(seed.ignore), "mutate": False, "ref_out": str(path), "timeout": self.args.timeout * 4,
                "inspect": True, "case": -1, "master_seed": self.args.seed, "targets": self.targets}
         self.ref_queue.append(job)
 
@@ -145,8 +147,8 @@ class Fuzzer:
             shutil.rmtree(case_dir)
         case_dir.mkdir(parents=True)
         return {"dir": str(case_dir), "reader": reader, "seed_name": seed.name, "seed_path": str(seed.path),
-                "seed_kind": seed.kind, "case": case, "master_seed": self.args.seed, "timeout": self.args.timeout,
-                "only": self.only, "inspect": True, "targets": self.targets}
+                "seed_kind": seed.kind, "seed_ignore": list(seed.ignore), "case": case, "master_seed": self.args.seed, "timeout": self.args.timeout,
+                "only": self.only, "inspect": getattr(self.args, "inspect", True), "targets": self.targets}
 
     def on_case(self, job, status, rusage, seconds, killed) -> None:
         o, meta, res = classify_case(Path(job["dir"]), status, rusage, killed)
@@ -160,9 +162,11 @@ class Fuzzer:
         case_dir = Path(job["dir"])
         reader = job["reader"]
         if ref is not None and res.get("digest") is not None:
-            o = silent_outcome(o, meta, compare_digests(ref, res["digest"]))
+            o = compared_outcome(o, meta, compare_digests(ref, res["digest"]))
         row = self.counts.setdefault(reader, {})
         row[o.outcome] = row.get(o.outcome, 0) + 1
+        by_kind = self.kind_counts.setdefault(reader, {}).setdefault(meta.get("kind") or "-", {})
+        by_kind[o.outcome] = by_kind.get(o.outcome, 0) + 1  # which mutations end exact / changed / refused
         times = self.command_seconds.setdefault(reader, {"case": 0.0})
         times["case"] = round(times["case"] + seconds, 3)
         for c in res.get("commands", ()):
@@ -190,12 +194,17 @@ class Fuzzer:
             print(f"{reader:>8} #{job['case']:<5} {o.outcome:<13} {meta.get('mutation') or ''}"[:200]
                   + (f"\n{'':>16}{o.line[:180]!r}"[:200] if (record or self.args.verbose) and o.line else ""), flush=True)
         self.last = (o, meta, res)
+        if self.args.summary_json and time.monotonic() - self._progress_at > 60:  # a long run's counts so far
+            self._progress_at = time.monotonic()
+            self.seconds = time.monotonic() - self._t0
+            from .report import write_summary_json
+            write_summary_json(Path(self.args.summary_json), self, finished=False)
         if not self.args.replay_mode:
             shutil.rmtree(case_dir, ignore_errors=True)
 
     def run(self, readers: list[str], n_cases: int) -> None:
         self.findings_fh = open(self.args.findings, "w") if self.args.findings else None
-        t0 = time.monotonic()
+        t0 = self._t0 = time.monotonic()
         if "gguf" in readers:
             self.build_gguf_seeds()
         plan = []

@@ -8,6 +8,7 @@ They run in the child (child.child_case), never in the parent: the qmodel.pt edi
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 import shutil
@@ -345,7 +346,11 @@ def m_st_scalar(rng, ctx):
     f.write_bytes(data)
     # a header-like value (hqq's nbits/shape/packing..., UQFF's tags and version) is structure; an element of
     # a small weight tensor (a qzeros of 4x8) is data
-    ctx.structural = count <= 4 or name.rpartition(".")[2] in _META_SUFFIXES
+    # a small float tensor set to a finite value is a scale (ModelOpt's per-tensor weight_scale_2, FP8's
+    # per-tensor scale): data -- zero is what a producer writes for an all-zero weight, and any finite value is a
+    # valid checkpoint's -- while NaN / inf must be refused, so those stay structural
+    ctx.structural = (name.rpartition(".")[2] in _META_SUFFIXES
+                      or (count <= 4 and (fmt not in "fd" or not math.isfinite(value))))
     same = ""
     if name.endswith(".weight.dtype") and fmt not in "fd" and f"{name[:-len('.dtype')]}.shape" in h:
         # a UQFF GGUF-block layer's ggml type changed to one of the same size (Q4_K <-> Q4_0 <-> IQ4_NL): its
@@ -935,6 +940,35 @@ class Mutation:
     applies: object  # (ctx) -> bool
 
 
+def m_canary_swap(rng, ctx):
+    """The oracle's own test (never drawn: weight 0, run with --mutations canary): swap the bytes of two
+    tensors of one dtype and shape whose values differ, leaving every header as it was, and call it
+    structural. A reader cannot tell, so the case exits 0 with two tensors' values exchanged: exactly what a
+    reader that silently misreads a valid-looking input produces, which the oracle must count as `silent`."""
+    f = _pick_weight_file(rng, ctx, [p for p in ctx.weights() if p.suffix in (".safetensors", ".gguf")])
+    b = f.read_bytes()
+    if f.suffix == ".gguf":
+        g = Gguf(b)
+        spans = {}
+        ts = sorted(g.tensors, key=lambda t: t.offset)
+        for i, t in enumerate(ts[:-1]):
+            spans[t.name.decode("utf-8", "replace")] = ((t.ttype, tuple(t.dims)), g.data_start + t.offset,
+                                                        g.data_start + ts[i + 1].offset)
+    else:
+        _, n, h = st_read(f)
+        spans = {k: ((h[k]["dtype"], tuple(h[k]["shape"])), 8 + n + h[k]["data_offsets"][0],
+                     8 + n + h[k]["data_offsets"][1]) for k in st_tensors(h)}
+    pairs = [(a, c) for a in sorted(spans) for c in sorted(spans) if a < c and spans[a][0] == spans[c][0]
+             and spans[a][2] - spans[a][1] == spans[c][2] - spans[c][1] > 0
+             and b[spans[a][1]:spans[a][2]] != b[spans[c][1]:spans[c][2]]]
+    a, c = _pick(rng, pairs, "pair of like tensors")
+    (_, s1, e1), (_, s2, e2) = spans[a], spans[c]
+    data = bytearray(b)
+    data[s1:e1], data[s2:e2] = b[s2:e2], b[s1:e1]
+    f.write_bytes(data)
+    return f"canary: {ctx.rel(f)}: the bytes of {a} and {c} swapped (headers unchanged)"
+
+
 def _has_st(ctx):
     return bool(ctx.st_files())
 
@@ -984,6 +1018,7 @@ MUTATIONS = {
     "rm-partner": Mutation(m_rm_partner, 3, _has_st),
     "rm-file": Mutation(m_rm_file, 2, _any),
     "add-stray": Mutation(m_add_stray, 2, lambda ctx: ctx.input.is_dir()),
+    "canary-swap": Mutation(m_canary_swap, 0, _any),  # the oracle's test: only with --mutations canary
 }
 
 
@@ -993,7 +1028,8 @@ def apply_mutation(rng: random.Random, ctx: Ctx, only: re.Pattern | None = None)
     if not kinds:
         raise Skip("no mutation applies")
     for _ in range(20):
-        kind = rng.choices(kinds, [MUTATIONS[k].weight for k in kinds])[0]
+        weights = [MUTATIONS[k].weight for k in kinds]
+        kind = rng.choices(kinds, weights if any(weights) else None)[0]  # only weight-0 kinds: chosen by --mutations
         ctx.structural = True
         try:
             return kind, MUTATIONS[kind].fn(rng, ctx)

@@ -21,15 +21,16 @@ COMMAND = "python scripts/fuzz"  # how the report says to run the fuzzer
 
 def table(counts: dict[str, dict[str, int]]) -> str:
     cols = list(OUTCOMES[1:]) + ["skipped"]
-    head = f"{'reader':<8} " + " ".join(f"{c:>9}" for c in cols) + f" {'total':>6}"
+    w = max([8] + [len(r) for r in counts])
+    head = f"{'reader':<{w}} " + " ".join(f"{c:>9}" for c in cols) + f" {'total':>6}"
     rows = [head]
     total = {c: 0 for c in cols}
     for reader in sorted(counts):
         row = counts[reader]
-        rows.append(f"{reader:<8} " + " ".join(f"{row.get(c, 0):>9}" for c in cols) + f" {sum(row.values()):>6}")
+        rows.append(f"{reader:<{w}} " + " ".join(f"{row.get(c, 0):>9}" for c in cols) + f" {sum(row.values()):>6}")
         for c in cols:
             total[c] += row.get(c, 0)
-    rows.append(f"{'all':<8} " + " ".join(f"{total[c]:>9}" for c in cols) + f" {sum(total.values()):>6}")
+    rows.append(f"{'all':<{w}} " + " ".join(f"{total[c]:>9}" for c in cols) + f" {sum(total.values()):>6}")
     return "\n".join(rows)
 
 
@@ -48,12 +49,16 @@ def print_summary(fz: Fuzzer, quiet: bool) -> None:
     print(f"{sum(sum(r.values()) for r in fz.counts.values())} cases in {fz.seconds:.0f} s")
 
 
-def write_summary_json(path: Path, fz: Fuzzer) -> None:
-    Path(path).write_text(json.dumps({
+def write_summary_json(path: Path, fz: Fuzzer, finished: bool = True) -> None:
+    """The counts so far (finished False: written every minute while a run goes on) or at the end."""
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(json.dumps({
+        "finished": finished, "code": fz.hash, "git": fz.__dict__.setdefault("git", _git_head()),
         "counts": fz.counts, "seed_failures": fz.seed_failures, "seconds": round(fz.seconds, 1),
-        "command_seconds": fz.command_seconds,
+        "command_seconds": fz.command_seconds, "kind_counts": fz.kind_counts,
         "findings": [{k: r[k] for k in ("reader", "outcome", "signature", "case", "seed", "mutation", "line")}
                      for r in fz.findings]}, indent=1))
+    tmp.replace(path)
 
 
 def write_markdown(path: Path, fz: Fuzzer, argv: list[str]) -> None:
@@ -92,3 +97,26 @@ def _git_head() -> str:
                               text=True).stdout.strip()
     except Exception:
         return "?"
+
+
+DOC_COLUMNS = ("exact", "changed", "refused", "noisy", "silent", "no-file", "traceback", "hang", "bad-refusal",
+               "warning-first", "alloc", "error", "ok", "skipped")
+
+
+def docs_table(summary: dict) -> str:
+    """The markdown table of docs/fuzzing.md from a --summary-json file: per reader the cases, each outcome
+    and the seconds its cases took in their children (the readers run interleaved, so the run's wall time
+    is the total's)."""
+    counts, secs = summary["counts"], summary.get("command_seconds", {})
+    head = ["reader", "cases", *DOC_COLUMNS, "child s"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    total = {c: 0 for c in DOC_COLUMNS}
+    for reader in sorted(counts):
+        row = counts[reader]
+        rows.append(f"| {reader} | {sum(row.values())} | " + " | ".join(str(row.get(c, 0)) for c in DOC_COLUMNS)
+                    + f" | {secs.get(reader, {}).get('case', 0):.0f} |")
+        for c in DOC_COLUMNS:
+            total[c] += row.get(c, 0)
+    rows.append(f"| all | {sum(total.values())} | " + " | ".join(str(total[c]) for c in DOC_COLUMNS)
+                + f" | wall {summary.get('seconds', 0):.0f} |")
+    return "\n".join(rows)

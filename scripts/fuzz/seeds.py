@@ -1,6 +1,17 @@
-"""The seeds each reader draws from: fixture folders under common.FIXTURES (gptqmodel GPTQ/QQQ, hqq,
-mistral.rs UQFF, the dense base models) and the GGUF files under --work (built by Fuzzer.build_gguf_seeds
-from gguf_builds() and LLAMA_BUILDS) or written by tests/formats/gguf/test_gguf_reader.py.
+"""The readers the fuzzer knows and the seeds each draws from: READER_SEEDS, one entry per reader (its CLI
+format name, where its seeds are, and the conversion the oracle compares). Seeds are fixture folders under
+common.FIXTURES (gptqmodel GPTQ/QQQ, hqq, mistral.rs UQFF, the dense base models, the FP8 / MXFP4 checkpoints
+of tests/support/fixtures_float.py and fixtures_archs.py), the committed producer fixtures under
+tests/producer_fixtures (AWQ, auto-round, bitsandbytes, compressed-tensors, MLX, ModelOpt) and the GGUF files
+under --work (built by Fuzzer.build_gguf_seeds from gguf_builds() and LLAMA_BUILDS) or written by
+tests/formats/gguf/test_gguf_reader.py.
+
+A new reader's seeds are one entry in READER_SEEDS, e.g.
+
+    "quark": ReaderSeeds("quark", producer("quark/*")),
+
+(`producer` globs folders under tests/producer_fixtures, `fixture` under tests/_fixtures; target="gguf" when
+the reader's checkpoints convert only to GGUF; see docs/fuzzing.md).
 """
 
 from __future__ import annotations
@@ -8,8 +19,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from . import common
+
+
+# what a producer fixture folder holds beside the checkpoint (the producer's own dequantization, logits, the
+# versions it was made with): not part of the input a user converts, so not copied into a case
+PRODUCER_EXTRAS = ("reference.safetensors", "logits.safetensors", "loader.json", "oracle.json", "versions.json")
 
 
 @dataclass
@@ -17,6 +34,7 @@ class Seed:
     name: str
     path: Path  # a folder, or a file (gguf)
     kind: str = "dir"  # "dir" | "file"
+    ignore: tuple = ()  # names in the folder not copied into a case (PRODUCER_EXTRAS)
 
 
 def is_done(d: Path) -> bool:
@@ -82,6 +100,62 @@ def _gguf_seeds(work: Path) -> list[Seed]:
     return out
 
 
+def _globbed(root_of, patterns: tuple, ignore: tuple):
+    """Seeds: the folders matching the patterns under root_of() (read at call time: --fixtures may move it),
+    named by their path under that root; a folder with a `.building` or `.tmp` suffix is not one."""
+    def find(work: Path) -> list[Seed]:
+        root = root_of()
+        out = []
+        for pattern in patterns:
+            for d in sorted(root.glob(pattern)):
+                if d.is_dir() and (d / "config.json").exists() and not d.name.endswith((".tmp", ".building")):
+                    out.append(Seed(d.relative_to(root).as_posix(), d, "dir", ignore))
+        return out
+    return find
+
+
+def producer(*patterns: str):
+    """Folders under tests/producer_fixtures (committed checkpoints made by the real producer)."""
+    return _globbed(lambda: common.REPO / "tests" / "producer_fixtures", patterns, PRODUCER_EXTRAS)
+
+
+def fixture(*patterns: str):
+    """Folders under the test fixtures (tests/_fixtures, or --fixtures)."""
+    return _globbed(lambda: common.FIXTURES, patterns, ())
+
+
+@dataclass(frozen=True)
+class ReaderSeeds:
+    fmt: str  # the format name the CLI is given (`FMT->hf`)
+    find: Callable[[Path], list[Seed]]  # (the --work folder) -> the seeds
+    # the conversion run on every case, whose output the oracle compares with the seed's: "hf" (--type f32), or
+    # "gguf" (its default type) for a reader whose checkpoints convert only to GGUF
+    target: str = "hf"
+
+
+READER_SEEDS: dict[str, ReaderSeeds] = {
+    "gptq": ReaderSeeds("gptq", lambda work: _fixture_seeds("gptq")),
+    "gptq-v2": ReaderSeeds("gptq-v2", lambda work: _fixture_seeds("gptq-v2")),
+    "qqq": ReaderSeeds("qqq", lambda work: _fixture_seeds("qqq")),
+    "hqq": ReaderSeeds("hqq", lambda work: _fixture_seeds("hqq")),
+    "hqq-pt": ReaderSeeds("hqq", lambda work: _fixture_seeds("hqq-pt")),
+    "gguf": ReaderSeeds("gguf", _gguf_seeds),
+    "uqff": ReaderSeeds("uqff", lambda work: _fixture_seeds("uqff")),
+    "hf": ReaderSeeds("hf", lambda work: _fixture_seeds("hf")),
+    # (awq/autoawq_gemm holds no tokenizer: its own conversion is refused, so it cannot be a seed)
+    "awq": ReaderSeeds("awq", producer("awq/gemm_*", "awq/autoawq_gemv")),
+    "auto-round": ReaderSeeds("auto-round", producer("auto_round/*")),
+    "bitsandbytes": ReaderSeeds("bitsandbytes", producer("bitsandbytes/*")),
+    "compressed-tensors": ReaderSeeds("compressed-tensors", producer("compressed_tensors/*")),
+    "mlx": ReaderSeeds("mlx", producer("mlx/*")),
+    "modelopt": ReaderSeeds("modelopt", producer("modelopt/*")),
+    # DeepSeek-V3-style FP8 in both block layouts (fixtures_float; the 117 MB `_big` one is too slow to copy)
+    "fp8": ReaderSeeds("fp8", fixture("float/deepseek_fp8_deepseek", "float/deepseek_fp8_transformers*")),
+    # gpt-oss's fused MXFP4 experts convert to GGUF only (->hf is refused naming that route)
+    "mxfp4": ReaderSeeds("mxfp4", fixture("float/gpt_oss_mxfp4"), target="gguf"),
+}
+READERS = {reader: entry.fmt for reader, entry in READER_SEEDS.items()}  # reader -> the CLI's format name
+
+
 def seeds_for(reader: str, work: Path) -> list[Seed]:
-    seeds = _gguf_seeds(work) if reader == "gguf" else _fixture_seeds(reader)
-    return sorted(seeds, key=lambda s: s.name)
+    return sorted(READER_SEEDS[reader].find(work), key=lambda s: s.name)

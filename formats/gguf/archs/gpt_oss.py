@@ -58,6 +58,8 @@ def _gpt_oss_caveats(config: Mapping) -> list[str]:
     out = []
     for key, fixed in GPT_OSS_SWIGLU.items():
         value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise BadInput(f"{key} is {value!r}, not a number")  # a list or string: no float()
         if value is not None and abs(float(value) - fixed) > 1e-6:
             out.append(f"{key} is {value} but llama.cpp's gpt-oss always uses {fixed}")
     rp = rope_parameters(config)

@@ -500,11 +500,20 @@ def test_gpt_oss_mxfp4_to_hf_is_refused_naming_the_route(tmp_path):
 
 
 @pytest.mark.parametrize("case, needles", [("no_scales", ("_scales", "gate_up_proj")),
-                                           ("short_scales", ("blocks", "scales", "gate_up_proj"))])
+                                           ("short_scales", ("blocks", "scales", "gate_up_proj")),
+                                           ("no_o_proj_bias", ("model.layers.1.self_attn.o_proj.bias", "missing")),
+                                           ("int_bias", ("down_proj_bias", "I32", "integer"))])
 def test_bad_gpt_oss_mxfp4_input_is_one_line(case, needles, tmp_path):
     src = _copy(_gpt_oss_mxfp4(), tmp_path / "model")
     name = "model.layers.0.mlp.experts.gate_up_proj_scales"
-    _edit(src, (lambda t: t.pop(name)) if case == "no_scales" else
+    # found by scripts/fuzz: a missing bias converted to a GGUF without it (which llama.cpp cannot load), a
+    # bias retagged as integers converted its bits as integers
+    if case == "no_o_proj_bias":
+        name = "model.layers.1.self_attn.o_proj.bias"
+    elif case == "int_bias":
+        name = "model.layers.0.mlp.experts.down_proj_bias"
+    _edit(src, (lambda t: t.pop(name)) if case in ("no_scales", "no_o_proj_bias") else
+          (lambda t: t.__setitem__(name, t[name].view(torch.int32))) if case == "int_bias" else
           (lambda t: t.__setitem__(name, t[name][:, :, :-1].contiguous())))
     expect_user_error("mxfp4->gguf", src, tmp_path, *needles)
 
