@@ -120,6 +120,8 @@ def check_required_tensors(source, names: list[str], files: dict[str, str] | Non
     model.layers.<num_hidden_layers>, and MoE, hybrid (attention / state-space) and pruned models hold
     different tensors in different layers, so no per-layer rule is safe for them.
 
+    For every architecture: the embedding, the final norm and the routed experts (_check_any_architecture).
+
     `files` maps names to the records' source_file, to name the file in a refusal."""
     path = Path(source.path or ".")
     files = files or {}
@@ -162,6 +164,7 @@ def check_required_tensors(source, names: list[str], files: dict[str, str] | Non
             raise BadInput(f"config.json says num_hidden_layers {n_layers}, but the checkpoint has no tensor of "
                            f"layer {missing[0]}{more}", path=one_file, tensor=f"model.layers.{missing[0]}")
     if layout is None:
+        _check_any_architecture(names, present, config, where, file_of, one_file)
         return
     for name in layout.top_required:
         if name not in present:
@@ -176,6 +179,59 @@ def check_required_tensors(source, names: list[str], files: dict[str, str] | Non
                 why = f"config.json says {because}" if because else f"{layout.class_name} has it in every layer"
                 raise BadInput(f"missing: {why} (transformers would start it from random values)",
                                path=layer_files[i], tensor=name)
+
+
+# `<head>.experts.<e>.<tail>`: one routed expert's tensor (Mixtral's block_sparse_moe.experts.3.w1, Qwen-MoE's
+# mlp.experts.3.gate_proj.weight, an MTP block's experts too); shared experts do not match
+_EXPERT_NAME = re.compile(r"^(?P<head>.*\.experts)\.(?P<index>0|[1-9][0-9]*)\.(?P<tail>.+)$")
+# config.json's count of routed experts per MoE layer, by family (Mixtral and transformers 5, older Qwen-MoE,
+# DeepSeek / GLM / Kimi, ERNIE)
+_EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _check_any_architecture(names: list[str], present: set[str], config: dict, where: Path, file_of,
+                            one_file: Path) -> None:
+    """What holds for every decoder checkpoint qconvert reads, whatever its architecture (the per-layer rules of
+    KNOWN_LAYOUTS do not: MoE, hybrid and MTP layers differ): a model with `model.layers.N` has its embedding and
+    final norm (every class llama.cpp and transformers share names them so), and every group of routed experts
+    holds each expert index below the count config.json gives (or, without a count, 0..max with none missing),
+    each expert with the same tensors as its siblings. Found by scripts/fuzz: a DeepSeek-V3 checkpoint without
+    its embedding, a norm or one expert converted to `hf` with that tensor missing and exit 0."""
+    if any(_LAYER_NAME.match(n) for n in names):
+        for name in ("model.embed_tokens.weight", "model.norm.weight"):
+            if name not in present:
+                raise BadInput("missing: a decoder with model.layers has it (transformers would start it from "
+                               "random values; llama.cpp refuses the model)", path=one_file, tensor=name)
+    view = ConfigView(config, where)
+    declared = None
+    for key in _EXPERT_COUNT_KEYS:
+        if isinstance(config.get(key), int) and not isinstance(config.get(key), bool):
+            declared = view.int(key, lo=1, hi=1 << 20)
+            break
+    groups: dict[str, dict[int, set[str]]] = {}
+    for name in names:
+        m = _EXPERT_NAME.match(name)
+        if m:
+            groups.setdefault(m["head"], {}).setdefault(int(m["index"]), set()).add(m["tail"])
+    for head, experts in groups.items():
+        count = declared if declared is not None else max(experts) + 1
+        missing = [e for e in range(count) if e not in experts]
+        beyond = [e for e in experts if e >= count]
+        if beyond:
+            raise BadInput(f"expert {beyond[0]} is beyond the {count} routed experts config.json declares",
+                           path=file_of(f"{head}.{beyond[0]}.{next(iter(experts[beyond[0]]))}"),
+                           tensor=f"{head}.{beyond[0]}")
+        if missing:
+            some = next(iter(experts.values()))
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise BadInput(f"missing: expert {missing[0]} of {count}{more}", path=file_of(f"{head}.{min(experts)}."
+                           f"{next(iter(some))}"), tensor=f"{head}.{missing[0]}")
+        full = set().union(*experts.values())
+        for e in sorted(experts):
+            if experts[e] != full:
+                gap = sorted(full - experts[e])[0]
+                raise BadInput(f"missing: expert {e} lacks what its siblings hold", path=file_of(
+                    f"{head}.{e}.{next(iter(experts[e]))}"), tensor=f"{head}.{e}.{gap}")
 
 
 def _not_in_layout(name: str, layout: Layout, n_layers: int | None) -> str:
