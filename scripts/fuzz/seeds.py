@@ -145,7 +145,9 @@ READER_SEEDS: dict[str, ReaderSeeds] = {
     # (awq/autoawq_gemm holds no tokenizer: its own conversion is refused, so it cannot be a seed)
     "awq": ReaderSeeds("awq", producer("awq/gemm_*", "awq/autoawq_gemv")),
     "auto-round": ReaderSeeds("auto-round", producer("auto_round/*")),
-    "bitsandbytes": ReaderSeeds("bitsandbytes", producer("bitsandbytes/*")),
+    # (nf4_cpu_forward_transposed_absmax is a file the reader refuses by design: not a seed)
+    "bitsandbytes": ReaderSeeds("bitsandbytes", producer("bitsandbytes/fp4*", "bitsandbytes/int8",
+                                                         "bitsandbytes/nf4_dq*")),
     "compressed-tensors": ReaderSeeds("compressed-tensors", producer("compressed_tensors/*")),
     "mlx": ReaderSeeds("mlx", producer("mlx/*")),
     "modelopt": ReaderSeeds("modelopt", producer("modelopt/*")),
@@ -153,6 +155,8 @@ READER_SEEDS: dict[str, ReaderSeeds] = {
     "fp8": ReaderSeeds("fp8", fixture("float/deepseek_fp8_deepseek", "float/deepseek_fp8_transformers*")),
     # gpt-oss's fused MXFP4 experts convert to GGUF only (->hf is refused naming that route)
     "mxfp4": ReaderSeeds("mxfp4", fixture("float/gpt_oss_mxfp4"), target="gguf"),
+    "quark": ReaderSeeds("quark", producer("quark/*")),
+    "torchao": ReaderSeeds("torchao", producer("torchao/*")),
 }
 READERS = {reader: entry.fmt for reader, entry in READER_SEEDS.items()}  # reader -> the CLI's format name
 

@@ -1,4 +1,4 @@
-"""A bounded fuzz run (scripts/fuzz) of all 16 readers on mutated real checkpoints: each case must end
+"""A bounded fuzz run (scripts/fuzz) of all 18 readers on mutated real checkpoints: each case must end
 `exact` (exit 0, every output tensor equal to the seed's conversion), `changed` (exit 0 after a data
 mutation, which no reader can tell from other values) or `refused` (exit 2, one line naming a file of the
 input, nothing left at OUT) -- never a traceback, a hang, an allocation beyond the input's size, a refusal
@@ -8,7 +8,7 @@ reader silently misreading its input produces) must be counted `silent` in every
 
 Seeds: the gptqmodel GPTQ / QQQ checkpoints, hqq's transformers and qmodel.pt folders, mistral.rs' UQFF
 folders, the dense base models, the FP8 and gpt-oss MXFP4 checkpoints of fixtures_float / fixtures_archs, the
-producer fixtures (AWQ, auto-round, bitsandbytes, compressed-tensors, MLX, ModelOpt), and GGUFs written by
+producer fixtures (AWQ, auto-round, bitsandbytes, compressed-tensors, MLX, ModelOpt, AMD Quark, torchao), and GGUFs written by
 qconvert and llama.cpp (made by the fuzzer). The fuzzer runs in its own process (a fork server that must not
 have run torch before forking).
 """
@@ -34,9 +34,9 @@ FUZZ = REPO / "scripts" / "fuzz"  # a package: `python scripts/fuzz` runs its __
 HQQ_PY = REPO / ".venvs" / "hqq" / "bin" / "python"
 HQQ_ROOT = REPO / "tests" / "_fixtures" / "hqq"
 FLOAT = REPO / "tests" / "_fixtures" / "float"
-# the 16 readers qconvert has; the run fuzzes every reader scripts/fuzz/seeds.py registers (these at least)
+# the 18 readers qconvert has; the run fuzzes every reader scripts/fuzz/seeds.py registers (these at least)
 READERS = ("gptq", "gptq-v2", "qqq", "hqq", "hqq-pt", "gguf", "uqff", "hf", "awq", "auto-round", "bitsandbytes",
-           "compressed-tensors", "mlx", "modelopt", "fp8", "mxfp4")
+           "compressed-tensors", "mlx", "modelopt", "fp8", "mxfp4", "quark", "torchao")
 CASES = 20  # per reader; with --jobs 2 the run takes about a minute and a half on 2 cores
 MASTER_SEED = 9
 BAD = ("silent", "warning-first", "no-file", "bad-refusal", "traceback", "hang", "alloc", "error")
