@@ -18,7 +18,7 @@ sampled from /proc every 0.1 s):
               `cat` of the source files into one file (the disk bound of moving those bytes)
   (b) q4_k_m  everything requantized to llama-quantize's Q4_K_M mix
   (c) iq2_xxs with a synthetic importance matrix (legacy .dat, formats/gguf/imatrix.py reads it; values in
-              [0.5, 1.5), one per input column and expert) for every 2-D weight of the GGUF
+              [0.5, 1.5), one per input column, shared by a stack's experts) for every 2-D weight of the GGUF
 each at `--workers 1` and `--workers N` (N = --workers, default 2), and by llama.cpp's route at N threads:
 llama.cpp's converter (convert_hf_to_gguf.py, scripts/llama_cpp_reference.py) cannot read this source (it raises
 "Can't handle multiple config groups for compressed-tensors yet"), so its route starts from a bf16 copy made by
@@ -186,7 +186,7 @@ def _tokenizer(out: Path) -> None:
 
 def write_imatrix(gguf_path: Path, out: Path, seed: int = 1) -> int:
     """A legacy .dat importance matrix for every weight of ≥ 2 dims in `gguf_path`: one float per input column
-    (times the experts of a stacked tensor), in [0.5, 1.5)."""
+    (the same for every expert of a stacked tensor), in [0.5, 1.5)."""
     from gguf import GGUFReader
 
     rng = np.random.default_rng(seed)
@@ -195,7 +195,9 @@ def write_imatrix(gguf_path: Path, out: Path, seed: int = 1) -> int:
         dims = [int(d) for d in t.shape]
         if len(dims) < 2 or not t.name.endswith(".weight"):
             continue
-        n = dims[0] * (dims[2] if len(dims) > 2 else 1)
+        # one vector per input column, shared by the experts of a stacked tensor: llama-quantize also takes
+        # ne0 x experts values there, qconvert's --imatrix only ne0 (it refuses the per-expert form in one line)
+        n = dims[0]
         entries.append((t.name, rng.uniform(0.5, 1.5, n).astype(np.float32)))
     with open(out, "wb") as f:
         f.write(struct.pack("<i", len(entries)))
@@ -288,13 +290,15 @@ def _ftype(name: str) -> int:
 
 
 def qconvert(src: Path, out: Path, case: str, workers: int, imatrix: Path | None, env: dict,
-             part_size: str) -> dict:
+             part_size: str, iq_quantizer: str = "qconvert") -> dict:
     cmd = [sys.executable, "-m", "qconvert", "ct->gguf", str(src), str(out), "--quiet", "--force",
            "--workers", str(workers), "--part-size", part_size]
     # --allow-requant: the FP8 attention becomes Q8_0 in (a), as llama-quantize's MXFP4_MOE makes it
     cmd += ["--allow-requant"] + (["--type", case] if case != "mxfp4" else [])
     if imatrix is not None:
         cmd += ["--imatrix", str(imatrix)]
+    if case.startswith("iq") and iq_quantizer != "qconvert":
+        cmd += ["--quantizer", iq_quantizer]
     return run_timed(cmd, env)
 
 
@@ -306,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--cases", default="mxfp4,q4_k_m,iq2_xxs")
     ap.add_argument("--part-size", default="256M", help="--part-size of the qconvert runs")
+    ap.add_argument("--iq-quantizer", choices=["qconvert", "llama.cpp"], default="qconvert",
+                    help="qconvert's --quantizer for the IQ cases (its own IQ2_XXS kernel is ~0.2x ggml's until "
+                         "issue 29 item 2 lands: at this size llama.cpp's keeps a run in minutes)")
     ap.add_argument("--no-route", action="store_true", help="skip llama.cpp's route")
     ap.add_argument("--work", type=Path, default=Path("/tmp/qconvert-bench-giant"))
     ap.add_argument("--keep", action="store_true", help="keep the synthetic files (default: delete them)")
@@ -319,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     env.pop("NO_LOCAL_GGUF", None)
     threads = {w: {**env, "QCONVERT_THREADS": str(max(1, (os.cpu_count() or 1) // w)),
                    "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // w))} for w in (1, args.workers)}
-    result: dict = {"shape": spec["label"], "experts": args.experts, "layers": args.layers, "cpus": os.cpu_count(),
+    result: dict = {"shape": spec["label"], "iq_quantizer": args.iq_quantizer, "experts": args.experts, "layers": args.layers, "cpus": os.cpu_count(),
                     "loadavg_before": os.getloadavg(), "runs": {}}
     try:
         src = work / f"src-{args.shape}-e{args.experts}-l{args.layers}"
@@ -353,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                     if not probe.exists():
                         qconvert(src, probe, "mxfp4", 1, None, threads[1], args.part_size)
                     print(f"imatrix: {write_imatrix(probe, imatrix)} entries", flush=True)
-                r = qconvert(src, out, case, w, imatrix if case == "iq2_xxs" else None, threads[w], args.part_size)
+                r = qconvert(src, out, case, w, imatrix if case == "iq2_xxs" else None, threads[w], args.part_size,
+                             args.iq_quantizer)
                 r["out_mb"] = round(out.stat().st_size / MB, 1) if out.exists() else None
                 result["runs"][f"qconvert {case} --workers {w}"] = r
                 print(f"qconvert {case} --workers {w}: {r}", flush=True)
