@@ -1,0 +1,105 @@
+"""mlx's float quantize modes (mlx-lm 0.32 `q_mode="mxfp8"` / `"mxfp4"`): read as float grids equal to
+mx.dequantize bit for bit, and moved with their codes kept into the formats that hold them, each output
+judged by its runtime.
+
+The producer fixtures (tests/producer_fixtures/mlx/mxfp8, mxfp4; scripts/producers/mlx.py) are
+mlx_lm.convert's own output for the tiny llama, with mlx's dequantization of every module (float32, the
+products themselves) and mlx-lm's logits of the fixtures' prompt stored beside them when they were made.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import fixtures
+from helpers import llama_logits, run_cli
+
+from qconvert.converters.checker import EXACT
+from qconvert.formats.compressed_tensors.reader import CtSource
+from qconvert.formats.mlx.reader import MlxSource, looks_like_mlx
+
+PRODUCED = Path(__file__).resolve().parents[2] / "producer_fixtures" / "mlx"
+PROMPT = fixtures.prompt_ids()
+MODULES = 16  # 14 decoder linears, the embedding and the untied head: mlx_lm.convert quantizes all
+
+
+def _grids(src) -> dict:
+    return {r.name: r for r in src.records() if r.is_grid}
+
+
+def _bits(w: torch.Tensor) -> torch.Tensor:
+    return w.contiguous().view(torch.int32)  # bit patterns: -0.0 and NaN compared as mlx wrote them
+
+
+@pytest.mark.parametrize("mode, element", [("mxfp8", "e4m3"), ("mxfp4", "e2m1")])
+def test_reader_equals_mx_dequantize(mode, element):
+    folder = PRODUCED / mode / "model"
+    assert looks_like_mlx(folder)
+    want = load_file(str(PRODUCED / mode / "reference.safetensors"))
+    grids = _grids(MlxSource(folder))
+    assert sorted(grids) == sorted(k for k in want if not k.startswith("__")) and len(grids) == MODULES
+    for name, rec in grids.items():
+        assert rec.params.element == element and rec.params.group_size == 32, name
+        assert rec.params.scales.dtype == torch.float8_e8m0fnu, name
+        assert torch.equal(_bits(rec.load().dequantize(torch.float32)), _bits(want[name])), name
+
+
+def _exact_rows(report: Path, target: str) -> list[dict]:
+    rows = [r for r in json.loads(report.read_text())["tensors"] if r["target"] == target]
+    assert len(rows) >= 14 and all(r["verdict"] == EXACT and r["max_abs_err"] == 0.0 for r in rows), rows
+    return rows
+
+
+def _ct_runtime_holds_our_values(out: Path, source: dict, element: str) -> None:
+    """transformers + compressed-tensors decompress our output to the mlx values (fp4 through bf16, as it
+    decompresses, tests/support/ct_runtime.py), and our ct reader finds mlx's codes."""
+    from ct_runtime import _as_runtime, _ct_model
+
+    params = {n: t.detach() for n, t in _ct_model(out, dtype=torch.float32).named_parameters()}
+    written = _grids(CtSource(out))
+    assert len(written) == 14  # the decoder linears; the embedding and head are written dense
+    for name, rec in written.items():
+        assert rec.params.element == element, name
+        assert torch.equal(rec.load().codes.to(torch.int64), source[name].load().codes.to(torch.int64)), name
+        assert torch.equal(rec.load().dequantize(torch.float32), source[name].load().dequantize(torch.float32)), name
+        assert torch.equal(_as_runtime(rec, params[name].dtype), params[name]), name
+
+
+def test_mxfp4_moves_keep_the_codes(tmp_path):
+    folder = PRODUCED / "mxfp4" / "model"
+    source = _grids(MlxSource(folder))
+    mlx_logits = load_file(str(PRODUCED / "mxfp4" / "reference.safetensors"))["__logits__"].numpy()
+
+    gguf, report = tmp_path / "m.gguf", tmp_path / "gguf.json"
+    run_cli("mlx->gguf", folder, gguf, "--type", "mxfp4", "--report", report)
+    assert len(_exact_rows(report, "MXFP4")) == MODULES
+    # llama.cpp runs the MXFP4 blocks (f32 activations) near mlx-lm's fp16 run of the same weights
+    ours = llama_logits(gguf, PROMPT)
+    gap = float(np.abs(ours - mlx_logits).max())
+    assert np.isfinite(ours).all() and gap < 0.05 * float(mlx_logits.max() - mlx_logits.min()), gap
+
+    ct, report = tmp_path / "ct", tmp_path / "ct.json"
+    run_cli("mlx->compressed-tensors", folder, ct, "--report", report)
+    _exact_rows(report, "mxfp4-pack-quantized")
+    _ct_runtime_holds_our_values(ct, source, "e2m1")
+
+    fp8, report = tmp_path / "fp8", tmp_path / "fp8.json"
+    run_cli("mlx->fp8", folder, fp8, "--report", report)
+    _exact_rows(report, "fp8-128x128-e8m0")  # loaded by transformers in tests/formats/fp8/test_fp8_tiles.py
+
+
+def test_mxfp8_to_compressed_tensors_fp8_group_32(tmp_path):
+    folder = PRODUCED / "mxfp8" / "model"
+    out, report = tmp_path / "ct", tmp_path / "ct.json"
+    run_cli("mlx->compressed-tensors", folder, out, "--report", report)
+    _exact_rows(report, "float-quantized")
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert [(g["weights"]["type"], g["weights"]["strategy"], g["weights"]["group_size"]) for g in groups.values()] \
+        == [("float", "group", 32)]
+    _ct_runtime_holds_our_values(out, _grids(MlxSource(folder)), "e4m3")
