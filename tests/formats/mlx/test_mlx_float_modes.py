@@ -103,3 +103,29 @@ def test_mxfp8_to_compressed_tensors_fp8_group_32(tmp_path):
     assert [(g["weights"]["type"], g["weights"]["strategy"], g["weights"]["group_size"]) for g in groups.values()] \
         == [("float", "group", 32)]
     _ct_runtime_holds_our_values(out, _grids(MlxSource(folder)), "e4m3")
+
+
+@pytest.mark.parametrize("case", ["biases", "scale_dtype", "bits", "packed_shape"])
+def test_bad_float_mode_input_is_one_line(tmp_path, case):
+    import shutil
+
+    from helpers import edit_safetensors, expect_user_error
+
+    src = tmp_path / "src"
+    shutil.copytree(PRODUCED / "mxfp8" / "model", src)
+    st, target = src / "model.safetensors", "model.layers.0.mlp.down_proj"
+    if case == "biases":  # an affine part in a float-mode module
+        edit_safetensors(st, lambda t: t.__setitem__(f"{target}.biases", t[f"{target}.scales"].to(torch.float16)))
+        needles = ("has biases", f"{target}.biases")
+    elif case == "scale_dtype":
+        edit_safetensors(st, lambda t: t.__setitem__(f"{target}.scales", t[f"{target}.scales"].to(torch.float16)))
+        needles = ("uint8 E8M0", f"{target}.scales")
+    elif case == "bits":
+        cfg = json.loads((src / "config.json").read_text())
+        cfg["quantization"]["group_size"] = 64
+        (src / "config.json").write_text(json.dumps(cfg))
+        needles = ("mxfp8 takes only bits 8, group_size 32", "config.json")
+    else:
+        edit_safetensors(st, lambda t: t.__setitem__(f"{target}.weight", t[f"{target}.weight"][:, :-1].contiguous()))
+        needles = ("scales", f"{target}.weight")
+    expect_user_error("mlx->compressed-tensors", src, tmp_path, *needles)
