@@ -314,10 +314,15 @@ def _ct_fp8(src, shape, s: TargetScheme, native, prefer_groups=()) -> Decision:
     p = src
     if p.element != "e4m3":
         return Decision(REQUANTIZE, f"{p.element or 'integer'} codes are not e4m3 values")
-    if p.scales.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    e8m0 = p.scales.dtype == torch.float8_e8m0fnu
+    if p.scales.dtype not in (torch.float16, torch.bfloat16, torch.float32) and not e8m0:
         return Decision(REQUANTIZE, f"{str(p.scales.dtype)[6:]} scales: float-quantized stores fp16/bf16/fp32 ones")
     if p.global_scale is not None or p.axis != 1 or not p.contiguous_groups(shape[-1]):
         return Decision(REQUANTIZE, "a global scale or scattered groups: float-quantized has neither")
+    if e8m0:
+        # OCP MXFP8 (mlx's mxfp8): every E8M0 exponent, 2**-127 .. 2**127, is a float32 value, and code times
+        # power of two is exact in float32 too, so stored as float32 the scales decode to the source's values
+        return Decision(EXACT, "e4m3 codes kept, E8M0 exponents stored as float32 scales (exact)", keeps_codes=True)
     return Decision(EXACT, f"e4m3 codes and {str(p.scales.dtype)[6:]} scales kept", keeps_codes=True)
 
 

@@ -230,7 +230,8 @@ class CtSession(WriterSession):
                 "block_structure": None, "group_size": None}
         if fmt == "float-quantized":
             put(f"{prefix}.weight", grid.codes.view(torch.float8_e4m3fn))
-            s = p.scales
+            # E8M0 exponents (OCP MXFP8) as float32, which holds every one exactly (the checker's _ct_fp8)
+            s = p.scales.to(torch.float32) if p.scales.dtype == torch.float8_e8m0fnu else p.scales
             if p.block_rows > 1:  # the source's 2-D blocks (DeepSeek's 128x128), one scale row per block of rows
                 rows = s[:: p.block_rows].contiguous()
                 args.update(strategy="block", block_structure=[p.block_rows, p.group_size])

@@ -10,6 +10,12 @@ group_size/bits/mode, or false: left unquantized); mlx-lm copies it to `quantiza
 
 Each quantized module is yielded as a min-form grid (scales, mins = biases) that dequantizes in the stored
 dtype with two roundings, fp(fp(s*q) + b), which is mx.dequantize bit for bit.
+
+The float modes (mode "mxfp8" / "mxfp4", mlx 0.32 quantize modes, group 32 only): `<p>.weight` uint32 packs
+E4M3 bytes / E2M1 nibbles the same LSB-first way, `<p>.scales` uint8 [out, in/32] are E8M0 exponents, and
+there are no biases: W = element(q) * 2^(e - 127). Such a module is the float grid the OCP MX readers give
+(formats/common/float_grids.py); its float32 decode is mx.dequantize(..., mode, dtype=float32) bit for bit,
+E2M1's code 8 decoding to -0.0 as mlx's does.
 """
 
 from __future__ import annotations
@@ -26,12 +32,15 @@ from ...converters.model_shapes import ModelShapes
 from ..common.checkpoint import CheckpointDir, CheckpointSource, read_json
 from .packing import MLX_BITS, MLX_GROUPS, unpack_mlx
 from ..common.quant_config import read_config
+from ..common.float_grids import float_grid
 
 __all__ = ["MlxSource", "open_mlx", "looks_like_mlx"]
 
 _PARTS = ("weight", "scales", "biases")
 _FLOAT_TAGS = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 _EMBEDDING_SUFFIX = "embed_tokens"
+# mlx's float quantize modes -> (element format, the one bits and group_size mlx accepts for them)
+_FLOAT_MODES = {"mxfp8": ("e4m3", 8, 32), "mxfp4": ("e2m1", 4, 32)}
 
 
 def _quantization(cfg: dict, where: Path) -> dict:
@@ -59,9 +68,14 @@ def _module_fields(entry: dict, where: Path, key: str, base: tuple[int, int, str
     if bits is None or group is None:
         raise BadInput(f"{key} needs bits and group_size (mlx-lm's load reads both)", path=where)
     mode = view.str("mode", default="affine" if base is None else base[2])
+    if mode in _FLOAT_MODES:
+        _, want_bits, want_group = _FLOAT_MODES[mode]
+        if (bits, group) != (want_bits, want_group):
+            raise BadInput(f"{key} is mode {mode} with bits {bits}, group_size {group}: mlx's {mode} takes only "
+                           f"bits {want_bits}, group_size {want_group}", path=where)
+        return bits, group, mode
     if mode != "affine":
-        raise BadInput(f"{key}.mode is {mode!r}: qconvert reads mlx's affine mode (scales and biases) only",
-                       path=where)
+        raise BadInput(f"{key}.mode is {mode!r}: qconvert reads mlx's affine, mxfp8 and mxfp4 modes", path=where)
     if bits not in MLX_BITS:
         raise BadInput(f"{key}.bits is {bits}: mlx's affine mode packs {', '.join(map(str, MLX_BITS))} bits",
                        path=where)
@@ -89,32 +103,30 @@ class MlxSource(CheckpointSource):
                         if "scales" in parts or "biases" in parts}
 
     # -- one module's parameters, from the headers first -------------------------------------------------
-    def _scheme_of(self, prefix: str, where: Path) -> tuple[int, int]:
+    def _scheme_of(self, prefix: str, where: Path) -> tuple[int, int, str]:
         entry = self.quant_config.get(prefix)
         if entry is False:
             raise BadInput(f"config.json's quantization says {prefix} is unquantized (false), but the file stores "
                            "its scales and biases", path=where, tensor=f"{prefix}.scales")
         if isinstance(entry, dict):
-            bits, group, _ = _module_fields(entry, self.path / "config.json", f"quantization.{prefix}", self.base)
-            return bits, group
+            return _module_fields(entry, self.path / "config.json", f"quantization.{prefix}", self.base)
         if entry is not None and entry is not True:
             raise BadInput(f"quantization.{prefix} is {entry!r:.40}: expected a JSON object or false",
                            path=self.path / "config.json")
-        return self.base[0], self.base[1]
+        return self.base
 
     def _params(self, prefix: str, with_values: bool = True) -> tuple[GridParams | None, tuple[int, int], int]:
         parts = self.modules[prefix]
         wname = parts["weight"]
         where = self.ckpt.file_of(wname)
+        bits, group, mode = self._scheme_of(prefix, where)
+        if mode in _FLOAT_MODES:
+            return self._float_params(prefix, mode, bits, group, with_values)
         for needed, partner in (("scales", "biases"), ("biases", "scales")):
             if needed not in parts:
                 raise BadInput(f"{partner} without {needed}: mlx's affine mode stores W = scales * q + biases",
                                path=where, tensor=f"{prefix}.{needed}")
-        bits, group = self._scheme_of(prefix, where)
-        wdtype, wshape = self.ckpt.dtype(wname), self.ckpt.shape(wname)
-        if wdtype not in ("U32", "I32") or len(wshape) != 2 or min(wshape) < 1:
-            raise BadInput(f"packed weight must be a 2-D uint32 tensor, got {wdtype} {list(wshape)}", path=where,
-                           tensor=wname)
+        wshape = self._packed_shape(wname, where)
         sname, bname = parts["scales"], parts["biases"]
         sdtype, sshape = self.ckpt.dtype(sname), self.ckpt.shape(sname)
         bdtype, bshape = self.ckpt.dtype(bname), self.ckpt.shape(bname)
@@ -126,6 +138,25 @@ class MlxSource(CheckpointSource):
                            f"for weight {list(wshape)}", path=self.ckpt.file_of(sname), tensor=sname)
         out_features, words = wshape
         in_features, rest = divmod(words * 32, bits)
+        self._check_inputs(prefix, wname, wshape, sshape, bits, group, where)
+        if not with_values:
+            return None, (out_features, in_features), bits
+        scales, biases = self.ckpt.get(sname), self.ckpt.get(bname)
+        params = GridParams(bits=bits, group_size=group, scales=scales, zeros=torch.zeros_like(scales), mins=biases,
+                            compute_dtype=_FLOAT_TAGS[sdtype])
+        return params, (out_features, in_features), bits
+
+    def _packed_shape(self, wname: str, where: Path) -> tuple[int, int]:
+        wdtype, wshape = self.ckpt.dtype(wname), self.ckpt.shape(wname)
+        if wdtype not in ("U32", "I32") or len(wshape) != 2 or min(wshape) < 1:
+            raise BadInput(f"packed weight must be a 2-D uint32 tensor, got {wdtype} {list(wshape)}", path=where,
+                           tensor=wname)
+        return tuple(wshape)
+
+    def _check_inputs(self, prefix: str, wname: str, wshape, sshape, bits: int, group: int, where: Path) -> None:
+        """The packed words hold exactly the inputs the scales' groups describe, and the model expects them."""
+        out_features, words = wshape
+        in_features, rest = divmod(words * 32, bits)
         if rest or in_features != sshape[1] * group:
             raise BadInput(f"weight {list(wshape)} holds {words * 32 / bits:g} {bits}-bit codes per row, but scales "
                            f"{list(sshape)} in groups of {group} describe {sshape[1] * group} inputs", path=where,
@@ -135,17 +166,35 @@ class MlxSource(CheckpointSource):
             self.shapes.check_dense(f"{prefix}.weight", (out_features, in_features), where)
         else:
             self.shapes.check_linear(prefix, out_features, in_features, where, wname, implied)
+
+    def _float_params(self, prefix: str, mode: str, bits: int, group: int, with_values: bool):
+        """A float-mode module (mxfp8 / mxfp4): uint32 words of element codes, uint8 E8M0 scales, no biases."""
+        parts = self.modules[prefix]
+        wname, sname = parts["weight"], parts.get("scales")
+        where = self.ckpt.file_of(wname)
+        if sname is None or "biases" in parts:
+            extra = "scales" if sname is None else "biases"
+            raise BadInput(f"mlx's {mode} mode stores weight and E8M0 scales only, but this module "
+                           f"{'lacks' if sname is None else 'has'} {extra}", path=where, tensor=f"{prefix}.{extra}")
+        wshape = self._packed_shape(wname, where)
+        sdtype, sshape = self.ckpt.dtype(sname), self.ckpt.shape(sname)
+        if sdtype != "U8" or len(sshape) != 2 or sshape[0] != wshape[0]:
+            raise BadInput(f"{mode} scales must be uint8 E8M0 exponents [{wshape[0]}, groups], got {sdtype} "
+                           f"{list(sshape)}", path=self.ckpt.file_of(sname), tensor=sname)
+        self._check_inputs(prefix, wname, wshape, sshape, bits, group, where)
+        shape = (wshape[0], wshape[1] * 32 // bits)
         if not with_values:
-            return None, (out_features, in_features), bits
-        scales, biases = self.ckpt.get(sname), self.ckpt.get(bname)
-        params = GridParams(bits=bits, group_size=group, scales=scales, zeros=torch.zeros_like(scales), mins=biases,
-                            compute_dtype=_FLOAT_TAGS[sdtype])
-        return params, (out_features, in_features), bits
+            return None, shape, bits
+        # E2M1 code 8 is -0.0 in mlx's decode (measured: mx.dequantize gives a signed zero)
+        params = float_grid(_FLOAT_MODES[mode][0], self.ckpt.get(sname).view(torch.float8_e8m0fnu), group)
+        return params, shape, bits
 
     def _load_grid(self, prefix: str) -> Grid:
         params, (_, in_features), bits = self._params(prefix)
         words = self.ckpt.get(self.modules[prefix]["weight"])
         codes = unpack_mlx(words, bits, in_features)
+        if params.codebook is not None:
+            return Grid(params, codes)  # element codes: the float grid's writers pack them their own way
         # 2/4/8 bits: the row's bit stream is GPTQ's along the inputs, transposed (a GPTQ writer moves words)
         packed = PackedCodes(words.view(torch.int32).T.contiguous(), bits, "gptq-rows") if bits in (2, 4, 8) else None
         return Grid(params, codes, packed)
@@ -164,8 +213,10 @@ class MlxSource(CheckpointSource):
         return {"format": "mlx", "bits": self.base[0], "group_size": self.base[1], "mode": self.base[2],
                 "per_module": len(overrides), "unquantized_modules": sum(1 for v in overrides.values() if v is False),
                 "shards": len(self.ckpt.shards), "quantized_modules": len(self.modules),
-                "layout": "weight uint32 [out, in*bits/32] (each row one LSB-first bit stream); scales, biases "
-                          "[out, in/group] in the model dtype; W = scales * q + biases",
+                "layout": ("weight uint32 [out, in*bits/32] (each row one LSB-first bit stream); scales, biases "
+                           "[out, in/group] in the model dtype; W = scales * q + biases") if self.base[2] == "affine"
+                else (f"weight uint32 [out, in*bits/32] ({_FLOAT_MODES[self.base[2]][0]} codes, LSB first); scales "
+                      "uint8 E8M0 [out, in/32]; W = element(q) * 2^(e-127)"),
                 "ignored_files": self.ignored_files}
 
 
@@ -175,7 +226,8 @@ def open_mlx(path: Path, **_: object) -> MlxSource:
 
 def looks_like_mlx(path: Path) -> bool:
     """From the data: config.json carries mlx's quantization {bits, group_size} (no quant_method), and the
-    weights hold a `<p>.biases` beside a uint32 `<p>.weight`. Weights whose headers cannot be read (a
+    weights hold a `<p>.biases` beside a uint32 `<p>.weight` (affine), or for the float modes (mode mxfp8 /
+    mxfp4, which store no biases) a uint8 `<p>.scales` beside it. Weights whose headers cannot be read (a
     truncated shard) are left to the reader, which names the damaged file: the config alone claims them."""
     path = Path(path)
     if not (path.is_dir() and (path / "config.json").is_file()):
@@ -194,8 +246,10 @@ def looks_like_mlx(path: Path) -> bool:
         ckpt = CheckpointDir(path)
     except QConvertError:
         return True
+    beside = ".scales" if q.get("mode") in _FLOAT_MODES else ".biases"
     try:
-        return any(name.endswith(".biases") and ckpt.dtype(name[: -len(".biases")] + ".weight") in ("U32", "I32")
-                   for name in ckpt.location if name[: -len(".biases")] + ".weight" in ckpt)
+        return any(name.endswith(beside) and ckpt.dtype(name[: -len(beside)] + ".weight") in ("U32", "I32")
+                   and (beside == ".biases" or ckpt.dtype(name) == "U8")
+                   for name in ckpt.location if name[: -len(beside)] + ".weight" in ckpt)
     finally:
         ckpt.close()

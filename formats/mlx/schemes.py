@@ -25,9 +25,10 @@ import torch
 from ...converters.checker import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, Decision, TargetScheme, register_family
 from ...converters.errors import QConvertError
 from ...converters.records import GridParams
+from ..common import block_schemes  # noqa: F401  (registers the float-block family MLX_MXFP4 is decided by)
 from .packing import MLX_BITS, MLX_GROUPS, packed_words
 
-__all__ = ["FAMILY", "MlxType", "parse_mlx_type", "mlx_scheme", "check_mlx", "bits_for", "TYPE_HELP"]
+__all__ = ["FAMILY", "MLX_MXFP4", "MlxType", "parse_mlx_type", "mlx_scheme", "check_mlx", "bits_for", "TYPE_HELP"]
 
 FAMILY = "mlx"
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -64,6 +65,12 @@ def parse_mlx_type(text: str) -> MlxType:
 def bits_for(source_bits: int) -> int | None:
     """The narrowest mlx width that holds `source_bits`-bit codes (7 -> 8), None above 8."""
     return next((b for b in MLX_BITS if b >= source_bits), None)
+
+
+# mlx's mxfp4 mode (mlx 0.32 quantize modes): E2M1 codes with an E8M0 exponent per 32, no biases. The float-block
+# family (formats/common/block_schemes.py) decides it from the scale values: an E2M1 grid whose 32-blocks' scales
+# are powers of two keeps its codes and exponents; anything else is not written in this mode
+MLX_MXFP4 = TargetScheme("mlx mxfp4", "float-block", bits=4, group=32, block=32, scale="e8m0", element="e2m1")
 
 
 def mlx_scheme(bits: int, group: int, store: torch.dtype) -> TargetScheme:

@@ -10,6 +10,10 @@ stays inside mlx groups takes each group's scale from its index. Other grids, an
 What each tensor decodes to is returned as mlx computes it (fp(fp(s*q) + b) in the model dtype), so the
 runner's measured error is the error mlx-lm sees.
 
+An E2M1 float grid whose scales are E8M0 exponents per 32 (any MXFP4 source: gpt-oss, Quark, compressed-tensors,
+GGUF MXFP4, mlx's own mxfp4) is written in mlx's `mxfp4` mode instead, codes and exponents kept: `weight` uint32
+of nibbles (LSB first), `scales` uint8, no biases, the module's quantization entry `mode: "mxfp4"`.
+
 config.json gets mlx-lm's `quantization` (the most common bits/group as the default, a per-module entry
 for every other one, false for linears left dense) and its copy `quantization_config`, as mlx-lm's
 save_config writes them; tokenizer and generation files are copied. Shards stream through ShardWriter
@@ -28,9 +32,10 @@ from ...converters.checker import EXACT, REFUSED, REQUANTIZE, decide
 from ...converters.plan import Options, TensorPlan, Writer, WriterSession
 from ...converters.records import Dense, Grid, TensorRecord
 from ...kernels.dequant import dequantize_grid_torch
+from ...kernels.floatq import float_to_e8m0
 from ..common.checkpoint import ShardWriter, copy_side_files, write_json
 from .packing import mlx_affine_quantize, pack_mlx
-from .schemes import bits_for, mlx_scheme, parse_mlx_type
+from .schemes import MLX_MXFP4, bits_for, mlx_scheme, parse_mlx_type
 
 __all__ = ["MlxWriter", "model_dtype"]
 
@@ -58,6 +63,7 @@ class MlxAction:
     bits: int
     group: int
     keep: bool
+    mode: str = "affine"
 
 
 class MlxWriter(Writer):
@@ -79,6 +85,10 @@ class MlxWriter(Writer):
         store = self.store or model_dtype(source.config or {})
         explicit = options.explicit_type(rec.name) or options.type
         want = parse_mlx_type(explicit) if explicit else None
+        if rec.is_grid and want is None and rec.params.element == "e2m1":
+            d = decide(rec.params, rec.shape, MLX_MXFP4)
+            if d.verdict == EXACT and d.keeps_codes:
+                return self.plan(rec, d, "mlx mxfp4 g32", action=MlxAction(4, 32, True, "mxfp4"))
         if rec.is_grid:
             p = rec.params
             bits = want.bits if want else (bits_for(p.bits) or 8)
@@ -115,7 +125,7 @@ class MlxSession(WriterSession):
     def __init__(self, path: Path, source, store: torch.dtype):
         self.path, self.source, self.store = path, source, store
         self.shards = ShardWriter(path, max_shard_bytes=self.max_shard_bytes)
-        self.schemes: dict[str, tuple[int, int]] = {}  # module path -> (bits, group)
+        self.schemes: dict[str, tuple[int, int, str]] = {}  # module path -> (bits, group, mode)
         self.dense_linears: list[str] = []
 
     def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor:
@@ -127,18 +137,32 @@ class MlxSession(WriterSession):
             self.shards.put(plan.name, tensor)
             return tensor.to(torch.float32)
         bits, group = action.bits, action.group
+        prefix = plan.name[: -len(".weight")]
+        if action.mode == "mxfp4":
+            return self._add_mxfp4(prefix, item)
         if action.keep:
             codes, scales, biases = self._kept(item, group)
         else:
             codes, scales, biases = mlx_affine_quantize(item.dequantize(torch.float32), bits, group, self.store)
-        prefix = plan.name[: -len(".weight")]
         self.shards.put(f"{prefix}.weight", self._words(item, codes, bits, action.keep))
         self.shards.put(f"{prefix}.scales", scales.contiguous())
         self.shards.put(f"{prefix}.biases", biases.contiguous())
-        self.schemes[prefix] = (bits, group)
+        self.schemes[prefix] = (bits, group, "affine")
         # what mlx computes: scales * q, rounded to the stored dtype, plus biases, rounded again
         return dequantize_grid_torch(codes, scales, torch.zeros_like(scales), group, None, torch.float32,
                                      mins=biases, compute_dtype=self.store)
+
+    def _add_mxfp4(self, prefix: str, grid: Grid) -> torch.Tensor:
+        """mlx's mxfp4 mode: the E2M1 codes and one E8M0 exponent per 32 (the checker made sure every scale is
+        a power of two held exactly); what mlx decodes is code value times 2**(e - 127), exact in float32."""
+        p = grid.params
+        out_f, in_f = grid.shape
+        e8m0 = float_to_e8m0(p.folded_scales()[:, torch.arange(0, in_f, 32) // p.group_size]).contiguous()
+        self.shards.put(f"{prefix}.weight", pack_mlx(grid.codes, 4))
+        self.shards.put(f"{prefix}.scales", e8m0)
+        self.schemes[prefix] = (4, 32, "mxfp4")
+        e = e8m0.view(torch.float8_e8m0fnu).to(torch.float32)
+        return (p.codebook[grid.codes.to(torch.int64)].view(out_f, -1, 32) * e[..., None]).view(out_f, in_f)
 
     def _kept(self, grid: Grid, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The source's codes with one scale and bias per mlx group: the scale of the source group that
@@ -175,14 +199,14 @@ class MlxSession(WriterSession):
         copy_side_files(self.source, self.path)
 
     def _quantization(self) -> dict:
-        counts: dict[tuple[int, int], int] = {}
+        counts: dict[tuple[int, int, str], int] = {}
         for s in self.schemes.values():
             counts[s] = counts.get(s, 0) + 1
-        bits, group = max(counts, key=counts.get)
-        q: dict = {"group_size": group, "bits": bits, "mode": "affine"}
-        for prefix, (b, g) in self.schemes.items():
-            if (b, g) != (bits, group):
-                q[prefix] = {"group_size": g, "bits": b, "mode": "affine"}
+        bits, group, mode = max(counts, key=counts.get)
+        q: dict = {"group_size": group, "bits": bits, "mode": mode}
+        for prefix, (b, g, m) in self.schemes.items():
+            if (b, g, m) != (bits, group, mode):
+                q[prefix] = {"group_size": g, "bits": b, "mode": m}
         for prefix in self.dense_linears:
             q[prefix] = False
         return q

@@ -1,12 +1,13 @@
-"""Remake tests/producer_fixtures/mlx/: mlx_lm.convert's own 4-bit group-64 quantization of the tiny llama.
+"""Remake tests/producer_fixtures/mlx/: mlx_lm.convert's own 4-bit group-64 quantization of the tiny llama, and
+its float modes beside it (mxfp8/, mxfp4/: E4M3 / E2M1 codes with an E8M0 exponent per 32).
 
-    .venv/bin/python scripts/producers/mlx.py
+    .venv/bin/python scripts/producers/mlx.py [affine|mxfp8|mxfp4 ...]    (default: all three)
 
 The producer is mlx-lm (mlx_lm.convert(quantize=True, q_bits=4, q_group_size=64), its defaults' group), run
 offline in .venvs/mlx (made by scripts/test_env.d/40-mlx.sh when missing) through tests/support/mlx_driver.py, on
 tests/support/fixtures.py's tiny llama (hidden 128, 2 layers, vocab 512, fp16). Beside the folder it stores the
 oracle, made by mlx itself: reference.safetensors = mx.dequantize of every quantized module (float16 as mlx
-decodes it,
+decodes it, float32 for the float modes,
 "<module>.weight") and mlx-lm's logits of the fixtures' prompt ("__logits__", float32 [T, vocab]), and
 versions.json with the package versions.
 """
@@ -30,8 +31,9 @@ _common.leave_import_path()
 REPO = _common.REPO
 OUT = _common.PRODUCER_FIXTURES / "mlx"
 MLX_PY = REPO / ".venvs" / "mlx" / "bin" / "python"
-DRIVER = REPO / "tests" / "mlx_driver.py"
-BITS, GROUP = 4, 64
+DRIVER = REPO / "tests" / "support" / "mlx_driver.py"
+# mode -> (bits, group, folder): the float modes' only group is 32 (mlx quantize_model defaults_for_mode)
+VARIANTS = {"affine": (4, 64, OUT), "mxfp8": (8, 32, OUT / "mxfp8"), "mxfp4": (4, 32, OUT / "mxfp4")}
 
 
 def _mlx(*args) -> str:
@@ -41,26 +43,33 @@ def _mlx(*args) -> str:
     return proc.stdout
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     fixtures = _common.fixtures()
     if not MLX_PY.exists():
         subprocess.run(["bash", str(REPO / "scripts" / "test_env.d" / "40-mlx.sh")], check=True)
-    with tempfile.TemporaryDirectory(prefix="qconvert-mlx-producer-") as tmp:
-        base = fixtures.build_tiny_llama(Path(tmp) / "base", **fixtures.BASES["base"])
-        if OUT.exists():
-            shutil.rmtree(OUT)
-        OUT.mkdir(parents=True)
-        _mlx("convert", base, OUT / "model", BITS, GROUP)
-        _mlx("load", OUT / "model", OUT / "reference.safetensors", json.dumps(fixtures.prompt_ids()), 0)
-    versions = subprocess.run([str(MLX_PY), "-c", "import importlib.metadata as m, json; print(json.dumps("
-                               "{p: m.version(p) for p in ('mlx', 'mlx-lm', 'transformers')}))"],
-                              capture_output=True, text=True, check=True).stdout
-    _common.write_json(OUT / "versions.json", {"producer": "mlx_lm.convert(quantize=True)", "q_bits": BITS,
-                                               "q_group_size": GROUP, "base": "tests/support/fixtures.py BASES['base']",
-                                               "packages": json.loads(versions)}, indent=2, sort_keys=False)
-    print(f"wrote {OUT}")
+    versions = json.loads(subprocess.run([str(MLX_PY), "-c", "import importlib.metadata as m, json; print(json.dumps("
+                                          "{p: m.version(p) for p in ('mlx', 'mlx-lm', 'transformers')}))"],
+                                         capture_output=True, text=True, check=True).stdout)
+    for mode in argv or list(VARIANTS):
+        bits, group, out = VARIANTS[mode]
+        with tempfile.TemporaryDirectory(prefix="qconvert-mlx-producer-") as tmp:
+            base = fixtures.build_tiny_llama(Path(tmp) / "base", **fixtures.BASES["base"])
+            # remade in place: the affine folder holds the float modes' folders, which stay
+            for stale in (out / "model", out / "reference.safetensors"):
+                if stale.is_dir():
+                    shutil.rmtree(stale)
+                elif stale.exists():
+                    stale.unlink()
+            out.mkdir(parents=True, exist_ok=True)
+            _mlx("convert", base, out / "model", bits, group, mode)
+            _mlx("load", out / "model", out / "reference.safetensors", json.dumps(fixtures.prompt_ids()), 0)
+        _common.write_json(out / "versions.json", {"producer": f"mlx_lm.convert(quantize=True, q_mode={mode!r})",
+                                                   "q_bits": bits, "q_group_size": group,
+                                                   "base": "tests/support/fixtures.py BASES['base']",
+                                                   "packages": versions}, indent=2, sort_keys=False)
+        print(f"wrote {out}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))

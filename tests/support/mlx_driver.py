@@ -7,7 +7,8 @@ scripts/test_env.d/40-mlx.sh): mlx and mlx-lm judge and produce here, never qcon
         summary of the quantized modules (bits, group_size, mode) on stdout
     quantize IN.safetensors OUT.safetensors           mx.quantize every float tensor "w@BITS@GROUP" (mode affine):
         "<key>.q" (uint32 words), "<key>.scales", "<key>.biases"
-    convert HF_DIR OUT_DIR BITS GROUP                 mlx_lm.convert(quantize=True): the producer of mlx folders
+    convert HF_DIR OUT_DIR BITS GROUP [MODE]          mlx_lm.convert(quantize=True, q_mode=MODE, default affine): the
+        producer of mlx folders (mxfp8 / mxfp4: E4M3 / E2M1 codes with an E8M0 exponent per 32, no biases)
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ def _load(model_dir: str, out: str, ids_json: str, n_new: int = 0) -> None:
     modules = {}
     for name, mod in model.named_modules():
         if isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            # the float modes' default output is bfloat16, which rounds E8M0 * E4M3 products no value of the
+            # grid needs rounded (below bfloat16's normals): asked in float32, mlx gives the products themselves
+            wide = {} if mod.mode == "affine" else {"dtype": mx.float32}
             w = mx.dequantize(mod.weight, mod.scales, mod.biases, group_size=mod.group_size, bits=mod.bits,
-                              mode=mod.mode)
+                              mode=mod.mode, **wide)
             # in the model dtype mlx decodes in (float16 is exact in numpy; bfloat16 goes through float32)
             tensors[f"{name}.weight"] = np.array(w.astype(mx.float32) if w.dtype == mx.bfloat16 else w)
             modules[name] = {"bits": mod.bits, "group_size": mod.group_size, "mode": mod.mode,
@@ -66,10 +70,10 @@ def _quantize(src: str, out: str) -> None:
     save_file(result, out)
 
 
-def _convert(hf_dir: str, out_dir: str, bits: str, group: str) -> None:
+def _convert(hf_dir: str, out_dir: str, bits: str, group: str, mode: str = "affine") -> None:
     from mlx_lm import convert
 
-    convert(hf_dir, out_dir, quantize=True, q_bits=int(bits), q_group_size=int(group))
+    convert(hf_dir, out_dir, quantize=True, q_bits=int(bits), q_group_size=int(group), q_mode=mode)
 
 
 if __name__ == "__main__":
