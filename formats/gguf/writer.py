@@ -576,7 +576,6 @@ class GgufSession(WriterSession):
 
     def __init__(self, path: Path, source, plans: list[TensorPlan], arch: str, n_layers: int, tokenizer: dict,
                  split_max_size: int = 0):
-        self.source, self.arch = source, arch
         self.writer = gguf.GGUFWriter(path=str(path), arch=arch, split_max_size=split_max_size)
         w = self.writer
         kept = [p for p in plans if not p.action.drop]
@@ -596,8 +595,7 @@ class GgufSession(WriterSession):
         for key, value in tokenizer.items():  # the keys check_model built (GgufWriter._tokenizer_keys)
             w.add_key_value(key, value.value, value.type, sub_type=value.sub_type)
         self.extra = list(rope_tensors(source.config, arch))
-        self.spec = arch_by_name(arch)
-        self.norm_shift = self.spec.norm_shift
+        self._encode_as(source, arch)
         n_experts = _expert_count(source) if any(p.action.expert is not None for p in kept) else 0
         self.pending: dict[str, _ExpertSpill] = {}  # stacks of experts being filled
         self.reference: torch.Tensor | None = None  # the last add's source values (take_reference)
@@ -632,11 +630,17 @@ class GgufSession(WriterSession):
         """A session that encodes each tensor as `add` does and hands its bytes to `write(plan, data)` instead
         of appending them: a part of a split conversion (split.py), whose driver wrote the header."""
         self = cls.__new__(cls)
-        self.source, self.arch = source, arch
-        self.norm_shift = arch_by_name(arch).norm_shift
+        self._encode_as(source, arch)
         self.reference = None
         self._write = write
         return self
+
+    def _encode_as(self, source, arch: str) -> None:
+        """What `add` needs to encode a tensor, set in one place for the whole session and for a split part's
+        headerless one (a field added to one and not the other broke the parts once)."""
+        self.source, self.arch = source, arch
+        self.spec = arch_by_name(arch)
+        self.norm_shift = self.spec.norm_shift
 
     def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor:
         if plan.action.drop:
