@@ -539,19 +539,6 @@ def transformers_logits(model_dir, ids: List[int]):
         return model(torch.tensor([ids])).logits[0].float().numpy()
 
 
-if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser(description="Build a tiny random model of one architecture.")
-    ap.add_argument("kind", choices=sorted(set(KINDS + STD_KINDS) | set(BUILDERS)))
-    ap.add_argument("out_dir")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--wide", action="store_true")
-    a = ap.parse_args()
-    print(build_arch_model(a.out_dir, a.kind, a.seed, a.layers, a.wide))
-
-
 # --------------------------------------------------------------------------------------------------
 # The arch-std kinds (issue 26): Ministral 3, SmolLM3, ... Kept apart from KINDS, which
 # test_gguf_archs.py runs; their own tests are tests/formats/gguf/test_gguf_archs_arch_std.py.
@@ -734,3 +721,17 @@ def sentencepiece_tokenizer(out) -> None:
 
 BUILDERS["ernie4_5_moe"] = _ernie4_5_moe
 TOKENIZER_EXTRAS["ernie4_5_moe"] = sentencepiece_tokenizer
+
+
+# last: every builder above has registered by now
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Build a tiny random model of one architecture.")
+    ap.add_argument("kind", choices=sorted(BUILDERS))
+    ap.add_argument("out_dir")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--wide", action="store_true")
+    a = ap.parse_args()
+    print(build_arch_model(a.out_dir, a.kind, a.seed, a.layers, a.wide))
