@@ -183,64 +183,14 @@ static float search_block(const lattice_t *lat, int bs, const float *xval, const
     return scale;
 }
 
-/* make_qp_quants(n, nmax, x, L, w) of ggml (the K quantizers' scale search), only its returned scale: IQ2_XXS's
- * starting point. */
+/* make_qp_quants(n, nmax, x, L, w) of ggml (the K quantizers' scale search; kquant_imatrix_c.c, linked into the
+ * same library), only its returned scale: IQ2_XXS's starting point. L is uint8_t as in ggml: a negative code (a
+ * sign-flipped xval) wraps to 255 there too. */
+float k_make_qp(int n, int nmax, const float *x, uint8_t *L, const float *w);
+
 static float make_qp_scale(int n, int nmax, const float *x, const float *w) {
-    float max = 0;
-    for (int i = 0; i < n; ++i) max = max > x[i] ? max : x[i];  /* MAX(max, x[i]) */
-    if (max < EPS_DEFAULT) return 0.f;
-    uint8_t L[32];  /* uint8_t as in ggml: a negative code (a sign-flipped xval) wraps to 255 there too */
-    float iscale = nmax / max;
-    for (int i = 0; i < n; ++i) L[i] = (uint8_t)nearest_int(iscale * x[i]);
-    float scale = 1 / iscale;
-    float best_mse = 0;
-    for (int i = 0; i < n; ++i) {
-        float diff = x[i] - scale * L[i];
-        best_mse += w[i] * diff * diff;
-    }
-    for (int is = -4; is <= 4; ++is) {
-        if (is == 0) continue;
-        float iscale_is = (0.1f * is + nmax) / max;
-        float scale_is = 1 / iscale_is;
-        float mse = 0;
-        for (int i = 0; i < n; ++i) {
-            int l = nearest_int(iscale_is * x[i]);
-            if (l > nmax) l = nmax;
-            float diff = x[i] - scale_is * l;
-            mse += w[i] * diff * diff;
-        }
-        if (mse < best_mse) { best_mse = mse; iscale = iscale_is; }
-    }
-    float sumlx = 0, suml2 = 0;
-    for (int i = 0; i < n; ++i) {
-        int l = nearest_int(iscale * x[i]);
-        if (l > nmax) l = nmax;
-        L[i] = (uint8_t)l;
-        sumlx += w[i] * x[i] * l;
-        suml2 += w[i] * l * l;
-    }
-    for (int itry = 0; itry < 5; ++itry) {
-        int n_changed = 0;
-        for (int i = 0; i < n; ++i) {
-            float wi = w[i];
-            float slx = sumlx - wi * x[i] * L[i];
-            float sl2 = suml2 - wi * L[i] * L[i];
-            if (slx > 0 && sl2 > 0) {
-                int new_l = nearest_int(x[i] * sl2 / slx);
-                if (new_l > nmax) new_l = nmax;
-                if (new_l != L[i]) {
-                    slx += wi * x[i] * new_l;
-                    sl2 += wi * new_l * new_l;
-                    if (slx * slx * suml2 > sumlx * sumlx * sl2) {
-                        L[i] = (uint8_t)new_l; sumlx = slx; suml2 = sl2;
-                        ++n_changed;
-                    }
-                }
-            }
-        }
-        if (!n_changed) break;
-    }
-    return suml2 > 0.0f ? sumlx / suml2 : 0.0f;
+    uint8_t L[32];
+    return k_make_qp(n, nmax, x, L, w);
 }
 
 typedef struct {

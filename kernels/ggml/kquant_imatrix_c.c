@@ -47,7 +47,8 @@ static float k_fp16_to_fp32(uint16_t h) {
 static inline int k_clamp(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
 /* make_qp_quants: non-negative x, codes 0..nmax (L uint8_t as ggml's: an unclamped start wraps alike) */
-static float k_make_qp(int n, int nmax, const float *x, uint8_t *L, const float *w) {
+/* ggml's make_qp_quants; not static: iq_c.c (linked into the same library) starts IQ2_XXS's search from it */
+float k_make_qp(int n, int nmax, const float *x, uint8_t *L, const float *w) {
     float max = 0;
     for (int i = 0; i < n; ++i) max = max > x[i] ? max : x[i];
     if (max < K_EPS) { memset(L, 0, n); return 0.f; }
