@@ -116,6 +116,9 @@ def gguf_tensor_name(hf_name: str, arch: str, n_layers: int) -> str | None:
     base, layer = _split_index(hf_name)
     if layer is not None and layer >= int(n_layers):
         return None
+    own = _own_names(arch)[0].get(base)  # the architecture's own names (archs: tensor_names)
+    if own is not None:
+        return f"blk.{layer}.{own}"
     found = _name_map(arch).get_type_and_name(base, try_suffixes=(".weight", ".bias"))
     if found is None or found[0] in _NOT_LOADED:
         return None
@@ -126,6 +129,13 @@ def gguf_tensor_name(hf_name: str, arch: str, n_layers: int) -> str | None:
     if layer is None:
         return None if name.startswith("blk.") else name
     return f"blk.{layer}." + name[len("blk.0."):] if name.startswith("blk.0.") else None
+
+
+@lru_cache(maxsize=16)
+def _own_names(arch: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(HF name of block 0 -> GGUF name, the inverse) of the architecture's own `tensor_names`."""
+    pairs = arch_by_name(arch).tensor_names
+    return ({f"model.layers.0.{hf}": g for hf, g in pairs}, {f"blk.0.{g}": hf for hf, g in pairs})
 
 
 # the GGUF tensors that stack one HF tensor per expert (experts outermost: ggml ne[2])
@@ -174,6 +184,9 @@ def hf_tensor_name(gguf_name: str, arch: str, n_layers: int) -> str | None:
     base, layer = _split_index(gguf_name)
     if layer is not None and layer >= int(n_layers):
         return None
+    own = _own_names(arch)[1].get(base)
+    if own is not None:
+        return f"model.layers.{layer}.{own}"
     inv = _inverse_map(arch)
     hf = None
     for suffix in (".weight", ".bias"):
