@@ -156,6 +156,10 @@ class GgufArch:
     # (Gemma 4: the full layers' own head size, the KV-shared layers' double-wide MLP): the uniform shape
     # check from config.json / metadata skips them (llama.cpp's loader checks each layer's)
     varying_shapes: tuple[str, ...] = ()
+    # metadata keys (after `{arch}.`) llama.cpp reads as a scalar or one value per layer (Gemma 4's
+    # feed_forward_length, attention.head_count_kv): config_from_gguf's shared fields take layer 0's value
+    # and the architecture's hook reads the array
+    per_layer_keys: tuple[str, ...] = ()
 
     def shifts_norm(self, gguf_name: str) -> bool:
         """Whether the GGUF tensor is a norm stored as `norm_shift + w`."""

@@ -35,7 +35,7 @@ GEMMA4_BLOCK = HF_DENSE_BLOCK + (
     "per_layer_projection", "post_per_layer_input_norm")
 
 # the tensors gguf-py's name map does not name as llama.cpp's converter writes them, (HF name within a layer,
-# GGUF name within a block): the router's scales (conversion/gemma.py Gemma4Model.modify_tensors), the output
+# or the model's, GGUF name within a block, or the model's): the router's scales (conversion/gemma.py Gemma4Model.modify_tensors), the output
 # scalar and the fused expert stacks (its filter_tensors appends `.weight` to these bare parameters)
 GEMMA4_TENSOR_NAMES = (
     ("router.scale", "ffn_gate_inp.scale"),
@@ -43,6 +43,10 @@ GEMMA4_TENSOR_NAMES = (
     ("layer_scalar", "layer_output_scale.weight"),
     ("experts.gate_up_proj", "ffn_gate_up_exps.weight"),
     ("experts.down_proj", "ffn_down_exps.weight"),
+    # the per-layer embeddings' model-wide tensors (gguf-py maps them one way only)
+    ("model.embed_tokens_per_layer.weight", "per_layer_token_embd.weight"),
+    ("model.per_layer_model_projection.weight", "per_layer_model_proj.weight"),
+    ("model.per_layer_projection_norm.weight", "per_layer_proj_norm.weight"),
 )
 
 
@@ -174,11 +178,93 @@ def _gemma4_caveats(config: Mapping) -> list[str]:
     return out
 
 
+def _rotated_share(path, hd_full: int) -> float:
+    """The full layers' partial_rotary_factor, from the rope_freqs.weight the file holds (its factors are 1 for
+    the rotated pairs and 1e30 for the rest: gemma4_rope_freqs)."""
+    if path is None:
+        raise BadInput("Gemma 4's partial_rotary_factor is read from the file's rope_freqs.weight: no file given")
+    reader = gguf.GGUFReader(str(path))
+    freqs = next((np.asarray(t.data, dtype=np.float32) for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is None or freqs.size != hd_full // 2 or not np.all((freqs == 1.0) | (freqs >= 1e29)):
+        raise BadInput(f"rope_freqs.weight is missing or is not {hd_full // 2} factors of 1 then 1e30 (Gemma 4's "
+                       "proportional rope)", path=path, tensor="rope_freqs.weight")
+    rotated = int(np.count_nonzero(freqs == 1.0))
+    if np.any(freqs[:rotated] != 1.0):
+        raise BadInput("rope_freqs.weight rotates pairs after unrotated ones", path=path, tensor="rope_freqs.weight")
+    return 2 * rotated / hd_full
+
+
+def _gemma4_config(cfg: dict, get, names, cv) -> None:
+    """Gemma4TextConfig from the keys _gemma4_extra writes: the sliding layers' head size and the full ones' own
+    (global_head_dim, and num_global_key_value_heads where the full layers reuse keys as values), the layer
+    kinds, the KV-shared layers and their double-wide MLP, the per-layer embeddings, the routed experts."""
+    arch = "gemma4"
+    n = cfg["num_hidden_layers"]
+    flags = cv.get(f"{arch}.attention.sliding_window_pattern")
+    if not isinstance(flags, list) or len(flags) != n or not all(isinstance(f, bool) for f in flags):
+        raise BadInput(f"metadata {arch}.attention.sliding_window_pattern is not {n} booleans (one per layer)",
+                       path=cv.path)
+    types = ["sliding_attention" if f else "full_attention" for f in flags]
+    hd_full = get("attention.key_length", required=True, lo=1, hi=MAX_WIDTH)
+    hd_swa = get("attention.key_length_swa", required=True, lo=1, hi=MAX_WIDTH)
+    shared = get("attention.shared_kv_layers", 0, lo=0, hi=n)
+    first_shared = n - shared
+
+    def per_layer(key: str, hi: int) -> list[int]:
+        value = cv.get(f"{arch}.{key}")
+        if not isinstance(value, list):
+            return [get(key, required=True, lo=1, hi=hi)] * n
+        if len(value) != n or not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= hi for v in value):
+            raise BadInput(f"metadata {arch}.{key} is not {n} whole numbers in [1, {hi}]", path=cv.path)
+        return value
+
+    ffn = per_layer("feed_forward_length", MAX_WIDTH)
+    base_ff = ffn[0]
+    double = ffn != [base_ff] * n
+    if double and ffn != [base_ff if i < first_shared else 2 * base_ff for i in range(n)]:
+        raise BadInput(f"metadata {arch}.feed_forward_length {ffn}: Gemma 4 widens only the KV-shared layers' MLP, "
+                       "twice", path=cv.path)
+    kv = per_layer("attention.head_count_kv", MAX_HEADS)
+    kv_swa = next((h for h, t in zip(kv, types) if t == "sliding_attention"), kv[0])
+    kv_full = next((h for h, t in zip(kv, types) if t == "full_attention"), kv_swa)
+    if any(h != (kv_swa if t == "sliding_attention" else kv_full) for h, t in zip(kv, types)):
+        raise BadInput(f"metadata {arch}.attention.head_count_kv {kv}: Gemma 4 has one count per kind of layer",
+                       path=cv.path)
+    first_full = types.index("full_attention") if "full_attention" in types else None
+    k_eq_v = bool(names is not None and first_full is not None and first_full < first_shared
+                  and f"blk.{first_full}.attn_v.weight" not in names)
+    local = get("rope.freq_base_swa", 10000.0, kind="float", lo=1e-30)
+    rot_swa = get("rope.dimension_count_swa", hd_swa, lo=1, hi=hd_swa)
+    sliding_rope = {"rope_type": "default", "rope_theta": local}
+    if rot_swa != hd_swa:
+        sliding_rope["partial_rotary_factor"] = rot_swa / hd_swa
+    full_rope = {"rope_type": "proportional", "rope_theta": cfg.pop("rope_theta"),
+                 "partial_rotary_factor": _rotated_share(cv.path, hd_full)}
+    cfg.pop("hidden_act", None)
+    cfg.update(hidden_activation="gelu_pytorch_tanh", head_dim=hd_swa, global_head_dim=hd_full,
+               num_key_value_heads=kv_swa, layer_types=types, tie_word_embeddings=True,
+               sliding_window=get("attention.sliding_window", required=True, lo=1),
+               final_logit_softcapping=get("final_logit_softcapping", kind="float"),
+               num_kv_shared_layers=shared, use_double_wide_mlp=double, intermediate_size=base_ff,
+               hidden_size_per_layer_input=get("embedding_length_per_layer_input", 0, lo=0, hi=MAX_WIDTH),
+               vocab_size_per_layer_input=cfg["vocab_size"], attention_k_eq_v=k_eq_v,
+               rope_parameters={"sliding_attention": sliding_rope, "full_attention": full_rope})
+    cfg.pop("_value_head_dim", None)  # value_length is key_length: both the full layers' size
+    if k_eq_v or kv_full != kv_swa:
+        cfg["num_global_key_value_heads"] = kv_full
+    n_expert = get("expert_count", lo=1, hi=1 << 16)
+    if n_expert is not None:
+        cfg.update(enable_moe_block=True, num_experts=n_expert,
+                   top_k_experts=get("expert_used_count", required=True, lo=1, hi=n_expert),
+                   moe_intermediate_size=get("expert_feed_forward_length", required=True, lo=1, hi=MAX_WIDTH))
+
+
 register_arch(GgufArch(
     "gemma4", ("Gemma4ForCausalLM",), ("gemma4_text",), "Gemma4ForCausalLM", "gemma4_text",
     extra_metadata=_gemma4_extra, norms=("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"),
     attention=("attn_q", "attn_output"), block_extra=("attn_q_norm",), tied_output_dropped=True,
     caveats=_gemma4_caveats, hf_block=GEMMA4_BLOCK, tensor_names=GEMMA4_TENSOR_NAMES,
+    config_from_gguf=_gemma4_config, per_layer_keys=("feed_forward_length", "attention.head_count_kv"),
     fused_gate_up_experts=True, routed_beside_dense=("ffn_gate_inp", "ffn_gate_up_exps", "ffn_down_exps"),
     varying_shapes=tuple(f"{t}.weight" for t in ("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm",
                                                  "attn_k_norm", "ffn_gate", "ffn_up", "ffn_down", "rope_freqs")), arch_rope_tensors=gemma4_rope_freqs, extra_rope_types=("proportional",)))
