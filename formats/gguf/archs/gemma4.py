@@ -253,6 +253,7 @@ def _gemma4_config(cfg: dict, get, names, cv) -> None:
     if k_eq_v or kv_full != kv_swa:
         cfg["num_global_key_value_heads"] = kv_full
     n_expert = get("expert_count", lo=1, hi=1 << 16)
+    cfg["enable_moe_block"] = n_expert is not None
     if n_expert is not None:
         cfg.update(enable_moe_block=True, num_experts=n_expert,
                    top_k_experts=get("expert_used_count", required=True, lo=1, hi=n_expert),
