@@ -599,6 +599,14 @@ class GgufSource(ModelSource):
         if name is None:
             raise BadInput(f"GGUF tensor has no Hugging Face counterpart in arch {self.arch}", path=path, tensor=t.name)
         shape = tuple(int(d) for d in reversed(list(t.shape)))
+        if own and len(shape) == 3 and _type_name(t) not in _FLOAT and _type_name(t) != "BF16":
+            # a quantized expert stack the HF class keeps fused (Gemma 4): decoded whole to float32, as the
+            # grid records (2-D blocks, one expert each) cannot hold the fused tensor
+            def load(t=t, shape=shape) -> Dense:
+                return Dense(torch.from_numpy(self._float32(t)).reshape(shape))
+
+            yield TensorRecord(name, shape, "float32", load, source_file=str(path), source_name=t.name)
+            return
         if is_expert_stack(t.name) and not own:
             if len(shape) != 3:
                 raise BadInput(f"stacked expert tensor of shape {list(shape)}: expected [experts, rows, columns]",
