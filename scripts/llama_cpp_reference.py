@@ -14,7 +14,8 @@ BPE trained in code, tokenizer.json only), neither touching a tensor or a model 
 * the BPE pre-tokenizer check (``TextModel.get_vocab_base_pre``), which hashes the tokenizer's output on a
   fixed text and refuses any tokenizer it has not seen, returns the fixed name ``--pre``;
 * Gemma 2's ``set_vocab`` reads only a SentencePiece tokenizer.model; without one it takes the BPE path
-  (``_set_vocab_gpt2``), as the converter's own Gemma 3 ``set_vocab`` does.
+  (``_set_vocab_gpt2``), as the converter's own Gemma 3 ``set_vocab`` does; Gemma 4's reads only a llama-style
+  (byte_fallback BPE) tokenizer.json, and takes the same BPE path for a byte-level one.
 The child imports the converter from DIR first, so it uses DIR's vendored gguf-py (the converter puts
 it on sys.path itself) rather than the gguf package installed in the environment.
 """
@@ -49,6 +50,15 @@ def gemma2_vocab(self):
         return sentencepiece_vocab(self)
     self._set_vocab_gpt2()
 gemma.Gemma2Model.set_vocab = gemma2_vocab
+# Gemma 4's reads a llama-style (byte_fallback) tokenizer.json only; a byte-level one takes the BPE path
+gemma4_hf_vocab = gemma.Gemma4Model.set_vocab
+def gemma4_vocab(self):
+    import json as _json
+    model = _json.loads((self.dir_model / "tokenizer.json").read_text(encoding="utf-8"))["model"]
+    if model.get("byte_fallback"):
+        return gemma4_hf_vocab(self)
+    self._set_vocab_gpt2()
+gemma.Gemma4Model.set_vocab = gemma4_vocab
 # `--jobs JSON`: several conversions (a list of argument lists) in this one process, which imports torch once
 import json
 for job in (json.loads(args[1]) if args[:1] == ["--jobs"] else [args]):

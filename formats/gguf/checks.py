@@ -31,6 +31,8 @@ def _required_block(arch: str, layer_names: set[str]) -> tuple[str, ...]:
     routed = has_routed or (spec.moe and not has_dense)
     linear = bool(spec.linear_attention) and any(n in layer_names for n in spec.linear_attention)
     attention = spec.linear_attention if linear else spec.attention
+    if routed and spec.routed_beside_dense:
+        return spec.norms + attention + spec.block_extra + spec.dense_ffn + spec.routed_beside_dense
     return spec.norms + attention + spec.block_extra + (_MOE_BLOCK if routed else spec.dense_ffn)
 
 
@@ -176,6 +178,7 @@ def _check_against(cfg: Mapping, shapes: Mapping[str, tuple[int, ...]], keys: Ma
                            path=path_of(None), tensor=label(name))
     expected = _expected_shapes(cfg, keys)
     order = {base: i for i, base in enumerate(expected)}
+    varying = set(arch_by_name(arch).varying_shapes)
 
     def split(name: str) -> tuple[int, str]:
         m = _BLOCK_RE.match(name)
@@ -184,7 +187,7 @@ def _check_against(cfg: Mapping, shapes: Mapping[str, tuple[int, ...]], keys: Ma
     # the model's tensors first, then layer by layer in the table's order: the first contradiction is named
     for name in sorted(shapes, key=lambda n: (split(n)[0], order.get(split(n)[1], len(order)), n)):
         shape, base = shapes[name], split(name)[1]
-        want = expected.get(base)
+        want = None if base in varying else expected.get(base)
         if want is not None and tuple(shape) != want[0]:
             raise BadInput(f"shape {list(shape)} contradicts the {'metadata' if what == 'tensors' else 'config'} "
                            f"({want[1]}), which give {list(want[0])}", path=path_of(name), tensor=label(name))

@@ -49,8 +49,14 @@ def config_from_gguf(fields: Any, tensor_names: Iterable[str] | None = None, *, 
     if not isinstance(arch, str) or arch_by_name(arch) is None:
         raise QConvertError(f"GGUF architecture {arch!r:.60} cannot be turned into a config.json; "
                             f"supported: {', '.join(supported_archs())}", path=path)
-    cv = _typed(kv, path)
+    cv = _typed(kv, path)  # the hook's view: the arrays as they are
     spec = arch_by_name(arch)
+    layer0 = dict(kv)
+    for key in spec.per_layer_keys:  # a per-layer array: the shared fields take layer 0's value
+        value = kv.get(f"{arch}.{key}")
+        if isinstance(value, list) and value:
+            layer0[f"{arch}.{key}"] = value[0]
+    scalars = _typed(layer0, path)
 
     def get(key: str, default: Any = None, required: bool = False, kind: str = "int", **bounds) -> Any:
         full = f"{arch}.{key}"
@@ -58,7 +64,7 @@ def config_from_gguf(fields: Any, tensor_names: Iterable[str] | None = None, *, 
             if required:
                 raise BadInput(f"GGUF metadata lacks {full}", path=path)
             return default
-        return cv.int(full, **bounds) if kind == "int" else cv.float(full, **bounds)
+        return scalars.int(full, **bounds) if kind == "int" else scalars.float(full, **bounds)
 
     n_embd = get("embedding_length", required=True, lo=1, hi=MAX_WIDTH)
     n_head = get("attention.head_count", required=True, lo=1, hi=MAX_HEADS)

@@ -29,6 +29,8 @@ def rope_tensors(config: Mapping, arch: str) -> list[tuple[str, np.ndarray]]:
     """The F32 tensors a rope scaling is stored as: llama-3's rope_freqs.weight, Phi-3's longrope
     rope_factors_long / rope_factors_short.weight (the factor tables, one per rotated pair)."""
     rp = rope_parameters(config)
+    if arch_by_name(arch).arch_rope_tensors is not None:
+        return arch_by_name(arch).arch_rope_tensors(config)
     if rp["rope_type"] in arch_by_name(arch).extra_rope_types:
         return [("rope_factors_long.weight", np.asarray(rp["long_factor"], dtype=np.float32)),
                 ("rope_factors_short.weight", np.asarray(rp["short_factor"], dtype=np.float32))]

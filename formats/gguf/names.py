@@ -35,6 +35,7 @@ __all__ = [
     "expert_of",
     "expert_member",
     "is_expert_stack",
+    "is_own_name",
 ]
 
 def supported_archs() -> tuple[str, ...]:
@@ -116,6 +117,9 @@ def gguf_tensor_name(hf_name: str, arch: str, n_layers: int) -> str | None:
     base, layer = _split_index(hf_name)
     if layer is not None and layer >= int(n_layers):
         return None
+    own = _own_names(arch)[0].get(base)  # the architecture's own names (archs: tensor_names)
+    if own is not None:
+        return own if layer is None else f"blk.{layer}." + own[len("blk.0."):]
     found = _name_map(arch).get_type_and_name(base, try_suffixes=(".weight", ".bias"))
     if found is None or found[0] in _NOT_LOADED:
         return None
@@ -126,6 +130,27 @@ def gguf_tensor_name(hf_name: str, arch: str, n_layers: int) -> str | None:
     if layer is None:
         return None if name.startswith("blk.") else name
     return f"blk.{layer}." + name[len("blk.0."):] if name.startswith("blk.0.") else None
+
+
+@lru_cache(maxsize=16)
+def _own_names(arch: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(HF name of block 0 -> GGUF name, the inverse) of the architecture's own `tensor_names` (a name that
+    starts with `model.` is the model's, outside the layers)."""
+    def hf_of(hf: str) -> str:
+        return hf if hf.startswith("model.") else f"model.layers.0.{hf}"
+
+    def gguf_of(hf: str, g: str) -> str:
+        return g if hf.startswith("model.") else f"blk.0.{g}"
+
+    pairs = arch_by_name(arch).tensor_names
+    return ({hf_of(hf): gguf_of(hf, g) for hf, g in pairs}, {gguf_of(hf, g): hf_of(hf) for hf, g in pairs})
+
+
+def is_own_name(gguf_name: str, arch: str) -> bool:
+    """Whether a GGUF tensor is one the architecture names itself (`tensor_names`): Gemma 4's `.scale` tensors
+    are weights of the model, not the NVFP4 global scales that name form otherwise holds, and its expert
+    stacks stay fused."""
+    return _split_index(gguf_name)[0] in _own_names(arch)[1]
 
 
 # the GGUF tensors that stack one HF tensor per expert (experts outermost: ggml ne[2])
@@ -174,6 +199,9 @@ def hf_tensor_name(gguf_name: str, arch: str, n_layers: int) -> str | None:
     base, layer = _split_index(gguf_name)
     if layer is not None and layer >= int(n_layers):
         return None
+    own = _own_names(arch)[1].get(base)
+    if own is not None:
+        return own if layer is None else f"model.layers.{layer}." + own[len("model.layers.0."):]
     inv = _inverse_map(arch)
     hf = None
     for suffix in (".weight", ".bias"):

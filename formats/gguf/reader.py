@@ -56,7 +56,7 @@ from ...kernels.ggml.legacy import unpack_blocks
 from .checks import check_gguf_tensors
 from .config import config_from_gguf, field_values
 from .archs import arch_by_name, merge_gpt_oss_experts, merge_kv_b, merge_llama4_experts
-from .names import expert_member, hf_tensor_name, inverse_permutation, is_expert_stack, qk_row_permutation
+from .names import expert_member, hf_tensor_name, inverse_permutation, is_expert_stack, is_own_name, qk_row_permutation
 from .tokenizer import tokenizer_files_from_gguf
 from ...converters.records import ModelSource
 
@@ -592,13 +592,22 @@ class GgufSource(ModelSource):
     def _records(self, path: Path, t) -> Iterator[TensorRecord]:
         """The records of one GGUF tensor: itself, or one per expert of a stacked expert tensor
         (`blk.N.ffn_up_exps.weight` [n_expert, rows, cols] -> `...experts.<e>.up_proj.weight` each)."""
-        if t.name in _DERIVED or _WEIGHT_SCALE.match(t.name):
+        own = is_own_name(t.name, self.arch)  # the architecture's own names (archs: tensor_names)
+        if t.name in _DERIVED or (_WEIGHT_SCALE.match(t.name) and not own):
             return
         name = hf_tensor_name(t.name, self.arch, self.n_layers)
         if name is None:
             raise BadInput(f"GGUF tensor has no Hugging Face counterpart in arch {self.arch}", path=path, tensor=t.name)
         shape = tuple(int(d) for d in reversed(list(t.shape)))
-        if is_expert_stack(t.name):
+        if own and len(shape) == 3 and _type_name(t) not in _FLOAT and _type_name(t) != "BF16":
+            # a quantized expert stack the HF class keeps fused (Gemma 4): decoded whole to float32, as the
+            # grid records (2-D blocks, one expert each) cannot hold the fused tensor
+            def load(t=t, shape=shape) -> Dense:
+                return Dense(torch.from_numpy(self._float32(t)).reshape(shape))
+
+            yield TensorRecord(name, shape, "float32", load, source_file=str(path), source_name=t.name)
+            return
+        if is_expert_stack(t.name) and not own:
             if len(shape) != 3:
                 raise BadInput(f"stacked expert tensor of shape {list(shape)}: expected [experts, rows, columns]",
                                path=path, tensor=t.name)

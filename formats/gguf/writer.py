@@ -373,7 +373,7 @@ class GgufWriter(Writer):
                 yield from _gpt_oss_expert_records(rec, config_json_path(source))
             elif arch_by_name(arch).experts_in_out and llama4_expert_part(rec.name):
                 yield from _in_out_expert_records(rec, config_json_path(source))
-            elif _FUSED_EXPERTS.search(rec.name):
+            elif _FUSED_EXPERTS.search(rec.name) and not spec.fused_gate_up_experts:
                 yield from _fused_expert_records(rec, config_json_path(source))
             elif spec.to_gguf_record is not None:  # the architecture's own transforms (archs/)
                 yield from spec.to_gguf_record(rec, source.config, config_json_path(source))

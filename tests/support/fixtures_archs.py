@@ -401,6 +401,12 @@ def _draw(name: str, shape: tuple, gen, gemma: bool, tie: bool, kind: str = ""):
             gain = 4.0 if name.endswith("gate_up_proj") else 1.0
             return gain * torch.randn(shape, generator=gen) / shape[-2] ** 0.5
 
+    if kind in GEMMA4_KINDS and len(shape) == 1 and name.endswith(_GEMMA4_SCALES):
+        # Gemma 4's router input scale, per-expert output scale and per-layer output scalar: ~1, each
+        # value distinct so that a misplaced one shows
+        return 1.0 + 0.4 * (torch.rand(shape, generator=gen) - 0.5)
+    if kind in GEMMA4_KINDS and len(shape) == 1 and name.endswith(("layernorm_1.weight", "layernorm_2.weight")):
+        return 1.0 + 0.2 * (torch.rand(shape, generator=gen) - 0.5)  # the MoE branch's own norms
     if name.endswith("indexer.k_norm.bias"):  # a LayerNorm's bias (GLM-5's indexer)
         return 0.1 * torch.randn(shape, generator=gen)
     if kind in HYBRID_KINDS:
@@ -437,6 +443,8 @@ def _initialise(model, seed: int, gemma: bool, tie: bool, kind: str = "") -> Non
     named = dict(model.named_parameters())
     # persistent buffers that are weights (DeepSeek's router correction bias); rotary tables are not
     named.update({n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
+    if kind in GEMMA4_KINDS:  # Gemma 4's per-layer output scalar is a saved buffer, not a parameter
+        named.update({n: b for n, b in model.named_buffers() if n.endswith(".layer_scalar")})
     with torch.no_grad():
         for name in sorted(named):
             t = named[name]
@@ -721,6 +729,60 @@ def sentencepiece_tokenizer(out) -> None:
 
 BUILDERS["ernie4_5_moe"] = _ernie4_5_moe
 TOKENIZER_EXTRAS["ernie4_5_moe"] = sentencepiece_tokenizer
+
+
+# --------------------------------------------------------------------------------------------------
+# Gemma 4 (text), in its two layouts. Both: Gemma4ForCausalLM, plain RMSNorms (w, not 1 + w), q/k norms
+# and a scale-free v norm, attention scale 1, sliding layers with head_dim 32 and full ones with their own
+# global_head_dim 64 and "proportional" rope (partial_rotary_factor 0.25: llama.cpp's rope_freqs tensor),
+# a per-layer output scalar, the final logits soft-capped (10: it bites on these logits).
+# - gemma4_moe (26B-A4B style): every layer has the dense MLP and, beside it, 4 routed experts (top 2) with
+#   a router input scale and per-expert output scales; full layers reuse their keys as values
+#   (attention_k_eq_v: no v_proj) with their own KV head count (num_global_key_value_heads 1); no PLE.
+# - gemma4_ple (E2B/E4B style): per-layer embeddings (hidden_size_per_layer_input 16), the last two layers
+#   read the KV of the last earlier layer of their kind (num_kv_shared_layers 2: no k/v projections) and
+#   have a double-wide MLP.
+# Six layers, sliding x3, full, sliding, full: the two shared layers (4 sliding, 5 full) read layers 2 and 3,
+# the last stored layer of their kind, which is what llama.cpp's runtime hard-codes (the last stored layer
+# must be a full one and the one before it a sliding one; E2B's 4 sliding + 1 full pattern is so).
+# --------------------------------------------------------------------------------------------------
+GEMMA4_KINDS = ("gemma4_moe", "gemma4_ple")
+_GEMMA4_SCALES = (".router.scale", ".router.per_expert_scale", ".layer_scalar")
+GEMMA4_LAYER_TYPES = ["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"]
+
+
+def _gemma4_common(layers: int, wide: bool) -> dict:
+    d = _dims(wide)
+    layer_types = (GEMMA4_LAYER_TYPES * layers)[:layers]
+    layer_types[-1] = "full_attention"  # transformers forces the last layer to be a full one
+    common = _common(layers, d["hidden"], d["ffn"], tie=True)
+    common.update(head_dim=d["head_dim"], global_head_dim=2 * d["head_dim"], sliding_window=8,
+                  layer_types=layer_types, final_logit_softcapping=10.0, rms_norm_eps=1e-6,
+                  hidden_activation="gelu_pytorch_tanh", vocab_size_per_layer_input=_fixtures().VOCAB_SIZE,
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                      "rope_theta": 1e6}})
+    return common
+
+
+def _gemma4_moe(layers: int, wide: bool):
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+    d = _dims(wide)
+    cfg = Gemma4TextConfig(**_gemma4_common(layers, wide), hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+                           enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=d["moe_ffn"],
+                           attention_k_eq_v=True, num_global_key_value_heads=1)
+    return cfg, Gemma4ForCausalLM, {}
+
+
+def _gemma4_ple(layers: int, wide: bool):
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+    cfg = Gemma4TextConfig(**_gemma4_common(layers, wide), hidden_size_per_layer_input=16, num_kv_shared_layers=2,
+                           use_double_wide_mlp=True)
+    return cfg, Gemma4ForCausalLM, {}
+
+
+BUILDERS["gemma4_moe"] = _gemma4_moe
+BUILDERS["gemma4_ple"] = _gemma4_ple
 
 
 # last: every builder above has registered by now

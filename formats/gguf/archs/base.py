@@ -140,6 +140,26 @@ class GgufArch:
     # elementwise maps of `stored_values` undone too. None: none
     to_gguf_record: Callable[..., Any] | None = field(default=None, repr=False)
     from_gguf_record: Callable[..., Any] | None = field(default=None, repr=False)
+    # (HF name within a layer, GGUF name within a block) pairs gguf-py's name map lacks or names otherwise,
+    # looked up before it both ways (Gemma 4's router.scale is ffn_gate_inp.scale, a `.scale` no map names)
+    tensor_names: tuple[tuple[str, str], ...] = ()
+    # routed experts fused as transformers 5 holds them ([experts, 2 * ffn, hidden], gate rows first) kept
+    # fused as llama.cpp's ffn_gate_up_exps (Gemma 4's converter writes them so) instead of split in two stacks
+    fused_gate_up_experts: bool = False
+    # the architecture's own rope tensors (config -> [(GGUF name, float32 array)]), written in place of
+    # llama-3's rope_freqs: Gemma 4's proportional rope as rope_freqs factors
+    arch_rope_tensors: Callable[[Mapping], list] | None = field(default=None, repr=False)
+    # a routed layer keeps its dense FFN and adds these (Gemma 4: the router and the fused expert stacks),
+    # instead of the routed stacks replacing the dense FFN
+    routed_beside_dense: tuple[str, ...] = ()
+    # GGUF tensors (within a block) whose shape varies from layer to layer with per-layer metadata arrays
+    # (Gemma 4: the full layers' own head size, the KV-shared layers' double-wide MLP): the uniform shape
+    # check from config.json / metadata skips them (llama.cpp's loader checks each layer's)
+    varying_shapes: tuple[str, ...] = ()
+    # metadata keys (after `{arch}.`) llama.cpp reads as a scalar or one value per layer (Gemma 4's
+    # feed_forward_length, attention.head_count_kv): config_from_gguf's shared fields take layer 0's value
+    # and the architecture's hook reads the array
+    per_layer_keys: tuple[str, ...] = ()
 
     def shifts_norm(self, gguf_name: str) -> bool:
         """Whether the GGUF tensor is a norm stored as `norm_shift + w`."""
