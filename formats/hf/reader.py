@@ -5,6 +5,7 @@ folder is refused with the pair that reads it.
 from __future__ import annotations
 
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -15,6 +16,7 @@ from ...converters.model_shapes import ModelShapes
 from ..common.checkpoint import CheckpointDir, CheckpointSource
 from ..common.checkpoint import quantization_config_of
 from ..common.quant_config import read_config
+from .deepseek_v4 import RELEASE_CLASSES, packed_fp4_record, packed_fp4_weights, release_name_to_hf
 
 
 class HfSource(CheckpointSource):
@@ -30,12 +32,26 @@ class HfSource(CheckpointSource):
         self.quant_config: dict = {}
         self.shapes = ModelShapes(cfg, self.path / "config.json")
         self.ckpt = CheckpointDir(self.path)
+        # DeepSeek-V4 as released (deepseek_v4.py): its names renamed to transformers', its FP4 experts
+        # ({weight: its exponents}) read as one grid each
+        archs = cfg.get("architectures") or []
+        self.release = any(a in RELEASE_CLASSES for a in archs if isinstance(a, str))
+        self.fp4 = packed_fp4_weights(self.ckpt) if self.release else {}
+        self.fp4_scales = set(self.fp4.values())
 
     def records(self) -> Iterator[TensorRecord]:
         for shard in self.ckpt.shards:
             for name in self.ckpt.keys(shard):
+                if name in self.fp4:
+                    yield packed_fp4_record(self.ckpt, name, self.fp4[name], shard)
+                    continue
+                if name in self.fp4_scales:
+                    continue
                 self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard, self.ckpt.dtype(name))
-                yield self.ckpt.dense_record(name, shard)
+                rec = self.ckpt.dense_record(name, shard)
+                if self.release:
+                    rec = replace(rec, name=release_name_to_hf(name), source_name=name)
+                yield rec
 
     def describe(self) -> dict:
         dtypes = sorted({self.ckpt.dtype(n) for n in self.ckpt.location})

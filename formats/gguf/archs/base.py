@@ -140,6 +140,21 @@ class GgufArch:
     # elementwise maps of `stored_values` undone too. None: none
     to_gguf_record: Callable[..., Any] | None = field(default=None, repr=False)
     from_gguf_record: Callable[..., Any] | None = field(default=None, repr=False)
+    # an architecture the installed gguf-py (0.19) does not name (DeepSeek-V4: only the gguf-py vendored in
+    # llama.cpp's sources has it, which the package never imports): its own table of HF tensor names, block 0
+    # standing for every block, suffix included -> GGUF names (archs/deepseek4.py), used by names.py in place
+    # of gguf-py's TensorNameMap. None: gguf-py's map
+    tensor_names: Mapping[str, str] | None = field(default=None, repr=False)
+    # llama.cpp's converter writes the checkpoint's FP4 grids (DeepSeek-V4's MXFP4 experts) as MXFP4 whatever
+    # --outtype says: a float --type (f32 / f16 / bf16) then leaves a grid in the ggml type that holds it
+    # exactly, as that converter's file has it
+    float_type_keeps_grids: bool = False
+    # (HF name, config.json) -> why llama.cpp's converter leaves the tensor out, or None (DeepSeek-V4's router
+    # bias of its hash-routed layers, which route by their token table instead)
+    dropped_tensor: Callable[[str, Mapping], str | None] = field(default=lambda name, config: None, repr=False)
+    # GGUF names of integer tables stored as I32 as they are (DeepSeek-V4's hash-routing tid2eid: token id ->
+    # experts), not weights: no --type applies to them
+    integer_tensors: re.Pattern | None = None
 
     def shifts_norm(self, gguf_name: str) -> bool:
         """Whether the GGUF tensor is a norm stored as `norm_shift + w`."""
@@ -147,8 +162,9 @@ class GgufArch:
             gguf_name.endswith(f".{n}.weight") for n in self.unshifted_norms)
 
     @property
-    def enum(self) -> gguf.MODEL_ARCH:
-        return _ENUM_BY_NAME[self.name]
+    def enum(self) -> gguf.MODEL_ARCH | None:
+        """gguf-py's enum of the architecture; None for one it does not name (the entry's tensor_names)."""
+        return _ENUM_BY_NAME.get(self.name)
 
 
 _ENUM_BY_NAME = {name: enum for enum, name in gguf.MODEL_ARCH_NAMES.items()}
