@@ -734,13 +734,21 @@ TOKENIZER_EXTRAS["ernie4_5_moe"] = sentencepiece_tokenizer
 DEEPSEEK_V4_KIND = "deepseek_v4"
 
 
-def deepseek_v4_config(layers: int = 4) -> dict:
+def deepseek_v4_config(layers: int = 4, wide: bool = False) -> dict:
     """DeepSeek-V4-Flash's config.json in miniature: 4 heads of 64 over one shared KV head (half of each head
     rotated), a q LoRA of 64, the grouped output projection (2 groups, rank 32), one sliding-window layer then
     compressed ones (ratio 4 with the indexer: CSA; ratio 128: HCA, as released), window 8 and top-k 4 below
     the 16-token prompt, hyper-connections of 4 streams (llama.cpp asserts 4), the first layer hash-routed (tid2eid), the rest
-    routed by sqrt(softplus) with the correction bias, 4 experts of 64 (2 used) and one shared expert."""
+    routed by sqrt(softplus) with the correction bias, 4 experts of 64 (2 used) and one shared expert; the
+    indexer's 64 heads of 64 (llama.cpp rotates its keys by a Hadamard matrix of at least 64). `wide`: every
+    linear's in-features a multiple of 256 (K-quant super-blocks): hidden 256, heads of 128, ranks 256."""
     ratios = ([0, 4, 128, 4] * layers)[:layers]
+    sizes = dict(hidden_size=256, moe_intermediate_size=256, head_dim=128, q_lora_rank=256, o_lora_rank=128) \
+        if wide else {}
+    return {**_dsv4_base(layers, ratios), **sizes}
+
+
+def _dsv4_base(layers: int, ratios: list) -> dict:
     return {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
             "vocab_size": _fixtures().VOCAB_SIZE, "hidden_size": 128, "moe_intermediate_size": 64,
             "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64,
@@ -792,7 +800,7 @@ def _mxfp4_release(w):
     return packed.view(torch.int8), exps[0].view(torch.float8_e8m0fnu), values
 
 
-def build_deepseek_v4(out_dir, seed: int = 0, layers: int = 4) -> Path:
+def build_deepseek_v4(out_dir, seed: int = 0, layers: int = 4, wide: bool = False) -> Path:
     """The tiny DeepSeek-V4 checkpoint in the release's layout (see deepseek_v4_config): transformers'
     DeepseekV4ForCausalLM built and seeded as the other kinds, its weights renamed to the release's names,
     the routed experts packed to MXFP4 (w1 = gate, w2 = down, w3 = up), the hash table tid2eid as int32,
@@ -803,7 +811,7 @@ def build_deepseek_v4(out_dir, seed: int = 0, layers: int = 4) -> Path:
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = deepseek_v4_config(layers)
+    config = deepseek_v4_config(layers, wide)
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(DeepseekV4Config(**config)).to(torch.float32).eval()
     gen = torch.Generator().manual_seed(seed)
@@ -837,6 +845,10 @@ def build_deepseek_v4(out_dir, seed: int = 0, layers: int = 4) -> Path:
                     tensors[f"{layer}.{e}.{w}.weight"], tensors[f"{layer}.{e}.{w}.scale"] = packed, exps
             continue
         tensors[_dsv4_release_name(name)] = value.to(torch.float32).contiguous()
+    # the release keeps a router bias in its hash-routed layers too (unused there: llama.cpp's converter drops it,
+    # transformers' hash router has none)
+    for i in range(config["num_hash_layers"]):
+        tensors[f"layers.{i}.ffn.gate.bias"] = 0.5 * torch.randn(config["n_routed_experts"], generator=gen)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 0}) + "\n")

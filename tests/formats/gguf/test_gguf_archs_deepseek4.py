@@ -1,0 +1,180 @@
+"""DeepSeek-V4 (formats/gguf/archs/deepseek4.py) as llama.cpp's `deepseek4`, judged by llama.cpp itself on a tiny
+random checkpoint in the release's layout (tests/support/fixtures_archs.py build_deepseek_v4: transformers'
+DeepseekV4ForCausalLM seeded, saved under DeepSeek's names with MXFP4 experts, the only form llama.cpp's converter
+reads; a sliding-only, a CSA (ratio 4, with the indexer) and an HCA (ratio 128) layer, 4 hyper-connection
+streams, a hash-routed first layer):
+
+- the arch-local name and key tables equal the constants of the gguf-py vendored in llama.cpp's sources (the
+  installed gguf 0.19 does not name deepseek4), read in a child process, so that drift is caught;
+- `hf->gguf --type f32` is what llama.cpp's own convert_hf_to_gguf.py writes for the same folder: every tensor's
+  name, type (F32, the experts MXFP4 as released, tid2eid I32) and bytes, every `deepseek4.*` key with its type;
+  the hash layer's router bias dropped as the converter drops it; llama.cpp's logits on our file equal those on
+  the converter's file exactly;
+- `--type q8_0` and `--type q4_k_m` (256 wide, so the K types apply) equal llama-quantize's bytes of the F32
+  file (with --allow-requantize: llama-quantize refuses to requantize the MXFP4 experts without it).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fixtures_archs
+from helpers import gguf_tensors, llama_logits, run_cli
+from llama_quantize import llama_quantize
+
+llama_cpp = pytest.importorskip("llama_cpp")
+gguf = pytest.importorskip("gguf")
+
+ROOT = Path(__file__).parents[2] / "_fixtures" / "archs"
+PROMPT = fixtures_archs.arch_prompt()
+
+
+def _cached(path: Path, build) -> Path:
+    done = path.with_name(path.name + ".done")
+    if not done.exists():
+        if path.is_dir():
+            shutil.rmtree(path)
+        path.unlink(missing_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        build(path)
+        done.write_text("ok")
+    return path
+
+
+def model_dir(wide: bool = False) -> Path:
+    return _cached(ROOT / ("dsv4-release" + ("-wide" if wide else "")),
+                   lambda d: fixtures_archs.build_deepseek_v4(d, wide=wide))
+
+
+def ours_f32(wide: bool = False) -> Path:
+    src = model_dir(wide)
+    return _cached(ROOT / f"{src.name}-f32.gguf", lambda out: run_cli("hf->gguf", src, out, "--type", "f32"))
+
+
+def reference_f32() -> Path:
+    import llama_cpp_reference as ref
+
+    try:
+        src = ref.llama_cpp_src()
+    except FileNotFoundError as e:
+        pytest.skip(f"llama.cpp's converter is not extracted: {e}")  # a failure under QCONVERT_REQUIRE_ORACLES
+    del src
+    return _cached(ROOT / "dsv4-release-ref.gguf",
+                   lambda out: ref.convert_reference(model_dir(), out, model_name="tiny deepseek4"))
+
+
+def _fields(path: Path) -> dict:
+    """The deepseek4.* keys: (value, GGUF value types) each."""
+    r = gguf.GGUFReader(str(path))
+    return {k: (f.contents(), [int(t) for t in f.types]) for k, f in r.fields.items()
+            if not k.startswith(("GGUF.", "general.", "tokenizer."))}
+
+
+def _ne(shape, trim: bool) -> list[int]:
+    ne = [int(d) for d in shape]
+    while trim and len(ne) > 1 and ne[-1] == 1:
+        ne.pop()
+    return ne
+
+
+def _same_tensors(ours: Path, theirs: Path, quantized: bool = False) -> set[str]:
+    """Both files hold the same tensors, each of the same ggml type, shape and bytes; -> the types present."""
+    a, b = gguf_tensors(ours), gguf_tensors(theirs)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].tensor_type == b[name].tensor_type, name
+        assert _ne(a[name].shape, quantized) == _ne(b[name].shape, quantized), name
+        assert bytes(a[name].data) == bytes(b[name].data), name
+    return {t.tensor_type.name for t in a.values()}
+
+
+# the vendored gguf-py's constants, printed as JSON by a child process that imports it (never this process)
+_VENDORED = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import gguf
+assert gguf.__file__.startswith(sys.argv[1]), gguf.__file__
+arch = gguf.MODEL_ARCH.DEEPSEEK4
+keys = {}
+for path in sys.argv[2:]:
+    group, attr = path.split(".")
+    keys[path] = getattr(getattr(gguf.Keys, group), attr)
+print(json.dumps({"arch": gguf.MODEL_ARCH_NAMES[arch],
+                  "tensors": {t.name: gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch]},
+                  "keys": keys, "sqrtsoftplus": int(gguf.ExpertGatingFuncType.SQRTSOFTPLUS)}))
+"""
+
+# tensors of the vendored MODEL_TENSORS[DEEPSEEK4] the table leaves out, and why: the MTP block's (not
+# converted, as llama.cpp's converter does by default) and the vision variant's image-token router bias
+NOT_IN_TABLE = {"NEXTN_EH_PROJ", "NEXTN_EMBED_TOKENS", "NEXTN_ENORM", "NEXTN_HNORM", "NEXTN_SHARED_HEAD_HEAD",
+                "NEXTN_SHARED_HEAD_NORM", "FFN_EXP_PROBS_B_VL"}
+
+
+def test_name_and_key_tables_mirror_the_vendored_gguf_py():
+    import llama_cpp_reference as ref
+    from qconvert.formats.gguf.archs import arch_by_name
+    from qconvert.formats.gguf.archs.deepseek4 import DEEPSEEK4_GATING, DEEPSEEK4_KEYS, DEEPSEEK4_TENSORS
+
+    assert "deepseek4" not in gguf.MODEL_ARCH_NAMES.values()  # why the table exists (drop it when gguf has it)
+    vendored = Path(ref.llama_cpp_src()) / "gguf-py"
+    proc = subprocess.run([sys.executable, "-c", _VENDORED, str(vendored), *DEEPSEEK4_KEYS], capture_output=True,
+                          text=True, check=True)
+    facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert facts["arch"] == arch_by_name("deepseek4").name
+    for hf, (member, name) in DEEPSEEK4_TENSORS.items():
+        base = name.rsplit(".", 1)[0]
+        assert facts["tensors"][member].replace("{bid}", "0") == base, (hf, member)
+    assert set(facts["tensors"]) - {m for m, _ in DEEPSEEK4_TENSORS.values()} == NOT_IN_TABLE
+    assert facts["keys"] == DEEPSEEK4_KEYS
+    assert facts["sqrtsoftplus"] == DEEPSEEK4_GATING["SQRTSOFTPLUS"]
+
+
+def test_f32_is_what_llama_cpp_converter_writes_and_runs(tmp_path):
+    ours, theirs = ours_f32(), reference_f32()
+    assert _same_tensors(ours, theirs) == {"F32", "MXFP4", "I32"}
+    assert _fields(ours) == _fields(theirs)
+    fields = _fields(ours)
+    assert fields["deepseek4.attention.compress_ratios"][0] == [0, 4, 128, 4]
+    assert fields["deepseek4.hash_layer_count"][0] == 1
+    assert gguf.GGUFReader(str(ours)).fields["general.architecture"].contents() == "deepseek4"
+    a = gguf_tensors(ours)
+    assert "blk.0.ffn_gate_tid2eid.weight" in a and "blk.0.exp_probs_b.bias" not in a
+    assert "blk.1.exp_probs_b.bias" in a and "blk.1.indexer.attn_q_b.weight" in a
+    assert "blk.2.attn_compressor_kv.weight" in a and "blk.2.indexer.attn_q_b.weight" not in a
+
+    got = llama_logits(ours, PROMPT)
+    assert np.array_equal(got, llama_logits(theirs, PROMPT))
+    assert got.std(axis=-1).min() > 0.3  # far from uniform: a wrong weight would show
+
+    # what was dropped, and the experts kept as their MXFP4 codes
+    report = tmp_path / "report.json"
+    run_cli("hf->gguf", model_dir(), tmp_path / "again.gguf", "--type", "f32", "--report", report)
+    rows = json.loads(report.read_text())["tensors"]
+    assert [t["name"] for t in rows if t["target"] == "dropped"] == ["model.layers.0.mlp.gate.e_score_correction_bias"]
+    experts = [t for t in rows if ".mlp.experts." in t["name"]]
+    assert len(experts) == 4 * 3 * 4 and all(t["target"] == "MXFP4" and t["verdict"] == "exact" for t in experts)
+
+
+def test_q8_0_equals_llama_quantize(tmp_path):
+    ours = tmp_path / "ours-q8_0.gguf"
+    run_cli("hf->gguf", model_dir(), ours, "--type", "q8_0", "--allow-requant")
+    theirs = llama_quantize(ours_f32(), tmp_path / "llama-q8_0.gguf", 7, allow_requantize=True)
+    assert {"Q8_0", "F32", "I32"} == _same_tensors(ours, theirs, quantized=True)
+    a = gguf_tensors(ours)
+    assert all(a[n].tensor_type.name == "Q8_0" for n in a if n.endswith("_exps.weight"))
+    assert np.array_equal(llama_logits(ours, PROMPT), llama_logits(theirs, PROMPT))
+
+
+def test_q4_k_m_equals_llama_quantize(tmp_path):
+    ours = tmp_path / "ours-q4_k_m.gguf"
+    run_cli("hf->gguf", model_dir(wide=True), ours, "--type", "q4_k_m", "--allow-requant")
+    theirs = llama_quantize(ours_f32(wide=True), tmp_path / "llama-q4_k_m.gguf", 15, allow_requantize=True)
+    assert {"Q4_K", "Q6_K"} <= _same_tensors(ours, theirs, quantized=True)
+    assert gguf.GGUFReader(str(ours)).fields["general.file_type"].contents() == 15
