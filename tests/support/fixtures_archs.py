@@ -856,6 +856,34 @@ def build_deepseek_v4(out_dir, seed: int = 0, layers: int = 4, wide: bool = Fals
     return out
 
 
+def deepseek_v4_dequantized(src, out) -> Path:
+    """The DeepSeek-V4 release-layout checkpoint at `src` with each FP4 expert weight decoded to float32 (the
+    E2M1 value of each code times 2**(e - 127), the `.scale` gone): the same model in a form transformers loads
+    without a quantization config (its conversion mapping merges the experts' w1 / w3 / w2)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src), Path(out)
+    shutil.copytree(src, out)
+    tensors = load_file(str(src / "model.safetensors"))
+    saved = {}
+    for name, t in tensors.items():
+        scale = name[: -len(".weight")] + ".scale"
+        if name.endswith(".scale") and name[: -len(".scale")] + ".weight" in tensors:
+            continue
+        if scale in tensors and t.dtype == torch.int8:
+            packed = t.view(torch.uint8)
+            codes = torch.stack((packed & 15, packed >> 4), -1).reshape(t.shape[0], -1).long()
+            exps = tensors[scale].view(torch.uint8).float() - 127
+            saved[name] = torch.tensor(FP4_VALUES)[codes] * torch.exp2(exps).repeat_interleave(32, 1)
+        else:
+            saved[name] = t
+    save_file(saved, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 # last: every builder above has registered by now
 if __name__ == "__main__":
     import argparse

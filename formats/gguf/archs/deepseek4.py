@@ -25,6 +25,7 @@ import re
 from typing import Mapping
 
 import gguf
+import numpy as np
 
 from ....converters.errors import BadInput
 from ..hparams import require
@@ -190,11 +191,93 @@ def _dropped(name: str, config: Mapping) -> str | None:
     return None
 
 
+def _deepseek4_config(cfg: dict, get, names, cv) -> None:
+    """DeepSeek-V4's config.json from its keys, in the release's own form (compress_ratios, num_hash_layers,
+    qk_rope_head_dim), which transformers folds into layer_types / mlp_layer_types / partial_rotary_factor."""
+    arch = "deepseek4"
+    n = cfg["num_hidden_layers"]
+    n_expert = get("expert_count", required=True, lo=1, hi=1 << 16)
+    ratios = cv.get(_key("Attention.COMPRESS_RATIOS", arch))
+    if not isinstance(ratios, list) or len(ratios) < n or any(r not in COMPRESS_RATIOS for r in ratios[:n]):
+        raise BadInput(f"metadata {_key('Attention.COMPRESS_RATIOS', arch)} must give each of the {n} layers one of "
+                       f"{', '.join(map(str, COMPRESS_RATIOS))}", path=cv.path)
+    limits = cv.get(f"{arch}.swiglu_clamp_exp")
+    limit = limits[0] if isinstance(limits, list) and limits else limits
+    if not isinstance(limit, (int, float)) or isinstance(limit, bool):
+        raise BadInput(f"metadata {arch}.swiglu_clamp_exp is not a number or an array of numbers", path=cv.path)
+
+    def key(name: str, kind: str = "int", **bounds):
+        full = _key(name, arch)
+        return cv.int(full, **bounds) if kind == "int" else cv.float(full, **bounds)
+
+    cfg.update(moe_intermediate_size=get("expert_feed_forward_length", required=True, lo=1, hi=1 << 20),
+               n_routed_experts=n_expert,
+               num_experts_per_tok=get("expert_used_count", required=True, lo=1, hi=n_expert),
+               n_shared_experts=get("expert_shared_count", 0, lo=0, hi=1 << 16),
+               routed_scaling_factor=get("expert_weights_scale", 1.0, kind="float"),
+               norm_topk_prob=bool(cv.bool(f"{arch}.expert_weights_norm", default=False)),
+               scoring_func="sqrtsoftplus", q_lora_rank=get("attention.q_lora_rank", required=True, lo=1),
+               sliding_window=get("attention.sliding_window", required=True, lo=1), swiglu_limit=float(limit),
+               index_n_heads=get("attention.indexer.head_count", required=True, lo=1),
+               index_head_dim=get("attention.indexer.key_length", required=True, lo=1),
+               index_topk=get("attention.indexer.top_k", required=True, lo=1),
+               o_groups=key("Attention.OUTPUT_GROUP_COUNT", lo=1), o_lora_rank=key("Attention.OUTPUT_LORA_RANK", lo=1),
+               compress_ratios=[int(r) for r in ratios[:n]],
+               compress_rope_theta=key("Attention.COMPRESS_ROPE_FREQ_BASE", kind="float", lo=1e-30),
+               hc_mult=key("HyperConnection.COUNT", lo=1, hi=64),
+               hc_sinkhorn_iters=key("HyperConnection.SINKHORN_ITERATIONS", lo=0),
+               hc_eps=key("HyperConnection.EPSILON", kind="float", lo=0.0),
+               num_hash_layers=key("LLM.HASH_LAYER_COUNT", lo=0, hi=n),
+               qk_rope_head_dim=get("rope.dimension_count", required=True, lo=1, hi=cfg["head_dim"]),
+               num_nextn_predict_layers=0)
+    # GGUF holds these as float32: the shortest decimal of that float32 (1e-06, not 9.999999974752427e-07), as
+    # the source's config.json wrote it, so that transformers computes with the source's own value
+    for name in ("rms_norm_eps", "hc_eps", "compress_rope_theta", "routed_scaling_factor", "swiglu_limit"):
+        cfg[name] = float(str(np.float32(cfg[name])))
+
+
+_EXPERT = re.compile(r"^(?P<head>model\.layers\.\d+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _fused_experts(rec, config: Mapping, path, held: dict):
+    """gguf->hf: the experts' records (one per expert and projection, as the GGUF reader yields a stack) held
+    until a layer's stack is complete, then one fused record as DeepseekV4ForCausalLM holds its experts:
+    gate_up_proj [experts, 2 * ffn, hidden] (each expert's gate rows, then its up rows) and down_proj
+    [experts, hidden, ffn]; decoded to float32 when loaded. Every other record passes as it is."""
+    import torch
+
+    from ....converters.records import Dense, TensorRecord
+
+    m = _EXPERT.match(rec.name)
+    if m is None:
+        yield rec
+        return
+    n = int(require(config, "n_routed_experts"))
+    fused = "down_proj" if m["proj"] == "down_proj" else "gate_up_proj"
+    key = f"{m['head']}.{fused}"
+    parts = held.setdefault(key, {})
+    parts[(m["proj"], int(m["e"]))] = rec
+    projs = ("down_proj",) if fused == "down_proj" else ("gate_proj", "up_proj")
+    if len(parts) < n * len(projs):
+        return
+    del held[key]
+    order = [[parts[(p, e)] for p in projs] for e in range(n)]
+    rows = sum(r.shape[0] for r in order[0])
+
+    def load() -> Dense:
+        return Dense(torch.stack([torch.cat([r.load().dequantize(torch.float32) for r in expert])
+                                  for expert in order]))
+
+    yield TensorRecord(key, (n, rows, order[0][0].shape[1]), "float32", load, source_file=rec.source_file,
+                       source_name=f"{len(parts)} expert records of {m['head']}")
+
+
 register_arch(GgufArch("deepseek4", ("DeepseekV4ForCausalLM",), ("deepseek_v4",), "DeepseekV4ForCausalLM",
                        "deepseek_v4", moe=True, extra_metadata=_deepseek4_extra, dense_ffn_width=False,
                        attention=("attn_q_a", "attn_q_a_norm", "attn_q_b", "attn_kv", "attn_kv_a_norm",
                                   "attn_output_a", "attn_output_b", "attn_sinks"),
                        dense_ffn=(), mtp_prefixes=("mtp.",),
                        tensor_names={hf: name for hf, (_, name) in DEEPSEEK4_TENSORS.items()},
-                       float_type_keeps_grids=True, dropped_tensor=_dropped,
+                       float_type_keeps_grids=True, dropped_tensor=_dropped, config_from_gguf=_deepseek4_config,
+                       from_gguf_record=_fused_experts,
                        integer_tensors=re.compile(r"\.ffn_gate_tid2eid\.weight$")))

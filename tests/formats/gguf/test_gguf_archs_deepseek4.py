@@ -10,8 +10,12 @@ streams, a hash-routed first layer):
   name, type (F32, the experts MXFP4 as released, tid2eid I32) and bytes, every `deepseek4.*` key with its type;
   the hash layer's router bias dropped as the converter drops it; llama.cpp's logits on our file equal those on
   the converter's file exactly;
+- llama.cpp's logits follow transformers' DeepseekV4ForCausalLM on the same weights (the experts decoded), as
+  far as llama.cpp's MXFP4 matmul allows (it quantizes the activations to Q8_0: mean 0.009, max 0.05 measured);
 - `--type q8_0` and `--type q4_k_m` (256 wide, so the K types apply) equal llama-quantize's bytes of the F32
-  file (with --allow-requantize: llama-quantize refuses to requantize the MXFP4 experts without it).
+  file (with --allow-requantize: llama-quantize refuses to requantize the MXFP4 experts without it);
+- `gguf->hf --type f32` of the F32 file loads in transformers as DeepseekV4ForCausalLM with the source's every
+  parameter and buffer, bit for bit, and its logits.
 """
 
 from __future__ import annotations
@@ -178,3 +182,42 @@ def test_q4_k_m_equals_llama_quantize(tmp_path):
     theirs = llama_quantize(ours_f32(wide=True), tmp_path / "llama-q4_k_m.gguf", 15, allow_requantize=True)
     assert {"Q4_K", "Q6_K"} <= _same_tensors(ours, theirs, quantized=True)
     assert gguf.GGUFReader(str(ours)).fields["general.file_type"].contents() == 15
+
+
+def dequantized_dir() -> Path:
+    return _cached(ROOT / "dsv4-release-dequantized",
+                   lambda d: fixtures_archs.deepseek_v4_dequantized(model_dir(), d))
+
+
+def test_llama_cpp_follows_transformers():
+    want = fixtures_archs.transformers_logits(dequantized_dir(), PROMPT)
+    got = llama_logits(ours_f32(), PROMPT)
+    assert want.std(axis=-1).min() > 0.3
+    assert np.abs(got - want).mean() < 0.02, float(np.abs(got - want).mean())
+    assert np.abs(got - want).max() < 0.2, float(np.abs(got - want).max())
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+
+
+def test_gguf_to_hf_gives_back_the_source_model(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "hf"
+    run_cli("gguf->hf", ours_f32(), out, "--type", "f32")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV4ForCausalLM"]
+    source = json.loads((model_dir() / "config.json").read_text())
+    assert {k: config[k] for k in source if k not in ("architectures",)} == \
+        {k: v for k, v in source.items() if k != "architectures"}
+    back = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert type(back).__name__ == "DeepseekV4ForCausalLM"
+    want = AutoModelForCausalLM.from_pretrained(str(dequantized_dir()), dtype=torch.float32).state_dict()
+    got = back.state_dict()
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+    # the same parameters: the logits agree to float32 rounding (1.2e-6 measured; transformers fuses the source's
+    # per-expert tensors itself, and the two runs need not sum alike)
+    a = fixtures_archs.transformers_logits(out, PROMPT)
+    b = fixtures_archs.transformers_logits(dequantized_dir(), PROMPT)
+    assert np.abs(a - b).max() < 1e-5, float(np.abs(a - b).max())
