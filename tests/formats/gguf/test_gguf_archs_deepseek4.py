@@ -53,13 +53,16 @@ def _cached(path: Path, build) -> Path:
 
 
 def model_dir(wide: bool = False) -> Path:
+    """The 4-layer model (sliding, CSA, HCA, CSA); wide: 2 layers (sliding, CSA), for the K types' rules."""
     return _cached(ROOT / ("dsv4-release" + ("-wide" if wide else "")),
-                   lambda d: fixtures_archs.build_deepseek_v4(d, wide=wide))
+                   lambda d: fixtures_archs.build_deepseek_v4(d, wide=wide, layers=2 if wide else 4))
 
 
 def ours_f32(wide: bool = False) -> Path:
+    """Our F32 file, its report.json beside it (`<name>.report.json`)."""
     src = model_dir(wide)
-    return _cached(ROOT / f"{src.name}-f32.gguf", lambda out: run_cli("hf->gguf", src, out, "--type", "f32"))
+    return _cached(ROOT / f"{src.name}-f32.gguf", lambda out: run_cli(
+        "hf->gguf", src, out, "--type", "f32", "--report", out.with_name(out.name + ".report.json")))
 
 
 def reference_f32() -> Path:
@@ -140,7 +143,7 @@ def test_name_and_key_tables_mirror_the_vendored_gguf_py():
     assert facts["sqrtsoftplus"] == DEEPSEEK4_GATING["SQRTSOFTPLUS"]
 
 
-def test_f32_is_what_llama_cpp_converter_writes_and_runs(tmp_path):
+def test_f32_is_what_llama_cpp_converter_writes_and_runs():
     ours, theirs = ours_f32(), reference_f32()
     assert _same_tensors(ours, theirs) == {"F32", "MXFP4", "I32"}
     assert _fields(ours) == _fields(theirs)
@@ -158,9 +161,7 @@ def test_f32_is_what_llama_cpp_converter_writes_and_runs(tmp_path):
     assert got.std(axis=-1).min() > 0.3  # far from uniform: a wrong weight would show
 
     # what was dropped, and the experts kept as their MXFP4 codes
-    report = tmp_path / "report.json"
-    run_cli("hf->gguf", model_dir(), tmp_path / "again.gguf", "--type", "f32", "--report", report)
-    rows = json.loads(report.read_text())["tensors"]
+    rows = json.loads(ours.with_name(ours.name + ".report.json").read_text())["tensors"]
     assert [t["name"] for t in rows if t["target"] == "dropped"] == ["model.layers.0.mlp.gate.e_score_correction_bias"]
     experts = [t for t in rows if ".mlp.experts." in t["name"]]
     assert len(experts) == 4 * 3 * 4 and all(t["target"] == "MXFP4" and t["verdict"] == "exact" for t in experts)
@@ -189,8 +190,22 @@ def dequantized_dir() -> Path:
                    lambda d: fixtures_archs.deepseek_v4_dequantized(model_dir(), d))
 
 
-def test_llama_cpp_follows_transformers():
-    want = fixtures_archs.transformers_logits(dequantized_dir(), PROMPT)
+@pytest.fixture(scope="module")
+def source_model():
+    """transformers' DeepseekV4ForCausalLM of the source's weights (experts decoded): (state dict, logits),
+    loaded once for the tests below."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(dequantized_dir()), dtype=torch.float32,
+                                                 attn_implementation="eager")
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT])).logits[0].float().numpy()
+    return model.state_dict(), logits
+
+
+def test_llama_cpp_follows_transformers(source_model):
+    want = source_model[1]
     got = llama_logits(ours_f32(), PROMPT)
     assert want.std(axis=-1).min() > 0.3
     assert np.abs(got - want).mean() < 0.02, float(np.abs(got - want).mean())
@@ -198,7 +213,7 @@ def test_llama_cpp_follows_transformers():
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
 
 
-def test_gguf_to_hf_gives_back_the_source_model(tmp_path):
+def test_gguf_to_hf_gives_back_the_source_model(source_model, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -207,17 +222,15 @@ def test_gguf_to_hf_gives_back_the_source_model(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DeepseekV4ForCausalLM"]
     source = json.loads((model_dir() / "config.json").read_text())
-    assert {k: config[k] for k in source if k not in ("architectures",)} == \
-        {k: v for k, v in source.items() if k != "architectures"}
-    back = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert {k: config[k] for k in source} == source
+    back = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, attn_implementation="eager")
     assert type(back).__name__ == "DeepseekV4ForCausalLM"
-    want = AutoModelForCausalLM.from_pretrained(str(dequantized_dir()), dtype=torch.float32).state_dict()
-    got = back.state_dict()
+    want, got = source_model[0], back.state_dict()
     assert sorted(got) == sorted(want)
     for name, t in want.items():
         assert torch.equal(got[name], t), name
     # the same parameters: the logits agree to float32 rounding (1.2e-6 measured; transformers fuses the source's
     # per-expert tensors itself, and the two runs need not sum alike)
-    a = fixtures_archs.transformers_logits(out, PROMPT)
-    b = fixtures_archs.transformers_logits(dequantized_dir(), PROMPT)
-    assert np.abs(a - b).max() < 1e-5, float(np.abs(a - b).max())
+    with torch.no_grad():
+        logits = back(torch.tensor([PROMPT])).logits[0].float().numpy()
+    assert np.abs(logits - source_model[1]).max() < 1e-5, float(np.abs(logits - source_model[1]).max())
