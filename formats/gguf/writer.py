@@ -91,6 +91,21 @@ def _always_f32(out_name: str) -> bool:
     return bool(_F32_ALWAYS.search(out_name))
 
 
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def _kept_source_type(spec, rec: TensorRecord, options: Options) -> str | None:
+    """The type a dense tensor keeps under a float --type where the architecture's converter keeps the stored
+    type (GgufArch.float_type_keeps_source_types: float32 -> F32, 2-D bfloat16 -> BF16), else None."""
+    if not spec.float_type_keeps_source_types or not options.type or options.type.strip().upper() not in _FLOAT_TYPES:
+        return None
+    if rec.dtype == "float32":
+        return "F32"
+    if rec.dtype == "bfloat16" and len(rec.shape) >= 2:
+        return "BF16"
+    return None
+
+
 def _expert_count(source) -> int:
     key = expert_count_key(source.config)
     if key is None:
@@ -439,7 +454,7 @@ class GgufWriter(Writer):
             # a GGUF source's grid keeps its own ggml type unless a type is asked for
             target, rule_note = _choose_type(explicit, options, facts, out_name, rule_shape,
                                              rec.native_type or default_grid_type(p), True)
-            if spec.float_type_keeps_grids and not explicit and target in ("F32", "F16", "BF16"):
+            if spec.float_type_keeps_source_types and not explicit and target in _FLOAT_TYPES:
                 # llama.cpp's converter keeps the checkpoint's FP4 grids whatever --outtype (archs/deepseek4.py)
                 target, rule_note = rec.native_type or default_grid_type(p), f"kept as {arch}'s converter keeps it; "
             asked = _parse_type(target)
@@ -453,7 +468,10 @@ class GgufWriter(Writer):
             # a GGUF source's IQ4_NL / IQ4_XS tensor (dense float32 carrying its blocks: reader.CodebookDense)
             # keeps its type unless one is asked for, as a grid does, and that type copies its blocks
             codebook = rec.native_type if rec.native_type in CODEBOOK_LAYOUTS else None
-            if (is_1d or _always_f32(out_name)) and not explicit:
+            kept = _kept_source_type(spec, rec, options) if not explicit else None
+            if kept is not None:  # the source's own type, as the architecture's converter keeps it (archs/)
+                target, rule_note = kept, f"kept as {arch}'s converter keeps it; "
+            elif (is_1d or _always_f32(out_name)) and not explicit:
                 target = "F32"
             else:
                 # --type names the type of a dense source's 2-D weights, and of a quantized source's grids only; a

@@ -884,6 +884,22 @@ def deepseek_v4_dequantized(src, out) -> Path:
     return out
 
 
+def deepseek_v4_bf16(src, out) -> Path:
+    """The DeepSeek-V4 release-layout checkpoint at `src` with every float32 tensor stored as bfloat16 (as the
+    release stores its norms, embeddings and hyper-connection tables), the MXFP4 experts and tid2eid as they are."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src), Path(out)
+    shutil.copytree(src, out)
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file({n: t.to(torch.bfloat16) if t.dtype == torch.float32 else t for n, t in tensors.items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 # last: every builder above has registered by now
 if __name__ == "__main__":
     import argparse

@@ -145,10 +145,11 @@ class GgufArch:
     # standing for every block, suffix included -> GGUF names (archs/deepseek4.py), used by names.py in place
     # of gguf-py's TensorNameMap. None: gguf-py's map
     tensor_names: Mapping[str, str] | None = field(default=None, repr=False)
-    # llama.cpp's converter writes the checkpoint's FP4 grids (DeepSeek-V4's MXFP4 experts) as MXFP4 whatever
-    # --outtype says: a float --type (f32 / f16 / bf16) then leaves a grid in the ggml type that holds it
-    # exactly, as that converter's file has it
-    float_type_keeps_grids: bool = False
+    # llama.cpp's converter keeps each tensor's stored type whatever --outtype says (DeepSeek-V4: its
+    # tensor_force_quant): the FP4 grids (the MXFP4 experts) as MXFP4, float32 tensors as F32, 2-D bfloat16
+    # ones as BF16, the router included; a float --type (f32 / f16 / bf16) does the same, so that the file is
+    # the converter's (a quantized --type, or --tensor-type, still decides)
+    float_type_keeps_source_types: bool = False
     # (HF name, config.json) -> why llama.cpp's converter leaves the tensor out, or None (DeepSeek-V4's router
     # bias of its hash-routed layers, which route by their token table instead)
     dropped_tensor: Callable[[str, Mapping], str | None] = field(default=lambda name, config: None, repr=False)

@@ -10,7 +10,8 @@ with the lightning indexer, CSA; ratio 128: HCA; 0: the window alone); manifold-
 (hc_mult residual streams mixed per layer and at the head); MoE in every layer (the first num_hash_layers route
 each token by a fixed table, tid2eid, the rest by sqrt(softplus) scores with a correction bias) with shared
 experts; the routed experts released as MXFP4 (int8 bytes of two E2M1 codes, an E8M0 exponent per 32), which the
-converter writes as MXFP4 whatever --outtype says (`float_type_keeps_grids`); the multi-token-prediction block
+converter writes as MXFP4 whatever --outtype says, as it keeps every float32 tensor F32 and every 2-D bfloat16 one
+BF16 (`float_type_keeps_source_types`); the multi-token-prediction block
 (`mtp.*`) left out, as the converter does by default.
 
 The installed gguf 0.19 does not name the architecture, its tensors (hyper-connections, compressor, indexer,
@@ -278,6 +279,6 @@ register_arch(GgufArch("deepseek4", ("DeepseekV4ForCausalLM",), ("deepseek_v4",)
                                   "attn_output_a", "attn_output_b", "attn_sinks"),
                        dense_ffn=(), mtp_prefixes=("mtp.",),
                        tensor_names={hf: name for hf, (_, name) in DEEPSEEK4_TENSORS.items()},
-                       float_type_keeps_grids=True, dropped_tensor=_dropped, config_from_gguf=_deepseek4_config,
+                       float_type_keeps_source_types=True, dropped_tensor=_dropped, config_from_gguf=_deepseek4_config,
                        from_gguf_record=_fused_experts,
                        integer_tensors=re.compile(r"\.ffn_gate_tid2eid\.weight$")))

@@ -12,6 +12,8 @@ streams, a hash-routed first layer):
   the converter's file exactly;
 - llama.cpp's logits follow transformers' DeepseekV4ForCausalLM on the same weights (the experts decoded), as
   far as llama.cpp's MXFP4 matmul allows (it quantizes the activations to Q8_0: mean 0.009, max 0.05 measured);
+- a bfloat16 copy of the folder keeps its types as the converter keeps them (BF16 2-D tensors under `--type
+  f32`, the router included), byte for byte, with the same logits;
 - `--type q8_0` and `--type q4_k_m` (256 wide, so the K types apply) equal llama-quantize's bytes of the F32
   file (with --allow-requantize: llama-quantize refuses to requantize the MXFP4 experts without it);
 - `gguf->hf --type f32` of the F32 file loads in transformers as DeepseekV4ForCausalLM with the source's every
@@ -65,16 +67,29 @@ def ours_f32(wide: bool = False) -> Path:
         "hf->gguf", src, out, "--type", "f32", "--report", out.with_name(out.name + ".report.json")))
 
 
-def reference_f32() -> Path:
+def bf16_dir() -> Path:
+    return _cached(ROOT / "dsv4-release-bf16", lambda d: fixtures_archs.deepseek_v4_bf16(model_dir(), d))
+
+
+def reference_f32(folder: str = "dsv4-release") -> Path:
+    """llama.cpp's converter's `--outtype f32` file of the float32 folder, or of its bfloat16 copy
+    (`dsv4-release-bf16`): the first call converts both in one child process (torch imported once)."""
     import llama_cpp_reference as ref
 
     try:
-        src = ref.llama_cpp_src()
+        ref.llama_cpp_src()
     except FileNotFoundError as e:
         pytest.skip(f"llama.cpp's converter is not extracted: {e}")  # a failure under QCONVERT_REQUIRE_ORACLES
-    del src
-    return _cached(ROOT / "dsv4-release-ref.gguf",
-                   lambda out: ref.convert_reference(model_dir(), out, model_name="tiny deepseek4"))
+    jobs = [(model_dir(), ROOT / "dsv4-release-ref.gguf", "tiny deepseek4"),
+            (bf16_dir(), ROOT / "dsv4-release-bf16-ref.gguf", "tiny deepseek4")]
+    todo = [j for j in jobs if not j[1].with_name(j[1].name + ".done").exists()]
+    for _, out, _ in todo:
+        out.unlink(missing_ok=True)
+    if todo:
+        ref.convert_references(todo)
+    for _, out, _ in todo:
+        out.with_name(out.name + ".done").write_text("ok")
+    return ROOT / f"{folder}-ref.gguf"
 
 
 def _fields(path: Path) -> dict:
@@ -165,6 +180,20 @@ def test_f32_is_what_llama_cpp_converter_writes_and_runs():
     assert [t["name"] for t in rows if t["target"] == "dropped"] == ["model.layers.0.mlp.gate.e_score_correction_bias"]
     experts = [t for t in rows if ".mlp.experts." in t["name"]]
     assert len(experts) == 4 * 3 * 4 and all(t["target"] == "MXFP4" and t["verdict"] == "exact" for t in experts)
+
+
+def test_bf16_folder_keeps_its_types_as_llama_cpp_converter_does(tmp_path):
+    """The release stores its dense tensors in bfloat16: llama.cpp's converter keeps each stored type whatever
+    --outtype says (BF16 for the 2-D ones, the router included; F32 for the 1-D ones; MXFP4 experts), and so
+    does `--type f32` here, byte for byte, with the same logits."""
+    ours = tmp_path / "bf16.gguf"
+    run_cli("hf->gguf", bf16_dir(), ours, "--type", "f32")
+    theirs = reference_f32("dsv4-release-bf16")
+    assert _same_tensors(ours, theirs) == {"BF16", "F32", "MXFP4", "I32"}
+    assert _fields(ours) == _fields(theirs)
+    a = gguf_tensors(ours)
+    assert a["blk.1.ffn_gate_inp.weight"].tensor_type.name == "BF16" and a["blk.1.attn_norm.weight"].tensor_type.name == "F32"
+    assert np.array_equal(llama_logits(ours, PROMPT), llama_logits(theirs, PROMPT))
 
 
 def test_q8_0_equals_llama_quantize(tmp_path):
