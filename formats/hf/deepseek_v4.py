@@ -13,9 +13,12 @@ FP4 weights: the routed experts are released as int8 [out, in / 2], two E2M1 cod
 the low nibble, beside `<module>.scale` E8M0 [out, in / 32], one exponent per 32 along the row (value = E2M1 *
 2**(e - 127)): the layout llama.cpp's converter repacks into ggml's MXFP4 blocks (conversion/base.py
 repack_mxfp4_blocks). Each such pair is one float grid record named as the weight, so a writer can keep its codes
-(GGUF MXFP4) or decode them; the scale is not a tensor of its own. The FP8 128x128-block weights of the full
-release (`.scale` beside an F8_E4M3 weight) are not read here: such a checkpoint carries a quantization_config,
-which the hf reader refuses.
+(GGUF MXFP4) or decode them; the scale is not a tensor of its own.
+
+FP8 weights: the full release stores its other linears as F8_E4M3 beside `<module>.scale` E8M0 [ceil(out / 128),
+ceil(in / 128)] (its config.json's quantization_config: quant_method fp8, weight_block_size [128, 128],
+scale_fmt ue8m0): value = E4M3 * 2**(e - 127), the edge blocks partial, as llama.cpp's converter dequantizes
+them (DeepseekV4Model.dequant_model). Each is one float grid record (E4M3 codes, the block's exponent).
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from ...converters.errors import BadInput
 from ...converters.records import Grid, TensorRecord
 from ...kernels.floatq import unpack_fp4
 from ..common.checkpoint import CheckpointDir
-from ..common.float_grids import float_grid
+from ..common.float_grids import block_grid_shape, expand_block_rows, float_grid
 
-__all__ = ["RELEASE_CLASSES", "release_name_to_hf", "packed_fp4_weights", "packed_fp4_record"]
+__all__ = ["RELEASE_CLASSES", "release_name_to_hf", "packed_fp4_weights", "packed_fp4_record", "fp8_block_weights",
+           "fp8_block_record", "release_quantization"]
 
 # the config.json classes saved in this layout: a `.scale` beside an int8 `.weight` means FP4 exponents for them
 # only (another model's `.scale` tensors are not), and their names are renamed
@@ -104,3 +108,50 @@ def packed_fp4_record(ckpt: CheckpointDir, weight: str, scale: str, shard: str) 
     return TensorRecord(release_name_to_hf(weight), (rows, 2 * half), "grid", load, params=params(),
                         source_file=shard, source_name=f"{weight} + {scale}")
 
+
+
+FP8_BLOCK = (128, 128)
+
+
+def release_quantization(qc, where) -> dict:
+    """The release's quantization_config (FP8 128x128 blocks with E8M0 scales), checked; any other is refused."""
+    if not isinstance(qc, dict) or str(qc.get("quant_method", "")).lower() != "fp8" or \
+            list(qc.get("weight_block_size") or []) != list(FP8_BLOCK):
+        raise BadInput(f"quantization_config {qc!r:.120}: DeepSeek-V4's release form is quant_method fp8 with "
+                       f"weight_block_size {list(FP8_BLOCK)}; no other is read", path=where)
+    return qc
+
+
+def fp8_block_weights(ckpt: CheckpointDir) -> dict[str, str]:
+    """{weight name: scale name} of every F8_E4M3 weight with its E8M0 block exponents, shapes checked; an FP8
+    weight without its exponents is refused (its codes mean a value only times them)."""
+    pairs = {}
+    for name in ckpt.location:
+        if ckpt.dtype(name) != "F8_E4M3":
+            continue
+        scale = name[: -len(".weight")] + ".scale" if name.endswith(".weight") else None
+        if scale is None or scale not in ckpt.location:
+            raise BadInput("FP8 weight without its .scale (its E4M3 codes are values only times the block's exponent)",
+                           path=ckpt.file_of(name), tensor=name)
+        shape = ckpt.shape(name)
+        if len(shape) != 2 or ckpt.dtype(scale) not in _SCALE_DTYPES or \
+                tuple(ckpt.shape(scale)) != block_grid_shape(shape[0], shape[1], FP8_BLOCK):
+            raise BadInput(f"FP8 weight {list(shape)} with exponents {list(ckpt.shape(scale))} "
+                           f"{ckpt.dtype(scale)}: expected E8M0 [ceil(out / 128), ceil(in / 128)]",
+                           path=ckpt.file_of(scale), tensor=scale)
+        pairs[name] = scale
+    return pairs
+
+
+def fp8_block_record(ckpt: CheckpointDir, weight: str, scale: str, shard: str) -> TensorRecord:
+    out_f, in_f = ckpt.shape(weight)
+
+    def params():
+        exps = ckpt.get(scale).contiguous().view(torch.uint8).view(torch.float8_e8m0fnu)
+        return float_grid("e4m3", expand_block_rows(exps, out_f, FP8_BLOCK[0]), FP8_BLOCK[1], block_rows=FP8_BLOCK[0])
+
+    def load() -> Grid:
+        return Grid(params(), codes=ckpt.get(weight).contiguous().view(torch.uint8))
+
+    return TensorRecord(release_name_to_hf(weight), (out_f, in_f), "grid", load, params=params(), source_file=shard,
+                        source_name=f"{weight} + {scale}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import re
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Tuple
@@ -897,6 +898,47 @@ def deepseek_v4_bf16(src, out) -> Path:
     tensors = load_file(str(src / "model.safetensors"))
     save_file({n: t.to(torch.bfloat16) if t.dtype == torch.float32 else t for n, t in tensors.items()},
               str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+# the linears DeepSeek-V4's release stores in FP8 here (attention, compressors, the indexer's queries, shared
+# experts); the router, the embedding, the head, norms and hyper-connection tables stay as they are
+_DSV4_FP8 = re.compile(r"\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|compressor\.wkv|compressor\.wgate|indexer\.wq_b"
+                       r"|indexer\.compressor\.wkv|indexer\.compressor\.wgate)|ffn\.shared_experts\.w[123])\.weight$")
+
+
+def deepseek_v4_fp8(src, out) -> Path:
+    """The DeepSeek-V4 release-layout checkpoint at `src` in the full release's form: its attention, compressor,
+    indexer-query and shared-expert linears as F8_E4M3 with one E8M0 exponent per 128x128 block (the smallest
+    power of two that brings the block's largest magnitude within 448; the edge blocks partial) in `<module>.scale`,
+    and the release's quantization_config (quant_method fp8, weight_block_size [128, 128], scale_fmt ue8m0)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src), Path(out)
+    shutil.copytree(src, out)
+    tensors = load_file(str(src / "model.safetensors"))
+    saved = {}
+    for name, t in tensors.items():
+        if not _DSV4_FP8.search(name):
+            saved[name] = t
+            continue
+        w = t.float()
+        rows, cols = -(-w.shape[0] // 128), -(-w.shape[1] // 128)
+        padded = torch.zeros(rows * 128, cols * 128)
+        padded[: w.shape[0], : w.shape[1]] = w
+        amax = padded.reshape(rows, 128, cols, 128).abs().amax(dim=(1, 3)).clamp_min(2.0 ** -100)
+        exp = torch.ceil(torch.log2(amax / 448.0)).clamp(-127, 127)
+        scale = torch.exp2(exp).repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
+        saved[name] = (w / scale).to(torch.float8_e4m3fn)
+        saved[name[: -len(".weight")] + ".scale"] = (exp + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+    save_file(saved, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                     "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
 

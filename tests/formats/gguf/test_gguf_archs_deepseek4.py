@@ -14,6 +14,8 @@ streams, a hash-routed first layer):
   far as llama.cpp's MXFP4 matmul allows (it quantizes the activations to Q8_0: mean 0.009, max 0.05 measured);
 - a bfloat16 copy of the folder keeps its types as the converter keeps them (BF16 2-D tensors under `--type
   f32`, the router included), byte for byte, with the same logits;
+- the full release's form (FP8 128x128-block linears, E8M0 exponents, quantization_config fp8) is the
+  converter's file byte for byte with `--allow-requant` (its FP8 linears become Q8_0), and the same logits;
 - `--type q8_0` and `--type q4_k_m` (256 wide, so the K types apply) equal llama-quantize's bytes of the F32
   file (with --allow-requantize: llama-quantize refuses to requantize the MXFP4 experts without it);
 - `gguf->hf --type f32` of the F32 file loads in transformers as DeepseekV4ForCausalLM with the source's every
@@ -71,9 +73,14 @@ def bf16_dir() -> Path:
     return _cached(ROOT / "dsv4-release-bf16", lambda d: fixtures_archs.deepseek_v4_bf16(model_dir(), d))
 
 
+def fp8_dir() -> Path:
+    return _cached(ROOT / "dsv4-release-fp8", lambda d: fixtures_archs.deepseek_v4_fp8(bf16_dir(), d))
+
+
 def reference_f32(folder: str = "dsv4-release") -> Path:
     """llama.cpp's converter's `--outtype f32` file of the float32 folder, or of its bfloat16 copy
-    (`dsv4-release-bf16`): the first call converts both in one child process (torch imported once)."""
+    (`dsv4-release-bf16`), or of the FP8 release form (`dsv4-release-fp8`): the first call converts all three in
+    one child process (torch imported once)."""
     import llama_cpp_reference as ref
 
     try:
@@ -81,7 +88,8 @@ def reference_f32(folder: str = "dsv4-release") -> Path:
     except FileNotFoundError as e:
         pytest.skip(f"llama.cpp's converter is not extracted: {e}")  # a failure under QCONVERT_REQUIRE_ORACLES
     jobs = [(model_dir(), ROOT / "dsv4-release-ref.gguf", "tiny deepseek4"),
-            (bf16_dir(), ROOT / "dsv4-release-bf16-ref.gguf", "tiny deepseek4")]
+            (bf16_dir(), ROOT / "dsv4-release-bf16-ref.gguf", "tiny deepseek4"),
+            (fp8_dir(), ROOT / "dsv4-release-fp8-ref.gguf", "tiny deepseek4")]
     todo = [j for j in jobs if not j[1].with_name(j[1].name + ".done").exists()]
     for _, out, _ in todo:
         out.unlink(missing_ok=True)
@@ -193,6 +201,24 @@ def test_bf16_folder_keeps_its_types_as_llama_cpp_converter_does(tmp_path):
     assert _fields(ours) == _fields(theirs)
     a = gguf_tensors(ours)
     assert a["blk.1.ffn_gate_inp.weight"].tensor_type.name == "BF16" and a["blk.1.attn_norm.weight"].tensor_type.name == "F32"
+    assert np.array_equal(llama_logits(ours, PROMPT), llama_logits(theirs, PROMPT))
+
+
+def test_release_fp8_form_is_what_llama_cpp_converter_writes(tmp_path):
+    """The full release's form (FP8 E4M3 linears with an E8M0 exponent per 128x128 block, MXFP4 experts, the rest
+    bfloat16): llama.cpp's converter dequantizes the FP8 blocks and writes them Q8_0 whatever --outtype says,
+    which is a requantization here (refused without --allow-requant, naming the aligned choice); with it, the
+    same file byte for byte and the same logits."""
+    refused = tmp_path / "refused.gguf"
+    proc = run_cli("hf->gguf", fp8_dir(), refused, "--type", "f32", check_rc=2)
+    assert "requant" in proc.stderr and not refused.exists()
+    ours = tmp_path / "fp8.gguf"
+    run_cli("hf->gguf", fp8_dir(), ours, "--type", "f32", "--allow-requant")
+    theirs = reference_f32("dsv4-release-fp8")
+    assert _same_tensors(ours, theirs) == {"Q8_0", "BF16", "F32", "MXFP4", "I32"}
+    assert _fields(ours) == _fields(theirs)
+    a = gguf_tensors(ours)
+    assert a["blk.1.attn_q_a.weight"].tensor_type.name == "Q8_0" and a["blk.1.ffn_gate_inp.weight"].tensor_type.name == "BF16"
     assert np.array_equal(llama_logits(ours, PROMPT), llama_logits(theirs, PROMPT))
 
 
