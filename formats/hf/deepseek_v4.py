@@ -30,7 +30,7 @@ import torch
 from ...converters.errors import BadInput
 from ...converters.records import Grid, TensorRecord
 from ...kernels.floatq import unpack_fp4
-from ..common.checkpoint import CheckpointDir
+from ..common.checkpoint import RELEASE_LAYOUT_CLASSES, CheckpointDir
 from ..common.float_grids import block_grid_shape, expand_block_rows, float_grid
 
 __all__ = ["RELEASE_CLASSES", "release_name_to_hf", "packed_fp4_weights", "packed_fp4_record", "fp8_block_weights",
@@ -38,7 +38,7 @@ __all__ = ["RELEASE_CLASSES", "release_name_to_hf", "packed_fp4_weights", "packe
 
 # the config.json classes saved in this layout: a `.scale` beside an int8 `.weight` means FP4 exponents for them
 # only (another model's `.scale` tensors are not), and their names are renamed
-RELEASE_CLASSES = ("DeepseekV4ForCausalLM",)
+RELEASE_CLASSES = RELEASE_LAYOUT_CLASSES
 
 # transformers 5.24's conversion_mapping.py "deepseek_v4" renames, in its order (each applied to the result of
 # the ones before), then the per-expert projections and the `model.` prefix of every name but the head

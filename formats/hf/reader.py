@@ -14,7 +14,7 @@ from ...converters.errors import BadInput
 from ...converters.records import TensorRecord
 from ...converters.model_shapes import ModelShapes
 from ..common.checkpoint import CheckpointDir, CheckpointSource
-from ..common.checkpoint import quantization_config_of
+from ..common.checkpoint import quantization_config_of, release_layout_of
 from ..common.quant_config import read_config
 from .deepseek_v4 import (RELEASE_CLASSES, fp8_block_record, fp8_block_weights, packed_fp4_record, packed_fp4_weights,
                           release_name_to_hf, release_quantization)
@@ -84,7 +84,8 @@ def _quantized_hint(path: Path, qc) -> str:
 
 
 def sniff_hf(path: Path) -> bool:
-    """A folder of safetensors with a config.json without quantization_config (a mistral.rs UQFF directory
-    also has config.json and residual.safetensors: its .uqff files tell it apart)."""
-    return (quantization_config_of(path) == {} and any(Path(path).glob("*.safetensors"))
+    """A folder of safetensors with a config.json without quantization_config, or of a class saved in its release
+    layout (DeepSeek-V4, FP8 quantization_config and all: deepseek_v4.py); a mistral.rs UQFF directory also has
+    config.json and residual.safetensors: its .uqff files tell it apart."""
+    return ((quantization_config_of(path) == {} or release_layout_of(path)) and any(Path(path).glob("*.safetensors"))
             and not any(Path(path).glob("*.uqff")))

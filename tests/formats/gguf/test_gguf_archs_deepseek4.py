@@ -209,6 +209,9 @@ def test_release_fp8_form_is_what_llama_cpp_converter_writes(tmp_path):
     bfloat16): llama.cpp's converter dequantizes the FP8 blocks and writes them Q8_0 whatever --outtype says,
     which is a requantization here (refused without --allow-requant, naming the aligned choice); with it, the
     same file byte for byte and the same logits."""
+    from qconvert.converters.registry import detect_format
+
+    assert detect_format(fp8_dir()) == "hf"  # not the fp8 reader, which knows DeepSeek-V3's weight_scale_inv
     refused = tmp_path / "refused.gguf"
     proc = run_cli("hf->gguf", fp8_dir(), refused, "--type", "f32", check_rc=2)
     assert "requant" in proc.stderr and not refused.exists()
