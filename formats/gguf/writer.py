@@ -455,7 +455,8 @@ class GgufWriter(Writer):
             target, rule_note = _choose_type(explicit, options, facts, out_name, rule_shape,
                                              rec.native_type or default_grid_type(p), True)
             if spec.float_type_keeps_source_types and not explicit and target in _FLOAT_TYPES:
-                # llama.cpp's converter keeps the checkpoint's FP4 grids whatever --outtype (archs/deepseek4.py)
+                # llama.cpp's converter writes the checkpoint's grids whatever --outtype (archs/deepseek4.py): FP4
+                # as MXFP4 (its codes kept), FP8 blocks as Q8_0 of their values (a requantization)
                 target, rule_note = rec.native_type or default_grid_type(p), f"kept as {arch}'s converter keeps it; "
             asked = _parse_type(target)
             target, fallback_note = k_fallback(asked, rule_shape, p)

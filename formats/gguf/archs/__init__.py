@@ -18,7 +18,8 @@ config.json, which HF modules its blocks hold, which tensors every layer must ha
   block outside model.layers is skipped as the converter skips it (`skipped_tensors`).
 
 A new architecture is one module here that calls `register_arch` (base.py), imported below; the names
-themselves come from gguf-py's `TensorNameMap` for the architecture (names.py).
+themselves come from gguf-py's `TensorNameMap` for the architecture (names.py), or from the entry's own
+`tensor_names` table where the installed gguf-py does not name the architecture (deepseek4).
 """
 
 from . import llama, qwen, gemma, deepseek2, phi3, gpt_oss  # noqa: F401  (each registers its entries, in this order)
