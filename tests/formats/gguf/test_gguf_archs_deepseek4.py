@@ -292,3 +292,20 @@ def test_gguf_to_hf_gives_back_the_source_model(source_model, tmp_path):
     with torch.no_grad():
         logits = back(torch.tensor([PROMPT])).logits[0].float().numpy()
     assert np.abs(logits - source_model[1]).max() < 1e-5, float(np.abs(logits - source_model[1]).max())
+
+
+
+@pytest.mark.parametrize("change, words", [({"compress_ratios": [0, 4, 64, 4]}, "compress_ratios"),
+                                           ({"hc_mult": 2}, "hc_mult 2"),
+                                           ({"scoring_func": "softmax"}, "scoring_func 'softmax'")])
+def test_what_llama_cpp_does_not_run_is_refused_naming_the_key(change, words):
+    """llama.cpp's deepseek4 runs compress ratios 0, 4 and 128, 4 hyper-connection streams and sqrtsoftplus
+    routing only: another value is a BadInput naming config.json's key (the CLI's one line, exit 2, nothing
+    written, as every BadInput), raised while the metadata is written, before any tensor."""
+    from qconvert.converters.errors import BadInput
+    from qconvert.formats.gguf.archs import arch_by_name
+
+    config = {**json.loads((model_dir() / "config.json").read_text()), **change}
+    writer = gguf.GGUFWriter(path=None, arch="deepseek4")
+    with pytest.raises(BadInput, match=words):
+        arch_by_name("deepseek4").extra_metadata(writer, config)
