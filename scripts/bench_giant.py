@@ -7,8 +7,8 @@ of 1536 and a kv LoRA of 512, nope 128 / rope 64 / v 128, one shared expert and 
 (Kimi-K3-like, 64 heads) a real layer has. Stored as each ships: attention and the shared expert FP8 e4m3 with
 one scale per 128x128 block, the routed experts MXFP4 (E2M1 codes, one E8M0 exponent per 32), as a
 compressed-tensors checkpoint with two config groups (float-quantized block + mxfp4-pack-quantized: Kimi-K3's
-form, and DeepSeek-V4's tensors in it). qconvert does NOT write llama.cpp's `deepseek4` / `kimi-k3` archs (gguf
-0.19 lacks them), so the layers are laid out as DeepSeek-V3 (`DeepseekV3ForCausalLM`, llama.cpp arch
+form, and DeepSeek-V4's tensors in it). qconvert does NOT write llama.cpp's `kimi-k3` arch (gguf 0.19
+lacks it) and writes `deepseek4` only from DeepSeek-V4's release layout (formats/hf/deepseek_v4.py), so the layers are laid out as DeepSeek-V3 (`DeepseekV3ForCausalLM`, llama.cpp arch
 `deepseek2`: the same widths; Kimi-K2 is this arch too). A tiny vocabulary keeps the embeddings out of the
 figures.
 

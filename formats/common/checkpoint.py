@@ -439,6 +439,24 @@ def write_json(path: Path, data: dict) -> None:
     Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 
+# config.json classes saved in DeepSeek's own release layout (its names, `.scale` E8M0 exponents beside FP4 and FP8
+# weights, quantization_config fp8): the hf reader reads them (formats/hf/deepseek_v4.py), whatever their
+# quantization_config says, and the fp8 reader, which knows DeepSeek-V3's `weight_scale_inv`, leaves them to it
+RELEASE_LAYOUT_CLASSES = ("DeepseekV4ForCausalLM",)
+
+
+def release_layout_of(path: Path) -> bool:
+    """Whether a checkpoint folder's config.json names a class saved in its release layout (RELEASE_LAYOUT_CLASSES)."""
+    path = Path(path)
+    if not (path.is_dir() and (path / "config.json").exists()):
+        return False
+    try:
+        archs = read_json(path / "config.json").get("architectures") or []
+    except (BadInput, AttributeError):
+        return False
+    return isinstance(archs, list) and any(a in RELEASE_LAYOUT_CLASSES for a in archs if isinstance(a, str))
+
+
 def quantization_config_of(path: Path) -> dict | None:
     """The quantization config of a checkpoint folder ({} for a dense one), None if it is not one."""
     path = Path(path)

@@ -28,7 +28,7 @@ from ...converters.validate import ConfigView
 from ..common.float_grids import (FloatModuleSource, block_grid_shape, expand_block_rows, float_grid, fp8_element,
                                   refuse_unscaled_fp8)
 from ...converters.model_shapes import ModelShapes
-from ..common.checkpoint import CheckpointDir, quantization_config_of
+from ..common.checkpoint import CheckpointDir, quantization_config_of, release_layout_of
 from ..common.quant_config import read_config
 
 __all__ = ["Fp8Source", "open_fp8", "sniff_fp8", "METHODS"]
@@ -44,7 +44,8 @@ _SCALE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.floa
 
 def sniff_fp8(path: Path) -> bool:
     qc = quantization_config_of(path)
-    return isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() in METHODS
+    # DeepSeek-V4's release (E8M0 `.scale` exponents, DeepSeek's names) is the hf reader's (formats/hf/deepseek_v4.py)
+    return isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() in METHODS and not release_layout_of(path)
 
 
 class Fp8Source(FloatModuleSource):

@@ -106,6 +106,14 @@ def gguf_tensor_name(hf_name: str, arch: str, n_layers: int) -> str | None:
     member = expert_name(hf_name)
     if member is not None:
         hf_name = member[0]
+    table = arch_by_name(arch).name_table if arch_by_name(arch) is not None else None
+    if table is not None:  # an architecture gguf-py does not name: the entry's own table (archs/deepseek4.py)
+        base, layer = _split_index(hf_name)
+        name = table.get(base)
+        if name is None or (layer is not None and layer >= int(n_layers)) or \
+                (member is not None and not is_expert_stack(name)):
+            return None
+        return name if layer is None else f"blk.{layer}." + name[len("blk.0."):]
     # the router's score-correction bias (DeepSeek-V3) is a parameter named ..._bias, mapped as a .bias
     hf_name = re.sub(r"\.e_score_correction_bias$", ".e_score_correction.bias", hf_name)
     # gpt-oss's attention sinks are a bare parameter (self_attn.sinks); llama.cpp names the tensor
@@ -199,6 +207,13 @@ def hf_tensor_name(gguf_name: str, arch: str, n_layers: int) -> str | None:
     base, layer = _split_index(gguf_name)
     if layer is not None and layer >= int(n_layers):
         return None
+    table = arch_by_name(arch).name_table if arch_by_name(arch) is not None else None
+    if table is not None:  # the entry's own table, inverted (archs/deepseek4.py)
+        hf = {g: h for h, g in table.items()}.get(base)
+        if hf is None or layer is None:
+            return hf
+        head, sep, tail = hf.partition(".0.")
+        return f"{head}.{layer}.{tail}" if sep else None
     own = _own_names(arch)[1].get(base)
     if own is not None:
         return own if layer is None else f"model.layers.{layer}." + own[len("model.layers.0."):]

@@ -534,8 +534,11 @@ class GgufSource(ModelSource):
         scale tables beside them): no writer stores one as I8..I64, and llama.cpp does not compute with one (an
         I32 norm aborts its CPU backend: "binary_op: unsupported types"). One relabelled to an integer type
         would read as integers (a norm F32 -> I32: values near 1e9), so it is refused, naming file and tensor."""
+        tables = arch_by_name(self.arch).integer_tensors  # an architecture's I32 tables (DeepSeek-V4's tid2eid)
         for path, reader in zip(self.parts, self.readers):
             for t in reader.tensors:
+                if _type_name(t) == "I32" and tables is not None and tables.search(t.name):
+                    continue
                 if _type_name(t) in _INTEGER:
                     raise BadInput(f"ggml type {_type_name(t)} is an integer type, but every tensor of a llama.cpp "
                                    "model is a float weight (F32, F16, BF16, F64 or a quantized block type)",
@@ -647,6 +650,10 @@ class GgufSource(ModelSource):
             params = self._grid_parts(t, type_name, path, inv, with_codes=False, expert=expert)[0]
             return TensorRecord(name, shape, "grid", lambda: self._grid(t, type_name, path, inv, expert), params=params,
                                 source_file=where, native_type=type_name, source_name=label)
+        if type_name == "I32":  # an integer table the architecture declares (_refuse_integer_weights let it pass)
+            return TensorRecord(name, shape, "int32",
+                                lambda: Dense(torch.from_numpy(np.array(t.data, dtype=np.int32)).reshape(shape)),
+                                source_file=where, source_name=label)
         if type_name in _FLOAT or type_name == "BF16":
             dtype = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}[type_name]
         elif _gguf_py_decodes(t.tensor_type):

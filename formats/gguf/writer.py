@@ -45,6 +45,7 @@ from ...converters.validate import ConfigView
 from ...converters.plan import BitIdentical, Options, TensorPlan, Writer, WriterSession, unknown_type
 from ...converters.records import Dense, Grid, TensorRecord
 from ...kernels.ggml.layouts import CODEBOOK_LAYOUTS, GGUF_PY_UNKNOWN, TARGET_LAYOUTS  # grid, codebook (IQ4_*) types
+from ...kernels.ggml.layouts import BlockLayout
 from ..common.ggml_codec import QUANTIZERS, QuantHow
 from .checks import check_writer_config, config_json_path, layer_count
 from .metadata import add_model_metadata, rope_tensors
@@ -71,6 +72,10 @@ FILE_TYPES = {t: int(gguf.LlamaFileType[_FILE_TYPE_NAMES.get(t, f"MOSTLY_{t}")])
 FILE_TYPES["Q2_0"] = 41  # LLAMA_FTYPE_MOSTLY_Q2_0 (llama.h), which gguf 0.19's LlamaFileType lacks
 # tensors a checkpoint may carry that llama.cpp recomputes itself
 _DROPPED = re.compile(r"rotary_emb\.inv_freq$")
+# an architecture's integer tables (GgufArch.integer_tensors: DeepSeek-V4's tid2eid), stored as ggml's I32; not a
+# --type a weight can ask for, so kept out of TARGET_LAYOUTS and the scheme table
+INTEGER_TABLE = BlockLayout("I32", int(gguf.GGMLQuantizationType.I32), 1, 4, 32, kind="int")
+INTEGER_TABLE_DTYPES = ("int32", "int64")
 _WRITABLE = tuple(GGUF_SCHEMES)
 
 
@@ -84,6 +89,21 @@ _F32_ALWAYS = re.compile(r"(?:\.ffn_gate_inp(?:_shexp)?\.weight|\.ssm_conv1d\.we
 
 def _always_f32(out_name: str) -> bool:
     return bool(_F32_ALWAYS.search(out_name))
+
+
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def _kept_source_type(spec, rec: TensorRecord, options: Options) -> str | None:
+    """The type a dense tensor keeps under a float --type where the architecture's converter keeps the stored
+    type (GgufArch.float_type_keeps_source_types: float32 -> F32, 2-D bfloat16 -> BF16), else None."""
+    if not spec.float_type_keeps_source_types or not options.type or options.type.strip().upper() not in _FLOAT_TYPES:
+        return None
+    if rec.dtype == "float32":
+        return "F32"
+    if rec.dtype == "bfloat16" and len(rec.shape) >= 2:
+        return "BF16"
+    return None
 
 
 def _expert_count(source) -> int:
@@ -399,6 +419,9 @@ class GgufWriter(Writer):
             return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT,
                               "multi-token prediction block: left out, as llama.cpp's converter does with --no-mtp",
                               action=GgufAction(drop=True))
+        dropped = spec.dropped_tensor(rec.name, source.config)
+        if dropped is not None:
+            return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT, dropped, action=GgufAction(drop=True))
         out_name = gguf_tensor_name(rec.name, arch, n_layers)
         layer = layer_index(rec.name)
         if out_name is None and spec.drops_extra_layers and layer is not None and layer >= n_layers:
@@ -408,6 +431,14 @@ class GgufWriter(Writer):
         if out_name is None:
             return TensorPlan(rec.name, rec.shape, rec.dtype, "?", REFUSED,
                               f"no GGUF tensor for it in arch {arch}; llama.cpp refuses extra tensors")
+        if spec.integer_tensors is not None and spec.integer_tensors.search(out_name):
+            # an integer table (DeepSeek-V4's token -> experts map), not a weight: I32 as llama.cpp's converter
+            # casts it, whatever --type says
+            if rec.is_grid or rec.dtype not in INTEGER_TABLE_DTYPES:
+                return TensorPlan(rec.name, rec.shape, rec.dtype, "?", REFUSED,
+                                  f"{out_name} is an integer table (int32 / int64), not {rec.dtype}", out_name=out_name)
+            return TensorPlan(rec.name, rec.shape, rec.dtype, "I32", EXACT, "integer table stored as I32",
+                              out_name=out_name, action=GgufAction())
         facts = self._facts
         if facts is None and preset_of(options.type) is not None:  # a direct call, without plan_records
             facts = preset_facts(self.adapt_records(source.records(), source), source, arch, n_layers, options)
@@ -423,6 +454,10 @@ class GgufWriter(Writer):
             # a GGUF source's grid keeps its own ggml type unless a type is asked for
             target, rule_note = _choose_type(explicit, options, facts, out_name, rule_shape,
                                              rec.native_type or default_grid_type(p), True)
+            if spec.float_type_keeps_source_types and not explicit and target in _FLOAT_TYPES:
+                # llama.cpp's converter writes the checkpoint's grids whatever --outtype (archs/deepseek4.py): FP4
+                # as MXFP4 (its codes kept), FP8 blocks as Q8_0 of their values (a requantization)
+                target, rule_note = rec.native_type or default_grid_type(p), f"kept as {arch}'s converter keeps it; "
             asked = _parse_type(target)
             target, fallback_note = k_fallback(asked, rule_shape, p)
             v = decide(p, rec.shape, GGUF_SCHEMES[target], ALIGNED_CANDIDATES, native=rec.native_type,
@@ -434,7 +469,10 @@ class GgufWriter(Writer):
             # a GGUF source's IQ4_NL / IQ4_XS tensor (dense float32 carrying its blocks: reader.CodebookDense)
             # keeps its type unless one is asked for, as a grid does, and that type copies its blocks
             codebook = rec.native_type if rec.native_type in CODEBOOK_LAYOUTS else None
-            if (is_1d or _always_f32(out_name)) and not explicit:
+            kept = _kept_source_type(spec, rec, options) if not explicit else None
+            if kept is not None:  # the source's own type, as the architecture's converter keeps it (archs/)
+                target, rule_note = kept, f"kept as {arch}'s converter keeps it; "
+            elif (is_1d or _always_f32(out_name)) and not explicit:
                 target = "F32"
             else:
                 # --type names the type of a dense source's 2-D weights, and of a quantized source's grids only; a
@@ -603,7 +641,7 @@ class GgufSession(WriterSession):
         self.stack_size: dict[str, int] = {}
         for name, members in gguf_tensors_in_order(kept, n_experts, config_json_path(source)):
             first = members[0]
-            lay = TARGET_LAYOUTS[first.target]
+            lay = INTEGER_TABLE if first.target == INTEGER_TABLE.name else TARGET_LAYOUTS[first.target]
             shape = stack_shape(members)
             rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
             nbytes = rows * lay.row_bytes(shape[-1])
@@ -645,6 +683,13 @@ class GgufSession(WriterSession):
     def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor:
         if plan.action.drop:
             return item.dequantize(torch.float32)
+        if plan.target == INTEGER_TABLE.name:  # an integer table (GgufArch.integer_tensors), its values as they are
+            table = item.tensor.to(torch.int32)
+            if not torch.equal(table.to(item.tensor.dtype), item.tensor):
+                raise BadInput(f"{plan.out_name}: a value does not fit in int32", tensor=plan.name)
+            self._write(plan, table.contiguous().view(torch.uint8).numpy().reshape(-1))
+            self.reference = None
+            return table.to(torch.float32)
         lay = TARGET_LAYOUTS[plan.target]
         perm = qk_row_permutation(plan.name, self.source.config, self.arch)
         if perm is not None:

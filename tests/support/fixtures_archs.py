@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import re
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Tuple
@@ -783,6 +784,224 @@ def _gemma4_ple(layers: int, wide: bool):
 
 BUILDERS["gemma4_moe"] = _gemma4_moe
 BUILDERS["gemma4_ple"] = _gemma4_ple
+
+
+# --------------------------------------------------------------------------------------------------
+# DeepSeek-V4 (issue 26, tests/formats/gguf/test_gguf_archs_deepseek4.py): the checkpoint as the release
+# lays it out, which is the only form llama.cpp's converter reads (conversion/deepseek.py DeepseekV4Model:
+# `embed.weight`, `layers.N.attn.wq_a.weight`, `layers.N.ffn.experts.E.w1.weight` int8-packed MXFP4 with
+# its `.scale` E8M0 exponents, `hc_head_fn`, `head.weight`), and its config.json in the release's own keys
+# (compress_ratios, num_hash_layers, qk_rope_head_dim: transformers folds them into layer_types /
+# mlp_layer_types / partial_rotary_factor, llama.cpp's converter reads them as they are).
+# --------------------------------------------------------------------------------------------------
+DEEPSEEK_V4_KIND = "deepseek_v4"
+
+
+def deepseek_v4_config(layers: int = 4, wide: bool = False) -> dict:
+    """DeepSeek-V4-Flash's config.json in miniature: 4 heads of 64 over one shared KV head (half of each head
+    rotated), a q LoRA of 64, the grouped output projection (2 groups, rank 32), one sliding-window layer then
+    compressed ones (ratio 4 with the indexer: CSA; ratio 128: HCA, as released), window 8 and top-k 4 below
+    the 16-token prompt, hyper-connections of 4 streams (llama.cpp asserts 4), the first layer hash-routed (tid2eid), the rest
+    routed by sqrt(softplus) with the correction bias, 4 experts of 64 (2 used) and one shared expert; the
+    indexer's 64 heads of 64 (llama.cpp rotates its keys by a Hadamard matrix of at least 64). `wide`: every
+    linear's in-features a multiple of 256 (K-quant super-blocks): hidden 256, heads of 128, ranks 256."""
+    ratios = ([0, 4, 128, 4] * layers)[:layers]
+    sizes = dict(hidden_size=256, moe_intermediate_size=256, head_dim=128, q_lora_rank=256, o_lora_rank=128) \
+        if wide else {}
+    return {**_dsv4_base(layers, ratios), **sizes}
+
+
+def _dsv4_base(layers: int, ratios: list) -> dict:
+    return {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+            "vocab_size": _fixtures().VOCAB_SIZE, "hidden_size": 128, "moe_intermediate_size": 64,
+            "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64,
+            "qk_rope_head_dim": 32, "q_lora_rank": 64, "o_groups": 2, "o_lora_rank": 32,
+            "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "scoring_func": "sqrtsoftplus",
+            "norm_topk_prob": True, "routed_scaling_factor": 1.5, "num_hash_layers": 1,
+            "compress_ratios": ratios, "compress_rope_theta": 160000.0, "rope_theta": 10000.0,
+            "hc_mult": 4, "hc_sinkhorn_iters": 3, "hc_eps": 1e-6, "index_n_heads": 64, "index_head_dim": 64,
+            "index_topk": 4, "sliding_window": 8, "swiglu_limit": 10.0, "num_nextn_predict_layers": 0,
+            "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+            "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 0}
+
+
+# transformers' names (modeling_deepseek_v4) -> the release's, the inverse of its conversion_mapping renames
+_DSV4_ROOT = {"model.embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
+              "model.norm.weight": "norm.weight", "model.hc_head.hc_fn": "hc_head_fn",
+              "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
+_DSV4_LAYER = (("self_attn.compressor.indexer.scorer.weights_proj.", "attn.indexer.weights_proj."),
+               ("self_attn.compressor.indexer.q_b_proj.", "attn.indexer.wq_b."),
+               ("self_attn.compressor.indexer.", "attn.indexer.compressor."), ("self_attn.", "attn."),
+               ("mlp.", "ffn."), ("input_layernorm.", "attn_norm."), ("post_attention_layernorm.", "ffn_norm."),
+               ("attn_hc.fn", "hc_attn_fn"), ("attn_hc.base", "hc_attn_base"), ("attn_hc.scale", "hc_attn_scale"),
+               ("ffn_hc.fn", "hc_ffn_fn"), ("ffn_hc.base", "hc_ffn_base"), ("ffn_hc.scale", "hc_ffn_scale"),
+               (".sinks", ".attn_sink"), ("compressor.kv_norm.", "compressor.norm."), ("position_bias", "ape"), ("q_a_proj.", "wq_a."),
+               ("q_b_proj.", "wq_b."), ("kv_proj.", "wkv."), ("gate_proj.", "wgate."), ("o_a_proj.", "wo_a."),
+               ("o_b_proj.", "wo_b."), ("q_a_norm.", "q_norm."), ("e_score_correction_bias", "bias"),
+               ("shared_experts.wgate.", "shared_experts.w1."), ("shared_experts.down_proj.", "shared_experts.w2."),
+               ("shared_experts.up_proj.", "shared_experts.w3."))
+
+
+def _dsv4_release_name(name: str) -> str:
+    if name in _DSV4_ROOT:
+        return _DSV4_ROOT[name]
+    name = name.removeprefix("model.")
+    for old, new in _DSV4_LAYER:
+        name = name.replace(old, new)
+    return name
+
+
+def _mxfp4_release(w):
+    """[rows, cols] float -> (int8 [rows, cols / 2] two E2M1 codes a byte, E8M0 [rows, cols / 32]): the
+    release's expert layout (the even element in the low nibble, as gpt-oss's), and the values it decodes to."""
+    import torch
+
+    blocks, exps = _mxfp4_pack(w[None])
+    packed = blocks[0].reshape(w.shape[0], w.shape[1] // 2)
+    codes = torch.stack((packed & 15, packed >> 4), -1).reshape(w.shape).long()
+    values = torch.tensor(FP4_VALUES)[codes] * torch.exp2(exps[0].float() - 127).repeat_interleave(32, 1)
+    return packed.view(torch.int8), exps[0].view(torch.float8_e8m0fnu), values
+
+
+def build_deepseek_v4(out_dir, seed: int = 0, layers: int = 4, wide: bool = False) -> Path:
+    """The tiny DeepSeek-V4 checkpoint in the release's layout (see deepseek_v4_config): transformers'
+    DeepseekV4ForCausalLM built and seeded as the other kinds, its weights renamed to the release's names,
+    the routed experts packed to MXFP4 (w1 = gate, w2 = down, w3 = up), the hash table tid2eid as int32,
+    everything else float32; the fixtures tokenizer."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = deepseek_v4_config(layers, wide)
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(DeepseekV4Config(**config)).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    state = model.state_dict()
+    for name in sorted(state):
+        if "rotary_emb" in name:
+            continue
+        t = state[name]
+        if name.endswith(".tid2eid"):  # which experts each token id goes to: distinct draws per row
+            n_exp = config["n_routed_experts"]
+            t = torch.stack([torch.randperm(n_exp, generator=gen)[: t.shape[1]] for _ in range(t.shape[0])])
+            tensors[_dsv4_release_name(name)] = t.to(torch.int32).contiguous()
+            continue
+        if name.endswith((".hc_fn", ".fn")) or name.endswith((".hc_base", ".base", ".hc_scale", ".scale")):
+            value = 0.5 * torch.randn(t.shape, generator=gen) if not name.endswith("fn") else \
+                torch.randn(t.shape, generator=gen) / t.shape[-1] ** 0.5
+        elif name.endswith(".sinks"):
+            value = torch.randn(t.shape, generator=gen)
+        elif name.endswith("position_bias"):
+            value = 0.1 * torch.randn(t.shape, generator=gen)
+        else:
+            value = _draw(name, tuple(t.shape), gen, gemma=False, tie=False)
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):  # [E, out, in]
+            layer = _dsv4_release_name(name).rsplit(".experts.", 1)[0] + ".experts"
+            halves = (("w2", value),) if name.endswith("down_proj") else \
+                (("w1", value[:, : value.shape[1] // 2]), ("w3", value[:, value.shape[1] // 2:]))
+            for w, part in halves:
+                for e in range(part.shape[0]):
+                    packed, exps, _ = _mxfp4_release(part[e].contiguous())
+                    tensors[f"{layer}.{e}.{w}.weight"], tensors[f"{layer}.{e}.{w}.scale"] = packed, exps
+            continue
+        tensors[_dsv4_release_name(name)] = value.to(torch.float32).contiguous()
+    # the release keeps a router bias in its hash-routed layers too (unused there: llama.cpp's converter drops it,
+    # transformers' hash router has none)
+    for i in range(config["num_hash_layers"]):
+        tensors[f"layers.{i}.ffn.gate.bias"] = 0.5 * torch.randn(config["n_routed_experts"], generator=gen)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 0}) + "\n")
+    _fixtures().build_tokenizer(out)
+    return out
+
+
+def deepseek_v4_dequantized(src, out) -> Path:
+    """The DeepSeek-V4 release-layout checkpoint at `src` with each FP4 expert weight decoded to float32 (the
+    E2M1 value of each code times 2**(e - 127), the `.scale` gone): the same model in a form transformers loads
+    without a quantization config (its conversion mapping merges the experts' w1 / w3 / w2)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src), Path(out)
+    shutil.copytree(src, out)
+    tensors = load_file(str(src / "model.safetensors"))
+    saved = {}
+    for name, t in tensors.items():
+        scale = name[: -len(".weight")] + ".scale"
+        if name.endswith(".scale") and name[: -len(".scale")] + ".weight" in tensors:
+            continue
+        if scale in tensors and t.dtype == torch.int8:
+            packed = t.view(torch.uint8)
+            codes = torch.stack((packed & 15, packed >> 4), -1).reshape(t.shape[0], -1).long()
+            exps = tensors[scale].view(torch.uint8).float() - 127
+            saved[name] = torch.tensor(FP4_VALUES)[codes] * torch.exp2(exps).repeat_interleave(32, 1)
+        else:
+            saved[name] = t
+    save_file(saved, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def deepseek_v4_bf16(src, out) -> Path:
+    """The DeepSeek-V4 release-layout checkpoint at `src` with every float32 tensor stored as bfloat16 (as the
+    release stores its norms, embeddings and hyper-connection tables), the MXFP4 experts and tid2eid as they are."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src), Path(out)
+    shutil.copytree(src, out)
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file({n: t.to(torch.bfloat16) if t.dtype == torch.float32 else t for n, t in tensors.items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+# the linears DeepSeek-V4's release stores in FP8 here (attention, compressors, the indexer's queries, shared
+# experts); the router, the embedding, the head, norms and hyper-connection tables stay as they are
+_DSV4_FP8 = re.compile(r"\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|compressor\.wkv|compressor\.wgate|indexer\.wq_b"
+                       r"|indexer\.compressor\.wkv|indexer\.compressor\.wgate)|ffn\.shared_experts\.w[123])\.weight$")
+
+
+def deepseek_v4_fp8(src, out) -> Path:
+    """The DeepSeek-V4 release-layout checkpoint at `src` in the full release's form: its attention, compressor,
+    indexer-query and shared-expert linears as F8_E4M3 with one E8M0 exponent per 128x128 block (the smallest
+    power of two that brings the block's largest magnitude within 448; the edge blocks partial) in `<module>.scale`,
+    and the release's quantization_config (quant_method fp8, weight_block_size [128, 128], scale_fmt ue8m0)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src), Path(out)
+    shutil.copytree(src, out)
+    tensors = load_file(str(src / "model.safetensors"))
+    saved = {}
+    for name, t in tensors.items():
+        if not _DSV4_FP8.search(name):
+            saved[name] = t
+            continue
+        w = t.float()
+        rows, cols = -(-w.shape[0] // 128), -(-w.shape[1] // 128)
+        padded = torch.zeros(rows * 128, cols * 128)
+        padded[: w.shape[0], : w.shape[1]] = w
+        amax = padded.reshape(rows, 128, cols, 128).abs().amax(dim=(1, 3)).clamp_min(2.0 ** -100)
+        exp = torch.ceil(torch.log2(amax / 448.0)).clamp(-127, 127)
+        scale = torch.exp2(exp).repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
+        saved[name] = (w / scale).to(torch.float8_e4m3fn)
+        saved[name[: -len(".weight")] + ".scale"] = (exp + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+    save_file(saved, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                     "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
 
 
 # last: every builder above has registered by now

@@ -13,11 +13,14 @@ import pytest
 llama_cpp = pytest.importorskip("llama_cpp")
 
 
-def llama_quantize(src: Path, dst: Path, ftype: int, imatrix: dict[str, np.ndarray] | None = None) -> Path:
+def llama_quantize(src: Path, dst: Path, ftype: int, imatrix: dict[str, np.ndarray] | None = None,
+                   allow_requantize: bool = False) -> Path:
     """llama.cpp's quantize tool (llama_model_quantize), optionally with importance data passed the way
-    llama-quantize passes it (a NULL-terminated array of {name, data, size})."""
+    llama-quantize passes it (a NULL-terminated array of {name, data, size}); `allow_requantize`: its
+    --allow-requantize (a source tensor already quantized, DeepSeek-V4's MXFP4 experts, is requantized)."""
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
+    params.allow_requantize = allow_requantize
     params.nthread = 2
     keep = []
     if imatrix:

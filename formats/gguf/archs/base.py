@@ -160,6 +160,22 @@ class GgufArch:
     # feed_forward_length, attention.head_count_kv): config_from_gguf's shared fields take layer 0's value
     # and the architecture's hook reads the array
     per_layer_keys: tuple[str, ...] = ()
+    # an architecture the installed gguf-py (0.19) does not name (DeepSeek-V4: only the gguf-py vendored in
+    # llama.cpp's sources has it, which the package never imports): its own table of HF tensor names, block 0
+    # standing for every block, suffix included -> GGUF names (archs/deepseek4.py), used by names.py in place
+    # of gguf-py's TensorNameMap. None: gguf-py's map
+    name_table: Mapping[str, str] | None = field(default=None, repr=False)
+    # llama.cpp's converter keeps each tensor's stored type whatever --outtype says (DeepSeek-V4: its
+    # tensor_force_quant): the FP4 grids (the MXFP4 experts) as MXFP4, float32 tensors as F32, 2-D bfloat16
+    # ones as BF16, the router included; a float --type (f32 / f16 / bf16) does the same, so that the file is
+    # the converter's (a quantized --type, or --tensor-type, still decides)
+    float_type_keeps_source_types: bool = False
+    # (HF name, config.json) -> why llama.cpp's converter leaves the tensor out, or None (DeepSeek-V4's router
+    # bias of its hash-routed layers, which route by their token table instead)
+    dropped_tensor: Callable[[str, Mapping], str | None] = field(default=lambda name, config: None, repr=False)
+    # GGUF names of integer tables stored as I32 as they are (DeepSeek-V4's hash-routing tid2eid: token id ->
+    # experts), not weights: no --type applies to them
+    integer_tensors: re.Pattern | None = None
 
     def shifts_norm(self, gguf_name: str) -> bool:
         """Whether the GGUF tensor is a norm stored as `norm_shift + w`."""
@@ -167,8 +183,9 @@ class GgufArch:
             gguf_name.endswith(f".{n}.weight") for n in self.unshifted_norms)
 
     @property
-    def enum(self) -> gguf.MODEL_ARCH:
-        return _ENUM_BY_NAME[self.name]
+    def enum(self) -> gguf.MODEL_ARCH | None:
+        """gguf-py's enum of the architecture; None for one it does not name (the entry's tensor_names)."""
+        return _ENUM_BY_NAME.get(self.name)
 
 
 _ENUM_BY_NAME = {name: enum for enum, name in gguf.MODEL_ARCH_NAMES.items()}
