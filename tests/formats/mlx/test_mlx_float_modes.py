@@ -94,14 +94,17 @@ def test_mxfp4_moves_keep_the_codes(tmp_path):
     _exact_rows(report, "fp8-128x128-e8m0")  # loaded by transformers in tests/formats/fp8/test_fp8_tiles.py
 
 
-def test_mxfp8_to_compressed_tensors_fp8_group_32(tmp_path):
+def test_mxfp8_to_compressed_tensors_mxfp8(tmp_path):
+    """mlx's mxfp8 into compressed-tensors' own MXFP8 format (mxfp8-quantized, what llm-compressor's MXFP8A16
+    writes: tests/formats/compressed_tensors reads its fixture), codes and exponents kept."""
     folder = PRODUCED / "mxfp8" / "model"
     out, report = tmp_path / "ct", tmp_path / "ct.json"
     run_cli("mlx->compressed-tensors", folder, out, "--report", report)
-    _exact_rows(report, "float-quantized")
+    _exact_rows(report, "mxfp8-quantized")
     groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
-    assert [(g["weights"]["type"], g["weights"]["strategy"], g["weights"]["group_size"]) for g in groups.values()] \
-        == [("float", "group", 32)]
+    assert [(g["format"], g["weights"]["type"], g["weights"]["strategy"], g["weights"]["group_size"],
+             g["weights"]["scale_dtype"]) for g in groups.values()] \
+        == [("mxfp8-quantized", "float", "group", 32, "torch.uint8")]
     _ct_runtime_holds_our_values(out, _grids(MlxSource(folder)), "e4m3")
 
 
