@@ -369,8 +369,8 @@ class CtSource(RuntimeScales, CheckpointSource):
                 "ignore": self.rules.ignore, "schemes": schemes, "quantized_modules": len(self.modules),
                 "shards": len(self.ckpt.shards),
                 "layout": "int weights: codes = signed + 2**(b-1), packed densely LSB-first along inputs "
-                          "(weight_packed int32); fp8 / mxfp8 / nvfp4 / mxfp4 weights are float grids (e4m3 / e2m1 codes "
-                          "times block scales, nvfp4's divided by its global scale), equal to compressed-tensors' "
+                          "(weight_packed int32); fp8 / mxfp8 / nvfp4 / mxfp4 weights are float grids (e4m3 / e2m1 "
+                          "codes times block scales, nvfp4's divided by its global scale), equal to compressed-tensors' "
                           "own decompression",
                 "ignored_files": self.ignored_files}
         self.describe_runtime(desc)

@@ -9,8 +9,8 @@ config has one config group per distinct scheme, targeting its modules by exact 
 linears and lm_head in `ignore`.
 
 Float grids keep their codes: e4m3 under E8M0 exponents per 32 (OCP MXFP8) -> mxfp8-quantized (`weight`
-F8_E4M3, `weight_scale` uint8 [out, in/32], as llm-compressor's MXFP8A16 writes it); other e4m3 -> float-quantized (`weight` F8_E4M3 and `weight_scale` per tensor, channel,
-group or [rows, columns] block, as the source has them); e2m1 under E8M0 exponents per 32 -> mxfp4-pack-quantized
+F8_E4M3, `weight_scale` uint8 [out, in/32], as llm-compressor's MXFP8A16 writes it); other e4m3 -> float-quantized
+(`weight` F8_E4M3 and `weight_scale` per tensor, channel, group or [rows, columns] block, as the source has them); e2m1 under E8M0 exponents per 32 -> mxfp4-pack-quantized
 (`weight_packed` two codes a byte, even element low; `weight_scale` uint8); e2m1 under E4M3 scales per 16 ->
 nvfp4-pack-quantized (`weight_scale` F8_E4M3 and `weight_global_scale` float32 [1], which compressed-tensors
 divides the block scales by: a ModelOpt or GGUF global scale, a multiplier, is stored as its float32 reciprocal,
