@@ -155,11 +155,13 @@ class CtWriter(Writer):
     def _float_plan(self, rec: TensorRecord) -> TensorPlan | None:
         """A float grid into the first compressed-tensors float format that keeps its codes (None: none does, and
         the grid is planned as any other: requantized to pack-quantized). mxfp8-quantized is offered to OCP MXFP8
-        sources only (scales stored as E8M0: mlx mxfp8, Quark, compressed-tensors' own): an FP8 grid with
-        power-of-two scales in 128x128 blocks or per channel keeps its own layout in float-quantized, one scale
-        per block rather than one per 32."""
+        sources only (E8M0 scales per 32 of a row: mlx mxfp8, Quark, compressed-tensors' own): an FP8 grid with
+        power-of-two scales in 128x128 blocks (DeepSeek-V3.1's ue8m0) or per channel keeps its own layout in
+        float-quantized, one scale per block rather than one per 32."""
+        p = rec.params
+        mx_source = p.scales.dtype == torch.float8_e8m0fnu and p.group_size == 32 and p.block_rows == 1
         for fmt, scheme in CT_FLOAT.items():
-            if fmt == "mxfp8-quantized" and rec.params.scales.dtype != torch.float8_e8m0fnu:
+            if fmt == "mxfp8-quantized" and not mx_source:
                 continue
             d = check(rec.params, rec.shape, scheme)
             if d.keeps_codes:
