@@ -12,7 +12,9 @@ Per quantized module `<prefix>` (tensors as compressed-tensors' compressors writ
   tensor, channel, group or [rows, columns] block
   strategy, blocks at the edges padded), nvfp4-pack-quantized (`weight_packed` uint8 two e2m1 codes per byte,
   low nibble first, fp8 `weight_scale` per 16, float32 `weight_global_scale`, the divisor of every block scale)
-  and mxfp4-pack-quantized (the same packing, a uint8 E8M0 `weight_scale` per 32): float grids (codes index the
+  and mxfp4-pack-quantized (the same packing, a uint8 E8M0 `weight_scale` per 32), and mxfp8-quantized
+  (compressors/mxfp8: float-quantized's F8_E4M3 `weight`, a uint8 E8M0 `weight_scale` [out, in/32], which
+  compressed-tensors decodes to bfloat16 powers of two, decompress_mx_scale): float grids (codes index the
   element format's values; converters/records.py), whose dequantization equals compressed-tensors' own
   decompression bit for bit once rounded to its dtype (forward_helpers._dequantize: the scale over the global
   scale in float32, the product, then the cast; every fp8/fp4 product with a block scale is exact in float32).
@@ -33,7 +35,7 @@ from ...converters.model_shapes import ModelShapes
 from ..common.checkpoint import CheckpointDir, CheckpointSource
 from ...kernels.floatq import element_table, unpack_fp4
 from ..common.float_grids import RuntimeScales, refuse_unscaled_fp8
-from .schemes import FLOAT_FORMATS, FP4_FORMATS, INT_FORMATS, QuantArgs, parse_rules, unpack_dense
+from .schemes import E4M3_FORMATS, FLOAT_FORMATS, FP4_FORMATS, INT_FORMATS, QuantArgs, parse_rules, unpack_dense
 from ..common.quant_config import CheckpointConfig, read_config
 
 __all__ = ["CtSource", "open_ct", "WEIGHT_PARTS"]
@@ -116,7 +118,7 @@ class CtSource(RuntimeScales, CheckpointSource):
             if (args.fmt in INT_FORMATS) != (args.type == "int"):
                 raise BadInput(f"config group {args.group} has {args.type} weights in format {args.format_label}",
                                path=where, tensor=found["weight_scale"])
-            if args.fmt in FLOAT_FORMATS and args.num_bits != (8 if args.fmt == "float-quantized" else 4):
+            if args.fmt in FLOAT_FORMATS and args.num_bits != (8 if args.fmt in E4M3_FORMATS else 4):
                 raise BadInput(f"config group {args.group} has {args.num_bits}-bit weights in format "
                                f"{args.format_label}", path=where, tensor=found["weight_scale"])
             if args.fmt == "pack-quantized" and "weight_shape" not in found:
@@ -167,7 +169,7 @@ class CtSource(RuntimeScales, CheckpointSource):
         shape = self.ckpt.shape(wname)
         if len(shape) != 2:
             raise self._bad(f"weight shape {shape} is not 2-D", wname)
-        if args.fmt == "float-quantized":
+        if args.fmt in E4M3_FORMATS:
             self._dtype_is(wname, ("F8_E4M3",))
         else:
             self._dtype_is(wname, ("I8",))
@@ -189,8 +191,8 @@ class CtSource(RuntimeScales, CheckpointSource):
         """[out, n_groups] in the stored dtype (mxfp4's E8M0 bytes as float8_e8m0fnu); a per-tensor scale is
         expanded to every row, a block scale to every row of its block."""
         name = parts["weight_scale"]
-        allowed = {"nvfp4-pack-quantized": ("F8_E4M3",), "mxfp4-pack-quantized": ("U8",)}.get(args.fmt,
-                                                                                           tuple(_SCALE_DTYPES))
+        allowed = {"nvfp4-pack-quantized": ("F8_E4M3",), "mxfp4-pack-quantized": ("U8",),
+                   "mxfp8-quantized": ("U8",)}.get(args.fmt, tuple(_SCALE_DTYPES))
         self._dtype_is(name, allowed)
         shape = self.ckpt.shape(name)
         rows = -(-out_f // args.block_structure[0]) if args.strategy == "block" else out_f
@@ -199,7 +201,10 @@ class CtSource(RuntimeScales, CheckpointSource):
             raise self._bad(f"weight_scale shape {shape} does not match {args.strategy} strategy of a ({out_f}, "
                             f"in) weight: expected {want[0]}", name)
         s = self.ckpt.get(name)
-        if args.fmt == "mxfp4-pack-quantized":
+        if args.fmt in ("mxfp4-pack-quantized", "mxfp8-quantized"):
+            if args.fmt == "mxfp8-quantized" and bool((s == 0xFF).any()):
+                # 0xFF is E8M0's NaN; compressed-tensors would decode it to 2**128 = inf in bfloat16
+                raise self._bad("an E8M0 scale is 0xFF (NaN)", name)
             s = s.view(torch.float8_e8m0fnu)
         if args.strategy == "block":
             return s.repeat_interleave(args.block_structure[0], dim=0)[:out_f].contiguous()
@@ -298,7 +303,7 @@ class CtSource(RuntimeScales, CheckpointSource):
     def _float_params(self, args: QuantArgs, parts: dict[str, str], scales: torch.Tensor, group: int) -> GridParams:
         """A float grid: e4m3 codes (float-quantized) or e2m1 codes (fp4 formats), nvfp4's global scale the
         divisor of its block scales (forward_helpers._dequantize: scale / global_scale)."""
-        element = "e4m3" if args.fmt == "float-quantized" else "e2m1"
+        element = "e4m3" if args.fmt in E4M3_FORMATS else "e2m1"
         global_scale = None
         if args.fmt == "nvfp4-pack-quantized":
             gname = parts["weight_global_scale"]
@@ -315,7 +320,7 @@ class CtSource(RuntimeScales, CheckpointSource):
     def _load_grid(self, prefix: str) -> Grid:
         args, parts = self.modules[prefix]
         params, (out_f, in_f) = self._params(prefix)
-        if args.fmt == "float-quantized":
+        if args.fmt in E4M3_FORMATS:
             return Grid(params, codes=self.ckpt.get(parts["weight"]).view(torch.uint8))
         if args.fmt in FP4_FORMATS:
             return Grid(params, codes=unpack_fp4(self.ckpt.get(parts["weight_packed"])))
@@ -364,8 +369,8 @@ class CtSource(RuntimeScales, CheckpointSource):
                 "ignore": self.rules.ignore, "schemes": schemes, "quantized_modules": len(self.modules),
                 "shards": len(self.ckpt.shards),
                 "layout": "int weights: codes = signed + 2**(b-1), packed densely LSB-first along inputs "
-                          "(weight_packed int32); fp8 / nvfp4 / mxfp4 weights are float grids (e4m3 / e2m1 codes "
-                          "times block scales, nvfp4's divided by its global scale), equal to compressed-tensors' "
+                          "(weight_packed int32); fp8 / mxfp8 / nvfp4 / mxfp4 weights are float grids (e4m3 / e2m1 "
+                          "codes times block scales, nvfp4's divided by its global scale), equal to compressed-tensors' "
                           "own decompression",
                 "ignored_files": self.ignored_files}
         self.describe_runtime(desc)

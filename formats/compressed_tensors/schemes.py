@@ -39,13 +39,16 @@ from ...kernels.triton import route as triton_route
 from ..common import block_schemes  # noqa: F401  (registers the float-block family its float targets follow)
 
 __all__ = ["QuantArgs", "ModuleRules", "parse_rules", "pack_dense", "unpack_dense", "CT_PACK", "READ_FORMATS",
-           "STRATEGIES", "INT_FORMATS", "FLOAT_FORMATS", "FP4_FORMATS", "CT_FLOAT"]
+           "STRATEGIES", "INT_FORMATS", "FLOAT_FORMATS", "FP4_FORMATS", "E4M3_FORMATS", "MX_GROUP", "CT_FLOAT"]
 
 # formats this reader reads (config `format`, global or per group)
 INT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
 # float element formats, read as float grids (converters/records.py): float-quantized (fp8 e4m3 `weight`),
-# nvfp4-pack-quantized and mxfp4-pack-quantized (two e2m1 codes a byte in `weight_packed`)
-FLOAT_FORMATS = ("float-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
+# nvfp4-pack-quantized and mxfp4-pack-quantized (two e2m1 codes a byte in `weight_packed`), mxfp8-quantized
+# (compressors/mxfp8: float-quantized's F8_E4M3 `weight` with a uint8 E8M0 `weight_scale` per 32)
+FLOAT_FORMATS = ("float-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized", "mxfp8-quantized")
+E4M3_FORMATS = ("float-quantized", "mxfp8-quantized")  # an unpacked F8_E4M3 `weight`
+MX_GROUP = 32  # OCP MX: one E8M0 exponent per 32 elements of a row
 FP4_FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized")
 READ_FORMATS = INT_FORMATS + FLOAT_FORMATS + ("dense",)
 STRATEGIES = ("tensor", "channel", "group")  # what a weight's scales may be laid out as here
@@ -106,6 +109,10 @@ def _weights_args(view: ConfigView, fmt: str, group: str) -> QuantArgs:
     if strategy is None:  # QuantizationArgs.validate_model_after
         strategy = "tensor" if group_size is None else ("group" if group_size > 0 else "channel")
     strategy = strategy.lower()
+    if fmt == "mxfp8-quantized" and (qtype, bits, strategy, group_size) != ("float", 8, "group", MX_GROUP):
+        # MXFP8QuantizationCompressor.can_compress: 8-bit float weights in groups of 32 (E8M0 exponents)
+        raise BadInput(f"{w.prefix} is {qtype} {bits}-bit, strategy {strategy!r}, group_size {group_size}: "
+                       f"mxfp8-quantized is 8-bit float weights in groups of {MX_GROUP}", path=view.path)
     if strategy not in _ALL_STRATEGIES:
         raise BadInput(f"{w.prefix}strategy is {strategy!r}: compressed-tensors defines "
                        f"{', '.join(_ALL_STRATEGIES)}", path=view.path)
@@ -329,9 +336,12 @@ def _ct_fp8(src, shape, s: TargetScheme, native, prefer_groups=()) -> Decision:
 register_family("ct-fp8", _ct_fp8, takes_codebooks=True)
 
 # the float formats, tried in this order for a float grid (the float-block family, formats/common/block_schemes.py,
-# decides the fp4 ones from the scale values): mxfp4 (E8M0 exponents per 32), nvfp4 (E4M3 per 16 over a global
-# divisor)
+# decides the MX and fp4 ones from the scale values): mxfp8 (e4m3 under E8M0 exponents per 32: what llm-compressor's
+# MXFP8 schemes write), float-quantized (any other e4m3 grid), mxfp4 (E8M0 exponents per 32), nvfp4 (E4M3 per 16
+# over a global divisor)
 CT_FLOAT = {
+    "mxfp8-quantized": TargetScheme("mxfp8-quantized", "float-block", bits=8, group=MX_GROUP, block=MX_GROUP,
+                                    scale="e8m0", element="e4m3"),
     "float-quantized": TargetScheme("float-quantized", "ct-fp8", bits=8, scale="source", element="e4m3"),
     "mxfp4-pack-quantized": TargetScheme("mxfp4-pack-quantized", "float-block", bits=4, group=32, block=32,
                                          scale="e8m0", element="e2m1"),

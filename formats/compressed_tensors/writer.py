@@ -8,8 +8,9 @@ grid weight_zero_point int32 [ceil(out*b/32), G] (the unsigned zero points packe
 config has one config group per distinct scheme, targeting its modules by exact name, and the unquantized
 linears and lm_head in `ignore`.
 
-Float grids keep their codes: e4m3 -> float-quantized (`weight` F8_E4M3 and `weight_scale` per tensor, channel,
-group or [rows, columns] block, as the source has them); e2m1 under E8M0 exponents per 32 -> mxfp4-pack-quantized
+Float grids keep their codes: e4m3 under E8M0 exponents per 32 (OCP MXFP8) -> mxfp8-quantized (`weight`
+F8_E4M3, `weight_scale` uint8 [out, in/32], as llm-compressor's MXFP8A16 writes it); other e4m3 -> float-quantized
+(`weight` F8_E4M3 and `weight_scale` per tensor, channel, group or [rows, columns] block, as the source has them); e2m1 under E8M0 exponents per 32 -> mxfp4-pack-quantized
 (`weight_packed` two codes a byte, even element low; `weight_scale` uint8); e2m1 under E4M3 scales per 16 ->
 nvfp4-pack-quantized (`weight_scale` F8_E4M3 and `weight_global_scale` float32 [1], which compressed-tensors
 divides the block scales by: a ModelOpt or GGUF global scale, a multiplier, is stored as its float32 reciprocal,
@@ -153,8 +154,15 @@ class CtWriter(Writer):
 
     def _float_plan(self, rec: TensorRecord) -> TensorPlan | None:
         """A float grid into the first compressed-tensors float format that keeps its codes (None: none does, and
-        the grid is planned as any other: requantized to pack-quantized)."""
+        the grid is planned as any other: requantized to pack-quantized). mxfp8-quantized is offered to OCP MXFP8
+        sources only (E8M0 scales per 32 of a row: mlx mxfp8, Quark, compressed-tensors' own): an FP8 grid with
+        power-of-two scales in 128x128 blocks (DeepSeek-V3.1's ue8m0) or per channel keeps its own layout in
+        float-quantized, one scale per block rather than one per 32."""
+        p = rec.params
+        mx_source = p.scales.dtype == torch.float8_e8m0fnu and p.group_size == 32 and p.block_rows == 1
         for fmt, scheme in CT_FLOAT.items():
+            if fmt == "mxfp8-quantized" and not mx_source:
+                continue
             d = check(rec.params, rec.shape, scheme)
             if d.keeps_codes:
                 return self.plan(rec, d, fmt, action=CtAction(float_format=fmt))
@@ -228,7 +236,16 @@ class CtSession(WriterSession):
         args = {"num_bits": p.bits, "type": "float", "symmetric": True, "dynamic": False, "actorder": None,
                 "observer": "memoryless_minmax", "observer_kwargs": {}, "zp_dtype": None, "scale_dtype": None,
                 "block_structure": None, "group_size": None}
-        if fmt == "float-quantized":
+        if fmt == "mxfp8-quantized":
+            # compressors/mxfp8: the E4M3 codes as they are, one uint8 E8M0 exponent per 32 (the checker made
+            # sure each group's scale is a power of two an E8M0 byte holds)
+            scales = float_to_e8m0(p.folded_scales()[:, torch.arange(0, in_f, 32) // p.group_size]).contiguous()
+            put(f"{prefix}.weight", grid.codes.view(torch.float8_e4m3fn))
+            put(f"{prefix}.weight_scale", scales)
+            args.update(strategy="group", group_size=32, scale_dtype="torch.uint8")
+            e = scales.view(torch.float8_e8m0fnu).to(torch.float32)
+            values = (p.codebook[grid.codes.to(torch.int64)].view(out_f, -1, 32) * e[..., None]).view(out_f, in_f)
+        elif fmt == "float-quantized":
             put(f"{prefix}.weight", grid.codes.view(torch.float8_e4m3fn))
             # E8M0 exponents (OCP MXFP8) as float32, which holds every one exactly (the checker's _ct_fp8)
             s = p.scales.to(torch.float32) if p.scales.dtype == torch.float8_e8m0fnu else p.scales

@@ -28,7 +28,8 @@ from ...converters.records import GridParams
 from ..common import block_schemes  # noqa: F401  (registers the float-block family MLX_MXFP4 is decided by)
 from .packing import MLX_BITS, MLX_GROUPS, packed_words
 
-__all__ = ["FAMILY", "MLX_MXFP4", "MlxType", "parse_mlx_type", "mlx_scheme", "check_mlx", "bits_for", "TYPE_HELP"]
+__all__ = ["FAMILY", "MLX_MXFP4", "MLX_MXFP8", "MLX_FLOAT_MODES", "MlxType", "parse_mlx_type", "mlx_scheme",
+           "check_mlx", "bits_for", "TYPE_HELP"]
 
 FAMILY = "mlx"
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -71,6 +72,11 @@ def bits_for(source_bits: int) -> int | None:
 # family (formats/common/block_schemes.py) decides it from the scale values: an E2M1 grid whose 32-blocks' scales
 # are powers of two keeps its codes and exponents; anything else is not written in this mode
 MLX_MXFP4 = TargetScheme("mlx mxfp4", "float-block", bits=4, group=32, block=32, scale="e8m0", element="e2m1")
+# mlx's mxfp8 mode, the same with E4M3 codes (one byte each): an OCP MXFP8 grid (compressed-tensors mxfp8-quantized,
+# AMD Quark MXFP8, mlx's own) keeps its codes and exponents
+MLX_MXFP8 = TargetScheme("mlx mxfp8", "float-block", bits=8, group=32, block=32, scale="e8m0", element="e4m3")
+# element format -> (mlx quantize mode, its scheme): the float modes a float grid may be written in
+MLX_FLOAT_MODES = {"e2m1": ("mxfp4", MLX_MXFP4), "e4m3": ("mxfp8", MLX_MXFP8)}
 
 
 def mlx_scheme(bits: int, group: int, store: torch.dtype) -> TargetScheme:

@@ -12,7 +12,9 @@ runner's measured error is the error mlx-lm sees.
 
 An E2M1 float grid whose scales are E8M0 exponents per 32 (any MXFP4 source: gpt-oss, Quark, compressed-tensors,
 GGUF MXFP4, mlx's own mxfp4) is written in mlx's `mxfp4` mode instead, codes and exponents kept: `weight` uint32
-of nibbles (LSB first), `scales` uint8, no biases, the module's quantization entry `mode: "mxfp4"`.
+of nibbles (LSB first), `scales` uint8, no biases, the module's quantization entry `mode: "mxfp4"`; an E4M3 one
+(OCP MXFP8: compressed-tensors mxfp8-quantized, AMD Quark MXFP8, mlx's own) in mlx's `mxfp8` mode the same way,
+four E4M3 bytes a uint32 word.
 
 config.json gets mlx-lm's `quantization` (the most common bits/group as the default, a per-module entry
 for every other one, false for linears left dense) and its copy `quantization_config`, as mlx-lm's
@@ -35,7 +37,7 @@ from ...kernels.dequant import dequantize_grid_torch
 from ...kernels.floatq import float_to_e8m0
 from ..common.checkpoint import ShardWriter, copy_side_files, write_json
 from .packing import mlx_affine_quantize, pack_mlx
-from .schemes import MLX_MXFP4, bits_for, mlx_scheme, parse_mlx_type
+from .schemes import MLX_FLOAT_MODES, bits_for, mlx_scheme, parse_mlx_type
 
 __all__ = ["MlxWriter", "model_dtype"]
 
@@ -85,10 +87,11 @@ class MlxWriter(Writer):
         store = self.store or model_dtype(source.config or {})
         explicit = options.explicit_type(rec.name) or options.type
         want = parse_mlx_type(explicit) if explicit else None
-        if rec.is_grid and want is None and rec.params.element == "e2m1":
-            d = decide(rec.params, rec.shape, MLX_MXFP4)
+        if rec.is_grid and want is None and rec.params.element in MLX_FLOAT_MODES:
+            mode, scheme = MLX_FLOAT_MODES[rec.params.element]
+            d = decide(rec.params, rec.shape, scheme)
             if d.verdict == EXACT and d.keeps_codes:
-                return self.plan(rec, d, "mlx mxfp4 g32", action=MlxAction(4, 32, True, "mxfp4"))
+                return self.plan(rec, d, f"mlx {mode} g32", action=MlxAction(scheme.bits, 32, True, mode))
         if rec.is_grid:
             p = rec.params
             bits = want.bits if want else (bits_for(p.bits) or 8)
@@ -138,8 +141,8 @@ class MlxSession(WriterSession):
             return tensor.to(torch.float32)
         bits, group = action.bits, action.group
         prefix = plan.name[: -len(".weight")]
-        if action.mode == "mxfp4":
-            return self._add_mxfp4(prefix, item)
+        if action.mode != "affine":
+            return self._add_float_mode(prefix, item, action)
         if action.keep:
             codes, scales, biases = self._kept(item, group)
         else:
@@ -152,15 +155,16 @@ class MlxSession(WriterSession):
         return dequantize_grid_torch(codes, scales, torch.zeros_like(scales), group, None, torch.float32,
                                      mins=biases, compute_dtype=self.store)
 
-    def _add_mxfp4(self, prefix: str, grid: Grid) -> torch.Tensor:
-        """mlx's mxfp4 mode: the E2M1 codes and one E8M0 exponent per 32 (the checker made sure every scale is
-        a power of two held exactly); what mlx decodes is code value times 2**(e - 127), exact in float32."""
+    def _add_float_mode(self, prefix: str, grid: Grid, action: MlxAction) -> torch.Tensor:
+        """mlx's mxfp4 / mxfp8 mode: the E2M1 / E4M3 codes and one E8M0 exponent per 32 (the checker made sure
+        every scale is a power of two held exactly); what mlx decodes is code value times 2**(e - 127), exact in
+        float32 (mx.dequantize(..., dtype=float32))."""
         p = grid.params
         out_f, in_f = grid.shape
         e8m0 = float_to_e8m0(p.folded_scales()[:, torch.arange(0, in_f, 32) // p.group_size]).contiguous()
-        self.shards.put(f"{prefix}.weight", pack_mlx(grid.codes, 4))
+        self.shards.put(f"{prefix}.weight", pack_mlx(grid.codes, action.bits))
         self.shards.put(f"{prefix}.scales", e8m0)
-        self.schemes[prefix] = (4, 32, "mxfp4")
+        self.schemes[prefix] = (action.bits, 32, action.mode)
         e = e8m0.view(torch.float8_e8m0fnu).to(torch.float32)
         return (p.codebook[grid.codes.to(torch.int64)].view(out_f, -1, 32) * e[..., None]).view(out_f, in_f)
 

@@ -74,6 +74,8 @@ CASES = {
     "fp8_block": ("rtn", dict(scheme="FP8_BLOCK")),
     # MXFP4 weights (e2m1, an e8m0 exponent per 32) (mxfp4-pack-quantized)
     "mxfp4a16": ("rtn", dict(scheme="MXFP4A16")),
+    # MXFP8 weights (e4m3, an e8m0 exponent per 32; mxfp8-quantized: F8_E4M3 `weight`, uint8 `weight_scale`)
+    "mxfp8a16": ("rtn", dict(scheme="MXFP8A16")),
     # weight-only FP8 (no input activations): compressed-tensors' infer_module_format gives these
     # naive-quantized, not float-quantized (FloatQuantizationCompressor.can_compress needs input activations),
     # and stores the same F8_E4M3 `weight` + `weight_scale`: blocks of 64 rows x 32 columns, per channel, per tensor

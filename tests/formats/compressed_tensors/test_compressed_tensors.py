@@ -482,6 +482,30 @@ def test_a_scattered_g_idx_is_read_as_act_order(tmp_path):
     expect_user_error("ct->gguf", src, tmp_path, "refused", "--allow-requant")
 
 
+def test_bad_mxfp8_input_is_refused_naming_the_file_and_tensor(tmp_path):
+    """mxfp8-quantized (llm-compressor's MXFP8A16): a float scale, E8M0's NaN byte and a group other than 32 are
+    refused by the reader, each naming where; the first through the CLI too (one line, exit 2)."""
+    from qconvert.converters.errors import BadInput
+
+    cases = [
+        ("scale-dtype", lambda src: edit_safetensors(src / "model.safetensors", lambda t: t.__setitem__(
+            f"{Q}.weight_scale", t[f"{Q}.weight_scale"].to(torch.float16))),
+         ("dtype F16 is not U8", f"{Q}.weight_scale")),
+        ("nan-scale", lambda src: edit_safetensors(src / "model.safetensors", lambda t: t[f"{Q}.weight_scale"]
+                                                   .__setitem__((0, 0), 255)), ("0xFF", f"{Q}.weight_scale")),
+        ("group-64", lambda src: _edit_config(src, lambda qc: qc["config_groups"]["group_0"]["weights"].__setitem__(
+            "group_size", 64)), ("config.json", "mxfp8-quantized is 8-bit float weights in groups of 32")),
+    ]
+    for i, (case, edit, needles) in enumerate(cases):
+        src = _copy("mxfp8a16", tmp_path / case)
+        edit(src)
+        with pytest.raises(BadInput) as err:
+            list(CtSource(src).records())
+        assert all(n in str(err.value) for n in needles), (case, str(err.value))
+        if i == 0:
+            expect_user_error("ct->mlx", src, tmp_path / case, *needles)
+
+
 def test_wrong_quant_method_and_ignored_module_are_refused(tmp_path):
     src = _copy("w4a16_g32_sym", tmp_path)
     _edit_config(src, lambda qc: qc["ignore"].append(Q))

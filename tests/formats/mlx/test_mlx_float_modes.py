@@ -94,15 +94,26 @@ def test_mxfp4_moves_keep_the_codes(tmp_path):
     _exact_rows(report, "fp8-128x128-e8m0")  # loaded by transformers in tests/formats/fp8/test_fp8_tiles.py
 
 
-def test_mxfp8_to_compressed_tensors_fp8_group_32(tmp_path):
+def test_mxfp8_to_compressed_tensors_mxfp8(tmp_path):
+    """mlx's mxfp8 into compressed-tensors' own MXFP8 format (mxfp8-quantized, what llm-compressor's MXFP8A16
+    writes: tests/formats/compressed_tensors reads its fixture), codes and exponents kept."""
     folder = PRODUCED / "mxfp8" / "model"
     out, report = tmp_path / "ct", tmp_path / "ct.json"
     run_cli("mlx->compressed-tensors", folder, out, "--report", report)
-    _exact_rows(report, "float-quantized")
+    _exact_rows(report, "mxfp8-quantized")
     groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
-    assert [(g["weights"]["type"], g["weights"]["strategy"], g["weights"]["group_size"]) for g in groups.values()] \
-        == [("float", "group", 32)]
+    assert [(g["format"], g["weights"]["type"], g["weights"]["strategy"], g["weights"]["group_size"],
+             g["weights"]["scale_dtype"]) for g in groups.values()] \
+        == [("mxfp8-quantized", "float", "group", 32, "torch.uint8")]
     _ct_runtime_holds_our_values(out, _grids(MlxSource(folder)), "e4m3")
+    # and back: compressed-tensors' MXFP8 into mlx's mxfp8 mode gives mlx's own words and exponents byte for byte
+    # (mlx-lm loading an mxfp8 folder we write: test_mx_sources_write_mlx_float_modes)
+    back, report = tmp_path / "back", tmp_path / "back.json"
+    run_cli("compressed-tensors->mlx", out, back, "--report", report)
+    _exact_rows(report, "mlx mxfp8 g32")
+    want, mine = load_file(str(folder / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    kept = [k for k in want if k.rsplit(".", 1)[0] + ".scales" in want and not k.startswith(("model.embed", "lm_head"))]
+    assert len(kept) == 28 and all(torch.equal(want[k], mine[k]) for k in kept), kept
 
 
 @pytest.mark.parametrize("case", ["biases", "scale_dtype", "bits"])
@@ -128,32 +139,39 @@ def test_bad_float_mode_input_is_one_line(tmp_path, case):
     expect_user_error("mlx->compressed-tensors", src, tmp_path, *needles)
 
 
-def test_mxfp4_sources_write_mlx_mxfp4_mode(tmp_path):
-    """Any MXFP4 grid (here AMD Quark's export) is written in mlx's mxfp4 mode with its codes and exponents,
-    mlx-lm loads it and mx.dequantize gives the source's values bit for bit; mlx's own mxfp4 round-trips
-    tensor for tensor."""
-    import subprocess
-
+def _quark(case: str):
     from qconvert.formats.quark.reader import QuarkSource
 
-    quark = PRODUCED.parent / "quark" / "mxfp4"
+    return PRODUCED.parent / "quark" / case, QuarkSource
+
+
+@pytest.mark.parametrize("pair, source, mode", [
+    ("quark->mlx", lambda: _quark("mxfp4"), "mxfp4"),  # AMD Quark's export (amd-quark 0.13)
+    ("quark->mlx", lambda: _quark("mxfp8"), "mxfp8"),  # Quark's MXFP8, built from its layout (no export on CPU)
+])
+def test_mx_sources_write_mlx_float_modes(pair, source, mode, tmp_path):
+    """Any MXFP4 / MXFP8 grid is written in mlx's mxfp4 / mxfp8 mode with its codes and exponents, mlx-lm loads
+    it and mx.dequantize gives the source's values bit for bit; mlx's own folder of that mode round-trips byte
+    for byte."""
+    import subprocess
+
+    folder, reader = source()
     out, report = tmp_path / "mlx", tmp_path / "r.json"
-    run_cli("quark->mlx", quark, out, "--report", report)
-    assert len(_exact_rows(report, "mlx mxfp4 g32", 7)) == 7
-    assert json.loads((out / "config.json").read_text())["quantization"]["mode"] == "mxfp4"
+    run_cli(pair, folder, out, "--report", report)
+    assert len(_exact_rows(report, f"mlx {mode} g32", 7)) == 7
+    assert json.loads((out / "config.json").read_text())["quantization"]["mode"] == mode
     mlx_py = PRODUCED.parents[1].parent / ".venvs" / "mlx" / "bin" / "python"
     driver = PRODUCED.parents[1] / "support" / "mlx_driver.py"
     proc = subprocess.run([str(mlx_py), str(driver), "load", str(out), str(tmp_path / "mx.st"), json.dumps(PROMPT)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     modules = json.loads(proc.stdout)["quantized"]
-    assert len(modules) == 7 and {m["mode"] for m in modules.values()} == {"mxfp4"}
+    assert len(modules) == 7 and {m["mode"] for m in modules.values()} == {mode}
     got = load_file(str(tmp_path / "mx.st"))
     assert np.isfinite(got["__logits__"].numpy()).all()
-    for name, rec in _grids(QuarkSource(quark)).items():
+    for name, rec in _grids(reader(folder)).items():
         assert torch.equal(_bits(got[name]), _bits(rec.load().dequantize(torch.float32))), name
-
     back = tmp_path / "back"
-    run_cli("mlx->mlx", PRODUCED / "mxfp4" / "model", back)
-    want, mine = load_file(str(PRODUCED / "mxfp4" / "model" / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    run_cli("mlx->mlx", PRODUCED / mode / "model", back)
+    want, mine = load_file(str(PRODUCED / mode / "model" / "model.safetensors")), load_file(str(back / "model.safetensors"))
     assert sorted(want) == sorted(mine) and all(torch.equal(want[k], mine[k]) for k in want)

@@ -96,8 +96,12 @@ def _rewrite_tensors(src: Path, fn) -> None:
 
 Q = "model.layers.0.mlp.down_proj"  # the first quantized module of the file
 BAD = {
-    "mxfp8-scheme": (lambda src: _rewrite_config(src, lambda qc: qc["global_quant_config"]["weight"].update(
-        dtype="fp8_e4m3")), ("global_quant_config.weight", "fp8_e4m3", "model.safetensors", f"{Q}.weight")),
+    "mxfp6-scheme": (lambda src: _rewrite_config(src, lambda qc: qc["global_quant_config"]["weight"].update(
+        dtype="fp6_e2m3")), ("global_quant_config.weight", "fp6_e2m3", "model.safetensors", f"{Q}.weight")),
+    # MXFP4's packed nibbles under an MXFP8 config: one code a byte would make half the inputs the scales describe
+    "mxfp8-label-on-mxfp4-codes": (lambda src: _rewrite_config(src, lambda qc: qc["global_quant_config"]["weight"]
+                                                               .update(dtype="fp8_e4m3")),
+                                   ("scale shape", f"{Q}.weight_scale")),
     "excluded-but-quantized": (lambda src: _rewrite_config(src, lambda qc: qc["layer_quant_config"].update(
         {f"{Q}": {"weight": None}})), ("not quantized", f"{Q}.weight", "model.safetensors")),
     "scale-shape": (lambda src: _rewrite_tensors(src, lambda t: t.update(
@@ -123,3 +127,60 @@ def test_bad_quark_input_is_refused_naming_the_file_and_tensor(tmp_path):
             assert needle in str(err.value), (case, needle, str(err.value))
         if i == 0:
             expect_user_error("quark->gguf", src, tmp_path, *needles)
+
+
+# -- OCP MXFP8 ---------------------------------------------------------------------------------------------
+# amd-quark 0.13 quantizes MXFP8 on the CPU but cannot export it real-quantized (real_quantize_fp8_e4m3 raises for
+# per_group): the fixture is Quark's quantization and config with the files built from the documented layout, its
+# oracle Quark's fake-quantized weights (scripts/producers/quark.py asserts the built codes decode to them)
+QUARK8 = TESTS / "producer_fixtures" / "quark" / "mxfp8"
+
+
+def test_mxfp8_reads_equal_quarks_own_dequantization():
+    oracle = json.loads((QUARK8 / "oracle.json").read_text())["weights_before_export"]
+    grids = _grids(QuarkSource(QUARK8))
+    assert sorted(grids) == sorted(oracle) and len(grids) == 7
+    for name, rec in grids.items():
+        assert rec.params.element == "e4m3" and rec.params.scales.dtype == torch.float8_e8m0fnu, name
+        assert _sha(rec.load().dequantize(torch.float32)) == oracle[name]["sha256"], name
+
+
+def test_mxfp8_to_compressed_tensors_loads_in_transformers_with_quarks_weights(tmp_path):
+    """Codes and exponents kept in compressed-tensors' mxfp8-quantized, transformers + compressed-tensors
+    decompress them to Quark's values (in bf16, as compressors/mxfp8 decodes)."""
+    from ct_runtime import _as_runtime, _ct_model
+
+    out, report = tmp_path / "ct", tmp_path / "r.json"
+    run_cli("quark->compressed-tensors", QUARK8, out, "--report", report)
+    rows = [r for r in json.loads(report.read_text())["tensors"] if r["target"] == "mxfp8-quantized"]
+    assert len(rows) == 7 and all(r["verdict"] == EXACT and r["max_abs_err"] == 0.0 for r in rows), rows
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "mxfp8-quantized"
+    params = {n: t.detach() for n, t in _ct_model(out, dtype=torch.float32).named_parameters()}
+    source = _grids(QuarkSource(QUARK8))
+    written = _grids(CtSource(out))
+    assert sorted(written) == sorted(source)
+    for name, rec in written.items():
+        assert torch.equal(rec.load().codes, source[name].load().codes), name
+        assert torch.equal(rec.load().dequantize(torch.float32), source[name].load().dequantize(torch.float32)), name
+        assert torch.equal(_as_runtime(rec, params[name].dtype), params[name]), name
+
+
+def test_mxfp8_to_gguf_verdicts(tmp_path):
+    """GGUF has no MXFP8 type: Q8_0 (int8 codes under an fp16 scale per 32) does not hold E4M3 values times a
+    power of two, so the default type is refused with the aligned choice; F32 holds every value and BF16 every one
+    above 2**-133, written exact (the checker decides from the values) and read back equal."""
+    proc = run_cli("quark->gguf", QUARK8, tmp_path / "refused.gguf", check_rc=2)
+    err = proc.stderr.strip()
+    assert "lossy requantization to Q8_0" in err and "e4m3 float codes are not a uniform grid" in err, err
+    assert "aligned choice: --type f32 (exact)" in err and not (tmp_path / "refused.gguf").exists(), err
+    from qconvert.formats.gguf.reader import GgufSource
+
+    out, report = tmp_path / "m.gguf", tmp_path / "r.json"
+    run_cli("quark->gguf", QUARK8, out, "--type", "bf16", "--report", report)
+    rows = [r for r in json.loads(report.read_text())["tensors"] if r["source"] == "mxfp8 g32"]
+    assert len(rows) == 7 and all(r["target"] == "BF16" and r["verdict"] == EXACT and r["max_abs_err"] == 0.0
+                                  for r in rows), rows
+    back = {r.name: r for r in GgufSource(out).records()}  # q/k rows un-permuted to Hugging Face's order
+    for name, rec in _grids(QuarkSource(QUARK8)).items():
+        got = back[name].load().dequantize(torch.float32)
+        assert torch.equal(got, rec.load().dequantize(torch.float32)), name
