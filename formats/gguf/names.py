@@ -22,6 +22,7 @@ import torch
 
 from ...converters.errors import BadInput, QConvertError
 from .archs import arch_by_name, arch_for_config, expert_name, registered, supported_classes
+from .archs.mtp import nextn_gguf_name, nextn_hf_module
 from .hparams import head_dim
 
 __all__ = [
@@ -116,6 +117,9 @@ def gguf_tensor_name(hf_name: str, arch: str, n_layers: int) -> str | None:
     base, layer = _split_index(hf_name)
     if layer is not None and layer >= int(n_layers):
         return None
+    mtp = arch_by_name(arch).mtp if arch_by_name(arch) else None
+    if mtp is not None and mtp.kept and nextn_gguf_name(hf_name) is not None:  # an MTP block's own tensor (mtp.py)
+        return nextn_gguf_name(hf_name)
     found = _name_map(arch).get_type_and_name(base, try_suffixes=(".weight", ".bias"))
     if found is None or found[0] in _NOT_LOADED:
         return None
@@ -174,6 +178,9 @@ def hf_tensor_name(gguf_name: str, arch: str, n_layers: int) -> str | None:
     base, layer = _split_index(gguf_name)
     if layer is not None and layer >= int(n_layers):
         return None
+    mtp = arch_by_name(arch).mtp if arch_by_name(arch) else None
+    if mtp is not None and mtp.kept and nextn_hf_module(gguf_name) is not None:  # an MTP block's own tensor
+        return nextn_hf_module(gguf_name)
     inv = _inverse_map(arch)
     hf = None
     for suffix in (".weight", ".bias"):

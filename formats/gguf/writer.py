@@ -222,7 +222,23 @@ def _parse_type(text: str) -> str:
     return key
 
 
-def preset_facts(records, source, arch: str, n_layers: int, options: Options) -> ModelFacts:
+def _gguf_name(hf_name: str, spec, n_layers: int, keep_mtp: bool) -> str | None:
+    """The GGUF name of a record: a kept MTP block's (named as the layers after the trunk by adapt_records) as
+    block num_hidden_layers + i, every other as gguf_tensor_name maps it within the trunk."""
+    if keep_mtp and spec.mtp.is_mtp(hf_name, n_layers):
+        return gguf_tensor_name(hf_name, spec.name, (layer_index(hf_name) or 0) + 1)
+    return gguf_tensor_name(hf_name, spec.name, n_layers)
+
+
+_BLOCK_INDEX = re.compile(r"^blk\.(0|[1-9][0-9]*)\.")
+
+
+def _mtp_layers(plans: list[TensorPlan], n_layers: int) -> int:
+    """The blocks after the trunk the planned tensors fill (a kept MTP block's)."""
+    return len({int(m[1]) for p in plans if (m := _BLOCK_INDEX.match(p.out_name or "")) and int(m[1]) >= n_layers})
+
+
+def preset_facts(records, source, arch: str, n_layers: int, options: Options, keep_mtp: bool = False) -> ModelFacts:
     """What llama-quantize's rules look at (presets.model_facts_from_gguf_names), from the GGUF tensors
     these records will make: their names and shapes (experts stacked), the head counts as the GGUF
     states them (MLA: one KV head) and the tensors --tensor-type fixes (left out of llama.cpp's counters).
@@ -234,7 +250,7 @@ def preset_facts(records, source, arch: str, n_layers: int, options: Options) ->
     for rec in records:
         if spec.tied_output_dropped and rec.name == "lm_head.weight":
             continue
-        name = gguf_tensor_name(rec.name, arch, n_layers)
+        name = _gguf_name(rec.name, spec, n_layers, keep_mtp)
         if name is None or _DROPPED.search(rec.name):
             continue
         # a stacked tensor's shape; a config without an expert count is refused by _expert_count
@@ -244,7 +260,11 @@ def preset_facts(records, source, arch: str, n_layers: int, options: Options) ->
     cfg = ConfigView(source.config, config_json_path(source))
     heads = cfg.int("num_attention_heads", lo=1, hi=1 << 14)
     kv_heads = 1 if spec.mla else cfg.int("num_key_value_heads", default=heads, lo=1, hi=heads)
-    return model_facts_from_gguf_names(shapes, arch, n_layers, heads, kv_heads, n_expert, manual=manual)
+    # llama-quantize's layer count is the file's block_count, kept MTP blocks included
+    blocks = n_layers + len({int(m[1]) for n in shapes if (m := _BLOCK_INDEX.match(n)) and int(m[1]) >= n_layers})
+    if keep_mtp:
+        blocks = n_layers + (spec.mtp.count(source.config, blocks - n_layers) or 0)
+    return model_facts_from_gguf_names(shapes, arch, blocks, heads, kv_heads, n_expert, manual=manual)
 
 
 def _choose_type(explicit, options: Options, facts: ModelFacts | None, out_name: str, shape, default: str | None,
@@ -332,15 +352,18 @@ class GgufWriter(Writer):
     output_is_file = True
     copies_side_files = False  # the tokenizer goes into GGUF keys (tokenizer.py), read and checked there
 
-    def __init__(self, arch: tuple[str, int] | None = None):
+    def __init__(self, arch: tuple[str, int] | None = None, keep_mtp: bool = True):
         self._arch_of_source = arch  # set by for_conversion: (GGUF architecture, layer count) of this model
+        # the model's multi-token-prediction block is kept where llama.cpp's converter keeps it (False: --no-mtp)
+        self._keep_mtp = keep_mtp
         self._facts: ModelFacts | None = None  # llama-quantize's view of the model, when --type names a mix
         self._tokenizer: dict | None = None  # the tokenizer keys, built once (check_model) for the session
 
     def for_conversion(self, source, options: Options) -> "GgufWriter":
         """The writer for one conversion, holding the model's architecture (read once from config.json)."""
         where = config_json_path(source)
-        return GgufWriter((gguf_arch(source.config, where), layer_count(source.config, where)))
+        return GgufWriter((gguf_arch(source.config, where), layer_count(source.config, where)),
+                          keep_mtp=not options.extra.get("no_mtp"))
 
     def alternative_hint(self, scheme: str, verdict: str) -> str:
         return f"--type {scheme.lower()} ({verdict})"
@@ -351,7 +374,7 @@ class GgufWriter(Writer):
         facts taken before planning; otherwise each record is planned as it arrives."""
         if preset_of(options.type) is not None and self._facts is None:
             records = list(records)
-            self._facts = preset_facts(records, source, *self._arch(source), options)
+            self._facts = preset_facts(records, source, *self._arch(source), options, self._keeps_mtp(source))
         return super().plan_records(records, options, source)
 
     def _arch(self, source) -> tuple[str, int]:
@@ -363,9 +386,14 @@ class GgufWriter(Writer):
         """The source's records with DeepSeek's kv_b_proj split into the k_b / v_b halves llama.cpp's MLA
         loads (archs.split_kv_b), fused experts split into their stacks (gpt-oss's transposed, interleaved
         form by archs.split_gpt_oss_experts); every other record passes as it is."""
-        arch, _ = self._arch(source)
+        arch, n_layers = self._arch(source)
         spec = arch_by_name(arch)
         for rec in records:
+            if self._keeps_mtp(source) and spec.mtp.is_mtp(rec.name, n_layers):
+                # a kept MTP block is named as the layers after the trunk (Qwen3.5's mtp.* too: archs/mtp.py)
+                named = spec.mtp.as_layer(rec.name, n_layers)
+                if named != rec.name:
+                    rec = replace(rec, name=named, source_name=rec.source_name or rec.name)
             parts = kv_b_parts(rec.name) if spec.mla else None
             if parts is not None:
                 yield from _kv_b_records(rec, parts, source.config, config_json_path(source))
@@ -391,26 +419,19 @@ class GgufWriter(Writer):
             return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT,
                               f"{arch} uses the token embedding as its output (llama.cpp loads no output.weight)",
                               action=GgufAction(drop=True))
-        if spec.skipped_tensors is not None and spec.skipped_tensors.search(rec.name):
-            return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT,
-                              f"multi-token prediction: llama.cpp's converter skips it and its {arch} does not load it",
+        if spec.mtp is not None and spec.mtp.is_mtp(rec.name, n_layers) and not self._keeps_mtp(source):
+            why = spec.mtp.dropped_because or ("left out (--no-mtp), as llama.cpp's converter does with --no-mtp; "
+                                               "its runtime runs the trunk alone")
+            return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT, f"multi-token prediction block: {why}",
                               action=GgufAction(drop=True))
-        if spec.mtp_prefixes and rec.name.startswith(spec.mtp_prefixes):
-            return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT,
-                              "multi-token prediction block: left out, as llama.cpp's converter does with --no-mtp",
-                              action=GgufAction(drop=True))
-        out_name = gguf_tensor_name(rec.name, arch, n_layers)
-        layer = layer_index(rec.name)
-        if out_name is None and spec.drops_extra_layers and layer is not None and layer >= n_layers:
-            return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT,
-                              f"layer {layer} is beyond num_hidden_layers {n_layers} (multi-token prediction): "
-                              f"llama.cpp's {arch} does not load it", action=GgufAction(drop=True))
+        out_name = _gguf_name(rec.name, spec, n_layers, self._keeps_mtp(source))
         if out_name is None:
             return TensorPlan(rec.name, rec.shape, rec.dtype, "?", REFUSED,
                               f"no GGUF tensor for it in arch {arch}; llama.cpp refuses extra tensors")
         facts = self._facts
         if facts is None and preset_of(options.type) is not None:  # a direct call, without plan_records
-            facts = preset_facts(self.adapt_records(source.records(), source), source, arch, n_layers, options)
+            facts = preset_facts(self.adapt_records(source.records(), source), source, arch, n_layers, options,
+                                 self._keeps_mtp(source))
         expert = expert_of(rec.name)
         # the shape llama.cpp's rules see: a stacked expert tensor's, experts outermost
         rule_shape = rec.shape if expert is None else (_expert_count(source), *rec.shape)
@@ -477,7 +498,8 @@ class GgufWriter(Writer):
                                         config_json_path(source))}
         check_writer_config(source.config, arch, shapes,
                             config_json_path(source), names={p.out_name: p.name for p in kept},
-                            unmapped=[p.name for p in plans if not p.out_name])
+                            unmapped=[p.name for p in plans if not p.out_name and not p.action.drop],
+                            mtp_blocks=_mtp_layers(kept, self._arch(source)[1]))
         # the tokenizer is built (and checked) here, once, so that dry runs see it too; the session writes it
         self._tokenizer_keys(source, plans)
 
@@ -502,9 +524,23 @@ class GgufWriter(Writer):
         """With --split-max-size the output is a set of `-0000i-of-0000N.gguf` parts (see output.atomic_output)."""
         return bool(options.extra.get("split_max_size"))
 
+    def _keeps_mtp(self, source) -> bool:
+        """Whether this conversion writes the model's MTP block (where the converter keeps it, unless --no-mtp)."""
+        spec = arch_by_name(self._arch(source)[0])
+        return spec.mtp is not None and spec.mtp.kept and self._keep_mtp
+
+    def _mtp_blocks(self, source, plans: list[TensorPlan]) -> int | None:
+        """The MTP blocks the file states (block_count after the trunk, nextn_predict_layers), or None."""
+        if not self._keeps_mtp(source):
+            return None
+        arch, n_layers = self._arch(source)
+        kept = [p for p in plans if p.out_name and p.out_name != "?" and not p.action.drop]
+        return arch_by_name(arch).mtp.count(source.config, _mtp_layers(kept, n_layers))
+
     def open(self, path: Path, source, plans: list[TensorPlan], options: Options) -> "GgufSession":
         return GgufSession(Path(path), source, plans, *self._arch(source), self._tokenizer_keys(source, plans),
-                           split_max_size=int(options.extra.get("split_max_size") or 0))
+                           split_max_size=int(options.extra.get("split_max_size") or 0),
+                           mtp_blocks=self._mtp_blocks(source, plans))
 
 
     def open_split(self, folder: Path, name: str, source, plans: list[TensorPlan], options: Options):
@@ -513,7 +549,8 @@ class GgufWriter(Writer):
         scratch = Path(folder) / "header"
         scratch.mkdir(exist_ok=True)
         session = GgufSession(scratch / name, source, plans, *self._arch(source), self._tokenizer_keys(source, plans),
-                              split_max_size=int(options.extra.get("split_max_size") or 0))
+                              split_max_size=int(options.extra.get("split_max_size") or 0),
+                              mtp_blocks=self._mtp_blocks(source, plans))
         return GgufSplitOutput(Path(folder), session)
 
     def open_part(self, folder: Path, source, plans: list[TensorPlan], options: Options, layout):
@@ -575,7 +612,7 @@ class GgufSession(WriterSession):
     `<stem>-0000i-of-0000N.gguf` next to `path` (llama.cpp loads the set from its first part)."""
 
     def __init__(self, path: Path, source, plans: list[TensorPlan], arch: str, n_layers: int, tokenizer: dict,
-                 split_max_size: int = 0):
+                 split_max_size: int = 0, mtp_blocks: int | None = None):
         self.writer = gguf.GGUFWriter(path=str(path), arch=arch, split_max_size=split_max_size)
         w = self.writer
         kept = [p for p in plans if not p.action.drop]
@@ -586,7 +623,7 @@ class GgufSession(WriterSession):
         dominant = max(counts, key=counts.get) if counts else "F32"
         preset_file_type = next((p.action.file_type for p in kept if p.action.file_type is not None), None)
         try:
-            add_model_metadata(w, source.config, arch,
+            add_model_metadata(w, source.config, arch, mtp_blocks=mtp_blocks,
                                file_type=FILE_TYPES.get(dominant, 0) if preset_file_type is None else preset_file_type)
         except QConvertError as e:  # the hyper-parameters' refusals (metadata.py, archs/) name no file: the config's
             if e.path is not None:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 import gguf
 
 from ..hparams import MAX_WIDTH, head_dim
+from .mtp import MtpBlock
 
 __all__ = ["GgufArch", "register_arch", "registered", "arch_by_name", "arch_for_config", "supported_classes",
            "expert_name", "EXPERT_COUNT_KEYS", "expert_count_key", "expert_count", "expert_keys", "moe_config",
@@ -84,9 +85,10 @@ class GgufArch:
     # multi-head latent attention (DeepSeek): llama.cpp runs it as MQA over the compressed KV, so the shared
     # keys write one KV head and no per-head key/value length (the architecture's own keys do)
     mla: bool = False
-    # layers at or beyond num_hidden_layers that llama.cpp's loader ignores (DeepSeek-V3's multi-token
-    # prediction layer, model.layers.<num_hidden_layers>): dropped with a note instead of refused
-    drops_extra_layers: bool = False
+    # the multi-token-prediction block the checkpoints ship beside the trunk, and what llama.cpp's converter does
+    # with it (archs/mtp.py: one description for the three places checkpoints keep it; kept by default where
+    # the converter keeps it, dropped with --no-mtp); None: the family has none
+    mtp: MtpBlock | None = None
     # what the config asks that llama.cpp's graph for this architecture does not do (it hard-codes it):
     # a list of warnings for the user, the conversion goes on
     caveats: Callable[[Mapping], list[str]] = field(default=lambda config: [], repr=False)
@@ -105,12 +107,6 @@ class GgufArch:
     # the config.json key of the dense FFN's width (feed_forward_length): Llama 4 calls it intermediate_size_mlp,
     # its intermediate_size being the experts' width (expert_feed_forward_length)
     dense_ffn_key: str = "intermediate_size"
-    # block_count counts the config's MTP blocks (num_nextn_predict_layers) after the trunk, as llama.cpp's
-    # converter writes GLM-4.5 (with nextn_predict_layers; llama.cpp runs block_count minus those)
-    nextn_blocks: bool = False
-    # HF tensors llama.cpp's converter skips outright, outside model.layers (ERNIE 4.5's model.mtp_* block):
-    # dropped with a note instead of refused
-    skipped_tensors: re.Pattern | None = None
     # special tokens llama.cpp's converter looks up by their text, (tokenizer.ggml.<typ>_token_id, token), each
     # taken where the tokenizer files name no id for it (GLM's [gMASK], <|user|>, <|observation|>: without
     # eot llama.cpp's chat never stops at the end of a turn)
@@ -127,9 +123,6 @@ class GgufArch:
     dense_ffn_width: bool = True
     # full-attention q_proj rows hold each head's query and its output gate (Qwen3-Next / 3.5): 2x rows
     gated_query: bool = False
-    # name prefixes of a multi-token-prediction block saved beside the layers (Qwen3.5's `mtp.*`): dropped
-    # with a note, as llama.cpp's converter does with --no-mtp (its runtime does not use it for generation)
-    mtp_prefixes: tuple[str, ...] = ()
     # the elementwise maps that round (gguf name -> StoredValues or None), applied by the writer's session so
     # that the error is measured against the source's own values
     stored_values: Callable[[str], StoredValues | None] = field(default=_as_is, repr=False)
