@@ -34,6 +34,7 @@ import re
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Mapping
 
 import gguf
 import numpy as np
@@ -51,6 +52,7 @@ from .metadata import add_model_metadata, rope_tensors
 from .archs import (EXPERT_COUNT_KEYS, arch_by_name, expert_count_key, gpt_oss_expert_part, kv_b_parts,
                     split_gpt_oss_experts, split_kv_b)
 from .archs import llama4_expert_part, split_llama4_experts
+from .archs.base import text_model_config
 from .names import expert_of, gguf_arch, layer_index, gguf_tensor_name, inverse_permutation, qk_row_permutation
 from .presets import PRESETS, ModelFacts, model_facts_from_gguf_names, preset_of, preset_type, quantized_by_llama_cpp
 from .tokenizer import add_tokenizer
@@ -347,6 +349,18 @@ def _attach_quant(plan: TensorPlan, options: Options, keep_codes: bool) -> None:
         plan.action.quant = how
 
 
+class _TextModel:
+    """A multimodal checkpoint as the GGUF of its text model sees it (archs.TextOfMultimodal: Llama 4's released
+    class): the text model's config; everything else is the source's. Its records are renamed (the text model's
+    prefix taken off) and its towers dropped by the writer's hooks."""
+
+    def __init__(self, source, config: Mapping):
+        self._source, self.config = source, config
+
+    def __getattr__(self, name):
+        return getattr(self._source, name)
+
+
 class GgufWriter(Writer):
     name = "gguf"
     output_is_file = True
@@ -362,8 +376,27 @@ class GgufWriter(Writer):
     def for_conversion(self, source, options: Options) -> "GgufWriter":
         """The writer for one conversion, holding the model's architecture (read once from config.json)."""
         where = config_json_path(source)
-        return GgufWriter((gguf_arch(source.config, where), layer_count(source.config, where)),
-                          keep_mtp=not options.extra.get("no_mtp"))
+        config = text_model_config(source.config)
+        return GgufWriter((gguf_arch(config, where), layer_count(config, where)), keep_mtp=not options.extra.get("no_mtp"))
+
+    def _text(self, source):
+        """The source as the hooks read it: a multimodal class written as its text model (archs.TextOfMultimodal) is
+        seen through its text config (one view per source, kept), every other source as it is."""
+        if isinstance(source, _TextModel):
+            return source
+        view = getattr(self, "_view", None)
+        if view is not None and view._source is source:
+            return view
+        config = text_model_config(source.config)
+        if config is source.config:
+            return source
+        self._view = _TextModel(source, config)
+        return self._view
+
+    def _tower(self, source, name: str) -> bool:
+        """Whether an HF name is a tower's of a multimodal class written as its text model."""
+        spec = arch_by_name(self._arch(source)[0])
+        return isinstance(source, _TextModel) and spec.multimodal is not None and name.startswith(spec.multimodal.towers)
 
     def alternative_hint(self, scheme: str, verdict: str) -> str:
         return f"--type {scheme.lower()} ({verdict})"
@@ -372,6 +405,7 @@ class GgufWriter(Writer):
         """With a llama-quantize mix, the type of a tensor depends on the whole model (how many attention and
         expert tensors it has, as llama-quantize counts them first): the records are listed once and their
         facts taken before planning; otherwise each record is planned as it arrives."""
+        source = self._text(source)
         if preset_of(options.type) is not None and self._facts is None:
             records = list(records)
             self._facts = preset_facts(records, source, *self._arch(source), options, self._keeps_mtp(source))
@@ -386,9 +420,13 @@ class GgufWriter(Writer):
         """The source's records with DeepSeek's kv_b_proj split into the k_b / v_b halves llama.cpp's MLA
         loads (archs.split_kv_b), fused experts split into their stacks (gpt-oss's transposed, interleaved
         form by archs.split_gpt_oss_experts); every other record passes as it is."""
+        source = self._text(source)
         arch, n_layers = self._arch(source)
         spec = arch_by_name(arch)
+        prefix = spec.multimodal.prefix if isinstance(source, _TextModel) else None
         for rec in records:
+            if prefix and rec.name.startswith(prefix):  # the text model's tensors, named as its own class names them
+                rec = replace(rec, name=rec.name[len(prefix):], source_name=rec.source_name or rec.name)
             if self._keeps_mtp(source) and spec.mtp.is_mtp(rec.name, n_layers):
                 # a kept MTP block is named as the layers after the trunk (Qwen3.5's mtp.* too: archs/mtp.py)
                 named = spec.mtp.as_layer(rec.name, n_layers)
@@ -409,6 +447,7 @@ class GgufWriter(Writer):
                 yield rec
 
     def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
+        source = self._text(source)
         arch, n_layers = self._arch(source)
         if _DROPPED.search(rec.name):
             return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT, "recomputed by llama.cpp",
@@ -419,6 +458,10 @@ class GgufWriter(Writer):
             return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT,
                               f"{arch} uses the token embedding as its output (llama.cpp loads no output.weight)",
                               action=GgufAction(drop=True))
+        if self._tower(source, rec.name):
+            return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT,
+                              "a multimodal tower: llama.cpp's converter writes the text model here and the tower "
+                              "only into the mmproj file of its --mmproj run", action=GgufAction(drop=True))
         if spec.mtp is not None and spec.mtp.is_mtp(rec.name, n_layers) and not self._keeps_mtp(source):
             why = spec.mtp.dropped_because or ("left out (--no-mtp), as llama.cpp's converter does with --no-mtp; "
                                                "its runtime runs the trunk alone")
@@ -491,6 +534,7 @@ class GgufWriter(Writer):
         return plan
 
     def check_model(self, source, plans, options) -> None:
+        source = self._text(source)
         arch, _ = self._arch(source)
         kept = [p for p in plans if p.out_name and p.out_name != "?" and not p.action.drop]
         shapes = {name: stack_shape(members) for name, members in
@@ -538,6 +582,7 @@ class GgufWriter(Writer):
         return arch_by_name(arch).mtp.count(source.config, _mtp_layers(kept, n_layers))
 
     def open(self, path: Path, source, plans: list[TensorPlan], options: Options) -> "GgufSession":
+        source = self._text(source)
         return GgufSession(Path(path), source, plans, *self._arch(source), self._tokenizer_keys(source, plans),
                            split_max_size=int(options.extra.get("split_max_size") or 0),
                            mtp_blocks=self._mtp_blocks(source, plans))
@@ -546,6 +591,7 @@ class GgufWriter(Writer):
     def open_split(self, folder: Path, name: str, source, plans: list[TensorPlan], options: Options):
         """The header of every output file, written by GgufSession itself, and where each tensor goes
         (split.GgufSplitOutput): parts of the conversion write their tensors there in any order."""
+        source = self._text(source)
         scratch = Path(folder) / "header"
         scratch.mkdir(exist_ok=True)
         session = GgufSession(scratch / name, source, plans, *self._arch(source), self._tokenizer_keys(source, plans),
@@ -554,6 +600,7 @@ class GgufWriter(Writer):
         return GgufSplitOutput(Path(folder), session)
 
     def open_part(self, folder: Path, source, plans: list[TensorPlan], options: Options, layout):
+        source = self._text(source)
         part = GgufPart(Path(folder), layout)
         part.session = GgufSession.without_header(source, self._arch(source)[0], part.write)
         return part

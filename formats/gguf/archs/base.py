@@ -18,9 +18,32 @@ from .mtp import MtpBlock
 
 __all__ = ["GgufArch", "register_arch", "registered", "arch_by_name", "arch_for_config", "supported_classes",
            "expert_name", "EXPERT_COUNT_KEYS", "expert_count_key", "expert_count", "expert_keys", "moe_config",
-           "HF_DENSE_BLOCK", "llama_converter_keys", "register_not_written", "StoredValues"]
+           "HF_DENSE_BLOCK", "llama_converter_keys", "register_not_written", "StoredValues", "TextOfMultimodal",
+           "text_model_config"]
 
 MetadataHook = Callable[[gguf.GGUFWriter, Mapping], None]
+
+
+@dataclass(frozen=True)
+class TextOfMultimodal:
+    """Multimodal classes llama.cpp's converter writes as their text model alone (Llama4ForConditionalGeneration,
+    the class of the released Llama 4 checkpoints): its text run merges config.json's `config_key` over the top
+    level, reads the tensors under `prefix` as the text model's and leaves the towers (`towers`: names starting so)
+    to the mmproj file its --mmproj run writes."""
+    classes: tuple[str, ...]
+    config_key: str = "text_config"
+    prefix: str = "language_model."
+    towers: tuple[str, ...] = ("vision_model.", "multi_modal_projector.")
+
+    def applies(self, config: Mapping) -> bool:
+        archs = config.get("architectures") or []
+        return bool(archs) and archs[0] in self.classes and isinstance(config.get(self.config_key), Mapping)
+
+    def text_config(self, config: Mapping) -> dict:
+        """The text model's config as the converter sees it: the text fields over the top-level ones."""
+        return {**config, **config[self.config_key], "architectures": list(config["architectures"])}
+
+
 # (the config being rebuilt, get(key, default, required, kind, **bounds) of the arch's typed metadata, the
 # file's tensor names or None, the typed metadata view) -> None: fills the architecture's own fields
 ConfigHook = Callable[[dict, Callable[..., Any], "set[str] | None", Any], None]
@@ -133,6 +156,9 @@ class GgufArch:
     # elementwise maps of `stored_values` undone too. None: none
     to_gguf_record: Callable[..., Any] | None = field(default=None, repr=False)
     from_gguf_record: Callable[..., Any] | None = field(default=None, repr=False)
+    # a multimodal class of the family written as its text model, its towers left out as llama.cpp's converter
+    # leaves them (Llama 4: TextOfMultimodal); its class is one of hf_classes
+    multimodal: TextOfMultimodal | None = None
 
     def shifts_norm(self, gguf_name: str) -> bool:
         """Whether the GGUF tensor is a norm stored as `norm_shift + w`."""
@@ -175,6 +201,15 @@ def arch_by_name(name: str) -> GgufArch | None:
 
 def supported_classes() -> list[str]:
     return sorted(c for a in _ARCHS.values() for c in a.hf_classes)
+
+
+def text_model_config(config: Mapping) -> Mapping:
+    """config.json as the GGUF writer reads it: a multimodal class written as its text model (GgufArch.multimodal)
+    gives its text model's config, every other config is itself."""
+    arch, _ = arch_for_config(config)
+    if arch is not None and arch.multimodal is not None and arch.multimodal.applies(config):
+        return arch.multimodal.text_config(config)
+    return config
 
 
 def arch_for_config(config: Mapping) -> tuple[GgufArch | None, str]:
