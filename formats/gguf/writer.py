@@ -540,10 +540,15 @@ class GgufWriter(Writer):
         shapes = {name: stack_shape(members) for name, members in
                   gguf_tensors_in_order(kept, _expert_count(source) if any(p.action.expert is not None for p in kept) else 0,
                                         config_json_path(source))}
+        found = _mtp_layers(kept, self._arch(source)[1])
+        declared = self._mtp_blocks(source, plans) or 0
+        if found and found != declared:  # block_count would not cover them (llama.cpp's converter cannot map them)
+            raise BadInput(f"config.json declares {declared} multi-token-prediction block(s) but the checkpoint holds "
+                           f"{found}", path=config_json_path(source))
         check_writer_config(source.config, arch, shapes,
                             config_json_path(source), names={p.out_name: p.name for p in kept},
                             unmapped=[p.name for p in plans if not p.out_name and not p.action.drop],
-                            mtp_blocks=_mtp_layers(kept, self._arch(source)[1]))
+                            mtp_blocks=found)
         # the tokenizer is built (and checked) here, once, so that dry runs see it too; the session writes it
         self._tokenizer_keys(source, plans)
 

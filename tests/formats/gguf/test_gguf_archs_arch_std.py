@@ -30,13 +30,13 @@ import pytest
 import torch
 
 import fixtures_archs
+from gguf_arch_files import ROOT, cached as _cached, converter, model_keys as _model_keys, same_tensors
 from helpers import gguf_tensors, llama_logits, run_cli
 from llama_quantize import llama_quantize
 
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
 
-ROOT = Path(__file__).parents[2] / "_fixtures" / "archs"
 KINDS = fixtures_archs.STD_KINDS
 PROMPT = fixtures_archs.arch_prompt()
 CLASSES = {"mistral3": "Ministral3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmo3": "Olmo3ForCausalLM",
@@ -68,18 +68,6 @@ QUIRK_KEYS = {"mistral3": {"mistral3.attention.temperature_scale", "mistral3.rop
                                "ernie4_5-moe.interleave_moe_layer_step"}}
 
 
-def _cached(path: Path, build) -> Path:
-    done = path.with_name(path.name + ".done")
-    if not done.exists():
-        if path.is_dir():
-            shutil.rmtree(path)
-        path.unlink(missing_ok=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        build(path)
-        done.write_text("ok")
-    return path
-
-
 def _stem(kind: str) -> str:
     return f"std-{kind}{CACHE_TAG.get(kind, '')}"
 
@@ -102,12 +90,7 @@ def reference_f32(kind: str, mtp: bool = True) -> Path:
     """llama.cpp's converter's file of the kind's folder (`mtp` False: with its --no-mtp, for MTP_KINDS). The first
     call converts every file not cached yet in one child process (the converter and torch imported once, not once
     per kind)."""
-    import llama_cpp_reference as ref
-
-    try:
-        ref.llama_cpp_src()
-    except FileNotFoundError as e:
-        pytest.skip(f"llama.cpp's converter is not extracted: {e}")  # a failure under QCONVERT_REQUIRE_ORACLES
+    ref = converter()
     path = _reference_path(kind, mtp)
     done = path.with_name(path.name + ".done")
     if not done.exists():
@@ -122,31 +105,12 @@ def reference_f32(kind: str, mtp: bool = True) -> Path:
     return path
 
 
-def _model_keys(path: Path) -> dict:
-    r = gguf.GGUFReader(str(path))
-    return {k: f.contents() for k, f in r.fields.items() if not k.startswith(("GGUF.", "general.", "tokenizer."))}
-
-
-def _ne(shape, trim: bool) -> list[int]:
-    """A tensor's ggml ne; `trim`: without trailing 1s, as llama-quantize writes every tensor (ggml_n_dims)."""
-    ne = [int(d) for d in shape]
-    while trim and len(ne) > 1 and ne[-1] == 1:
-        ne.pop()
-    return ne
-
-
 def _same_tensors(ours: Path, theirs: Path, quantized: bool = False) -> set[str]:
     """Both files hold the same tensors, each of the same ggml type, shape and bytes; -> the types present.
     `quantized`: `theirs` is llama-quantize's, which drops trailing unit dimensions from the header (ERNIE's
     [1, experts] exp_probs_b.bias: ne [experts, 1] in the converter's file and ours, [experts] in its); the
     bytes are the same."""
-    a, b = gguf_tensors(ours), gguf_tensors(theirs)
-    assert sorted(a) == sorted(b)
-    for name in a:
-        assert a[name].tensor_type == b[name].tensor_type, name
-        assert _ne(a[name].shape, quantized) == _ne(b[name].shape, quantized), name
-        assert bytes(a[name].data) == bytes(b[name].data), name
-    return {t.tensor_type.name for t in a.values()}
+    return same_tensors(ours, theirs, trim_dims=quantized)
 
 
 def _logits_without_quirk(kind: str) -> np.ndarray | None:
@@ -349,3 +313,19 @@ def test_llama4_multimodal_class_is_written_as_its_text_model(tmp_path):
     run_cli("gguf->hf", ours, out, "--type", "f32")
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Llama4ForCausalLM"]
     assert np.array_equal(fixtures_archs.transformers_logits(out, PROMPT), want)
+
+
+def test_mtp_layers_the_config_does_not_declare_are_refused(tmp_path):
+    """A GLM-4.5 checkpoint holding an MTP layer its config does not count (num_nextn_predict_layers 0): block_count
+    could not cover it (llama.cpp's converter cannot map it either), so it is one line naming config.json, exit 2,
+    nothing written."""
+    src = tmp_path / "src"
+    shutil.copytree(model_dir("glm4_moe"), src)
+    config = json.loads((src / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 0
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out.gguf"
+    proc = run_cli("hf->gguf", src, out, "--type", "f32", check_rc=2)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "declares 0 multi-token-prediction block(s) but the checkpoint holds 1" in lines[0]
+    assert "config.json" in lines[0] and "Traceback" not in proc.stderr and not out.exists()

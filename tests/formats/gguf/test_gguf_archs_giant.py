@@ -25,6 +25,8 @@ import pytest
 import torch
 
 import fixtures_archs
+from gguf_arch_files import (ROOT, assert_same_model_keys as _assert_same_model_keys, cached as _cached, converter,
+                             same_tensors)
 from helpers import gguf_tensors, llama_logits, run_cli
 from llama_quantize import llama_quantize
 
@@ -33,24 +35,10 @@ gguf = pytest.importorskip("gguf")
 
 
 
-def _archs_module():
-    """test_gguf_archs.py beside this file, by path (pytest runs with --import-mode=importlib): its fixture
-    cache, the reference converter and the file comparisons are shared, not copied."""
-    import importlib.util
-    import sys
+def _same_tensors(ours: Path, theirs: Path) -> set[str]:
+    """Both files hold the same tensors, each of the same ggml type and bytes; -> the types present."""
+    return same_tensors(ours, theirs, shapes=False)
 
-    name = "qconvert_test_gguf_archs"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_gguf_archs.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-_archs = _archs_module()
-ROOT, _assert_same_model_keys, _cached = _archs.ROOT, _archs._assert_same_model_keys, _archs._cached
-_reference_module, _same_tensors = _archs._reference_module, _archs._same_tensors
 
 PROMPT = fixtures_archs.arch_prompt()
 GLM = "glm_moe_dsa"
@@ -70,11 +58,7 @@ def glm_f32() -> Path:
 def glm_reference(mtp: bool = True) -> Path:
     """llama.cpp's converter's file of the GLM-5 folder, by default or with its --no-mtp (both made by the first
     call, in one child process)."""
-    ref = _reference_module()
-    try:
-        ref.llama_cpp_src()
-    except FileNotFoundError as e:
-        pytest.skip(f"llama.cpp's converter is not extracted: {e}")  # a failure under QCONVERT_REQUIRE_ORACLES
+    ref = converter()
     src = glm_dir()
     paths = {m: ROOT / f"{src.name}-ref{'' if m else '-no-mtp'}.gguf" for m in (True, False)}
     if not all(p.with_name(p.name + ".done").exists() for p in paths.values()):

@@ -23,29 +23,17 @@ import numpy as np
 import pytest
 
 import fixtures_archs
+from gguf_arch_files import ROOT, cached as _cached, converter, model_keys as _model_keys, same_tensors
 from helpers import gguf_tensors, llama_logits, run_cli
 from llama_quantize import llama_quantize
 
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
 
-ROOT = Path(__file__).parents[2] / "_fixtures" / "archs"
 KINDS = fixtures_archs.HYBRID_KINDS
 PROMPT = fixtures_archs.arch_prompt()
 CLASSES = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 ARCHS = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
-
-
-def _cached(path: Path, build) -> Path:
-    done = path.with_name(path.name + ".done")
-    if not done.exists():
-        if path.is_dir():
-            shutil.rmtree(path)
-        path.unlink(missing_ok=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        build(path)
-        done.write_text("ok")
-    return path
 
 
 def model_dir(kind: str, wide: bool = False) -> Path:
@@ -67,12 +55,7 @@ def _reference_path(kind: str, mtp: bool) -> Path:
 def reference_f32(kind: str, mtp: bool = True) -> Path:
     """llama.cpp's converter's file of the kind's folder: by default (the MTP block kept), or with --no-mtp. The
     first call converts every such file not cached yet in one child process (torch imported once)."""
-    import llama_cpp_reference as ref
-
-    try:
-        ref.llama_cpp_src()
-    except FileNotFoundError as e:
-        pytest.skip(f"llama.cpp's converter is not extracted: {e}")  # a failure under QCONVERT_REQUIRE_ORACLES
+    ref = converter()
     path = _reference_path(kind, mtp)
     if not path.with_name(path.name + ".done").exists():
         todo = [(k, m) for k in KINDS for m in (True, False)
@@ -86,30 +69,10 @@ def reference_f32(kind: str, mtp: bool = True) -> Path:
     return path
 
 
-def _model_keys(path: Path) -> dict:
-    r = gguf.GGUFReader(str(path))
-    return {k: f.contents() for k, f in r.fields.items() if not k.startswith(("GGUF.", "general.", "tokenizer."))}
-
-
-def _dims(shape) -> list[int]:
-    """ggml's dimensions as llama-quantize writes them (ggml_n_dims: trailing 1s dropped, so the shared-expert
-    gate [hidden, 1] of the converter's file is [hidden] in llama-quantize's)."""
-    dims = [int(d) for d in shape]
-    while len(dims) > 1 and dims[-1] == 1:
-        dims.pop()
-    return dims
-
-
 def _same_tensors(ours: Path, theirs: Path, exact_dims: bool = True) -> set[str]:
     """Both files hold the same tensors, each of the same ggml type, shape and bytes; -> the types present.
     `exact_dims` False: shapes compared as ggml_n_dims counts them (llama-quantize's output)."""
-    a, b = gguf_tensors(ours), gguf_tensors(theirs)
-    assert sorted(a) == sorted(b)
-    dims = (lambda s: [int(d) for d in s]) if exact_dims else _dims
-    for name in a:
-        assert (a[name].tensor_type, dims(a[name].shape)) == (b[name].tensor_type, dims(b[name].shape)), name
-        assert bytes(a[name].data) == bytes(b[name].data), name
-    return {t.tensor_type.name for t in a.values()}
+    return same_tensors(ours, theirs, trim_dims=not exact_dims)
 
 
 @pytest.mark.parametrize("kind", KINDS)
