@@ -390,8 +390,10 @@ class GgufWriter(Writer):
         config = text_model_config(source.config)
         if config is source.config:
             return source
-        self._view = _TextModel(source, config)
-        return self._view
+        view = _TextModel(source, config)
+        if self._arch_of_source is not None:  # kept by a per-conversion writer only (the registered one holds no model)
+            self._view = view
+        return view
 
     def _tower(self, source, name: str) -> bool:
         """Whether an HF name is a tower's of a multimodal class written as its text model."""
