@@ -421,7 +421,9 @@ class GgufWriter(Writer):
     def adapt_records(self, records, source):
         """The source's records with DeepSeek's kv_b_proj split into the k_b / v_b halves llama.cpp's MLA
         loads (archs.split_kv_b), fused experts split into their stacks (gpt-oss's transposed, interleaved
-        form by archs.split_gpt_oss_experts); every other record passes as it is."""
+        form by archs.split_gpt_oss_experts), a multimodal class's text model named without its prefix
+        (archs.TextOfMultimodal), a kept MTP block named as the layers after the trunk (archs/mtp.py); every other
+        record passes as it is."""
         source = self._text(source)
         arch, n_layers = self._arch(source)
         spec = arch_by_name(arch)
