@@ -20,7 +20,7 @@ _FORMATS_PACKAGE = "qconvert.formats"
 
 # how the CLI reads an option's value: a path (passed on as str), a size such as 2G (bytes, int), one of
 # `choices`, or plain text
-OPTION_KINDS = ("path", "size", "choice", "text")
+OPTION_KINDS = ("path", "size", "choice", "text", "flag")  # flag: on when given (Options.extra[key] True)
 
 
 @dataclass(frozen=True)

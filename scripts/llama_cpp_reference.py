@@ -112,21 +112,23 @@ def convert_reference(model_dir, out_path, outtype: str = "f32", pre: str = "qwe
 def convert_references(jobs, outtype: str = "f32", pre: str = "qwen2", src: str | os.PathLike | None = None,
                        timeout: float = 1200) -> list[Path]:
     """Several conversions in one child process (torch and the converter imported once): ``jobs`` is a list of
-    (model_dir, out_path, model_name or None). Returns the out paths; RuntimeError as convert_reference."""
+    (model_dir, out_path, model_name or None[, the converter's extra flags]). Returns the out paths; RuntimeError
+    as convert_reference. The converter sets some flags on its model classes for the rest of the process
+    (``--no-mtp``: Model.no_mtp = True), so the jobs with extra flags run after those without."""
     import json
 
     args = []
-    for model_dir, out_path, model_name in jobs:
+    for model_dir, out_path, model_name, *extra in sorted(jobs, key=lambda job: bool(job[3:] and job[3])):
         job = [str(Path(model_dir).resolve()), "--outfile", str(Path(out_path).resolve()), "--outtype", outtype]
-        args.append(job + (["--model-name", model_name] if model_name else []))
+        args.append(job + (["--model-name", model_name] if model_name else []) + list(extra[0] if extra else ()))
     cmd = [sys.executable, "-c", _CHILD, str(llama_cpp_src(src)), pre, "--jobs", json.dumps(args)]
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    missing = [str(out) for _, out, _ in jobs if not Path(out).is_file()]
+    missing = [str(job[1]) for job in jobs if not Path(job[1]).is_file()]
     if proc.returncode != 0 or missing:
         raise RuntimeError(f"convert_hf_to_gguf.py failed (exit {proc.returncode}; not written: {missing}):\n"
                            f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return [Path(out) for _, out, _ in jobs]
+    return [Path(job[1]) for job in jobs]
 
 
 def main(argv: list[str] | None = None) -> int:

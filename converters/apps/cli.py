@@ -251,8 +251,13 @@ def _writer_params(target: FormatEntry | None) -> list[click.Option]:
     for flag, (spec, owners) in declared_options().items():
         if flag in _GENERIC_FLAGS:
             raise ValueError(f"format {owners[0]} declares {flag}, which every conversion takes already")
+        hidden = target is not None and target.name not in owners
+        if spec.kind == "flag":  # None when not given, as every other writer option (writer_extra skips it)
+            params.append(click.Option([flag, _param_name(spec)], is_flag=True, flag_value=True, default=None,
+                                       help=spec.help, hidden=hidden))
+            continue
         params.append(click.Option([flag, _param_name(spec)], type=_click_type(spec), metavar=spec.metavar or None,
-                                   help=spec.help, hidden=target is not None and target.name not in owners))
+                                   help=spec.help, hidden=hidden))
     return params
 
 
@@ -271,7 +276,7 @@ def writer_extra(target: FormatEntry, given: dict[str, object]) -> dict:
     extra = {}
     for flag, (spec, owners) in declared_options().items():
         value = given.get(flag)
-        if value is None:
+        if value is None or value is False:  # not given (a flag left off reads False in some click versions)
             continue
         if target.name not in owners:
             raise QConvertError(f"{flag} applies to {' or '.join(owners)} output only (the target is {target.name})")

@@ -37,6 +37,9 @@ _OPTIONS = (
     OptionSpec("--quantizer", "quantizer", "choice", choices=QUANTIZERS,
                help="gguf: whose quantizer requantizes (default qconvert's own; llama.cpp needs "
                     "llama-cpp-python)"),
+    OptionSpec("--no-mtp", "no_mtp", "flag",
+               help="gguf: leave out the multi-token-prediction block (GLM-4.5/5, Qwen3.5, Qwen3-Next), as "
+                    "llama.cpp's converter does with --no-mtp; by default it is kept, as the converter keeps it"),
 )
 
 register_format(FormatEntry("gguf", aliases=("llama.cpp", "ggml"),

@@ -276,11 +276,12 @@ def _check_rope(config: Mapping, path: object, arch: str = "") -> None:
 
 
 def check_writer_config(config: Mapping, arch: str, shapes: Mapping[str, tuple[int, ...]], path: object,
-                        names: Mapping[str, str] | None = None, unmapped: Iterable[str] = ()) -> None:
+                        names: Mapping[str, str] | None = None, unmapped: Iterable[str] = (), mtp_blocks: int = 0) -> None:
     """The hyper-parameters a GGUF is written with (config.json's), type- and range-checked and compared
     with the tensors being written (``shapes``: GGUF name -> HF-order shape; ``names``: GGUF name ->
     the source's name, for the messages); BadInput naming ``path`` and the key. Run before anything
-    is written, so a bad config stops the conversion."""
+    is written, so a bad config stops the conversion. ``mtp_blocks``: the multi-token-prediction blocks written
+    after the trunk (archs/mtp.py), layers the tensors hold beyond num_hidden_layers."""
     cv = ConfigView(config, path)
     n_embd = cv.int("hidden_size", lo=1, hi=MAX_WIDTH)
     n_head = cv.int("num_attention_heads", lo=1, hi=MAX_HEADS)
@@ -296,7 +297,7 @@ def check_writer_config(config: Mapping, arch: str, shapes: Mapping[str, tuple[i
     cfg = {"hidden_size": n_embd, "num_attention_heads": n_head, "num_key_value_heads": n_kv, "head_dim": hd,
            "intermediate_size": cv.int("intermediate_size", lo=1, hi=MAX_WIDTH) if arch_by_name(arch).dense_ffn_width
            else cv.int("intermediate_size", default=None, lo=1, hi=MAX_WIDTH),
-           "num_hidden_layers": cv.int("num_hidden_layers", lo=1),
+           "num_hidden_layers": cv.int("num_hidden_layers", lo=1) + int(mtp_blocks),
            "vocab_size": cv.int("vocab_size", default=None, lo=1, hi=MAX_VOCAB)}
     cv.int("max_position_embeddings", lo=1, hi=2**32 - 1)
     cv.float("rms_norm_eps", default=None, lo=0.0, hi=1.0)

@@ -130,7 +130,16 @@ def config_from_gguf(fields: Any, tensor_names: Iterable[str] | None = None, *, 
                     scaling[hf] = get(key, kind=kind)
         cfg["rope_scaling"] = scaling
 
+    if spec.mtp is not None and spec.mtp.kept and f"{arch}.nextn_predict_layers" in kv:
+        # block_count counts the multi-token-prediction blocks after the trunk (archs/mtp.py): the config's
+        # num_hidden_layers is the trunk, and the block count goes back where the source's config states it
+        nextn = get("nextn_predict_layers", lo=0, hi=cfg["num_hidden_layers"] - 1)
+        cfg["num_hidden_layers"] -= nextn
+        cfg["_mtp_blocks"] = nextn  # for the architecture's hook (per-block arrays), taken off below
+        if spec.mtp.config_key:
+            cfg[spec.mtp.config_key] = nextn
     spec.config_from_gguf(cfg, get, names, cv)  # the architecture's own fields (archs/)
+    cfg.pop("_mtp_blocks", None)
     for typ, key in (("bos", "tokenizer.ggml.bos_token_id"), ("eos", "tokenizer.ggml.eos_token_id"),
                      ("pad", "tokenizer.ggml.padding_token_id")):
         if key in kv:

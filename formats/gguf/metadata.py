@@ -44,11 +44,13 @@ def _default_name(config: Mapping) -> str:
 
 
 def add_model_metadata(writer: gguf.GGUFWriter, config: Mapping, arch: str, *, file_type: int,
-                       name: str | None = None) -> None:
+                       name: str | None = None, mtp_blocks: int | None = None) -> None:
     """Write the model hyper-parameters llama.cpp reads for ``arch`` (llama, qwen2, qwen3), plus
     ``general.file_type`` (a :class:`gguf.LlamaFileType` value), ``general.quantization_version``
     and ``general.name``. Tokenizer keys are written by ``tokenizer.add_tokenizer``; a llama-3 rope
-    needs the caller to add ``rope_freqs.weight`` = :func:`rope_freqs_tensor` (F32)."""
+    needs the caller to add ``rope_freqs.weight`` = :func:`rope_freqs_tensor` (F32). ``mtp_blocks``: the
+    multi-token-prediction blocks the file keeps after the trunk (archs/mtp.py), counted in block_count and
+    stated as nextn_predict_layers (None: no MTP block, and no such key)."""
     spec = arch_by_name(arch)
     if spec is None:
         raise QConvertError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(supported_archs())}")
@@ -65,8 +67,11 @@ def add_model_metadata(writer: gguf.GGUFWriter, config: Mapping, arch: str, *, f
     writer.add_name(name or _default_name(config))
     writer.add_context_length(int(require(config, "max_position_embeddings")))
     writer.add_embedding_length(n_embd)
-    mtp = int(config.get("num_nextn_predict_layers") or 0) if spec.nextn_blocks else 0  # GLM-4.5's MTP blocks
-    writer.add_block_count(int(require(config, "num_hidden_layers")) + mtp)
+    # the MTP blocks are blocks after the trunk (written before the architecture's keys, which may size per-layer
+    # arrays by block_count: Qwen3.5's recurrent_layers)
+    writer.add_block_count(int(require(config, "num_hidden_layers")) + (mtp_blocks or 0))
+    if mtp_blocks is not None:
+        writer.add_nextn_predict_layers(int(mtp_blocks))
     if spec.dense_ffn_width or config.get(spec.dense_ffn_key) is not None:
         writer.add_feed_forward_length(int(require(config, spec.dense_ffn_key)))
     writer.add_head_count(n_head)

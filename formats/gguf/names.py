@@ -22,6 +22,7 @@ import torch
 
 from ...converters.errors import BadInput, QConvertError
 from .archs import arch_by_name, arch_for_config, expert_name, registered, supported_classes
+from .archs.mtp import nextn_gguf_name, nextn_hf_module
 from .hparams import head_dim
 
 __all__ = [
@@ -125,6 +126,9 @@ def gguf_tensor_name(hf_name: str, arch: str, n_layers: int) -> str | None:
     base, layer = _split_index(hf_name)
     if layer is not None and layer >= int(n_layers):
         return None
+    mtp = arch_by_name(arch).mtp if arch_by_name(arch) else None
+    if mtp is not None and mtp.kept and nextn_gguf_name(hf_name) is not None:  # an MTP block's own tensor (mtp.py)
+        return nextn_gguf_name(hf_name)
     own = _own_names(arch)[0].get(base)  # the architecture's own names (archs: tensor_names)
     if own is not None:
         return own if layer is None else f"blk.{layer}." + own[len("blk.0."):]
@@ -217,6 +221,9 @@ def hf_tensor_name(gguf_name: str, arch: str, n_layers: int) -> str | None:
     own = _own_names(arch)[1].get(base)
     if own is not None:
         return own if layer is None else f"model.layers.{layer}." + own[len("model.layers.0."):]
+    mtp = arch_by_name(arch).mtp if arch_by_name(arch) else None
+    if mtp is not None and mtp.kept and nextn_hf_module(gguf_name) is not None:  # an MTP block's own tensor
+        return nextn_hf_module(gguf_name)
     inv = _inverse_map(arch)
     hf = None
     for suffix in (".weight", ".bias"):

@@ -93,6 +93,9 @@ class CodebookDense(Dense):
         return CodebookDense(self.tensor[perm], self.packed.take_rows(perm))
 
 
+_BLOCK_INDEX = re.compile(r"^blk\.(0|[1-9][0-9]*)\.")
+
+
 def split_parts(path: Path) -> list[Path]:
     """All files of a split GGUF given any of them (`x-00002-of-00003.gguf` -> parts 1..3); [path] for
     a single file. A missing part raises BadInput naming it."""
@@ -514,11 +517,17 @@ class GgufSource(ModelSource):
         self.config = config_from_gguf(self.kv, names, path=self.path)
         self.arch = self.kv.get("general.architecture")
         self.n_layers = int(self.config["num_hidden_layers"])
+        # the multi-token-prediction blocks after the trunk (archs/mtp.py) when the file holds them (a file that
+        # declares them without their tensors is llama.cpp's "trunk only" case)
+        self.mtp = arch_by_name(self.arch).mtp
+        nextn = int(self.kv.get(f"{self.arch}.nextn_predict_layers") or 0) if self.mtp and self.mtp.kept else 0
+        self.mtp_blocks = nextn if any(_BLOCK_INDEX.match(n) and int(_BLOCK_INDEX.match(n)[1]) >= self.n_layers
+                                       for n in names) else 0
         self.norm_shift = arch_by_name(self.arch).norm_shift
         self._longrope_config(names)
         self.mla = arch_by_name(self.arch).mla
         # every tensor checked against the metadata before any is read or any loop runs per layer
-        check_gguf_tensors(self.config, self.arch, {t.name: tuple(int(d) for d in reversed(list(t.shape)))
+        check_gguf_tensors({**self.config, "num_hidden_layers": self.n_layers + self.mtp_blocks}, self.arch, {t.name: tuple(int(d) for d in reversed(list(t.shape)))
                                                     for r in self.readers for t in r.tensors},
                            path=self.path, where={t.name: p for p, r in zip(self.parts, self.readers)
                                                   for t in r.tensors})
@@ -592,13 +601,20 @@ class GgufSource(ModelSource):
                                path=self.parts[0])
 
     # -- one tensor ----------------------------------------------------------------------------
+    def _hf_name(self, gguf_name: str) -> str | None:
+        """The HF name of a GGUF tensor, an MTP block's put back where the architecture's checkpoints keep it."""
+        name = hf_tensor_name(gguf_name, self.arch, self.n_layers + self.mtp_blocks)
+        if name is not None and self.mtp_blocks:
+            name = self.mtp.from_layer(name, self.n_layers)
+        return name
+
     def _records(self, path: Path, t) -> Iterator[TensorRecord]:
         """The records of one GGUF tensor: itself, or one per expert of a stacked expert tensor
         (`blk.N.ffn_up_exps.weight` [n_expert, rows, cols] -> `...experts.<e>.up_proj.weight` each)."""
         own = is_own_name(t.name, self.arch)  # the architecture's own names (archs: tensor_names)
         if t.name in _DERIVED or (_WEIGHT_SCALE.match(t.name) and not own):
             return
-        name = hf_tensor_name(t.name, self.arch, self.n_layers)
+        name = self._hf_name(t.name)
         if name is None:
             raise BadInput(f"GGUF tensor has no Hugging Face counterpart in arch {self.arch}", path=path, tensor=t.name)
         shape = tuple(int(d) for d in reversed(list(t.shape)))
@@ -850,7 +866,7 @@ class GgufSource(ModelSource):
             raise BadInput(f"gpt-oss expert stacks of shapes {[list(s) for s in shapes]}: expected "
                            f"{'[experts, rows]' if bias else '[experts, rows, columns]'}, gate and up alike",
                            path=items[-1][0], tensor=items[-1][1].name)
-        stack = hf_tensor_name(items[0][1].name, self.arch, self.n_layers)  # ...mlp.experts.gate_proj.weight
+        stack = self._hf_name(items[0][1].name)  # ...mlp.experts.gate_proj.weight
         head = stack[: stack.index(".experts.") + len(".experts.")]
         name = head + ("down_proj" if "down" in parts else "gate_up_proj") + ("_bias" if bias else "")
         s = shapes[0]
@@ -885,7 +901,7 @@ class GgufSource(ModelSource):
         if len(k_shape) != 3 or len(v_shape) != 3 or k_shape[0] != v_shape[0] or k_shape[1] != v_shape[2]:
             raise BadInput(f"MLA halves of shapes {list(k_shape)} and {list(v_shape)} do not make one kv_b_proj "
                            "([heads, kv_lora, nope] and [heads, v, kv_lora])", path=v_path, tensor=v.name)
-        name = hf_tensor_name(k.name, self.arch, self.n_layers).replace(".k_b_proj.", ".kv_b_proj.")
+        name = self._hf_name(k.name).replace(".k_b_proj.", ".kv_b_proj.")
         shape = (k_shape[0] * (k_shape[2] + v_shape[1]), k_shape[1])
 
         def load() -> Dense:

@@ -34,6 +34,7 @@ import re
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Mapping
 
 import gguf
 import numpy as np
@@ -52,6 +53,7 @@ from .metadata import add_model_metadata, rope_tensors
 from .archs import (EXPERT_COUNT_KEYS, arch_by_name, expert_count_key, gpt_oss_expert_part, kv_b_parts,
                     split_gpt_oss_experts, split_kv_b)
 from .archs import llama4_expert_part, split_llama4_experts
+from .archs.base import text_model_config
 from .names import expert_of, gguf_arch, layer_index, gguf_tensor_name, inverse_permutation, qk_row_permutation
 from .presets import PRESETS, ModelFacts, model_facts_from_gguf_names, preset_of, preset_type, quantized_by_llama_cpp
 from .tokenizer import add_tokenizer
@@ -242,7 +244,23 @@ def _parse_type(text: str) -> str:
     return key
 
 
-def preset_facts(records, source, arch: str, n_layers: int, options: Options) -> ModelFacts:
+def _gguf_name(hf_name: str, spec, n_layers: int, keep_mtp: bool) -> str | None:
+    """The GGUF name of a record: a kept MTP block's (named as the layers after the trunk by adapt_records) as
+    block num_hidden_layers + i, every other as gguf_tensor_name maps it within the trunk."""
+    if keep_mtp and spec.mtp.is_mtp(hf_name, n_layers):
+        return gguf_tensor_name(hf_name, spec.name, (layer_index(hf_name) or 0) + 1)
+    return gguf_tensor_name(hf_name, spec.name, n_layers)
+
+
+_BLOCK_INDEX = re.compile(r"^blk\.(0|[1-9][0-9]*)\.")
+
+
+def _mtp_layers(plans: list[TensorPlan], n_layers: int) -> int:
+    """The blocks after the trunk the planned tensors fill (a kept MTP block's)."""
+    return len({int(m[1]) for p in plans if (m := _BLOCK_INDEX.match(p.out_name or "")) and int(m[1]) >= n_layers})
+
+
+def preset_facts(records, source, arch: str, n_layers: int, options: Options, keep_mtp: bool = False) -> ModelFacts:
     """What llama-quantize's rules look at (presets.model_facts_from_gguf_names), from the GGUF tensors
     these records will make: their names and shapes (experts stacked), the head counts as the GGUF
     states them (MLA: one KV head) and the tensors --tensor-type fixes (left out of llama.cpp's counters).
@@ -254,7 +272,7 @@ def preset_facts(records, source, arch: str, n_layers: int, options: Options) ->
     for rec in records:
         if spec.tied_output_dropped and rec.name == "lm_head.weight":
             continue
-        name = gguf_tensor_name(rec.name, arch, n_layers)
+        name = _gguf_name(rec.name, spec, n_layers, keep_mtp)
         if name is None or _DROPPED.search(rec.name):
             continue
         # a stacked tensor's shape; a config without an expert count is refused by _expert_count
@@ -264,7 +282,11 @@ def preset_facts(records, source, arch: str, n_layers: int, options: Options) ->
     cfg = ConfigView(source.config, config_json_path(source))
     heads = cfg.int("num_attention_heads", lo=1, hi=1 << 14)
     kv_heads = 1 if spec.mla else cfg.int("num_key_value_heads", default=heads, lo=1, hi=heads)
-    return model_facts_from_gguf_names(shapes, arch, n_layers, heads, kv_heads, n_expert, manual=manual)
+    # llama-quantize's layer count is the file's block_count, kept MTP blocks included
+    blocks = n_layers + len({int(m[1]) for n in shapes if (m := _BLOCK_INDEX.match(n)) and int(m[1]) >= n_layers})
+    if keep_mtp:
+        blocks = n_layers + (spec.mtp.count(source.config, blocks - n_layers) or 0)
+    return model_facts_from_gguf_names(shapes, arch, blocks, heads, kv_heads, n_expert, manual=manual)
 
 
 def _choose_type(explicit, options: Options, facts: ModelFacts | None, out_name: str, shape, default: str | None,
@@ -347,20 +369,56 @@ def _attach_quant(plan: TensorPlan, options: Options, keep_codes: bool) -> None:
         plan.action.quant = how
 
 
+class _TextModel:
+    """A multimodal checkpoint as the GGUF of its text model sees it (archs.TextOfMultimodal: Llama 4's released
+    class): the text model's config; everything else is the source's. Its records are renamed (the text model's
+    prefix taken off) and its towers dropped by the writer's hooks."""
+
+    def __init__(self, source, config: Mapping):
+        self._source, self.config = source, config
+
+    def __getattr__(self, name):
+        return getattr(self._source, name)
+
+
 class GgufWriter(Writer):
     name = "gguf"
     output_is_file = True
     copies_side_files = False  # the tokenizer goes into GGUF keys (tokenizer.py), read and checked there
 
-    def __init__(self, arch: tuple[str, int] | None = None):
+    def __init__(self, arch: tuple[str, int] | None = None, keep_mtp: bool = True):
         self._arch_of_source = arch  # set by for_conversion: (GGUF architecture, layer count) of this model
+        # the model's multi-token-prediction block is kept where llama.cpp's converter keeps it (False: --no-mtp)
+        self._keep_mtp = keep_mtp
         self._facts: ModelFacts | None = None  # llama-quantize's view of the model, when --type names a mix
         self._tokenizer: dict | None = None  # the tokenizer keys, built once (check_model) for the session
 
     def for_conversion(self, source, options: Options) -> "GgufWriter":
         """The writer for one conversion, holding the model's architecture (read once from config.json)."""
         where = config_json_path(source)
-        return GgufWriter((gguf_arch(source.config, where), layer_count(source.config, where)))
+        config = text_model_config(source.config)
+        return GgufWriter((gguf_arch(config, where), layer_count(config, where)), keep_mtp=not options.extra.get("no_mtp"))
+
+    def _text(self, source):
+        """The source as the hooks read it: a multimodal class written as its text model (archs.TextOfMultimodal) is
+        seen through its text config (one view per source, kept), every other source as it is."""
+        if isinstance(source, _TextModel):
+            return source
+        view = getattr(self, "_view", None)
+        if view is not None and view._source is source:
+            return view
+        config = text_model_config(source.config)
+        if config is source.config:
+            return source
+        view = _TextModel(source, config)
+        if self._arch_of_source is not None:  # kept by a per-conversion writer only (the registered one holds no model)
+            self._view = view
+        return view
+
+    def _tower(self, source, name: str) -> bool:
+        """Whether an HF name is a tower's of a multimodal class written as its text model."""
+        spec = arch_by_name(self._arch(source)[0])
+        return isinstance(source, _TextModel) and spec.multimodal is not None and name.startswith(spec.multimodal.towers)
 
     def alternative_hint(self, scheme: str, verdict: str) -> str:
         return f"--type {scheme.lower()} ({verdict})"
@@ -369,9 +427,10 @@ class GgufWriter(Writer):
         """With a llama-quantize mix, the type of a tensor depends on the whole model (how many attention and
         expert tensors it has, as llama-quantize counts them first): the records are listed once and their
         facts taken before planning; otherwise each record is planned as it arrives."""
+        source = self._text(source)
         if preset_of(options.type) is not None and self._facts is None:
             records = list(records)
-            self._facts = preset_facts(records, source, *self._arch(source), options)
+            self._facts = preset_facts(records, source, *self._arch(source), options, self._keeps_mtp(source))
         return super().plan_records(records, options, source)
 
     def _arch(self, source) -> tuple[str, int]:
@@ -382,10 +441,21 @@ class GgufWriter(Writer):
     def adapt_records(self, records, source):
         """The source's records with DeepSeek's kv_b_proj split into the k_b / v_b halves llama.cpp's MLA
         loads (archs.split_kv_b), fused experts split into their stacks (gpt-oss's transposed, interleaved
-        form by archs.split_gpt_oss_experts); every other record passes as it is."""
-        arch, _ = self._arch(source)
+        form by archs.split_gpt_oss_experts), a multimodal class's text model named without its prefix
+        (archs.TextOfMultimodal), a kept MTP block named as the layers after the trunk (archs/mtp.py); every other
+        record passes as it is."""
+        source = self._text(source)
+        arch, n_layers = self._arch(source)
         spec = arch_by_name(arch)
+        prefix = spec.multimodal.prefix if isinstance(source, _TextModel) else None
         for rec in records:
+            if prefix and rec.name.startswith(prefix):  # the text model's tensors, named as its own class names them
+                rec = replace(rec, name=rec.name[len(prefix):], source_name=rec.source_name or rec.name)
+            if self._keeps_mtp(source) and spec.mtp.is_mtp(rec.name, n_layers):
+                # a kept MTP block is named as the layers after the trunk (Qwen3.5's mtp.* too: archs/mtp.py)
+                named = spec.mtp.as_layer(rec.name, n_layers)
+                if named != rec.name:
+                    rec = replace(rec, name=named, source_name=rec.source_name or rec.name)
             parts = kv_b_parts(rec.name) if spec.mla else None
             if parts is not None:
                 yield from _kv_b_records(rec, parts, source.config, config_json_path(source))
@@ -401,6 +471,7 @@ class GgufWriter(Writer):
                 yield rec
 
     def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
+        source = self._text(source)
         arch, n_layers = self._arch(source)
         if _DROPPED.search(rec.name):
             return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT, "recomputed by llama.cpp",
@@ -411,23 +482,19 @@ class GgufWriter(Writer):
             return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT,
                               f"{arch} uses the token embedding as its output (llama.cpp loads no output.weight)",
                               action=GgufAction(drop=True))
-        if spec.skipped_tensors is not None and spec.skipped_tensors.search(rec.name):
+        if self._tower(source, rec.name):
             return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT,
-                              f"multi-token prediction: llama.cpp's converter skips it and its {arch} does not load it",
-                              action=GgufAction(drop=True))
-        if spec.mtp_prefixes and rec.name.startswith(spec.mtp_prefixes):
-            return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT,
-                              "multi-token prediction block: left out, as llama.cpp's converter does with --no-mtp",
+                              "a multimodal tower: llama.cpp's converter writes the text model here and the tower "
+                              "only into the mmproj file of its --mmproj run", action=GgufAction(drop=True))
+        if spec.mtp is not None and spec.mtp.is_mtp(rec.name, n_layers) and not self._keeps_mtp(source):
+            why = spec.mtp.dropped_because or ("left out (--no-mtp), as llama.cpp's converter does with --no-mtp; "
+                                               "its runtime runs the trunk alone")
+            return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT, f"multi-token prediction block: {why}",
                               action=GgufAction(drop=True))
         dropped = spec.dropped_tensor(rec.name, source.config)
         if dropped is not None:
             return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT, dropped, action=GgufAction(drop=True))
-        out_name = gguf_tensor_name(rec.name, arch, n_layers)
-        layer = layer_index(rec.name)
-        if out_name is None and spec.drops_extra_layers and layer is not None and layer >= n_layers:
-            return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT,
-                              f"layer {layer} is beyond num_hidden_layers {n_layers} (multi-token prediction): "
-                              f"llama.cpp's {arch} does not load it", action=GgufAction(drop=True))
+        out_name = _gguf_name(rec.name, spec, n_layers, self._keeps_mtp(source))
         if out_name is None:
             return TensorPlan(rec.name, rec.shape, rec.dtype, "?", REFUSED,
                               f"no GGUF tensor for it in arch {arch}; llama.cpp refuses extra tensors")
@@ -441,7 +508,8 @@ class GgufWriter(Writer):
                               out_name=out_name, action=GgufAction())
         facts = self._facts
         if facts is None and preset_of(options.type) is not None:  # a direct call, without plan_records
-            facts = preset_facts(self.adapt_records(source.records(), source), source, arch, n_layers, options)
+            facts = preset_facts(self.adapt_records(source.records(), source), source, arch, n_layers, options,
+                                 self._keeps_mtp(source))
         expert = expert_of(rec.name)
         # the shape llama.cpp's rules see: a stacked expert tensor's, experts outermost
         rule_shape = rec.shape if expert is None else (_expert_count(source), *rec.shape)
@@ -508,14 +576,21 @@ class GgufWriter(Writer):
         return plan
 
     def check_model(self, source, plans, options) -> None:
+        source = self._text(source)
         arch, _ = self._arch(source)
         kept = [p for p in plans if p.out_name and p.out_name != "?" and not p.action.drop]
         shapes = {name: stack_shape(members) for name, members in
                   gguf_tensors_in_order(kept, _expert_count(source) if any(p.action.expert is not None for p in kept) else 0,
                                         config_json_path(source))}
+        found = _mtp_layers(kept, self._arch(source)[1])
+        declared = self._mtp_blocks(source, plans) or 0
+        if found and found != declared:  # block_count would not cover them (llama.cpp's converter cannot map them)
+            raise BadInput(f"config.json declares {declared} multi-token-prediction block(s) but the checkpoint holds "
+                           f"{found}", path=config_json_path(source))
         check_writer_config(source.config, arch, shapes,
                             config_json_path(source), names={p.out_name: p.name for p in kept},
-                            unmapped=[p.name for p in plans if not p.out_name])
+                            unmapped=[p.name for p in plans if not p.out_name and not p.action.drop],
+                            mtp_blocks=found)
         # the tokenizer is built (and checked) here, once, so that dry runs see it too; the session writes it
         self._tokenizer_keys(source, plans)
 
@@ -540,21 +615,39 @@ class GgufWriter(Writer):
         """With --split-max-size the output is a set of `-0000i-of-0000N.gguf` parts (see output.atomic_output)."""
         return bool(options.extra.get("split_max_size"))
 
+    def _keeps_mtp(self, source) -> bool:
+        """Whether this conversion writes the model's MTP block (where the converter keeps it, unless --no-mtp)."""
+        spec = arch_by_name(self._arch(source)[0])
+        return spec.mtp is not None and spec.mtp.kept and self._keep_mtp
+
+    def _mtp_blocks(self, source, plans: list[TensorPlan]) -> int | None:
+        """The MTP blocks the file states (block_count after the trunk, nextn_predict_layers), or None."""
+        if not self._keeps_mtp(source):
+            return None
+        arch, n_layers = self._arch(source)
+        kept = [p for p in plans if p.out_name and p.out_name != "?" and not p.action.drop]
+        return arch_by_name(arch).mtp.count(source.config, _mtp_layers(kept, n_layers))
+
     def open(self, path: Path, source, plans: list[TensorPlan], options: Options) -> "GgufSession":
+        source = self._text(source)
         return GgufSession(Path(path), source, plans, *self._arch(source), self._tokenizer_keys(source, plans),
-                           split_max_size=int(options.extra.get("split_max_size") or 0))
+                           split_max_size=int(options.extra.get("split_max_size") or 0),
+                           mtp_blocks=self._mtp_blocks(source, plans))
 
 
     def open_split(self, folder: Path, name: str, source, plans: list[TensorPlan], options: Options):
         """The header of every output file, written by GgufSession itself, and where each tensor goes
         (split.GgufSplitOutput): parts of the conversion write their tensors there in any order."""
+        source = self._text(source)
         scratch = Path(folder) / "header"
         scratch.mkdir(exist_ok=True)
         session = GgufSession(scratch / name, source, plans, *self._arch(source), self._tokenizer_keys(source, plans),
-                              split_max_size=int(options.extra.get("split_max_size") or 0))
+                              split_max_size=int(options.extra.get("split_max_size") or 0),
+                              mtp_blocks=self._mtp_blocks(source, plans))
         return GgufSplitOutput(Path(folder), session)
 
     def open_part(self, folder: Path, source, plans: list[TensorPlan], options: Options, layout):
+        source = self._text(source)
         part = GgufPart(Path(folder), layout)
         part.session = GgufSession.without_header(source, self._arch(source)[0], part.write)
         return part
@@ -613,7 +706,7 @@ class GgufSession(WriterSession):
     `<stem>-0000i-of-0000N.gguf` next to `path` (llama.cpp loads the set from its first part)."""
 
     def __init__(self, path: Path, source, plans: list[TensorPlan], arch: str, n_layers: int, tokenizer: dict,
-                 split_max_size: int = 0):
+                 split_max_size: int = 0, mtp_blocks: int | None = None):
         self.writer = gguf.GGUFWriter(path=str(path), arch=arch, split_max_size=split_max_size)
         w = self.writer
         kept = [p for p in plans if not p.action.drop]
@@ -624,7 +717,7 @@ class GgufSession(WriterSession):
         dominant = max(counts, key=counts.get) if counts else "F32"
         preset_file_type = next((p.action.file_type for p in kept if p.action.file_type is not None), None)
         try:
-            add_model_metadata(w, source.config, arch,
+            add_model_metadata(w, source.config, arch, mtp_blocks=mtp_blocks,
                                file_type=FILE_TYPES.get(dominant, 0) if preset_file_type is None else preset_file_type)
         except QConvertError as e:  # the hyper-parameters' refusals (metadata.py, archs/) name no file: the config's
             if e.path is not None:

@@ -20,7 +20,7 @@ WRITABLE = [e.name for e in all_formats() if e.can_write]
 READABLE = [e.name for e in all_formats() if e.can_read]
 PRODUCER_FIXTURES = Path(__file__).parents[1] / "producer_fixtures"  # checkpoints the real producers made
 # a value of each option kind that its parser takes
-VALID_VALUE = {"size": "2G", "path": "imatrix.dat", "text": "x"}
+VALID_VALUE = {"size": "2G", "path": "imatrix.dat", "text": "x", "flag": True}
 
 
 def _run_main(capsys, *args) -> tuple[int, str, str]:
@@ -45,7 +45,7 @@ def _gptq(fx) -> Path:
 def test_the_registry_declares_the_gguf_options_and_every_target_a_type_vocabulary():
     declared = declared_options()
     assert {flag: owners for flag, (_, owners) in declared.items()} == {
-        "--split-max-size": ("gguf",), "--imatrix": ("gguf",), "--quantizer": ("gguf",)}
+        "--split-max-size": ("gguf",), "--imatrix": ("gguf",), "--quantizer": ("gguf",), "--no-mtp": ("gguf",)}
     assert declared["--quantizer"][0].choices == ("qconvert", "llama.cpp")
     for entry in all_formats():
         if entry.can_write:
@@ -63,6 +63,8 @@ def test_a_declared_option_fills_its_options_extra_key(entry):
     assert cli.writer_extra(gguf, {"--split-max-size": "2G", "--imatrix": Path("m/i.dat"), "--quantizer": "llama.cpp"}) \
         == {"split_max_size": 2_000_000_000, "imatrix": "m/i.dat", "quantizer": "llama.cpp"}
     assert cli.writer_extra(gguf, {"--split-max-size": None}) == {}
+    assert cli.writer_extra(gguf, {"--no-mtp": True}) == {"no_mtp": True}  # a flag: on when given
+    assert cli.writer_extra(gguf, {"--no-mtp": None}) == cli.writer_extra(gguf, {"--no-mtp": False}) == {}
 
 
 @pytest.mark.parametrize("target", WRITABLE)
@@ -75,7 +77,8 @@ def test_an_option_the_target_does_not_declare_is_one_line_with_exit_2(fx, tmp_p
         out = tmp_path / f"out-{flag.strip('-')}"
         want = f"qconvert: error: {flag} applies to {' or '.join(owners)} output only (the target is {entry.name})"
         for command in ([f"gptq->{target}", _gptq(fx), out], ["convert", _gptq(fx), out, "--to", target]):
-            rc, stdout, err = _run_main(capsys, *command, flag, _valid_value(spec))
+            given = [flag] if spec.kind == "flag" else [flag, _valid_value(spec)]  # a flag takes no value
+            rc, stdout, err = _run_main(capsys, *command, *given)
             assert (rc, err.strip()) == (2, want) and stdout == ""
             assert not out.exists() and not [p for p in tmp_path.iterdir() if "qconvert-tmp" in p.name]
 

@@ -372,10 +372,44 @@ def _qwen_mtp_block(out: Path, seed: int, count_in_config: bool = True) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
+def _glm_mtp_layer(out: Path, seed: int) -> None:
+    """Add the multi-token-prediction layer GLM-4.5 / GLM-5 checkpoints ship after the trunk (transformers builds
+    none, `_keys_to_ignore_on_load_unexpected`): model.layers.<num_hidden_layers> holds a decoder layer like the
+    last one of the trunk with the most tensors (a routed layer; GLM-5's with the indexer), the projection eh_proj
+    over [embedding, hidden], its input norms enorm / hnorm, and shared_head (norm, head) and embed_tokens as
+    DeepSeek-V3's MTP layer has them; config.json declares one (num_nextn_predict_layers). Values random with the
+    trunk's scales (no runtime here runs the block: llama.cpp loads it only for its MTP draft context)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(str(path))
+    config = json.loads((out / "config.json").read_text())
+    n, hidden, vocab = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
+    counts = [sum(1 for k in tensors if k.startswith(f"model.layers.{i}.")) for i in range(n)]
+    template = max(range(n), key=lambda i: (counts[i], i))
+    gen = torch.Generator().manual_seed(seed + 2)
+    prefix, mtp = f"model.layers.{template}.", {}
+    for name in sorted(k for k in tensors if k.startswith(prefix)):
+        t = tensors[name]
+        mtp[f"model.layers.{n}." + name[len(prefix):]] = torch.randn(t.shape, generator=gen) * t.std() + (
+            t.mean() if name.endswith("norm.weight") else 0.0)
+    mtp[f"model.layers.{n}.eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) / (2 * hidden) ** 0.5
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        mtp[f"model.layers.{n}.{norm}.weight"] = 1.0 + 0.1 * torch.randn(hidden, generator=gen)
+    mtp[f"model.layers.{n}.embed_tokens.weight"] = torch.randn(vocab, hidden, generator=gen)
+    mtp[f"model.layers.{n}.shared_head.head.weight"] = torch.randn(vocab, hidden, generator=gen) / hidden ** 0.5
+    tensors.update(mtp)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    config["num_nextn_predict_layers"] = 1
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
 # what a kind's checkpoint carries beyond transformers' own save (called with the folder and the seed)
 AFTER_SAVE: Dict[str, Callable[[Path, int], None]] = {
     "qwen3_5": _qwen_mtp_block, "qwen3_5_moe": _qwen_mtp_block,
-    "qwen3_next": lambda out, seed: _qwen_mtp_block(out, seed, count_in_config=False)}
+    "qwen3_next": lambda out, seed: _qwen_mtp_block(out, seed, count_in_config=False),
+    "glm4_moe": _glm_mtp_layer, "glm_moe_dsa": _glm_mtp_layer}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -408,6 +442,8 @@ def _draw(name: str, shape: tuple, gen, gemma: bool, tie: bool, kind: str = ""):
         return 1.0 + 0.4 * (torch.rand(shape, generator=gen) - 0.5)
     if kind in GEMMA4_KINDS and len(shape) == 1 and name.endswith(("layernorm_1.weight", "layernorm_2.weight")):
         return 1.0 + 0.2 * (torch.rand(shape, generator=gen) - 0.5)  # the MoE branch's own norms
+    if name.startswith(("vision_model.", "multi_modal_projector.")):  # a multimodal tower (Llama 4's): not run here
+        return 0.02 * torch.randn(shape, generator=gen)
     if name.endswith("indexer.k_norm.bias"):  # a LayerNorm's bias (GLM-5's indexer)
         return 0.1 * torch.randn(shape, generator=gen)
     if kind in HYBRID_KINDS:
@@ -667,8 +703,21 @@ def glm_tokenizer(out) -> None:
     tok.save(str(path))
 
 
+def _llama4_vl(layers: int, wide: bool):
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+    # the released Llama 4 checkpoints' class: _llama4's text model (language_model.*) beside a one-layer vision
+    # tower and its projector (vision_model.*, multi_modal_projector.*), which llama.cpp's converter leaves out of
+    # the text GGUF; the tower's values are small random ones (nothing here runs it)
+    text, _, _ = _llama4(layers, wide)
+    vision = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128, image_size=56,
+                  patch_size=14, vision_output_dim=text.hidden_size, projector_input_dim=text.hidden_size,
+                  projector_output_dim=text.hidden_size, pixel_shuffle_ratio=0.5)
+    cfg = Llama4Config(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=False)
+    return cfg, Llama4ForConditionalGeneration, {}
+
+
 BUILDERS.update({"mistral3": _mistral3, "smollm3": _smollm3, "olmo3": _olmo3, "olmo2": _olmo2, "exaone4": _exaone4,
-                 "llama4": _llama4, "glm4_moe": _glm4_moe})
+                 "llama4": _llama4, "glm4_moe": _glm4_moe, "llama4_vl": _llama4_vl})
 TOKENIZER_EXTRAS["glm4_moe"] = glm_tokenizer
 
 

@@ -14,8 +14,9 @@ config.json, which HF modules its blocks hold, which tensors every layer must ha
   gate_up_proj, biases per expert): gpt_oss.py turns them into llama.cpp's stacks and back.
 - Llama 4 keeps them fused and transposed too, gate columns then up (`experts_in_out`, llama4.py); its dense
   layers' width is another config key (`dense_ffn_key`); OLMo 2/3 and MiniMax-M2 normalise the whole q/k
-  projection (`qk_norm_whole`); GLM-4.5 counts its MTP blocks in block_count (`nextn_blocks`); ERNIE 4.5's MTP
-  block outside model.layers is skipped as the converter skips it (`skipped_tensors`).
+  projection (`qk_norm_whole`); the multi-token-prediction blocks (DeepSeek-V3,
+  GLM-4.5 / GLM-5, Qwen3.5 / Qwen3-Next, ERNIE 4.5) are one description each (`mtp`, mtp.py): kept or skipped
+  as llama.cpp's converter does by default, dropped with --no-mtp.
 
 A new architecture is one module here that calls `register_arch` (base.py), imported below; the names
 themselves come from gguf-py's `TensorNameMap` for the architecture (names.py), or from the entry's own

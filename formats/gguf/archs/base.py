@@ -14,12 +14,36 @@ from typing import Any, Callable, Mapping
 import gguf
 
 from ..hparams import MAX_WIDTH, head_dim
+from .mtp import MtpBlock
 
 __all__ = ["GgufArch", "register_arch", "registered", "arch_by_name", "arch_for_config", "supported_classes",
            "expert_name", "EXPERT_COUNT_KEYS", "expert_count_key", "expert_count", "expert_keys", "moe_config",
-           "HF_DENSE_BLOCK", "llama_converter_keys", "register_not_written", "StoredValues"]
+           "HF_DENSE_BLOCK", "llama_converter_keys", "register_not_written", "StoredValues", "TextOfMultimodal",
+           "text_model_config"]
 
 MetadataHook = Callable[[gguf.GGUFWriter, Mapping], None]
+
+
+@dataclass(frozen=True)
+class TextOfMultimodal:
+    """Multimodal classes llama.cpp's converter writes as their text model alone (Llama4ForConditionalGeneration,
+    the class of the released Llama 4 checkpoints): its text run merges config.json's `config_key` over the top
+    level, reads the tensors under `prefix` as the text model's and leaves the towers (`towers`: names starting so)
+    to the mmproj file its --mmproj run writes."""
+    classes: tuple[str, ...]
+    config_key: str = "text_config"
+    prefix: str = "language_model."
+    towers: tuple[str, ...] = ("vision_model.", "multi_modal_projector.")
+
+    def applies(self, config: Mapping) -> bool:
+        archs = config.get("architectures") or []
+        return bool(archs) and archs[0] in self.classes and isinstance(config.get(self.config_key), Mapping)
+
+    def text_config(self, config: Mapping) -> dict:
+        """The text model's config as the converter sees it: the text fields over the top-level ones."""
+        return {**config, **config[self.config_key], "architectures": list(config["architectures"])}
+
+
 # (the config being rebuilt, get(key, default, required, kind, **bounds) of the arch's typed metadata, the
 # file's tensor names or None, the typed metadata view) -> None: fills the architecture's own fields
 ConfigHook = Callable[[dict, Callable[..., Any], "set[str] | None", Any], None]
@@ -84,9 +108,10 @@ class GgufArch:
     # multi-head latent attention (DeepSeek): llama.cpp runs it as MQA over the compressed KV, so the shared
     # keys write one KV head and no per-head key/value length (the architecture's own keys do)
     mla: bool = False
-    # layers at or beyond num_hidden_layers that llama.cpp's loader ignores (DeepSeek-V3's multi-token
-    # prediction layer, model.layers.<num_hidden_layers>): dropped with a note instead of refused
-    drops_extra_layers: bool = False
+    # the multi-token-prediction block the checkpoints ship beside the trunk, and what llama.cpp's converter does
+    # with it (archs/mtp.py: one description for the three places checkpoints keep it; kept by default where
+    # the converter keeps it, dropped with --no-mtp); None: the family has none
+    mtp: MtpBlock | None = None
     # what the config asks that llama.cpp's graph for this architecture does not do (it hard-codes it):
     # a list of warnings for the user, the conversion goes on
     caveats: Callable[[Mapping], list[str]] = field(default=lambda config: [], repr=False)
@@ -105,12 +130,6 @@ class GgufArch:
     # the config.json key of the dense FFN's width (feed_forward_length): Llama 4 calls it intermediate_size_mlp,
     # its intermediate_size being the experts' width (expert_feed_forward_length)
     dense_ffn_key: str = "intermediate_size"
-    # block_count counts the config's MTP blocks (num_nextn_predict_layers) after the trunk, as llama.cpp's
-    # converter writes GLM-4.5 (with nextn_predict_layers; llama.cpp runs block_count minus those)
-    nextn_blocks: bool = False
-    # HF tensors llama.cpp's converter skips outright, outside model.layers (ERNIE 4.5's model.mtp_* block):
-    # dropped with a note instead of refused
-    skipped_tensors: re.Pattern | None = None
     # special tokens llama.cpp's converter looks up by their text, (tokenizer.ggml.<typ>_token_id, token), each
     # taken where the tokenizer files name no id for it (GLM's [gMASK], <|user|>, <|observation|>: without
     # eot llama.cpp's chat never stops at the end of a turn)
@@ -127,9 +146,6 @@ class GgufArch:
     dense_ffn_width: bool = True
     # full-attention q_proj rows hold each head's query and its output gate (Qwen3-Next / 3.5): 2x rows
     gated_query: bool = False
-    # name prefixes of a multi-token-prediction block saved beside the layers (Qwen3.5's `mtp.*`): dropped
-    # with a note, as llama.cpp's converter does with --no-mtp (its runtime does not use it for generation)
-    mtp_prefixes: tuple[str, ...] = ()
     # the elementwise maps that round (gguf name -> StoredValues or None), applied by the writer's session so
     # that the error is measured against the source's own values
     stored_values: Callable[[str], StoredValues | None] = field(default=_as_is, repr=False)
@@ -176,6 +192,9 @@ class GgufArch:
     # GGUF names of integer tables stored as I32 as they are (DeepSeek-V4's hash-routing tid2eid: token id ->
     # experts), not weights: no --type applies to them
     integer_tensors: re.Pattern | None = None
+    # a multimodal class of the family written as its text model, its towers left out as llama.cpp's converter
+    # leaves them (Llama 4: TextOfMultimodal); its class is one of hf_classes
+    multimodal: TextOfMultimodal | None = None
 
     def shifts_norm(self, gguf_name: str) -> bool:
         """Whether the GGUF tensor is a norm stored as `norm_shift + w`."""
@@ -219,6 +238,15 @@ def arch_by_name(name: str) -> GgufArch | None:
 
 def supported_classes() -> list[str]:
     return sorted(c for a in _ARCHS.values() for c in a.hf_classes)
+
+
+def text_model_config(config: Mapping) -> Mapping:
+    """config.json as the GGUF writer reads it: a multimodal class written as its text model (GgufArch.multimodal)
+    gives its text model's config, every other config is itself."""
+    arch, _ = arch_for_config(config)
+    if arch is not None and arch.multimodal is not None and arch.multimodal.applies(config):
+        return arch.multimodal.text_config(config)
+    return config
 
 
 def arch_for_config(config: Mapping) -> tuple[GgufArch | None, str]:

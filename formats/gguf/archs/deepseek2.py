@@ -11,6 +11,7 @@ import gguf
 import torch
 
 from .base import GgufArch, register_arch
+from .mtp import layers_after_trunk
 from ..hparams import MAX_WIDTH, rope_parameters
 
 
@@ -20,6 +21,11 @@ DEEPSEEK_BLOCK = ("input_layernorm", "post_attention_layernorm", "self_attn.q_pr
                 "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp.gate",
                 "mlp.gate.e_score_correction", "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj",
                 "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj")
+
+
+# DeepSeek-V3's MTP layer (model.layers.<num_hidden_layers>): llama.cpp's converter skips it (DeepseekV2Model.skip_mtp)
+DEEPSEEK_V3_MTP = layers_after_trunk(kept=False, dropped_because="llama.cpp's converter skips DeepSeek-V3's MTP "
+                                     "layer and its deepseek2 does not load it")
 
 
 def _deepseek2_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
@@ -102,7 +108,7 @@ def _deepseek2_config(cfg: dict, get, names, cv) -> None:
 # llama.cpp's converter writes, but llama.cpp refused to load the tiny V2 built to test it (no q_lora):
 # not listed until a test runs it
 register_arch(GgufArch("deepseek2", ("DeepseekV3ForCausalLM",), ("deepseek_v3", "kimi_k2"), "DeepseekV3ForCausalLM",
-                       "deepseek_v3", moe=True, mla=True, extra_metadata=_deepseek2_extra, drops_extra_layers=True,
+                       "deepseek_v3", moe=True, mla=True, extra_metadata=_deepseek2_extra, mtp=DEEPSEEK_V3_MTP,
                        attention=("attn_kv_a_mqa", "attn_kv_a_norm", "attn_k_b", "attn_v_b", "attn_output"),
                        hf_block=DEEPSEEK_BLOCK, config_from_gguf=_deepseek2_config))
 

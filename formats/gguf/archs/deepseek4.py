@@ -31,6 +31,7 @@ import numpy as np
 from ....converters.errors import BadInput
 from ..hparams import require
 from .base import GgufArch, expert_keys, register_arch
+from .mtp import skipped
 
 # transformers' name (block 0 stands for every block; the hf reader renames the release's names so,
 # formats/hf/deepseek_v4.py) -> (gguf-py's MODEL_TENSOR member, the GGUF name), as llama.cpp's vendored gguf-py
@@ -277,7 +278,8 @@ register_arch(GgufArch("deepseek4", ("DeepseekV4ForCausalLM",), ("deepseek_v4",)
                        "deepseek_v4", moe=True, extra_metadata=_deepseek4_extra, dense_ffn_width=False,
                        attention=("attn_q_a", "attn_q_a_norm", "attn_q_b", "attn_kv", "attn_kv_a_norm",
                                   "attn_output_a", "attn_output_b", "attn_sinks"),
-                       dense_ffn=(), mtp_prefixes=("mtp.",),
+                       dense_ffn=(), mtp=skipped(re.compile(r"^mtp\."), "llama.cpp's converter writes DeepSeek-V4's trunk "
+                                                    "only (its mtp.* block is not loaded)"),
                        name_table={hf: name for hf, (_, name) in DEEPSEEK4_TENSORS.items()},
                        float_type_keeps_source_types=True, dropped_tensor=_dropped, config_from_gguf=_deepseek4_config,
                        from_gguf_record=_fused_experts,

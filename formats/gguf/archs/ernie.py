@@ -17,6 +17,7 @@ from typing import Mapping
 import gguf
 
 from .base import HF_DENSE_BLOCK, GgufArch, register_arch
+from .mtp import skipped
 from ..hparams import MAX_WIDTH
 
 ERNIE_MOE_BLOCK = HF_DENSE_BLOCK + ("mlp.gate", "mlp.moe_statics.e_score_correction", "mlp.experts.gate_proj",
@@ -74,4 +75,5 @@ def _ernie_moe_config(cfg: dict, get, names, cv) -> None:
 
 register_arch(GgufArch("ernie4_5-moe", ("Ernie4_5_MoeForCausalLM",), ("ernie4_5_moe",), "Ernie4_5_MoeForCausalLM",
                        "ernie4_5_moe", moe=True, extra_metadata=_ernie_moe_extra, caveats=_ernie_moe_caveats,
-                       hf_block=ERNIE_MOE_BLOCK, config_from_gguf=_ernie_moe_config, skipped_tensors=MTP_TENSORS))
+                       hf_block=ERNIE_MOE_BLOCK, config_from_gguf=_ernie_moe_config, mtp=skipped(MTP_TENSORS, "llama.cpp's converter skips ERNIE's MTP block and "
+                                                                         "its ernie4_5-moe does not load it")))

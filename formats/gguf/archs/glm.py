@@ -3,12 +3,11 @@ then routed experts (sigmoid scores with the correction bias exp_probs_b, top-k 
 routed_scaling_factor) beside shared experts; q/k/v biases, optional per-head q/k RMSNorm, NEOX rope over
 partial_rotary_factor of each head (rope.dimension_count), no q/k permutation.
 
-Multi-token prediction: the config declares num_nextn_predict_layers MTP blocks after the trunk. llama.cpp's
-converter counts them in block_count and writes nextn_predict_layers; llama.cpp runs block_count -
-nextn_predict_layers layers and loads a file whose MTP tensors are absent (its "trunk only" case). qconvert
-writes the same keys and drops the MTP block's tensors (model.layers.<num_hidden_layers>.*: transformers builds
-no MTP module, and llama.cpp does not run it), so its file is the converter's whenever the checkpoint has no
-MTP tensors, and the trunk of it otherwise (the converter would keep them for llama.cpp's MTP drafting).
+Multi-token prediction: the config declares num_nextn_predict_layers MTP blocks after the trunk
+(model.layers.<num_hidden_layers + i>.*). llama.cpp's converter keeps them by default: block_count counts them,
+nextn_predict_layers says how many, their tensors are written (a checkpoint without them, as transformers saves
+one, gives the "trunk only" file llama.cpp also loads); with --no-mtp neither the keys nor the tensors. qconvert
+does the same (`mtp`, archs/mtp.py).
 
 The tokenizer: GLM's converter looks its special tokens up by name ([gMASK] bos, <|user|> eot, <|endoftext|>
 unk, <|observation|> eom); qconvert writes the tokenizer as it does for every byte-level BPE.
@@ -21,6 +20,7 @@ from typing import Mapping
 import gguf
 
 from .base import GgufArch, register_arch
+from .mtp import layers_after_trunk
 from ..hparams import MAX_WIDTH, head_dim, rope_parameters
 
 GLM4_MOE_BLOCK = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
@@ -54,8 +54,18 @@ def _glm4moe_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
         writer.add_expert_weights_scale(float(config["routed_scaling_factor"]))
     if config.get("norm_topk_prob") is not None:
         writer.add_expert_weights_norm(bool(config["norm_topk_prob"]))
-    if config.get("num_nextn_predict_layers", config.get("num_mtp_layers")) is not None:
-        writer.add_nextn_predict_layers(nextn_layers(config))
+
+
+def declared_nextn(config: Mapping) -> int | None:
+    """The MTP blocks GLM's config declares, None when it names none (llama.cpp's converter then writes no
+    nextn_predict_layers)."""
+    if config.get("num_nextn_predict_layers", config.get("num_mtp_layers")) is None:
+        return None
+    return nextn_layers(config)
+
+
+# the MTP block: layers after the trunk, kept unless --no-mtp (Glm4MoeModel.filter_tensors)
+GLM_MTP = layers_after_trunk(kept=True, declared=declared_nextn, config_key="num_nextn_predict_layers")
 
 
 def _glm4moe_caveats(config: Mapping) -> list[str]:
@@ -66,8 +76,8 @@ def _glm4moe_caveats(config: Mapping) -> list[str]:
 
 
 def _glm4moe_config(cfg: dict, get, names, cv) -> None:
-    nextn = get("nextn_predict_layers", 0, lo=0, hi=cfg["num_hidden_layers"] - 1)
-    n = cfg["num_hidden_layers"] = cfg["num_hidden_layers"] - nextn  # the trunk
+    nextn = cfg.get("num_nextn_predict_layers", 0)  # config_from_gguf has taken the MTP blocks off the count
+    n = cfg["num_hidden_layers"]
     n_expert = get("expert_count", required=True, lo=1, hi=1 << 16)
     rope_dims = get("rope.dimension_count", cfg["head_dim"] // 2, lo=1, hi=cfg["head_dim"])
     cfg.update(n_routed_experts=n_expert,
@@ -87,6 +97,6 @@ def _glm4moe_config(cfg: dict, get, names, cv) -> None:
 
 
 register_arch(GgufArch("glm4moe", ("Glm4MoeForCausalLM",), ("glm4_moe",), "Glm4MoeForCausalLM", "glm4_moe", moe=True,
-                       extra_metadata=_glm4moe_extra, caveats=_glm4moe_caveats, drops_extra_layers=True,
+                       extra_metadata=_glm4moe_extra, caveats=_glm4moe_caveats, mtp=GLM_MTP,
                        norms=("attn_norm", "post_attention_norm"), hf_block=GLM4_MOE_BLOCK,
-                       config_from_gguf=_glm4moe_config, nextn_blocks=True))
+                       config_from_gguf=_glm4moe_config))

@@ -13,6 +13,7 @@ from ....converters.errors import BadInput
 from ..hparams import MAX_WIDTH, rope_parameters
 from .base import GgufArch, register_arch
 from .deepseek2 import DEEPSEEK_BLOCK, _deepseek2_config, _deepseek2_extra
+from .glm import GLM_MTP  # GLM-5 keeps its MTP block as GLM-4.5 does (GlmMoeDsaModel)
 
 GLM_DSA_BLOCK = DEEPSEEK_BLOCK + ("self_attn.indexer.wq_b", "self_attn.indexer.wk", "self_attn.indexer.k_norm",
                                   "self_attn.indexer.weights_proj")
@@ -83,17 +84,8 @@ def _glm_dsa_config(cfg: dict, get, names, cv) -> None:
         cfg["indexer_types"] = ["full"] * n
 
 
-def _glm_dsa_caveats(config: Mapping) -> list[str]:
-    if config.get("num_nextn_predict_layers"):
-        # the MTP block (model.layers.<num_hidden_layers>) is dropped with a note (drops_extra_layers): the
-        # file is the main model llama.cpp runs, without the draft head its converter also keeps
-        return ["num_nextn_predict_layers: the multi-token-prediction block is not written (llama.cpp's "
-                "converter keeps it as an extra block for speculative decoding)"]
-    return []
-
-
 register_arch(GgufArch("glm-dsa", ("GlmMoeDsaForCausalLM",), ("glm_moe_dsa",), "GlmMoeDsaForCausalLM",
-                       "glm_moe_dsa", moe=True, mla=True, extra_metadata=_glm_dsa_extra, drops_extra_layers=True,
+                       "glm_moe_dsa", moe=True, mla=True, extra_metadata=_glm_dsa_extra, mtp=GLM_MTP,
                        attention=("attn_kv_a_mqa", "attn_kv_a_norm", "attn_k_b", "attn_v_b", "attn_output"),
-                       hf_block=GLM_DSA_BLOCK, config_from_gguf=_glm_dsa_config, caveats=_glm_dsa_caveats,
+                       hf_block=GLM_DSA_BLOCK, config_from_gguf=_glm_dsa_config,
                        named_special_tokens=GLM_SPECIAL_TOKENS))

@@ -1,4 +1,5 @@
-"""Llama 4's text model (Llama4ForCausalLM; the text part of Llama4ForConditionalGeneration) as llama.cpp's
+"""Llama 4's text model (Llama4ForCausalLM; the text part of Llama4ForConditionalGeneration, the released
+checkpoints' class, whose vision tower is left out as llama.cpp's converter leaves it: `multimodal`) as llama.cpp's
 `llama4`.
 
 - Rope rotates adjacent pairs (transformers' complex-number rope), which is ggml's NORM rope as stored: no q/k
@@ -22,7 +23,7 @@ from typing import Mapping
 import gguf
 import torch
 
-from .base import GgufArch, expert_keys, moe_config, register_arch, llama_converter_keys
+from .base import GgufArch, TextOfMultimodal, expert_keys, moe_config, register_arch, llama_converter_keys
 from ..hparams import MAX_WIDTH
 
 LLAMA4_BLOCK = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
@@ -111,6 +112,10 @@ def _llama4_config(cfg: dict, get, names, cv) -> None:
                attention_bias=False, pad_token_id=None)
 
 
-register_arch(GgufArch("llama4", ("Llama4ForCausalLM",), ("llama4_text",), "Llama4ForCausalLM", "llama4_text",
-                       moe=True, extra_metadata=_llama4_extra, caveats=_llama4_caveats, hf_block=LLAMA4_BLOCK,
+# the released checkpoints' class (a vision tower beside the text model): llama.cpp's converter writes its text
+# model as llama4 (Llama4Model registers both classes) and the tower only into an mmproj file (Llama4VisionModel)
+LLAMA4_MULTIMODAL = TextOfMultimodal(("Llama4ForConditionalGeneration",))
+
+register_arch(GgufArch("llama4", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"), ("llama4_text",),
+                       "Llama4ForCausalLM", "llama4_text", moe=True, multimodal=LLAMA4_MULTIMODAL, extra_metadata=_llama4_extra, caveats=_llama4_caveats, hf_block=LLAMA4_BLOCK,
                        config_from_gguf=_llama4_config, experts_in_out=True, dense_ffn_key="intermediate_size_mlp"))

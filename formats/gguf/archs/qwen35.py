@@ -12,7 +12,8 @@ _LinearAttentionVReorderBase.modify_tensors, _Qwen35MRopeMixin), each undone on 
   ([k0: v0 v1, k1: v0 v1]) to tiled ([k0 v0, k1 v0, k0 v1, k1 v1]) so that ggml broadcasts the keys
   instead of repeating them: the V rows of in_proj_qkv and the conv1d kernel, the rows of in_proj_z,
   in_proj_a and in_proj_b, A_log and dt_bias, and the columns of out_proj;
-- the multi-token-prediction block (`mtp.*`) is left out, as the converter does with --no-mtp.
+- the multi-token-prediction block (`mtp.*`) becomes the blocks after the trunk (`mtp`, archs/mtp.py: mtp.fc as
+  blk.N.nextn.eh_proj, ...), or is left out with --no-mtp, as the converter does.
 
 The full-attention q_proj holds each head's query and its output gate (2x rows: gated_query).
 """
@@ -28,6 +29,7 @@ import torch
 from ....converters.errors import BadInput
 from ....converters.records import Dense, TensorRecord
 from .base import HF_DENSE_BLOCK, GgufArch, StoredValues, moe_config, register_arch
+from .mtp import qwen_mtp
 from .qwen import QWEN_MOE_BLOCK, qwen_moe_extra
 from ..hparams import MAX_HEADS, MAX_WIDTH, rope_parameters
 
@@ -272,8 +274,11 @@ def _linear_attention_keys(writer: gguf.GGUFWriter, config: Mapping) -> None:
     writer.add_ssm_group_count(d.k_heads)
     writer.add_ssm_time_step_rank(d.v_heads)
     writer.add_ssm_inner_size(d.v_dim * d.v_heads)
-    writer.add_array(RECURRENT_LAYERS_KEY.format(arch=writer.arch),
-                     [t == "linear_attention" for t in _layer_types(config)])
+    # one flag per block the file holds: the MTP blocks after the trunk are full attention (block_count is written
+    # first, metadata.add_model_metadata)
+    flags = [t == "linear_attention" for t in _layer_types(config)]
+    blocks = int(writer.kv_data[0][f"{writer.arch}.block_count"].value)
+    writer.add_array(RECURRENT_LAYERS_KEY.format(arch=writer.arch), flags + [False] * (blocks - len(flags)))
     writer.add_full_attention_interval(int(config.get("full_attention_interval") or 4))
     writer.add_rope_dimension_count(_rope_dims(config))
 
@@ -318,11 +323,13 @@ def _qwen35_config(cfg: dict, get, names, cv, arch: str = "qwen35", mrope: bool 
     if inner % v_heads:
         raise BadInput(f"metadata {arch}.ssm.inner_size {inner} is not a multiple of {arch}.ssm.time_step_rank "
                        f"{v_heads}", path=cv.path)
-    n = cfg["num_hidden_layers"]
+    n = cfg["num_hidden_layers"]  # the trunk (config_from_gguf has taken the MTP blocks off)
     flags = cv.get(RECURRENT_LAYERS_KEY.format(arch=arch))
-    if not isinstance(flags, list) or len(flags) != n or not all(isinstance(f, bool) for f in flags):
-        raise BadInput(f"metadata {arch}.attention.recurrent_layers is not {n} booleans (one per layer)",
+    total = n + int(cfg.get("_mtp_blocks") or 0)
+    if not isinstance(flags, list) or len(flags) != total or not all(isinstance(f, bool) for f in flags):
+        raise BadInput(f"metadata {arch}.attention.recurrent_layers is not {total} booleans (one per block)",
                        path=cv.path)
+    flags = flags[:n]
     rope_dims = get("rope.dimension_count", required=True, lo=2, hi=cfg["head_dim"])
     sections = cv.get(f"{arch}.rope.dimension_sections") if mrope else [0, 0, 0, 0]
     if not isinstance(sections, list) or len(sections) != 4 or not all(isinstance(s, int) for s in sections):
@@ -371,7 +378,7 @@ register_arch(GgufArch("qwen35", ("Qwen3_5ForCausalLM",), ("qwen3_5_text",), "Qw
                        norm_shift=1.0, unshifted_norms=("ssm_norm",), extra_metadata=_qwen35_extra,
                        norms=("attn_norm", "post_attention_norm"),
                        attention=("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm"),
-                       linear_attention=_LINEAR_REQUIRED, gated_query=True, mtp_prefixes=("mtp.", "model.mtp."),
+                       linear_attention=_LINEAR_REQUIRED, gated_query=True, mtp=qwen_mtp("mtp_num_hidden_layers"),
                        hf_block=HF_DENSE_BLOCK + LINEAR_ATTENTION_BLOCK, config_from_gguf=_qwen35_config,
                        to_gguf_record=_to_gguf(tiled=True),
                        from_gguf_record=_from_gguf(tiled=True, fused=False), stored_values=a_log_values))
@@ -380,7 +387,7 @@ register_arch(GgufArch("qwen35moe", ("Qwen3_5MoeForCausalLM",), ("qwen3_5_moe_te
                        norm_shift=1.0, unshifted_norms=("ssm_norm",), extra_metadata=_qwen35moe_extra,
                        norms=("attn_norm", "post_attention_norm"),
                        attention=("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm"),
-                       linear_attention=_LINEAR_REQUIRED, gated_query=True, mtp_prefixes=("mtp.", "model.mtp."),
+                       linear_attention=_LINEAR_REQUIRED, gated_query=True, mtp=qwen_mtp("mtp_num_hidden_layers"),
                        hf_block=HF_DENSE_BLOCK + LINEAR_ATTENTION_BLOCK + QWEN_MOE_BLOCK,
                        config_from_gguf=_qwen35moe_config, to_gguf_record=_to_gguf(tiled=True),
                        from_gguf_record=_from_gguf(tiled=True, fused=False), stored_values=a_log_values))
@@ -391,7 +398,7 @@ register_arch(GgufArch("qwen3next", ("Qwen3NextForCausalLM",), ("qwen3_next",), 
                        norms=("attn_norm", "post_attention_norm"),
                        attention=("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm"),
                        linear_attention=("attn_qkv", "attn_gate", "ssm_conv1d", "ssm_ba", "ssm_norm", "ssm_out"),
-                       gated_query=True, mtp_prefixes=("mtp.", "model.mtp."), caveats=_qwen3next_caveats,
+                       gated_query=True, mtp=qwen_mtp(None), caveats=_qwen3next_caveats,
                        hf_block=HF_DENSE_BLOCK + LINEAR_ATTENTION_BLOCK + ("linear_attn.in_proj_ba",) + QWEN_MOE_BLOCK,
                        config_from_gguf=_qwen3next_config, to_gguf_record=_to_gguf(tiled=False),
                        from_gguf_record=_from_gguf(tiled=False, fused=True), stored_values=a_log_values))

@@ -21,7 +21,6 @@ phi3 (Phi-4 style: byte-level BPE), deepseek_v3 and gpt_oss (dense float experts
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -34,13 +33,13 @@ import pytest
 import torch
 
 import fixtures_archs
+from gguf_arch_files import ROOT, assert_same_model_keys, cached, converter, model_keys, same_tensors
 from helpers import gguf_tensors, llama_logits, run_cli
 from llama_quantize import llama_quantize
 
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
 
-ROOT = Path(__file__).parents[2] / "_fixtures" / "archs"
 SUPPORT = Path(__file__).parents[2] / "support"  # the shared test modules, for the children below
 KINDS = fixtures_archs.KINDS
 PROMPT = fixtures_archs.arch_prompt()
@@ -53,24 +52,10 @@ MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
 EXTRA_KEYS = {"gemma2": {"gemma2.rope.freq_base"}}
 
 
-def _reference_module():
-    path = Path(__file__).resolve().parents[3] / "scripts" / "llama_cpp_reference.py"
-    spec = importlib.util.spec_from_file_location("llama_cpp_reference", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _cached(path: Path, build) -> Path:
-    done = path.with_name(path.name + ".done")
-    if not done.exists():
-        if path.is_dir():
-            shutil.rmtree(path)
-        path.unlink(missing_ok=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        build(path)
-        done.write_text("ok")
-    return path
+# the fixture cache, the converter and the file comparisons every architecture test shares (tests/support); the
+# names below are this module's own (test_gguf_archs_*.py once imported them from here)
+_cached, _reference_module, _model_keys = cached, converter, model_keys
+_assert_same_model_keys = assert_same_model_keys
 
 
 def model_dir(kind: str) -> Path:
@@ -83,38 +68,18 @@ def ours_f32(kind: str) -> Path:
 
 
 def reference_f32(kind: str) -> Path:
-    ref = _reference_module()
-    try:
-        ref.llama_cpp_src()
-    except FileNotFoundError as e:
-        pytest.skip(f"llama.cpp's converter is not extracted: {e}")  # a failure under QCONVERT_REQUIRE_ORACLES
+    ref = converter()
     src = model_dir(kind)
     # general.name must not say "phi3": llama.cpp then wants Phi-3's SentencePiece tokens (see the script)
     return _cached(ROOT / f"{kind}-ref.gguf",
                    lambda out: ref.convert_reference(src, out, model_name="tiny " + kind.replace("phi3", "phi-4")))
 
 
-def _model_keys(path: Path) -> dict:
-    r = gguf.GGUFReader(str(path))
-    return {k: f.contents() for k, f in r.fields.items() if not k.startswith(("GGUF.", "general.", "tokenizer."))}
-
-
-def _assert_same_model_keys(ours: Path, theirs: Path, extra: set = frozenset()) -> None:
-    """The {arch}.* hyper-parameters of two GGUFs agree (floats as stored, FLOAT32), but for `extra` keys."""
-    ka, kb = _model_keys(ours), _model_keys(theirs)
-    assert set(ka) - set(extra) == set(kb)
-    for key in kb:
-        assert ka[key] == kb[key], (key, ka[key], kb[key])
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_f32_is_what_llama_cpp_converter_writes_and_runs(kind):
     ours, theirs = ours_f32(kind), reference_f32(kind)
-    a, b = gguf_tensors(ours), gguf_tensors(theirs)
-    assert sorted(a) == sorted(b)
-    for name in a:
-        assert (a[name].tensor_type, list(a[name].shape)) == (b[name].tensor_type, list(b[name].shape)), name
-        assert bytes(a[name].data) == bytes(b[name].data), name
+    same_tensors(ours, theirs)  # names, types, shapes, bytes
+    a = gguf_tensors(ours)
     _assert_same_model_keys(ours, theirs, EXTRA_KEYS.get(kind, set()))
     stacked = [n for n in a if n.endswith("_exps.weight")]
     assert bool(stacked) == (kind in MOE_KINDS)
@@ -138,12 +103,7 @@ def test_f32_is_what_llama_cpp_converter_writes_and_runs(kind):
 
 def _same_tensors(ours: Path, theirs: Path) -> set[str]:
     """Both files hold the same tensors, each of the same ggml type and bytes; -> the types present."""
-    a, b = gguf_tensors(ours), gguf_tensors(theirs)
-    assert sorted(a) == sorted(b)
-    for name in a:
-        assert a[name].tensor_type == b[name].tensor_type, name
-        assert bytes(a[name].data) == bytes(b[name].data), name
-    return {t.tensor_type.name for t in a.values()}
+    return same_tensors(ours, theirs, shapes=False)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -343,11 +303,7 @@ def test_phi3_longrope_factors_travel_both_ways(tmp_path):
     src = _cached(ROOT / "phi3_longrope", _phi3_longrope)
     ours = tmp_path / "ours.gguf"
     run_cli("hf->gguf", src, ours, "--type", "f32")
-    ref = _reference_module()
-    try:
-        ref.llama_cpp_src()
-    except FileNotFoundError as e:
-        pytest.skip(f"llama.cpp's converter is not extracted: {e}")
+    ref = converter()
     theirs = ref.convert_reference(src, tmp_path / "ref.gguf", model_name="tiny phi-4")
     a, b = gguf_tensors(ours), gguf_tensors(theirs)
     assert sorted(a) == sorted(b) and {"rope_factors_long.weight", "rope_factors_short.weight"} <= set(a)
@@ -459,11 +415,7 @@ def test_gpt_oss_mxfp4_gguf_reads_back_as_transformers_dequantizes(tmp_path):
     from transformers.integrations.mxfp4 import _convert_moe_packed_tensors
 
     src = _cached(ROOT / "gpt_oss_mxfp4", lambda d: fixtures_archs.gpt_oss_mxfp4_checkpoint(model_dir("gpt_oss"), d))
-    ref = _reference_module()
-    try:
-        ref.llama_cpp_src()
-    except FileNotFoundError as e:
-        pytest.skip(f"llama.cpp's converter is not extracted: {e}")  # a failure under QCONVERT_REQUIRE_ORACLES
+    ref = converter()
     theirs = ref.convert_reference(src, tmp_path / "mxfp4.gguf", model_name="tiny gpt_oss")
     a = gguf_tensors(theirs)
     assert {n for n in a if a[n].tensor_type.name == "MXFP4"} == {n for n in a if n.endswith("_exps.weight")}

@@ -8,7 +8,15 @@ judged by llama.cpp itself on a tiny random model of each (tests/support/fixture
   (Ministral 3's attention temperature, SmolLM3's and Llama 4's NoPE layers, OLMo 3's sliding windows,
   GLM-4.5's routed scaling factor, MiniMax-M2's partial rope, ERNIE 4.5's dense lead layer);
 - `--type q8_0` and `--type q4_k_m` (256 wide, so the K types apply) equal llama-quantize's bytes of our F32 file;
-- `gguf->hf --type f32` loads in transformers as the source's class, with the source's logits exactly.
+- `gguf->hf --type f32` loads in transformers as the source's class, with the source's logits exactly;
+- Llama4ForConditionalGeneration (the released Llama 4 checkpoints' class, a vision tower beside the text model)
+  is written as its text model, the tower left out as the converter leaves it: its file byte for byte, llama.cpp's
+  logits on the two the same and within 1e-4 of transformers' text model, and `gguf->hf` gives that text model
+  (Llama4ForCausalLM) with its logits exactly;
+- GLM-4.5's multi-token-prediction layer (model.layers.3, as its checkpoints carry one) is kept as llama.cpp's
+  converter keeps it by default (blk.3.* with blk.3.nextn.*, block_count 4) and left out with `--no-mtp` as the
+  converter's --no-mtp leaves it (bytes and keys equal both ways, llama.cpp's logits the same on all four
+  files), and comes back from `gguf->hf` where the source had it.
 """
 
 from __future__ import annotations
@@ -22,13 +30,13 @@ import pytest
 import torch
 
 import fixtures_archs
+from gguf_arch_files import ROOT, cached as _cached, converter, model_keys as _model_keys, same_tensors
 from helpers import gguf_tensors, llama_logits, run_cli
 from llama_quantize import llama_quantize
 
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
 
-ROOT = Path(__file__).parents[2] / "_fixtures" / "archs"
 KINDS = fixtures_archs.STD_KINDS
 PROMPT = fixtures_archs.arch_prompt()
 CLASSES = {"mistral3": "Ministral3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmo3": "Olmo3ForCausalLM",
@@ -38,6 +46,13 @@ CLASSES = {"mistral3": "Ministral3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
 ARCHS = {"mistral3": "mistral3", "smollm3": "smollm3", "olmo3": "olmo2", "olmo2": "olmo2", "exaone4": "exaone4",
          "llama4": "llama4", "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "ernie4_5_moe": "ernie4_5-moe"}
 MOE_KINDS = ("llama4", "glm4_moe", "minimax_m2", "ernie4_5_moe")
+# kinds whose checkpoint carries an MTP block llama.cpp's converter keeps by default (fixtures_archs._glm_mtp_layer)
+MTP_KINDS = ("glm4_moe",)
+# kinds whose fixture changed since a cache of it may have been built (GLM-4.5's gained its MTP layer): their
+# cache names say so, so that an older cache is never taken for them
+CACHE_TAG = {"glm4_moe": "-mtp"}
+# kinds converted with the others but tested on their own: Llama 4's released (multimodal) class
+OTHER_KINDS = ("llama4_vl",)
 # keys that carry each kind's quirk: they must be in both files (and equal, as every key is)
 QUIRK_KEYS = {"mistral3": {"mistral3.attention.temperature_scale", "mistral3.rope.scaling.yarn_log_multiplier",
                            "mistral3.rope.scaling.type"},
@@ -53,20 +68,12 @@ QUIRK_KEYS = {"mistral3": {"mistral3.attention.temperature_scale", "mistral3.rop
                                "ernie4_5-moe.interleave_moe_layer_step"}}
 
 
-def _cached(path: Path, build) -> Path:
-    done = path.with_name(path.name + ".done")
-    if not done.exists():
-        if path.is_dir():
-            shutil.rmtree(path)
-        path.unlink(missing_ok=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        build(path)
-        done.write_text("ok")
-    return path
+def _stem(kind: str) -> str:
+    return f"std-{kind}{CACHE_TAG.get(kind, '')}"
 
 
 def model_dir(kind: str, wide: bool = False) -> Path:
-    name = f"std-{kind}" + ("-wide" if wide else "")
+    name = _stem(kind) + ("-wide" if wide else "")
     return _cached(ROOT / name, lambda d: fixtures_archs.build_arch_model(d, kind, wide=wide))
 
 
@@ -75,39 +82,27 @@ def ours_f32(kind: str, wide: bool = False) -> Path:
     return _cached(ROOT / f"{src.name}-f32.gguf", lambda out: run_cli("hf->gguf", src, out, "--type", "f32"))
 
 
-def reference_f32(kind: str) -> Path:
-    """llama.cpp's converter's file of the kind's folder. The first call converts every kind not cached yet in one
-    child process (the converter and torch imported once, not once per kind)."""
-    import llama_cpp_reference as ref
+def _reference_path(kind: str, mtp: bool = True) -> Path:
+    return ROOT / f"{_stem(kind)}-ref{'' if mtp else '-no-mtp'}.gguf"
 
-    try:
-        ref.llama_cpp_src()
-    except FileNotFoundError as e:
-        pytest.skip(f"llama.cpp's converter is not extracted: {e}")  # a failure under QCONVERT_REQUIRE_ORACLES
-    path = ROOT / f"std-{kind}-ref.gguf"
+
+def reference_f32(kind: str, mtp: bool = True) -> Path:
+    """llama.cpp's converter's file of the kind's folder (`mtp` False: with its --no-mtp, for MTP_KINDS). The first
+    call converts every file not cached yet in one child process (the converter and torch imported once, not once
+    per kind)."""
+    ref = converter()
+    path = _reference_path(kind, mtp)
     done = path.with_name(path.name + ".done")
     if not done.exists():
-        todo = [k for k in KINDS if not (ROOT / f"std-{k}-ref.gguf.done").exists()]
-        jobs = [(model_dir(k), ROOT / f"std-{k}-ref.gguf", "tiny " + k) for k in todo]
-        for _, out, _ in jobs:
+        wanted = [(k, True) for k in KINDS + OTHER_KINDS] + [(k, False) for k in MTP_KINDS]
+        todo = [(k, m) for k, m in wanted if not _reference_path(k, m).with_name(_reference_path(k, m).name + ".done").exists()]
+        jobs = [(model_dir(k), _reference_path(k, m), "tiny " + k, () if m else ("--no-mtp",)) for k, m in todo]
+        for _, out, _, _ in jobs:
             out.unlink(missing_ok=True)
         ref.convert_references(jobs)
-        for _, out, _ in jobs:
+        for _, out, _, _ in jobs:
             out.with_name(out.name + ".done").write_text("ok")
     return path
-
-
-def _model_keys(path: Path) -> dict:
-    r = gguf.GGUFReader(str(path))
-    return {k: f.contents() for k, f in r.fields.items() if not k.startswith(("GGUF.", "general.", "tokenizer."))}
-
-
-def _ne(shape, trim: bool) -> list[int]:
-    """A tensor's ggml ne; `trim`: without trailing 1s, as llama-quantize writes every tensor (ggml_n_dims)."""
-    ne = [int(d) for d in shape]
-    while trim and len(ne) > 1 and ne[-1] == 1:
-        ne.pop()
-    return ne
 
 
 def _same_tensors(ours: Path, theirs: Path, quantized: bool = False) -> set[str]:
@@ -115,13 +110,7 @@ def _same_tensors(ours: Path, theirs: Path, quantized: bool = False) -> set[str]
     `quantized`: `theirs` is llama-quantize's, which drops trailing unit dimensions from the header (ERNIE's
     [1, experts] exp_probs_b.bias: ne [experts, 1] in the converter's file and ours, [experts] in its); the
     bytes are the same."""
-    a, b = gguf_tensors(ours), gguf_tensors(theirs)
-    assert sorted(a) == sorted(b)
-    for name in a:
-        assert a[name].tensor_type == b[name].tensor_type, name
-        assert _ne(a[name].shape, quantized) == _ne(b[name].shape, quantized), name
-        assert bytes(a[name].data) == bytes(b[name].data), name
-    return {t.tensor_type.name for t in a.values()}
+    return same_tensors(ours, theirs, trim_dims=quantized)
 
 
 def _logits_without_quirk(kind: str) -> np.ndarray | None:
@@ -161,6 +150,13 @@ def test_f32_is_what_llama_cpp_converter_writes_and_runs(kind):
     assert gguf.GGUFReader(str(ours)).fields["general.architecture"].contents() == ARCHS[kind]
     stacks = [n for n in gguf_tensors(ours) if n.endswith("_exps.weight")]
     assert bool(stacks) == (kind in MOE_KINDS)
+    if kind in MTP_KINDS:  # the MTP layer kept as the block after the trunk, with its own tensors
+        fields, names = gguf.GGUFReader(str(ours)).fields, set(gguf_tensors(ours))
+        assert fields[f"{ARCHS[kind]}.block_count"].contents() == 4
+        assert fields[f"{ARCHS[kind]}.nextn_predict_layers"].contents() == 1
+        assert {"blk.3.nextn.eh_proj.weight", "blk.3.nextn.enorm.weight", "blk.3.nextn.hnorm.weight",
+                "blk.3.nextn.shared_head_norm.weight", "blk.3.nextn.shared_head_head.weight",
+                "blk.3.nextn.embed_tokens.weight", "blk.3.ffn_gate_exps.weight", "blk.3.attn_q.weight"} <= names
 
     got = llama_logits(ours, PROMPT)
     assert np.array_equal(got, llama_logits(theirs, PROMPT))
@@ -211,6 +207,34 @@ def test_gguf_to_hf_gives_back_the_source_class(kind, tmp_path):
     got = fixtures_archs.transformers_logits(out, PROMPT)
     want = fixtures_archs.transformers_logits(model_dir(kind), PROMPT)
     assert np.array_equal(got, want), float(np.abs(got - want).max())
+    if kind in MTP_KINDS:  # the MTP layer is back where the source had it, with its values
+        from safetensors.torch import load_file
+
+        back, src = load_file(str(out / "model.safetensors")), load_file(str(model_dir(kind) / "model.safetensors"))
+        mtp = {n for n in src if n.startswith("model.layers.3.")}
+        assert mtp and mtp == {n for n in back if n.startswith("model.layers.3.")}
+        assert all(torch.equal(back[n], src[n]) for n in mtp)
+        assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == 3
+
+
+@pytest.mark.parametrize("kind", MTP_KINDS)
+def test_no_mtp_is_what_llama_cpp_converter_writes_with_no_mtp(kind, tmp_path):
+    """`--no-mtp` leaves the MTP layer out as the converter's --no-mtp does (no tensor of it, block_count the
+    trunk's, no nextn_predict_layers), each of its tensors dropped with a note; llama.cpp runs the trunk alone
+    either way, so the logits are those of the file that keeps it."""
+    out, report = tmp_path / "no-mtp.gguf", tmp_path / "report.json"
+    run_cli("hf->gguf", model_dir(kind), out, "--type", "f32", "--no-mtp", "--report", report)
+    theirs = reference_f32(kind, mtp=False)
+    assert _same_tensors(out, theirs) == {"F32"}
+    keys = _model_keys(out)
+    assert keys == _model_keys(theirs)
+    assert keys[f"{ARCHS[kind]}.block_count"] == 3 and f"{ARCHS[kind]}.nextn_predict_layers" not in keys
+    planned = json.loads(report.read_text())["tensors"]
+    dropped = {t["name"] for t in planned if t["target"] == "dropped"}
+    assert dropped and dropped == {t["name"] for t in planned if t["name"].startswith("model.layers.3.")}
+    got = llama_logits(out, PROMPT)
+    assert np.array_equal(got, llama_logits(theirs, PROMPT))
+    assert np.array_equal(got, llama_logits(ours_f32(kind), PROMPT))
 
 
 # configs llama.cpp's graph cannot honour: (kind, config change, words of the one-line warning)
@@ -255,3 +279,53 @@ def test_ernie_mtp_block_is_dropped_as_the_converter_skips_it(tmp_path):
     dropped = [t["name"] for t in json.loads(report.read_text())["tensors"] if t["target"] == "dropped"]
     assert sorted(dropped) == sorted(n for n in tensors if n.startswith("model.mtp_"))
     assert _same_tensors(out, ours_f32("ernie4_5_moe")) == {"F32"}
+
+
+def test_llama4_multimodal_class_is_written_as_its_text_model(tmp_path):
+    """Llama4ForConditionalGeneration: config.json's text_config is the text model's, its tensors are under
+    language_model., and llama.cpp's converter writes them as llama4 without the vision tower and projector
+    (those go only into its --mmproj file): so does qconvert, each tower tensor dropped with a note."""
+    kind = "llama4_vl"
+    ours, report = tmp_path / "ours.gguf", tmp_path / "report.json"
+    run_cli("hf->gguf", model_dir(kind), ours, "--type", "f32", "--report", report)
+    theirs = reference_f32(kind)
+    assert _same_tensors(ours, theirs) == {"F32"}
+    assert _model_keys(ours) == _model_keys(theirs)
+    assert gguf.GGUFReader(str(ours)).fields["general.architecture"].contents() == "llama4"
+    planned = json.loads(report.read_text())["tensors"]
+    dropped = {t["name"] for t in planned if t["target"] == "dropped"}
+    towers = {t["name"] for t in planned if t["name"].startswith(("vision_model.", "multi_modal_projector."))}
+    assert dropped and dropped == towers and "multi_modal_projector.linear_1.weight" in towers
+    assert {t["out_name"] for t in planned if t["target"] != "dropped"} == set(gguf_tensors(ours))
+
+    from transformers import Llama4ForConditionalGeneration
+
+    model = Llama4ForConditionalGeneration.from_pretrained(str(model_dir(kind)), dtype=torch.float32,
+                                                           attn_implementation="eager")
+    with torch.no_grad():  # its text model, as the GGUF holds it
+        want = model.language_model(input_ids=torch.tensor([PROMPT])).logits[0].float().numpy()
+    got = llama_logits(ours, PROMPT)
+    assert np.array_equal(got, llama_logits(theirs, PROMPT))
+    assert np.abs(got - want).max() < 1e-4, float(np.abs(got - want).max())  # measured 2.5e-6
+    assert want.std(axis=-1).min() > 0.3
+    # back: the text model's own class, with its logits
+    out = tmp_path / "hf"
+    run_cli("gguf->hf", ours, out, "--type", "f32")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Llama4ForCausalLM"]
+    assert np.array_equal(fixtures_archs.transformers_logits(out, PROMPT), want)
+
+
+def test_mtp_layers_the_config_does_not_declare_are_refused(tmp_path):
+    """A GLM-4.5 checkpoint holding an MTP layer its config does not count (num_nextn_predict_layers 0): block_count
+    could not cover it (llama.cpp's converter cannot map it either), so it is one line naming config.json, exit 2,
+    nothing written."""
+    src = tmp_path / "src"
+    shutil.copytree(model_dir("glm4_moe"), src)
+    config = json.loads((src / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 0
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out.gguf"
+    proc = run_cli("hf->gguf", src, out, "--type", "f32", check_rc=2)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "declares 0 multi-token-prediction block(s) but the checkpoint holds 1" in lines[0]
+    assert "config.json" in lines[0] and "Traceback" not in proc.stderr and not out.exists()
