@@ -117,7 +117,9 @@ os.environ["MISTRALRS_CPU_KV_F32"] = "1"   # else the CPU KV cache is f16
 os.environ["HF_HUB_OFFLINE"] = "1"
 from mistralrs import Runner, Which, ChatCompletionRequest, Architecture, ModelDType
 def run(a):
-    which = dict(model_id=a["model"], arch=getattr(Architecture, a.get("arch") or "Llama"), dtype=ModelDType.F32)
+    which = dict(model_id=a["model"], dtype=ModelDType.F32)
+    if a.get("arch") != "auto":  # "auto": mistral.rs picks its loader from config.json's architectures
+        which["arch"] = getattr(Architecture, a.get("arch") or "Llama")
     runner_kw = dict(token_source="none", no_paged_attn=True)
     if a.get("write_uqff"):
         which["write_uqff"] = a["write_uqff"]

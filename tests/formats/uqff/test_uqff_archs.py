@@ -1,9 +1,10 @@
 """`hf->uqff` for the architectures of issue 26 that mistral.rs 0.9.5 runs, judged by mistral.rs itself (PyPI
 wheel, CPU).
 
-mistral.rs 0.9.5's text architectures (`Which.Plain`) include three of the new ones: SmolLM3 (SmolLm3), GLM-4.5
-(GLM4Moe) and Qwen3-Next (Qwen3Next); run unquantized on the tiny models they give transformers' log-probabilities
-to 5e-6. The others it cannot load: see docs/formats.md's table (the errors).
+mistral.rs 0.9.5's text models (`Which.Plain`) include four of the new architectures: SmolLM3 (SmolLm3), GLM-4.5
+(GLM4Moe), Qwen3-Next (Qwen3Next) and Qwen3.5 dense (found from config.json); run unquantized on the tiny models
+the first three give transformers' log-probabilities to 5e-6. The others it cannot load: see docs/formats.md's
+table (the errors).
 
 The sources are the tiny random models of tests/support/fixtures_archs.py, cached under tests/_fixtures/archs by the
 GGUF architecture tests (the same folders). Each is converted with `--type q4_0 --allow-requant` (ggml's reference
@@ -11,7 +12,7 @@ quantizer; the routed experts of GLM-4.5 and Qwen3-Next stacked per projection a
 mistral.rs process loads every output (`from_uqff`) and answers a greedy request with its top-3 log-probabilities.
 The check is the existing UQFF tests' (test_uqff.py): transformers (float32) on our reader's `uqff->hf` of the same
 folder, fed mistral.rs' prompt and chosen tokens, gives the same log-probabilities within 0.1 (mistral.rs' CPU GGUF
-matmul quantizes the activations to Q8 first); measured 0.02-0.04.
+matmul quantizes the activations to Q8 first); measured 0.02-0.045.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ CASES = {
     "smollm3": ("std-smollm3", "SmolLm3", 0),
     "glm4_moe": ("std-glm4_moe", "GLM4Moe", 4),
     "qwen3_next": ("hybrid-qwen3_next", "Qwen3Next", 4),
+    # Qwen3.5's text model is no member of the wheel's Architecture enum (it lists Qwen3_5 among the multimodal
+    # ones, which want a text_config and a vision tower), but mistral.rs' own choice from config.json's
+    # architectures (Qwen3_5ForCausalLM) loads it as a text model
+    "qwen3_5": ("hybrid-qwen3_5", "auto", 0),
 }
 
 
@@ -83,10 +88,11 @@ def mistral_runs(tmp_path_factory):
     for kind, (_, arch, _) in CASES.items():
         out = outs[kind] = tmp / kind
         reports[kind] = _convert("hf", source_dir(kind), "uqff", out, type="q4_0", allow_requant=True)
-        if kind == "qwen3_next":
-            # mistral.rs 0.9.5's Qwen3-Next asks for a cache of 522 positions at load and refuses a model whose
-            # max_position_embeddings is below it ("kv-cache: requested capacity (522) above max seq len (256)"):
-            # the tiny model's 256, not a released one's (262144). Rope here is plain, so the length changes nothing.
+        if kind in ("qwen3_next", "qwen3_5"):
+            # mistral.rs 0.9.5's Qwen3-Next and Qwen3.5 ask for a cache of 522 positions at load and refuse a
+            # model whose max_position_embeddings is below it ("kv-cache: requested capacity (522) above max seq
+            # len (256)"): the tiny model's 256, not a released one's (262144). No rope scaling here, so the
+            # length changes nothing else.
             cfg = json.loads((out / "config.json").read_text())
             cfg["max_position_embeddings"] = 4096
             (out / "config.json").write_text(json.dumps(cfg, indent=2))
