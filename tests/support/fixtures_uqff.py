@@ -183,7 +183,8 @@ def mistralrs_logprobs_many(jobs: list[dict], timeout: int = 600) -> list[dict]:
     missing = [a["model"] for a in args if not Path(a["out"]).exists()]
     if proc.returncode != 0 or missing:
         lines = (proc.stderr + proc.stdout).strip().splitlines()
-        raise RuntimeError(f"mistral.rs failed (exit {proc.returncode}) before {missing[:1]}: " + " | ".join(lines[-5:]))
+        raise RuntimeError(f"mistral.rs failed (exit {proc.returncode}) before {missing[:1]}: "
+                           + " | ".join(lines[-5:]))
     return [json.loads(Path(a["out"]).read_text()) for a in args]
 
 

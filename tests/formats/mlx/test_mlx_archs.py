@@ -33,7 +33,8 @@ DRIVER = Path(__file__).parents[2] / "support" / "mlx_driver.py"
 ROOT = Path(__file__).parents[2] / "_fixtures" / "archs"
 LOGIT_TOLERANCE = 0.05  # fraction of the reference's logit range, as tests/formats/mlx/test_mlx.py
 
-_spec = importlib.util.spec_from_file_location("fixtures_archs", Path(__file__).parents[2] / "support" / "fixtures_archs.py")
+_spec = importlib.util.spec_from_file_location("fixtures_archs",
+                                               Path(__file__).parents[2] / "support" / "fixtures_archs.py")
 fixtures_archs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fixtures_archs)
 PROMPT = fixtures_archs.arch_prompt()
@@ -63,7 +64,8 @@ CASES = {
 def _mlx_ready() -> bool:
     if not MLX_PY.exists():
         return False
-    return subprocess.run([str(MLX_PY), "-c", "import mlx.core, mlx_lm, safetensors"], capture_output=True).returncode == 0
+    proc = subprocess.run([str(MLX_PY), "-c", "import mlx.core, mlx_lm, safetensors"], capture_output=True)
+    return proc.returncode == 0
 
 
 pytestmark = pytest.mark.skipif(not _mlx_ready(), reason="mlx environment missing: bash scripts/test_env.d/40-mlx.sh")

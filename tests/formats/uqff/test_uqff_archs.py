@@ -32,7 +32,8 @@ mistralrs = pytest.importorskip("mistralrs", reason="mistralrs==0.9.5 is install
 ROOT = Path(__file__).parents[2] / "_fixtures" / "archs"
 GGUF_TOL = 0.1  # as test_uqff.py: mistral.rs' CPU GGUF path quantizes activations to Q8
 
-_spec = importlib.util.spec_from_file_location("fixtures_archs", Path(__file__).parents[2] / "support" / "fixtures_archs.py")
+_spec = importlib.util.spec_from_file_location("fixtures_archs",
+                                               Path(__file__).parents[2] / "support" / "fixtures_archs.py")
 fixtures_archs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fixtures_archs)
 
