@@ -32,6 +32,7 @@ from ...converters.model_shapes import ModelShapes
 from ..common.checkpoint import CheckpointDir, CheckpointSource, read_json
 from .packing import MLX_BITS, MLX_GROUPS, unpack_mlx
 from ..common.quant_config import read_config
+from .configs import from_mlx_lm
 from ..common.float_grids import float_grid
 
 __all__ = ["MlxSource", "open_mlx", "looks_like_mlx"]
@@ -96,7 +97,7 @@ class MlxSource(CheckpointSource):
         conf = read_config(self.path, quant_keys=("quantization", "quantization_config"))
         where = conf.path
         self.quant_config = _quantization(conf.raw, where)
-        self.config = conf.model
+        self.config = from_mlx_lm(conf.model)  # a Qwen3.5 text model nested by our writer, unnested
         self.shapes = ModelShapes(self.config, where)
         self.base = _module_fields(self.quant_config, where, "quantization", None)
         self.modules = {prefix: parts for prefix, parts in self.ckpt.group_modules(_PARTS, primary="weight").items()

@@ -36,6 +36,7 @@ from ...converters.records import Dense, Grid, TensorRecord
 from ...kernels.dequant import dequantize_grid_torch
 from ...kernels.floatq import float_to_e8m0
 from ..common.checkpoint import ShardWriter, copy_side_files, write_json
+from .configs import to_mlx_lm
 from .packing import mlx_affine_quantize, pack_mlx
 from .schemes import MLX_FLOAT_MODES, bits_for, mlx_scheme, parse_mlx_type
 
@@ -192,7 +193,7 @@ class MlxSession(WriterSession):
 
     def close(self) -> None:
         self.shards.close()
-        config = dict(self.source.config)
+        config = to_mlx_lm(dict(self.source.config))  # the keys mlx-lm requires (configs.py)
         for key in ("quantization", "quantization_config"):
             config.pop(key, None)
         if self.schemes:

@@ -3,9 +3,9 @@
 Written: `<stem>-0.uqff`, `<stem>-1.uqff`, ... (safetensors shards of at most 10 GiB, the version tensors
 in the first), `residual.safetensors` (every tensor that is not a UQFF layer: norms, dense leftovers),
 `config.json` without any `quantization_config` (mistral.rs would build GPTQ layers from it) and with a
-top-level `rope_theta` (mistral.rs' Llama config needs it), and the tokenizer files. `<stem>` is the
-`--type` name, or the most common layer type. The version is the lowest 1.x that covers the file: 1.0,
-1.1 with inline Unquant layers, 1.2 with a quantized token embedding.
+top-level `rope_theta` and `partial_rotary_factor` (mistral.rs' configs read them there), and the tokenizer
+files. `<stem>` is the `--type` name, or the most common layer type. The version is the lowest 1.x that
+covers the file: 1.0, 1.1 with inline Unquant layers, 1.2 with a quantized token embedding.
 
 Per layer the target is `--tensor-type REGEX=TYPE`, else `--type`, else the cheapest aligned type for
 the source grid: GGUF blocks keep their ggml type (bytes copied), GPTQ/HQQ-axis-1 grids go to Q4_0 /
@@ -48,6 +48,7 @@ from ..common.block_schemes import block_layout
 from ..common.checkpoint import copy_side_files, write_json
 from ..common.ggml_codec import QuantHow
 from ..common.quant_config import without_quantization_config
+from ..common.rope_keys import with_top_level_rope
 from ..common.safetensors_header import safetensors_tag
 from .codecs import UqffAction, codec
 from .layout import MAJOR, UQFF_TYPES, UqffType
@@ -384,8 +385,9 @@ class UqffSession(WriterSession):
         self.shards.close()
         self.residual.close()
         config = mistralrs_moe_config(without_quantization_config(dict(self.source.config)))
-        if "rope_theta" not in config and isinstance(config.get("rope_parameters"), dict) \
-                and "rope_theta" in config["rope_parameters"]:
-            config["rope_theta"] = config["rope_parameters"]["rope_theta"]
+        # mistral.rs' configs read rope_theta at the top level (Llama and every other), and GLM-4.5's
+        # (GLM4Moe) also partial_rotary_factor, a required field there ("missing field
+        # `partial_rotary_factor`" without it); transformers 5 writes both inside rope_parameters
+        config = with_top_level_rope(config, ("rope_theta", "partial_rotary_factor"))
         write_json(self.path / "config.json", config)
         copy_side_files(self.source, self.path)

@@ -111,29 +111,42 @@ def build_narrow_llama(out_dir: Path) -> Path:
 
 
 # -- mistral.rs, in a subprocess --------------------------------------------------------------------------
-_RUNNER = r'''
+_RUN_ONE = r'''
 import json, os, sys
 os.environ["MISTRALRS_CPU_KV_F32"] = "1"   # else the CPU KV cache is f16
 os.environ["HF_HUB_OFFLINE"] = "1"
 from mistralrs import Runner, Which, ChatCompletionRequest, Architecture, ModelDType
-a = json.loads(sys.argv[1])
-which = dict(model_id=a["model"], arch=getattr(Architecture, a.get("arch") or "Llama"), dtype=ModelDType.F32)
-runner_kw = dict(token_source="none", no_paged_attn=True)
-if a.get("write_uqff"):
-    which["write_uqff"] = a["write_uqff"]
-    runner_kw["in_situ_quant"] = a["isq"]
-if a.get("from_uqff"):
-    which["from_uqff"] = a["from_uqff"]
-if a.get("jinja"):
-    runner_kw["jinja_explicit"] = a["jinja"]
-r = Runner(which=Which.Plain(**which), **runner_kw)
-ids = r.tokenize_text(a["text"], False, None)
-res = r.send_chat_completion_request(ChatCompletionRequest(
-    messages=[{"role": "user", "content": a["text"]}], model="default", max_tokens=a["steps"],
-    temperature=0.0, logprobs=True, top_logprobs=3, ignore_eos=True))
-steps = [[[t.token, t.logprob] for t in c.top_logprobs] for c in res.choices[0].logprobs.content]
-with open(a["out"], "w") as f:
-    json.dump({"ids": list(ids), "prompt_tokens": res.usage.prompt_tokens, "steps": steps}, f)
+def run(a):
+    which = dict(model_id=a["model"], dtype=ModelDType.F32)
+    if a.get("arch") != "auto":  # "auto": mistral.rs picks its loader from config.json's architectures
+        which["arch"] = getattr(Architecture, a.get("arch") or "Llama")
+    runner_kw = dict(token_source="none", no_paged_attn=True)
+    if a.get("write_uqff"):
+        which["write_uqff"] = a["write_uqff"]
+        runner_kw["in_situ_quant"] = a["isq"]
+    if a.get("from_uqff"):
+        which["from_uqff"] = a["from_uqff"]
+    if a.get("jinja"):
+        runner_kw["jinja_explicit"] = a["jinja"]
+    r = Runner(which=Which.Plain(**which), **runner_kw)
+    ids = r.tokenize_text(a["text"], False, None)
+    res = r.send_chat_completion_request(ChatCompletionRequest(
+        messages=[{"role": "user", "content": a["text"]}], model="default", max_tokens=a["steps"],
+        temperature=0.0, logprobs=True, top_logprobs=3, ignore_eos=True))
+    steps = [[[t.token, t.logprob] for t in c.top_logprobs] for c in res.choices[0].logprobs.content]
+    with open(a["out"], "w") as f:
+        json.dump({"ids": list(ids), "prompt_tokens": res.usage.prompt_tokens, "steps": steps}, f)
+'''
+_RUNNER = _RUN_ONE + "run(json.loads(sys.argv[1]))\n"
+# several models, one after another in one process (mistral.rs imported once); a model that fails leaves
+# {"error": its message} as its result and the next one still runs
+_RUNNER_MANY = _RUN_ONE + r'''
+for a in json.loads(sys.argv[1]):
+    try:
+        run(a)
+    except Exception as e:
+        with open(a["out"], "w") as f:
+            json.dump({"error": str(e).strip().splitlines()[0] if str(e).strip() else repr(e)}, f)
 '''
 
 
@@ -153,6 +166,26 @@ def mistralrs_logprobs(model_dir: Path, out_json: Path, *, from_uqff=None, write
         errors = [ln.strip() for ln in lines if "Error" in ln and "::bt" not in ln and "candle_core" not in ln]
         raise RuntimeError(f"mistral.rs failed (exit {proc.returncode}): " + " | ".join(errors[:3] or lines[-5:]))
     return json.loads(Path(out_json).read_text())
+
+
+def mistralrs_logprobs_many(jobs: list[dict], timeout: int = 600) -> list[dict]:
+    """`mistralrs_logprobs` for several models in one mistral.rs process: each job is that function's keywords
+    plus `model_dir` and `out_json`; returns each result, or {"error": mistral.rs' message} for a model it
+    could not load or run."""
+    args = [{"model": str(j["model_dir"]), "out": str(j["out_json"]), "text": j.get("text", PROMPT_TEXT),
+             "steps": j.get("steps", STEPS), "from_uqff": j.get("from_uqff"), "write_uqff": j.get("write_uqff"),
+             "isq": j.get("isq"), "jinja": str(j["jinja"]) if j.get("jinja") else None,
+             "arch": j.get("arch", "Llama")} for j in jobs]
+    for a in args:
+        Path(a["out"]).unlink(missing_ok=True)
+    proc = subprocess.run([sys.executable, "-c", _RUNNER_MANY, json.dumps(args)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "RUST_LOG": "error"})
+    missing = [a["model"] for a in args if not Path(a["out"]).exists()]
+    if proc.returncode != 0 or missing:
+        lines = (proc.stderr + proc.stdout).strip().splitlines()
+        raise RuntimeError(f"mistral.rs failed (exit {proc.returncode}) before {missing[:1]}: "
+                           + " | ".join(lines[-5:]))
+    return [json.loads(Path(a["out"]).read_text()) for a in args]
 
 
 def teacher_forced_gap(model_dir: Path, mistral: dict, every_weight: bool = False) -> float:

@@ -5,6 +5,8 @@ scripts/test_env.d/40-mlx.sh): mlx and mlx-lm judge and produce here, never qcon
         mx.dequantize (its own dtype, bfloat16 as float32, "<module>.weight"), the logits of IDS ("__logits__", float32 [T, vocab]) and
         N_NEW greedy tokens from mlx_lm.generate's own loop (generate_step), as "__generated__"; print a JSON
         summary of the quantized modules (bits, group_size, mode) on stdout
+    load-many JOBS_JSON                               `load` for each [MODEL_DIR, OUT, IDS, N_NEW] of the list in one
+        process (mlx and mlx-lm imported once); one JSON summary line per folder, in order
     quantize IN.safetensors OUT.safetensors           mx.quantize every float tensor "w@BITS@GROUP" (mode affine):
         "<key>.q" (uint32 words), "<key>.scales", "<key>.biases"
     convert HF_DIR OUT_DIR BITS GROUP [MODE]          mlx_lm.convert(quantize=True, q_mode=MODE, default affine): the
@@ -80,6 +82,9 @@ if __name__ == "__main__":
     cmd, *args = sys.argv[1:]
     if cmd == "load":
         _load(args[0], args[1], args[2], int(args[3]) if len(args) > 3 else 0)
+    elif cmd == "load-many":
+        for model_dir, out, ids, n_new in json.loads(args[0]):
+            _load(model_dir, out, json.dumps(ids), int(n_new))
     elif cmd == "quantize":
         _quantize(*args)
     elif cmd == "convert":
