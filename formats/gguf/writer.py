@@ -365,6 +365,8 @@ class GgufWriter(Writer):
         form by archs.split_gpt_oss_experts); every other record passes as it is."""
         arch, _ = self._arch(source)
         spec = arch_by_name(arch)
+        if spec.adapt_stream is not None:  # the architecture's whole-stream transform first (archs/)
+            records = spec.adapt_stream(records, source.config, config_json_path(source))
         for rec in records:
             parts = kv_b_parts(rec.name) if spec.mla else None
             if parts is not None:

@@ -140,6 +140,17 @@ class GgufArch:
     # elementwise maps of `stored_values` undone too. None: none
     to_gguf_record: Callable[..., Any] | None = field(default=None, repr=False)
     from_gguf_record: Callable[..., Any] | None = field(default=None, repr=False)
+    # an architecture the installed gguf-py does not know (Kimi-K3: only llama.cpp's vendored gguf-py names
+    # kimi-k3, and the package never imports that): () -> an object answering TensorNameMap's get_type_and_name
+    # / get_name for block 0, from the architecture's own name table. None: gguf-py's map of `enum`
+    name_map: Callable[[], Any] | None = field(default=None, repr=False)
+    # the per-layer KV head counts llama.cpp reads as head_count_kv (an int or one per layer), where they are not
+    # the config's one count: Kimi-K3 writes 0 on its linear-attention layers, how its loader tells them apart
+    head_count_kv: Callable[[Mapping], Any] | None = field(default=None, repr=False)
+    # a transform of the whole record stream (records, config.json, the file to name) -> records, run before
+    # every other, for what one record alone cannot do: Kimi-K3 fuses pairs of vectors into one tensor and
+    # strips its text model's `language_model.` prefix
+    adapt_stream: Callable[..., Any] | None = field(default=None, repr=False)
 
     def shifts_norm(self, gguf_name: str) -> bool:
         """Whether the GGUF tensor is a norm stored as `norm_shift + w`."""

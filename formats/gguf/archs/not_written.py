@@ -16,6 +16,3 @@ _USE_LLAMA_CPP = "convert it with llama.cpp's convert_hf_to_gguf.py"
 register_not_written("DeepseekV4ForCausalLM",
                      "llama.cpp's deepseek4, which the installed gguf 0.19 does not name and qconvert does not "
                      f"write; {_USE_LLAMA_CPP}")
-register_not_written("KimiK3ForConditionalGeneration",
-                     "llama.cpp's kimi-k3, which the installed gguf 0.19 does not name and qconvert does not "
-                     f"write; {_USE_LLAMA_CPP}")
