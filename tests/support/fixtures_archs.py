@@ -744,7 +744,7 @@ def kimi_k3_config(layers: int = KIMI_K3_LAYERS, hidden: int = 256) -> dict:
         "architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
         "vocab_size": _fixtures().VOCAB_SIZE, "hidden_size": hidden, "intermediate_size": 256,
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
         "bos_token_id": 1, "eos_token_id": 0, "pad_token_id": 0, "torch_dtype": "bfloat16",
         "hidden_act": "situ", "activation_situ_beta": 2.0, "activation_situ_linear_beta": 3.0,
         # MLA, nope-only (mla_use_nope): no rope, qk_rope_head_dim only sizes the un-absorbed key part
