@@ -1,11 +1,11 @@
 """Architectures llama.cpp runs that qconvert does not write to GGUF (yet), each with why, so that the refusal
 says what to use instead of a bare "not supported".
 
-DeepSeek-V4 (llama.cpp's `deepseek4`) and Kimi-K3 (`kimi-k3`) are not in the installed gguf 0.19's MODEL_ARCH:
-their architecture names, tensor names (hyper-connections, compressed attention, KDA) and keys exist only in
-the gguf-py vendored with llama.cpp's sources, which the package never imports at run time. Writing them needs
-an arch-local name and key table and a reader of their native checkpoints (DeepSeek-V4's `layers.N.attn.*`
-names, FP8 128x128 blocks and int8-packed MXFP4 experts; Kimi-K3 has no transformers class): not done.
+DeepSeek-V4 (llama.cpp's `deepseek4`) is not in the installed gguf 0.19's MODEL_ARCH: its architecture name,
+tensor names (hyper-connections, compressed attention) and keys exist only in the gguf-py vendored with
+llama.cpp's sources, which the package never imports at run time. Writing it needs an arch-local name and key
+table (as archs/kimi_k3.py has for Kimi-K3) and a reader of its native checkpoints (`layers.N.attn.*` names, FP8
+128x128 blocks and int8-packed MXFP4 experts): not done.
 """
 
 from __future__ import annotations
