@@ -737,8 +737,10 @@ TOKENIZER_EXTRAS["ernie4_5_moe"] = sentencepiece_tokenizer
 KIMI_K3_LAYERS = 4  # layer 4 (1-indexed) full MLA attention, 1-3 KDA: the released 3:1 mix; layer 0 dense
 
 
-def kimi_k3_config(layers: int = KIMI_K3_LAYERS, hidden: int = 256) -> dict:
-    """config.json of the tiny Kimi-K3 (flat, as conversion/kimi_k3.py reads its hparams)."""
+def kimi_k3_config(layers: int = KIMI_K3_LAYERS, hidden: int = 256, experts: int = 4, expert_ff: int = 128,
+                   latent: int = 128) -> dict:
+    """config.json of the tiny Kimi-K3 (flat, as conversion/kimi_k3.py reads its hparams); `experts`,
+    `expert_ff` and `latent` widen the routed experts (the streaming check)."""
     heads, kda_head = 4, 64
     return {
         "architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
@@ -753,8 +755,8 @@ def kimi_k3_config(layers: int = KIMI_K3_LAYERS, hidden: int = 256) -> dict:
         "linear_attn_config": {"head_dim": kda_head, "num_heads": heads, "short_conv_kernel_size": 4,
                                "full_attn_layers": [layers], "kda_layers": list(range(1, layers)),
                                "gate_lower_bound": -5.0},
-        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "num_shared_experts": 1,
-        "routed_expert_hidden_size": 128, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+        "num_experts": experts, "num_experts_per_tok": 2, "moe_intermediate_size": expert_ff,
+        "num_shared_experts": 1, "routed_expert_hidden_size": latent, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
         "moe_renormalize": True, "moe_router_activation_func": "sigmoid",
         "attn_res_block_size": 2,
         "quantization_config": {
@@ -773,10 +775,11 @@ def kimi_k3_config(layers: int = KIMI_K3_LAYERS, hidden: int = 256) -> dict:
     }
 
 
-def kimi_k3_tensors(cfg: dict, seed: int = 0) -> dict:
+def kimi_k3_tensors(cfg: dict, seed: int = 0, drawn_experts: bool = True) -> dict:
     """The checkpoint's tensors for `cfg` (kimi_k3_config), seeded: linears N(0, 1/fan_in), norms 1 +- 0.1,
     residual-attention vectors N(0, 1), A_log log U(1, 16), the router's correction bias N(0, 0.5); routed
-    experts drawn in float and stored as the nearest MXFP4 (_mxfp4_pack)."""
+    experts drawn in float and stored as the nearest MXFP4 (_mxfp4_pack), or (`drawn_experts` False, for wide
+    experts) random codes and exponents 2^-9 .. 2^-1."""
     import math
 
     import torch
@@ -849,26 +852,32 @@ def kimi_k3_tensors(cfg: dict, seed: int = 0) -> dict:
         t[m + "shared_experts.up_proj.weight"] = lin(ff_sh, H)
         t[m + "shared_experts.down_proj.weight"] = lin(H, ff_sh)
         for w, (rows, cols) in (("w1", (ff_exp, latent)), ("w2", (latent, ff_exp)), ("w3", (ff_exp, latent))):
-            dense = torch.randn(E, rows, cols, generator=g) / math.sqrt(cols)
-            blocks, scales = _mxfp4_pack(dense)
+            if drawn_experts:
+                blocks, scales = _mxfp4_pack(torch.randn(E, rows, cols, generator=g) / math.sqrt(cols))
             for e in range(E):
-                t[f"{m}experts.{e}.{w}.weight_packed"] = blocks[e].reshape(rows, cols // 2).contiguous()
-                t[f"{m}experts.{e}.{w}.weight_scale"] = scales[e].contiguous()
+                if drawn_experts:
+                    packed, scale = blocks[e].reshape(rows, cols // 2).contiguous(), scales[e].contiguous()
+                else:
+                    packed = torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8)
+                    scale = torch.randint(118, 127, (rows, cols // 32), generator=g, dtype=torch.uint8)
+                t[f"{m}experts.{e}.{w}.weight_packed"], t[f"{m}experts.{e}.{w}.weight_scale"] = packed, scale
     # the vision tower and projector the text conversion leaves out
     t["vision_tower.patch_embed.proj.weight"] = lin(64, 48)
     t["mm_projector.proj.0.weight"] = lin(H, 64)
     return t
 
 
-def build_kimi_k3(out_dir, seed: int = 0, layers: int = KIMI_K3_LAYERS) -> Path:
-    """The tiny Kimi-K3 checkpoint (kimi_k3_config, kimi_k3_tensors) with the fixtures tokenizer, in `out_dir`."""
+def build_kimi_k3(out_dir, seed: int = 0, layers: int = KIMI_K3_LAYERS, **wide) -> Path:
+    """The tiny Kimi-K3 checkpoint (kimi_k3_config, kimi_k3_tensors) with the fixtures tokenizer, in `out_dir`;
+    `wide` (experts, expert_ff, latent) widens the routed experts, stored as random codes."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = kimi_k3_config(layers)
+    cfg = kimi_k3_config(layers, **wide)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    save_file(kimi_k3_tensors(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(kimi_k3_tensors(cfg, seed, drawn_experts=not wide), str(out / "model.safetensors"),
+              metadata={"format": "pt"})
     _fixtures().build_tokenizer(out)
     # K3 ships no jinja template (its chats are rendered in python) and the converter then reads one from
     # llama.cpp's models/templates, which the extracted sources lack: the fixture names a template of its own
