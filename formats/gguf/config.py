@@ -49,8 +49,11 @@ def config_from_gguf(fields: Any, tensor_names: Iterable[str] | None = None, *, 
     if not isinstance(arch, str) or arch_by_name(arch) is None:
         raise QConvertError(f"GGUF architecture {arch!r:.60} cannot be turned into a config.json; "
                             f"supported: {', '.join(supported_archs())}", path=path)
-    cv = _typed(kv, path)
     spec = arch_by_name(arch)
+    if spec.not_read:
+        raise QConvertError(f"GGUF architecture {arch} is written by qconvert but not read back: {spec.not_read}",
+                            path=path)
+    cv = _typed(kv, path)
 
     def get(key: str, default: Any = None, required: bool = False, kind: str = "int", **bounds) -> Any:
         full = f"{arch}.{key}"

@@ -151,6 +151,9 @@ class GgufArch:
     # every other, for what one record alone cannot do: Kimi-K3 fuses pairs of vectors into one tensor and
     # strips its text model's `language_model.` prefix
     adapt_stream: Callable[..., Any] | None = field(default=None, repr=False)
+    # why a GGUF of this architecture is written but not read back (a refusal naming it instead of a misread
+    # key); "": read back. Kimi-K3 stores res_norm * res_proj as one tensor and has no transformers class
+    not_read: str = ""
 
     def shifts_norm(self, gguf_name: str) -> bool:
         """Whether the GGUF tensor is a norm stored as `norm_shift + w`."""

@@ -303,4 +303,6 @@ register_arch(GgufArch(
                       "ssm_norm"),
     hf_block=tuple(KIMI_K3_BLOCK_TENSORS.values()),
     skipped_tensors=re.compile(r"^(?:vision_tower|mm_projector)\."),
+    not_read="its residual scores are stored fused (res_norm * res_proj cannot be split back) and transformers "
+             "has no Kimi-K3 class; convert from the compressed-tensors checkpoint instead",
     stored_values=_a_log, name_map=_name_map, head_count_kv=_head_count_kv, adapt_stream=_adapt_stream))

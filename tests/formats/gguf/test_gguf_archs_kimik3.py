@@ -12,7 +12,12 @@ convert_hf_to_gguf.py (the llama-cpp-python sdist's copy: conversion/kimi_k3.py)
   norms and vectors stay F32);
 - the name and key table of formats/gguf/archs/kimi_k3.py against llama.cpp's vendored gguf-py (which the
   package never imports: gguf 0.19 has no kimi-k3), so that drift is caught;
-- a residual norm without its proj is refused in one line.
+- a residual norm without its proj is refused in one line, and a kimi-k3 GGUF as a source too (not read back);
+- streaming: converting a wider MoE layer (32 experts of 1024 x 1024, 53 MB of MXFP4) to MXFP4 stacks, the
+  peak RSS grows by under half those bytes over the tiny model's (measured 20 MB; 31 MB for 64 experts, 42 MB
+  for three such layers: the plan keeps each grid's E8M0 scales and zero points, 2 bytes per 32 weights, until
+  writing; never a layer's experts). That wider model's file was compared once with the converter's by hand
+  (every tensor's bytes equal), not here: the converter on it costs 40 s.
 """
 
 from __future__ import annotations
@@ -113,8 +118,13 @@ def _assert_same_file(ours: Path, theirs: Path) -> dict:
     return a
 
 
-def test_mxfp4_experts_f32_rest_is_the_converters_file_and_runs_the_same(src, references, tmp_path):
-    ours = _ours(src, tmp_path / "k3-f32.gguf", *DENSE_F32)
+@pytest.fixture(scope="module")
+def ours_f32(src, tmp_path_factory) -> Path:
+    return _ours(src, tmp_path_factory.mktemp("k3") / "k3-f32.gguf", *DENSE_F32)
+
+
+def test_mxfp4_experts_f32_rest_is_the_converters_file_and_runs_the_same(ours_f32, references):
+    ours = ours_f32
     tensors = _assert_same_file(ours, references["f32"])
     # the real layer mix is there: KDA and MLA layers, the dense lead, latent MoE with a shared expert
     assert {"blk.0.ssm_g.weight", "blk.3.attn_k_b.weight", "blk.3.attn_gate.weight", "blk.0.ffn_gate.weight",
@@ -184,3 +194,41 @@ def test_unpaired_residual_score_is_refused(src, tmp_path):
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
     expect_user_error("ct->gguf", bad, tmp_path, "model.layers.2.mlp_res_norm.weight", "res_proj",
                       out_name="out.gguf")
+
+
+def test_kimi_k3_gguf_is_not_read_back(ours_f32, tmp_path):
+    expect_user_error("gguf->gguf", ours_f32, tmp_path, "kimi-k3", "not read back", "res_norm * res_proj",
+                      out_name="back.gguf")
+
+
+# the conversion alone in a child, then its own peak RSS (bytes) on the last line
+_CONVERT = textwrap.dedent("""
+    import json, resource, sys
+    from pathlib import Path
+    from qconvert.converters.plan import Options
+    from qconvert.converters.run import convert
+    src, out = map(Path, sys.argv[1:3])
+    report = convert("compressed-tensors", src, "gguf", out, Options(type="mxfp4"), progress=False)
+    print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                      "verdicts": report.summary()["verdicts"]}))
+""")
+
+def _peak_rss(src: Path, out: Path) -> int:
+    proc = subprocess.run([sys.executable, "-c", _CONVERT, str(src), str(out)], capture_output=True, text=True,
+                          cwd="/tmp", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    counts = result["verdicts"]
+    assert counts["exact"] > 0 and counts["exact"] == sum(counts.values()), counts
+    return result["peak_rss"]
+
+
+def test_wide_experts_stream(src, tmp_path):
+    wide = _cached(ROOT / "kimi_k3-wide", lambda d: fixtures_archs.build_kimi_k3(
+        d, layers=2, experts=32, expert_ff=1024, latent=1024))
+    expert_bytes = 3 * 32 * (1024 * 1024 // 2 + 1024 * 1024 // 32)  # one MoE layer: packed codes + E8M0
+    base = _peak_rss(src, tmp_path / "tiny.gguf")
+    peak = _peak_rss(wide, tmp_path / "wide.gguf")
+    assert peak - base < expert_bytes / 2, (peak - base, expert_bytes)
+    stacks = {n: t for n, t in gguf_tensors(tmp_path / "wide.gguf").items() if n.endswith("_exps.weight")}
+    assert len(stacks) == 3 and all(t.tensor_type == gguf.GGMLQuantizationType.MXFP4 for t in stacks.values())
