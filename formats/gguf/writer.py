@@ -34,6 +34,7 @@ import re
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Mapping
 
 import gguf
 import numpy as np
@@ -87,11 +88,11 @@ def _always_f32(out_name: str) -> bool:
 
 
 def _expert_count(source) -> int:
-    key = expert_count_key(source.config)
+    key = expert_count_key(model_config(source))
     if key is None:
         raise BadInput("the checkpoint has expert tensors but config.json declares no expert count "
                        f"({' / '.join(EXPERT_COUNT_KEYS)})", path=config_json_path(source))
-    return ConfigView(source.config, config_json_path(source)).int(key, lo=1, hi=1 << 16)
+    return ConfigView(model_config(source), config_json_path(source)).int(key, lo=1, hi=1 << 16)
 
 
 # experts already fused into 3-D tensors of every expert (transformers 5's own parameters, which some
@@ -180,6 +181,15 @@ def _in_out_expert_records(rec: TensorRecord, where) -> list[TensorRecord]:
             for i, half in enumerate(("gate", "up"))]
 
 
+def model_config(source) -> Mapping:
+    """config.json as llama.cpp's converter reads it: a multimodal checkpoint's `text_config` moved to the root
+    (its ModelBase: {**hparams, **hparams["text_config"]}; Kimi-K3's text model), so that the text model's keys
+    are found; a config without one is returned as it is."""
+    config = source.config
+    text = config.get("text_config")
+    return {**config, **text} if isinstance(text, Mapping) else config
+
+
 def _kv_b_records(rec: TensorRecord, parts: tuple[str, str], config, where) -> list[TensorRecord]:
     """The two records a DeepSeek kv_b_proj becomes: k_b [heads, kv_lora, nope] and v_b [heads, v, kv_lora],
     each loading the source tensor and splitting it (a grid is dequantized first: a transpose keeps no
@@ -228,7 +238,7 @@ def preset_facts(records, source, arch: str, n_layers: int, options: Options) ->
     states them (MLA: one KV head) and the tensors --tensor-type fixes (left out of llama.cpp's counters).
     Reads headers only: the records are not loaded."""
     spec = arch_by_name(arch)
-    n_expert = _expert_count(source) if expert_count_key(source.config) is not None else 0
+    n_expert = _expert_count(source) if expert_count_key(model_config(source)) is not None else 0
     shapes: dict[str, tuple[int, ...]] = {}
     manual = []
     for rec in records:
@@ -241,7 +251,7 @@ def preset_facts(records, source, arch: str, n_layers: int, options: Options) ->
         shapes[name] = rec.shape if expert_of(rec.name) is None else (n_expert or _expert_count(source), *rec.shape)
         if options.explicit_type(rec.name):
             manual.append(name)
-    cfg = ConfigView(source.config, config_json_path(source))
+    cfg = ConfigView(model_config(source), config_json_path(source))
     heads = cfg.int("num_attention_heads", lo=1, hi=1 << 14)
     kv_heads = 1 if spec.mla else cfg.int("num_key_value_heads", default=heads, lo=1, hi=heads)
     return model_facts_from_gguf_names(shapes, arch, n_layers, heads, kv_heads, n_expert, manual=manual)
@@ -340,7 +350,7 @@ class GgufWriter(Writer):
     def for_conversion(self, source, options: Options) -> "GgufWriter":
         """The writer for one conversion, holding the model's architecture (read once from config.json)."""
         where = config_json_path(source)
-        return GgufWriter((gguf_arch(source.config, where), layer_count(source.config, where)))
+        return GgufWriter((gguf_arch(model_config(source), where), layer_count(model_config(source), where)))
 
     def alternative_hint(self, scheme: str, verdict: str) -> str:
         return f"--type {scheme.lower()} ({verdict})"
@@ -366,11 +376,11 @@ class GgufWriter(Writer):
         arch, _ = self._arch(source)
         spec = arch_by_name(arch)
         if spec.adapt_stream is not None:  # the architecture's whole-stream transform first (archs/)
-            records = spec.adapt_stream(records, source.config, config_json_path(source))
+            records = spec.adapt_stream(records, model_config(source), config_json_path(source))
         for rec in records:
             parts = kv_b_parts(rec.name) if spec.mla else None
             if parts is not None:
-                yield from _kv_b_records(rec, parts, source.config, config_json_path(source))
+                yield from _kv_b_records(rec, parts, model_config(source), config_json_path(source))
             elif arch == "gpt-oss" and gpt_oss_expert_part(rec.name):
                 yield from _gpt_oss_expert_records(rec, config_json_path(source))
             elif arch_by_name(arch).experts_in_out and llama4_expert_part(rec.name):
@@ -378,7 +388,7 @@ class GgufWriter(Writer):
             elif _FUSED_EXPERTS.search(rec.name):
                 yield from _fused_expert_records(rec, config_json_path(source))
             elif spec.to_gguf_record is not None:  # the architecture's own transforms (archs/)
-                yield from spec.to_gguf_record(rec, source.config, config_json_path(source))
+                yield from spec.to_gguf_record(rec, model_config(source), config_json_path(source))
             else:
                 yield rec
 
@@ -477,7 +487,7 @@ class GgufWriter(Writer):
         shapes = {name: stack_shape(members) for name, members in
                   gguf_tensors_in_order(kept, _expert_count(source) if any(p.action.expert is not None for p in kept) else 0,
                                         config_json_path(source))}
-        check_writer_config(source.config, arch, shapes,
+        check_writer_config(model_config(source), arch, shapes,
                             config_json_path(source), names={p.out_name: p.name for p in kept},
                             unmapped=[p.name for p in plans if not p.out_name])
         # the tokenizer is built (and checked) here, once, so that dry runs see it too; the session writes it
@@ -568,7 +578,7 @@ def stack_shape(members: list[TensorPlan]) -> tuple[int, ...]:
 def _add_tokenizer(writer: gguf.GGUFWriter, source, n_vocab: int) -> None:
     """The tokenizer keys: copied verbatim from a GGUF source, else built from its tokenizer files."""
     if not source.write_gguf_tokenizer(writer):
-        add_tokenizer(writer, Path(source.path), source.config, n_vocab)
+        add_tokenizer(writer, Path(source.path), model_config(source), n_vocab)
 
 
 class GgufSession(WriterSession):
@@ -588,7 +598,7 @@ class GgufSession(WriterSession):
         dominant = max(counts, key=counts.get) if counts else "F32"
         preset_file_type = next((p.action.file_type for p in kept if p.action.file_type is not None), None)
         try:
-            add_model_metadata(w, source.config, arch,
+            add_model_metadata(w, model_config(source), arch,
                                file_type=FILE_TYPES.get(dominant, 0) if preset_file_type is None else preset_file_type)
         except QConvertError as e:  # the hyper-parameters' refusals (metadata.py, archs/) name no file: the config's
             if e.path is not None:
@@ -596,7 +606,7 @@ class GgufSession(WriterSession):
             raise type(e)(e.detail, path=config_json_path(source), tensor=e.tensor) from None
         for key, value in tokenizer.items():  # the keys check_model built (GgufWriter._tokenizer_keys)
             w.add_key_value(key, value.value, value.type, sub_type=value.sub_type)
-        self.extra = list(rope_tensors(source.config, arch))
+        self.extra = list(rope_tensors(model_config(source), arch))
         self._encode_as(source, arch)
         n_experts = _expert_count(source) if any(p.action.expert is not None for p in kept) else 0
         self.pending: dict[str, _ExpertSpill] = {}  # stacks of experts being filled
@@ -648,7 +658,7 @@ class GgufSession(WriterSession):
         if plan.action.drop:
             return item.dequantize(torch.float32)
         lay = TARGET_LAYOUTS[plan.target]
-        perm = qk_row_permutation(plan.name, self.source.config, self.arch)
+        perm = qk_row_permutation(plan.name, model_config(self.source), self.arch)
         if perm is not None:
             # a Grid, or reader.CodebookDense (IQ4_*), reorders its block bytes too
             item = item.permute_rows(perm) if hasattr(item, "permute_rows") else Dense(item.tensor[perm])

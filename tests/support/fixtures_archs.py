@@ -739,11 +739,12 @@ KIMI_K3_LAYERS = 4  # layer 4 (1-indexed) full MLA attention, 1-3 KDA: the relea
 
 def kimi_k3_config(layers: int = KIMI_K3_LAYERS, hidden: int = 256, experts: int = 4, expert_ff: int = 128,
                    latent: int = 128) -> dict:
-    """config.json of the tiny Kimi-K3 (flat, as conversion/kimi_k3.py reads its hparams); `experts`,
+    """config.json of the tiny Kimi-K3: the text model's keys in `text_config` (the converter moves them to the
+    root; mlx-lm's kimi_k3 reads them there), named as mlx-lm 0.32's kimi_k3 TextArgs names them; `experts`,
     `expert_ff` and `latent` widen the routed experts (the streaming check)."""
     heads, kda_head = 4, 64
-    return {
-        "architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
+    text = {
+        "model_type": "kimi_linear",
         "vocab_size": _fixtures().VOCAB_SIZE, "hidden_size": hidden, "intermediate_size": 256,
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads,
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
@@ -751,14 +752,20 @@ def kimi_k3_config(layers: int = KIMI_K3_LAYERS, hidden: int = 256, experts: int
         "hidden_act": "situ", "activation_situ_beta": 2.0, "activation_situ_linear_beta": 3.0,
         # MLA, nope-only (mla_use_nope): no rope, qk_rope_head_dim only sizes the un-absorbed key part
         "q_lora_rank": None, "kv_lora_rank": 64, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32,
-        "v_head_dim": 64, "mla_use_nope": True,
+        "v_head_dim": 64, "mla_use_nope": True, "mla_use_output_gate": True,
         "linear_attn_config": {"head_dim": kda_head, "num_heads": heads, "short_conv_kernel_size": 4,
                                "full_attn_layers": [layers], "kda_layers": list(range(1, layers)),
-                               "gate_lower_bound": -5.0},
-        "num_experts": experts, "num_experts_per_tok": 2, "moe_intermediate_size": expert_ff,
-        "num_shared_experts": 1, "routed_expert_hidden_size": latent, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
-        "moe_renormalize": True, "moe_router_activation_func": "sigmoid",
+                               "gate_lower_bound": -5.0, "use_full_rank_gate": True},
+        "num_experts": experts, "num_experts_per_token": 2, "moe_intermediate_size": expert_ff,
+        "num_shared_experts": 1, "routed_expert_hidden_size": latent, "latent_moe_use_norm": True,
+        "first_k_dense_replace": 1, "moe_layer_freq": 1, "routed_scaling_factor": 2.5, "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid", "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
         "attn_res_block_size": 2,
+    }
+    return {
+        "architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
+        "text_config": text,
+        "vision_config": {"hidden_size": 64, "patch_size": 4},  # only its tensors' presence matters here
         "quantization_config": {
             "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
             "quantization_status": "compressed",
@@ -785,6 +792,7 @@ def kimi_k3_tensors(cfg: dict, seed: int = 0, drawn_experts: bool = True) -> dic
     import torch
 
     g = torch.Generator().manual_seed(seed)
+    cfg = {**cfg, **cfg["text_config"]}  # the text model's keys
 
     def lin(rows, cols):
         return (torch.randn(rows, cols, generator=g) / math.sqrt(cols)).to(torch.bfloat16)
@@ -808,15 +816,15 @@ def kimi_k3_tensors(cfg: dict, seed: int = 0, drawn_experts: bool = True) -> dic
     t[lm + "model.norm.weight"] = norm(H)
     t[lm + "lm_head.weight"] = lin(V, H)
     t[lm + "model.output_attn_res_norm.weight"] = norm(H)
-    t[lm + "model.output_attn_res_proj.weight"] = vec(H)
+    t[lm + "model.output_attn_res_proj.weight"] = vec(H).reshape(1, H)  # a Linear(hidden, 1)
     for i in range(L):
         p = f"{lm}model.layers.{i}."
         t[p + "input_layernorm.weight"] = norm(H)
         t[p + "post_attention_layernorm.weight"] = norm(H)
         t[p + "self_attention_res_norm.weight"] = norm(H)
-        t[p + "self_attention_res_proj.weight"] = vec(H)
+        t[p + "self_attention_res_proj.weight"] = vec(H).reshape(1, H)
         t[p + "mlp_res_norm.weight"] = norm(H)
-        t[p + "mlp_res_proj.weight"] = vec(H)
+        t[p + "mlp_res_proj.weight"] = vec(H).reshape(1, H)
         a = p + "self_attn."
         if (i + 1) in la["full_attn_layers"]:  # MLA
             t[a + "q_proj.weight"] = lin(nh * (nope + rope), H)

@@ -137,6 +137,18 @@ def _kind(gguf_name: str, block: bool):
     return _INSTALLED_KINDS.get(f"blk.{{bid}}.{gguf_name}" if block else gguf_name, gguf_name.upper())
 
 
+def _kimi_k3_caveats(config: Mapping) -> list[str]:
+    """What the config asks that llama.cpp's kimi-k3 does not do (its converter writes no key for it)."""
+    out = []
+    if int(config.get("num_expert_group") or 1) > 1:
+        out.append(f"num_expert_group is {config['num_expert_group']} but llama.cpp's kimi-k3 routes over all "
+                   "experts (its converter writes no expert group count)")
+    if int(config.get("moe_layer_freq") or 1) != 1:
+        out.append(f"moe_layer_freq is {config['moe_layer_freq']} but llama.cpp's kimi-k3 loads routed experts in "
+                   "every layer after the dense lead")
+    return out
+
+
 def _name_map() -> KimiK3NameMap:
     return KimiK3NameMap()
 
@@ -168,7 +180,7 @@ def _add(writer: gguf.GGUFWriter, key: str, value) -> None:
 def _kimi_k3_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
     """The keys conversion/kimi_k3.py set_gguf_parameters writes beyond the shared ones, with their types."""
     for key in ("linear_attn_config", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                "num_experts", "num_experts_per_tok", "moe_intermediate_size", "num_shared_experts",
+                "num_experts", "moe_intermediate_size", "num_shared_experts",
                 "first_k_dense_replace", "routed_scaling_factor", "activation_situ_beta",
                 "activation_situ_linear_beta", "attn_res_block_size"):
         if config.get(key) is None:
@@ -182,7 +194,13 @@ def _kimi_k3_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
         raise BadInput("mla_use_nope is not true; llama.cpp's kimi-k3 runs its MLA without rope")
     la = config["linear_attn_config"]
     writer.add_expert_count(int(config["num_experts"]))
-    writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+    used = next((config[k] for k in ("num_experts_per_tok", "num_experts_per_token") if config.get(k) is not None),
+                None)
+    if used is None:
+        raise BadInput("config.json lacks num_experts_per_token, which llama.cpp's kimi-k3 needs")
+    writer.add_expert_used_count(int(used))
+    if config.get("topk_group") is not None:  # written by the converter's shared keys (base.py), read by no graph
+        writer.add_expert_group_used_count(int(config["topk_group"]))
     writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     writer.add_vocab_size(int(config["vocab_size"]))
     writer.add_ssm_conv_kernel(int(la["short_conv_kernel_size"]))
@@ -226,10 +244,11 @@ def _dense(item) -> torch.Tensor:
 
 
 def _fused_res(norm: TensorRecord, proj: TensorRecord, name: str) -> TensorRecord:
-    """One score vector: res_norm * res_proj in float32 (both are only ever used as that product)."""
-    if tuple(norm.shape) != tuple(proj.shape) or len(norm.shape) != 1:
-        raise BadInput(f"{norm.name} {list(norm.shape)} and {proj.name} {list(proj.shape)} are not one vector "
-                       "shape each", tensor=norm.name)
+    """One score vector: res_norm * res_proj in float32 (both are only ever used as that product). The norm is
+    an RMSNorm weight [hidden], the proj a Linear(hidden, 1) weight [1, hidden] (mlx-lm's kimi_k3 loads it so)."""
+    if len(norm.shape) != 1 or tuple(proj.shape) not in ((1, norm.shape[0]), (norm.shape[0],)):
+        raise BadInput(f"{norm.name} {list(norm.shape)} and {proj.name} {list(proj.shape)}: expected [hidden] and "
+                       "[1, hidden]", tensor=norm.name)
 
     def load() -> Dense:
         return Dense(_dense(norm.load()).float().flatten() * _dense(proj.load()).float().flatten())
@@ -294,7 +313,7 @@ def _a_log(gguf_name: str):
 
 register_arch(GgufArch(
     KIMI_K3_ARCH, ("KimiK3ForConditionalGeneration",), ("kimi_k3",), "KimiK3ForConditionalGeneration", "kimi_k3",
-    moe=True, mla=True, extra_metadata=_kimi_k3_extra,
+    moe=True, mla=True, extra_metadata=_kimi_k3_extra, caveats=_kimi_k3_caveats,
     norms=("attn_norm", "ffn_norm", "attn_res_score", "ffn_res_score"),
     attention=("attn_kv_a_mqa", "attn_kv_a_norm", "attn_k_b", "attn_v_b", "attn_output"),
     # a KDA layer's own tensors, which tell it from an MLA layer (its attn_q/k/v/output share names with MLA's;
