@@ -307,10 +307,6 @@ def _adapt_stream(records: Iterable[TensorRecord], config: Mapping, where=None) 
                        tensor=waiting[head].name)
 
 
-def _a_log(gguf_name: str):
-    return a_log_values(gguf_name)
-
-
 register_arch(GgufArch(
     KIMI_K3_ARCH, ("KimiK3ForConditionalGeneration",), ("kimi_k3",), "KimiK3ForConditionalGeneration", "kimi_k3",
     moe=True, mla=True, extra_metadata=_kimi_k3_extra, caveats=_kimi_k3_caveats,
@@ -324,4 +320,5 @@ register_arch(GgufArch(
     skipped_tensors=re.compile(r"^(?:vision_tower|mm_projector)\."),
     not_read="its residual scores are stored fused (res_norm * res_proj cannot be split back) and transformers "
              "has no Kimi-K3 class; convert from the compressed-tensors checkpoint instead",
-    stored_values=_a_log, name_map=_name_map, head_count_kv=_head_count_kv, adapt_stream=_adapt_stream))
+    stored_values=a_log_values,  # A = -exp(A_log) in float32, as Qwen3.5's ssm_a (the converter folds it too)
+    name_map=_name_map, head_count_kv=_head_count_kv, adapt_stream=_adapt_stream))
