@@ -309,6 +309,9 @@ class GgufAction:
     file_type: int | None = None  # the general.file_type the asked --type names (a mix, or llama-quantize's)
     quant: QuantHow | None = None  # kept codes, an imatrix or llama.cpp's quantizer (common/ggml_codec.py)
     tensor_scale: float | None = None  # NVFP4 with a global scale: llama.cpp's `.scale` for this tensor
+    # a llama-quantize mix: the tensor's dims as llama-quantize writes every tensor (ggml_n_dims: trailing 1s of
+    # the ggml shape dropped; Kimi-K3's conv kernels {d_conv, 1, d_inner, 1} become {d_conv, 1, d_inner})
+    ggml_n_dims: bool = False
 
 
 def _attach_quant(plan: TensorPlan, options: Options, keep_codes: bool) -> None:
@@ -469,6 +472,7 @@ class GgufWriter(Writer):
         preset = preset_of(options.type)
         if preset is not None:
             action.file_type = preset.file_type  # general.file_type names the preset, not a tensor type
+            action.ggml_n_dims = True
         elif options.type and options.type.strip().upper() in FILE_TYPES:
             # llama-quantize names the type asked for (IQ4_XS: 30) even where fallbacks outnumber it
             action.file_type = FILE_TYPES[options.type.strip().upper()]
@@ -617,6 +621,8 @@ class GgufSession(WriterSession):
             first = members[0]
             lay = TARGET_LAYOUTS[first.target]
             shape = stack_shape(members)
+            while first.action.ggml_n_dims and len(shape) > 1 and shape[0] == 1:  # ggml's outermost dims
+                shape = shape[1:]
             rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
             nbytes = rows * lay.row_bytes(shape[-1])
             byte_shape = [*shape[:-1], lay.row_bytes(shape[-1])]  # gguf-py converts bytes back to elements

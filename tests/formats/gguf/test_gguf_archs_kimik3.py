@@ -10,6 +10,8 @@ convert_hf_to_gguf.py (the llama-cpp-python sdist's copy: conversion/kimi_k3.py)
   `kimi-k3.*` key and its type equal, and llama.cpp's logits on both files 0 apart;
 - the same with the dense 2-D weights in Q8_0 (the converter's `--outtype q8_0`; its router, conv kernels,
   norms and vectors stay F32);
+- `--type q4_k_m --allow-requant` equals llama-quantize's Q4_K_M (allow_requantize: it refuses the MXFP4 experts
+  otherwise) of the converter's F32 file, tensor by tensor, with the same logits;
 - the name and key table of formats/gguf/archs/kimi_k3.py against llama.cpp's vendored gguf-py (which the
   package never imports: gguf 0.19 has no kimi-k3), so that drift is caught;
 - a residual norm without its proj is refused in one line, and a kimi-k3 GGUF as a source too (not read back);
@@ -140,6 +142,37 @@ def test_q8_0_dense_weights_are_the_converters_file(src, references, tmp_path):
     assert tensors["blk.0.ssm_g.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0
     assert tensors["blk.1.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
     assert np.array_equal(llama_logits(ours, PROMPT), llama_logits(references["q8_0"], PROMPT))
+
+
+def _llama_quantize_requant(src: Path, dst: Path, ftype: int) -> Path:
+    """llama.cpp's quantize tool with allow_requantize: it refuses to requantize the MXFP4 experts without it."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread, params.allow_requantize = ftype, 2, True
+    assert llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) == 0
+    return dst
+
+
+def test_q4_k_m_is_llama_quantizes_mix_of_the_converters_file(src, references, tmp_path):
+    """`--type q4_k_m --allow-requant` (the MXFP4 experts requantized from their values, 128-wide rows falling
+    back to Q5_0 as llama-quantize's do; the conv kernels F32 as in the converter's F32 file) equals
+    llama-quantize's Q4_K_M of the converter's F32 file, tensor by tensor, with the same logits."""
+    ref = _cached(ROOT / "kimi_k3-ref-q4_k_m.gguf",
+                  lambda out: _llama_quantize_requant(references["f32"], out, 15))  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    ours = tmp_path / "k3-q4_k_m.gguf"
+    run_cli("ct->gguf", src, ours, "--type", "q4_k_m", "--allow-requant", "--tensor-type", r"conv1d=f32")
+    a, b = gguf_tensors(ours), gguf_tensors(ref)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert (a[name].tensor_type, list(a[name].shape)) == (b[name].tensor_type, list(b[name].shape)), name
+        assert bytes(a[name].data) == bytes(b[name].data), name
+    assert _model_keys(ours) == _model_keys(ref)
+    assert a["blk.0.ssm_g.weight"].tensor_type == gguf.GGMLQuantizationType.Q4_K
+    assert a["blk.1.ffn_gate_exps.weight"].tensor_type == gguf.GGMLQuantizationType.Q5_0
+    assert np.array_equal(llama_logits(ours, PROMPT), llama_logits(ref, PROMPT))
 
 
 # runs with llama.cpp's vendored gguf-py first on the path: what it names for kimi-k3
