@@ -94,11 +94,13 @@ def _expected_shapes(cfg: Mapping, keys: Mapping[str, str]) -> dict[str, tuple[t
         del out["ffn_gate.weight"]
     n_exp, f_exp = cfg.get("_n_expert"), cfg.get("_expert_ff")
     if n_exp and f_exp:
-        exp = ("_n_expert", "_expert_ff", "hidden_size")
+        # a latent MoE (Kimi-K3) runs its routed experts in a down-projected space, not at hidden_size
+        el, el_key = (cfg["_expert_latent"], "_expert_latent") if cfg.get("_expert_latent") else (e, "hidden_size")
+        exp = ("_n_expert", "_expert_ff", el_key)
         out["ffn_gate_inp.weight"] = ((n_exp, e), says("_n_expert", "hidden_size"))
-        out["ffn_gate_exps.weight"] = ((n_exp, f_exp, e), says(*exp))
-        out["ffn_up_exps.weight"] = ((n_exp, f_exp, e), says(*exp))
-        out["ffn_down_exps.weight"] = ((n_exp, e, f_exp), says(*exp))
+        out["ffn_gate_exps.weight"] = ((n_exp, f_exp, el), says(*exp))
+        out["ffn_up_exps.weight"] = ((n_exp, f_exp, el), says(*exp))
+        out["ffn_down_exps.weight"] = ((n_exp, el, f_exp), says(*exp))
     if n_exp and f_exp:  # gpt-oss: the router's and every expert's biases
         out["ffn_gate_inp.bias"] = ((n_exp,), says("_n_expert"))
         out["ffn_gate_exps.bias"] = ((n_exp, f_exp), says("_n_expert", "_expert_ff"))
@@ -115,7 +117,8 @@ def _expected_shapes(cfg: Mapping, keys: Mapping[str, str]) -> dict[str, tuple[t
 
 _EXPERT_KEYS = (("_n_expert", EXPERT_COUNT_KEYS, "expert_count"),
                 ("_expert_ff", ("moe_intermediate_size",), "expert_feed_forward_length"),
-                ("_shared_ff", ("shared_expert_intermediate_size",), "expert_shared_feed_forward_length"))
+                ("_shared_ff", ("shared_expert_intermediate_size",), "expert_shared_feed_forward_length"),
+                ("_expert_latent", ("routed_expert_hidden_size",), "expert_latent_length"))
 
 
 def _expert_facts(config: Mapping, arch: str, cv: ConfigView, label) -> tuple[dict, dict]:

@@ -49,8 +49,11 @@ def config_from_gguf(fields: Any, tensor_names: Iterable[str] | None = None, *, 
     if not isinstance(arch, str) or arch_by_name(arch) is None:
         raise QConvertError(f"GGUF architecture {arch!r:.60} cannot be turned into a config.json; "
                             f"supported: {', '.join(supported_archs())}", path=path)
-    cv = _typed(kv, path)  # the hook's view: the arrays as they are
     spec = arch_by_name(arch)
+    if spec.not_read:
+        raise QConvertError(f"GGUF architecture {arch} is written by qconvert but not read back: {spec.not_read}",
+                            path=path)
+    cv = _typed(kv, path)  # the hook's view: the arrays as they are
     layer0 = dict(kv)
     for key in spec.per_layer_keys:  # a per-layer array: the shared fields take layer 0's value
         value = kv.get(f"{arch}.{key}")

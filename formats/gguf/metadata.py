@@ -75,7 +75,7 @@ def add_model_metadata(writer: gguf.GGUFWriter, config: Mapping, arch: str, *, f
     if spec.dense_ffn_width or config.get(spec.dense_ffn_key) is not None:
         writer.add_feed_forward_length(int(require(config, spec.dense_ffn_key)))
     writer.add_head_count(n_head)
-    writer.add_head_count_kv(1 if spec.mla else n_kv)
+    writer.add_head_count_kv(spec.head_count_kv(config) if spec.head_count_kv else 1 if spec.mla else n_kv)
     writer.add_rope_freq_base(float(rp["rope_theta"]))
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps") or DEFAULT_RMS_EPS))
     if not spec.mla and (config.get("head_dim") or hd * n_head != n_embd):

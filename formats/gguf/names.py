@@ -77,6 +77,9 @@ def _name_map(arch: str) -> gguf.TensorNameMap:
     """gguf's name map for one block: names of block i are those of block 0 with the index swapped,
     so mapping a name costs the same whatever num_hidden_layers says (gguf's map of n blocks holds
     every name of every block: a config's 2**31 layers would build it for hours)."""
+    spec = arch_by_name(arch)
+    if spec is not None and spec.name_map is not None:  # an architecture gguf 0.19 does not know (Kimi-K3)
+        return spec.name_map()
     return gguf.get_tensor_name_map(_arch_enum(arch), 1)
 
 

@@ -182,8 +182,8 @@ def k_fallback(target: str, shape, params) -> tuple[str, str]:
     chosen = _CODEBOOK_FALLBACK.get(target, _LOWBIT_FALLBACK.get(target, target))  # a 32-block type has none smaller
     if lay.kind == "k":
         symmetric_choice, with_min = _K_FALLBACK[target]
-        # a float grid (E2M1 / FP8 codes times a scale: DeepSeek-V4's MXFP4 experts) has no zero point: the
-        # symmetric choice, as llama-quantize makes for it
+        # a float grid (MXFP4, NVFP4, FP8: codes index a table, no zero point) is requantized from its values,
+        # as llama-quantize's fallback does (Q5_0 for Q4_K); an asymmetric integer grid keeps its codes with a min
         chosen = symmetric_choice if params is None or params.symmetric or params.codebook is not None else with_min
     if n % TARGET_LAYOUTS[chosen].block:
         chosen = "F16"  # "must use F16 due to unusual shape"

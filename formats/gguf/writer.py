@@ -109,11 +109,11 @@ def _kept_source_type(spec, rec: TensorRecord, options: Options) -> str | None:
 
 
 def _expert_count(source) -> int:
-    key = expert_count_key(source.config)
+    key = expert_count_key(model_config(source))
     if key is None:
         raise BadInput("the checkpoint has expert tensors but config.json declares no expert count "
                        f"({' / '.join(EXPERT_COUNT_KEYS)})", path=config_json_path(source))
-    return ConfigView(source.config, config_json_path(source)).int(key, lo=1, hi=1 << 16)
+    return ConfigView(model_config(source), config_json_path(source)).int(key, lo=1, hi=1 << 16)
 
 
 # experts already fused into 3-D tensors of every expert (transformers 5's own parameters, which some
@@ -202,6 +202,16 @@ def _in_out_expert_records(rec: TensorRecord, where) -> list[TensorRecord]:
             for i, half in enumerate(("gate", "up"))]
 
 
+def model_config(source) -> Mapping:
+    """config.json as llama.cpp's converter reads it: a multimodal class written as its text model
+    (GgufArch.multimodal: Llama 4) gives its text model's config (text_model_config); any other checkpoint with a
+    `text_config` has it moved to the root (the converter's ModelBase: {**hparams, **hparams["text_config"]};
+    Kimi-K3's text model), so that the text model's keys are found; a config without one is returned as it is."""
+    config = text_model_config(source.config)
+    text = config.get("text_config")
+    return {**config, **text} if isinstance(text, Mapping) else config
+
+
 def _kv_b_records(rec: TensorRecord, parts: tuple[str, str], config, where) -> list[TensorRecord]:
     """The two records a DeepSeek kv_b_proj becomes: k_b [heads, kv_lora, nope] and v_b [heads, v, kv_lora],
     each loading the source tensor and splitting it (a grid is dequantized first: a transpose keeps no
@@ -266,7 +276,7 @@ def preset_facts(records, source, arch: str, n_layers: int, options: Options, ke
     states them (MLA: one KV head) and the tensors --tensor-type fixes (left out of llama.cpp's counters).
     Reads headers only: the records are not loaded."""
     spec = arch_by_name(arch)
-    n_expert = _expert_count(source) if expert_count_key(source.config) is not None else 0
+    n_expert = _expert_count(source) if expert_count_key(model_config(source)) is not None else 0
     shapes: dict[str, tuple[int, ...]] = {}
     manual = []
     for rec in records:
@@ -279,7 +289,7 @@ def preset_facts(records, source, arch: str, n_layers: int, options: Options, ke
         shapes[name] = rec.shape if expert_of(rec.name) is None else (n_expert or _expert_count(source), *rec.shape)
         if options.explicit_type(rec.name):
             manual.append(name)
-    cfg = ConfigView(source.config, config_json_path(source))
+    cfg = ConfigView(model_config(source), config_json_path(source))
     heads = cfg.int("num_attention_heads", lo=1, hi=1 << 14)
     kv_heads = 1 if spec.mla else cfg.int("num_key_value_heads", default=heads, lo=1, hi=heads)
     # llama-quantize's layer count is the file's block_count, kept MTP blocks included
@@ -341,6 +351,9 @@ class GgufAction:
     file_type: int | None = None  # the general.file_type the asked --type names (a mix, or llama-quantize's)
     quant: QuantHow | None = None  # kept codes, an imatrix or llama.cpp's quantizer (common/ggml_codec.py)
     tensor_scale: float | None = None  # NVFP4 with a global scale: llama.cpp's `.scale` for this tensor
+    # a llama-quantize mix: the tensor's dims as llama-quantize writes every tensor (ggml_n_dims: trailing 1s of
+    # the ggml shape dropped; Kimi-K3's conv kernels {d_conv, 1, d_inner, 1} become {d_conv, 1, d_inner})
+    ggml_n_dims: bool = False
 
 
 def _attach_quant(plan: TensorPlan, options: Options, keep_codes: bool) -> None:
@@ -396,7 +409,7 @@ class GgufWriter(Writer):
     def for_conversion(self, source, options: Options) -> "GgufWriter":
         """The writer for one conversion, holding the model's architecture (read once from config.json)."""
         where = config_json_path(source)
-        config = text_model_config(source.config)
+        config = model_config(source)
         return GgufWriter((gguf_arch(config, where), layer_count(config, where)), keep_mtp=not options.extra.get("no_mtp"))
 
     def _text(self, source):
@@ -447,6 +460,8 @@ class GgufWriter(Writer):
         source = self._text(source)
         arch, n_layers = self._arch(source)
         spec = arch_by_name(arch)
+        if spec.adapt_stream is not None:  # the architecture's whole-stream transform first (archs/)
+            records = spec.adapt_stream(records, model_config(source), config_json_path(source))
         prefix = spec.multimodal.prefix if isinstance(source, _TextModel) else None
         for rec in records:
             if prefix and rec.name.startswith(prefix):  # the text model's tensors, named as its own class names them
@@ -458,7 +473,7 @@ class GgufWriter(Writer):
                     rec = replace(rec, name=named, source_name=rec.source_name or rec.name)
             parts = kv_b_parts(rec.name) if spec.mla else None
             if parts is not None:
-                yield from _kv_b_records(rec, parts, source.config, config_json_path(source))
+                yield from _kv_b_records(rec, parts, model_config(source), config_json_path(source))
             elif arch == "gpt-oss" and gpt_oss_expert_part(rec.name):
                 yield from _gpt_oss_expert_records(rec, config_json_path(source))
             elif arch_by_name(arch).experts_in_out and llama4_expert_part(rec.name):
@@ -466,7 +481,7 @@ class GgufWriter(Writer):
             elif _FUSED_EXPERTS.search(rec.name) and not spec.fused_gate_up_experts:
                 yield from _fused_expert_records(rec, config_json_path(source))
             elif spec.to_gguf_record is not None:  # the architecture's own transforms (archs/)
-                yield from spec.to_gguf_record(rec, source.config, config_json_path(source))
+                yield from spec.to_gguf_record(rec, model_config(source), config_json_path(source))
             else:
                 yield rec
 
@@ -563,6 +578,7 @@ class GgufWriter(Writer):
         preset = preset_of(options.type)
         if preset is not None:
             action.file_type = preset.file_type  # general.file_type names the preset, not a tensor type
+            action.ggml_n_dims = True
         elif options.type and options.type.strip().upper() in FILE_TYPES:
             # llama-quantize names the type asked for (IQ4_XS: 30) even where fallbacks outnumber it
             action.file_type = FILE_TYPES[options.type.strip().upper()]
@@ -587,7 +603,7 @@ class GgufWriter(Writer):
         if found and found != declared:  # block_count would not cover them (llama.cpp's converter cannot map them)
             raise BadInput(f"config.json declares {declared} multi-token-prediction block(s) but the checkpoint holds "
                            f"{found}", path=config_json_path(source))
-        check_writer_config(source.config, arch, shapes,
+        check_writer_config(model_config(source), arch, shapes,
                             config_json_path(source), names={p.out_name: p.name for p in kept},
                             unmapped=[p.name for p in plans if not p.out_name and not p.action.drop],
                             mtp_blocks=found)
@@ -697,7 +713,7 @@ def stack_shape(members: list[TensorPlan]) -> tuple[int, ...]:
 def _add_tokenizer(writer: gguf.GGUFWriter, source, n_vocab: int) -> None:
     """The tokenizer keys: copied verbatim from a GGUF source, else built from its tokenizer files."""
     if not source.write_gguf_tokenizer(writer):
-        add_tokenizer(writer, Path(source.path), source.config, n_vocab)
+        add_tokenizer(writer, Path(source.path), model_config(source), n_vocab)
 
 
 class GgufSession(WriterSession):
@@ -717,7 +733,7 @@ class GgufSession(WriterSession):
         dominant = max(counts, key=counts.get) if counts else "F32"
         preset_file_type = next((p.action.file_type for p in kept if p.action.file_type is not None), None)
         try:
-            add_model_metadata(w, source.config, arch, mtp_blocks=mtp_blocks,
+            add_model_metadata(w, model_config(source), arch, mtp_blocks=mtp_blocks,
                                file_type=FILE_TYPES.get(dominant, 0) if preset_file_type is None else preset_file_type)
         except QConvertError as e:  # the hyper-parameters' refusals (metadata.py, archs/) name no file: the config's
             if e.path is not None:
@@ -725,7 +741,7 @@ class GgufSession(WriterSession):
             raise type(e)(e.detail, path=config_json_path(source), tensor=e.tensor) from None
         for key, value in tokenizer.items():  # the keys check_model built (GgufWriter._tokenizer_keys)
             w.add_key_value(key, value.value, value.type, sub_type=value.sub_type)
-        self.extra = list(rope_tensors(source.config, arch))
+        self.extra = list(rope_tensors(model_config(source), arch))
         self._encode_as(source, arch)
         n_experts = _expert_count(source) if any(p.action.expert is not None for p in kept) else 0
         self.pending: dict[str, _ExpertSpill] = {}  # stacks of experts being filled
@@ -736,6 +752,8 @@ class GgufSession(WriterSession):
             first = members[0]
             lay = INTEGER_TABLE if first.target == INTEGER_TABLE.name else TARGET_LAYOUTS[first.target]
             shape = stack_shape(members)
+            while first.action.ggml_n_dims and len(shape) > 1 and shape[0] == 1:  # ggml's outermost dims
+                shape = shape[1:]
             rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
             nbytes = rows * lay.row_bytes(shape[-1])
             byte_shape = [*shape[:-1], lay.row_bytes(shape[-1])]  # gguf-py converts bytes back to elements
@@ -784,7 +802,7 @@ class GgufSession(WriterSession):
             self.reference = None
             return table.to(torch.float32)
         lay = TARGET_LAYOUTS[plan.target]
-        perm = qk_row_permutation(plan.name, self.source.config, self.arch)
+        perm = qk_row_permutation(plan.name, model_config(self.source), self.arch)
         if perm is not None:
             # a Grid, or reader.CodebookDense (IQ4_*), reorders its block bytes too
             item = item.permute_rows(perm) if hasattr(item, "permute_rows") else Dense(item.tensor[perm])

@@ -1053,6 +1053,180 @@ def deepseek_v4_fp8(src, out) -> Path:
     return out
 
 
+# --------------------------------------------------------------------------------------------------
+# Kimi-K3 (KimiK3ForConditionalGeneration): no transformers class (remote code only), so the checkpoint is
+# written tensor by tensor as the model's repository lays it out, learnt from llama.cpp's converter
+# (conversion/kimi_k3.py) and its runtime (src/models/kimi-k3.cpp): the text model under `language_model.`
+# beside a vision tower and projector (the converter skips both), bf16 weights, KDA (linear) layers and MLA
+# layers by linear_attn_config.full_attn_layers (1-indexed), a dense lead layer, then latent MoE layers (router
+# with a score-correction bias, shared experts at the model width, routed experts in a down-projected space
+# between routed_expert_down_proj / routed_expert_up_proj) whose routed experts ship as compressed-tensors
+# mxfp4-pack-quantized (uint8 `weight_packed` [rows, cols/2] low nibble first, uint8 E8M0 `weight_scale`
+# [rows, cols/32]); the cross-layer attention residuals as <x>_res_norm / <x>_res_proj vector pairs.
+# --------------------------------------------------------------------------------------------------
+KIMI_K3_LAYERS = 4  # layer 4 (1-indexed) full MLA attention, 1-3 KDA: the released 3:1 mix; layer 0 dense
+
+
+def kimi_k3_config(layers: int = KIMI_K3_LAYERS, hidden: int = 256, experts: int = 4, expert_ff: int = 128,
+                   latent: int = 128) -> dict:
+    """config.json of the tiny Kimi-K3: the text model's keys in `text_config` (the converter moves them to the
+    root; mlx-lm's kimi_k3 reads them there), named as mlx-lm 0.32's kimi_k3 TextArgs names them; `experts`,
+    `expert_ff` and `latent` widen the routed experts (the streaming check)."""
+    heads, kda_head = 4, 64
+    text = {
+        "model_type": "kimi_linear",
+        "vocab_size": _fixtures().VOCAB_SIZE, "hidden_size": hidden, "intermediate_size": 256,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 0, "pad_token_id": 0, "torch_dtype": "bfloat16",
+        "hidden_act": "situ", "activation_situ_beta": 2.0, "activation_situ_linear_beta": 3.0,
+        # MLA, nope-only (mla_use_nope): no rope, qk_rope_head_dim only sizes the un-absorbed key part
+        "q_lora_rank": None, "kv_lora_rank": 64, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32,
+        "v_head_dim": 64, "mla_use_nope": True, "mla_use_output_gate": True,
+        "linear_attn_config": {"head_dim": kda_head, "num_heads": heads, "short_conv_kernel_size": 4,
+                               "full_attn_layers": [layers], "kda_layers": list(range(1, layers)),
+                               "gate_lower_bound": -5.0, "use_full_rank_gate": True},
+        "num_experts": experts, "num_experts_per_token": 2, "moe_intermediate_size": expert_ff,
+        "num_shared_experts": 1, "routed_expert_hidden_size": latent, "latent_moe_use_norm": True,
+        "first_k_dense_replace": 1, "moe_layer_freq": 1, "routed_scaling_factor": 2.5, "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid", "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
+        "attn_res_block_size": 2,
+    }
+    return {
+        "architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
+        "text_config": text,
+        "vision_config": {"hidden_size": 64, "patch_size": 4},  # only its tensors' presence matters here
+        "quantization_config": {
+            "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": {
+                "format": "mxfp4-pack-quantized",
+                "targets": [r"re:.*block_sparse_moe\.experts\.\d+\.w[123]$"],
+                "weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
+                            "symmetric": True, "dynamic": False, "scale_dtype": "torch.uint8",
+                            "actorder": None, "block_structure": None, "zp_dtype": None},
+                "input_activations": None, "output_activations": None}},
+            "ignore": ["lm_head", r"re:.*self_attn.*", r"re:.*shared_experts.*", r"re:.*mlp\..*",
+                       r"re:.*block_sparse_moe\.gate$", r"re:.*routed_expert_.*", r"re:vision_tower.*",
+                       r"re:mm_projector.*"]},
+    }
+
+
+def kimi_k3_tensors(cfg: dict, seed: int = 0, drawn_experts: bool = True) -> dict:
+    """The checkpoint's tensors for `cfg` (kimi_k3_config), seeded: linears N(0, 1/fan_in), norms 1 +- 0.1,
+    residual-attention vectors N(0, 1), A_log log U(1, 16), the router's correction bias N(0, 0.5); routed
+    experts drawn in float and stored as the nearest MXFP4 (_mxfp4_pack), or (`drawn_experts` False, for wide
+    experts) random codes and exponents 2^-9 .. 2^-1."""
+    import math
+
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    cfg = {**cfg, **cfg["text_config"]}  # the text model's keys
+
+    def lin(rows, cols):
+        return (torch.randn(rows, cols, generator=g) / math.sqrt(cols)).to(torch.bfloat16)
+
+    def norm(n):
+        return (1 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)
+
+    def vec(n, std=1.0):
+        return (std * torch.randn(n, generator=g)).to(torch.bfloat16)
+
+    H, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    la = cfg["linear_attn_config"]
+    nh, hd, conv = cfg["num_attention_heads"], la["head_dim"], la["short_conv_kernel_size"]
+    d_inner = nh * hd
+    nope, rope, vdim, kv_lora = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+    E, ff_exp, latent = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["routed_expert_hidden_size"]
+    ff_sh = ff_exp * cfg["num_shared_experts"]
+    t = {}
+    lm = "language_model."
+    t[lm + "model.embed_tokens.weight"] = torch.randn(V, H, generator=g).to(torch.bfloat16)
+    t[lm + "model.norm.weight"] = norm(H)
+    t[lm + "lm_head.weight"] = lin(V, H)
+    t[lm + "model.output_attn_res_norm.weight"] = norm(H)
+    t[lm + "model.output_attn_res_proj.weight"] = vec(H).reshape(1, H)  # a Linear(hidden, 1)
+    for i in range(L):
+        p = f"{lm}model.layers.{i}."
+        t[p + "input_layernorm.weight"] = norm(H)
+        t[p + "post_attention_layernorm.weight"] = norm(H)
+        t[p + "self_attention_res_norm.weight"] = norm(H)
+        t[p + "self_attention_res_proj.weight"] = vec(H).reshape(1, H)
+        t[p + "mlp_res_norm.weight"] = norm(H)
+        t[p + "mlp_res_proj.weight"] = vec(H).reshape(1, H)
+        a = p + "self_attn."
+        if (i + 1) in la["full_attn_layers"]:  # MLA
+            t[a + "q_proj.weight"] = lin(nh * (nope + rope), H)
+            t[a + "kv_a_proj_with_mqa.weight"] = lin(kv_lora + rope, H)
+            t[a + "kv_a_layernorm.weight"] = norm(kv_lora)
+            t[a + "kv_b_proj.weight"] = lin(nh * (nope + vdim), kv_lora)
+            t[a + "g_proj.weight"] = lin(nh * vdim, H)  # the output gate
+            t[a + "o_proj.weight"] = lin(H, nh * vdim)
+        else:  # KDA
+            for x in "qkv":
+                t[a + f"{x}_proj.weight"] = lin(d_inner, H)
+                t[a + f"{x}_conv1d.weight"] = (torch.randn(d_inner, 1, conv, generator=g) / 2).to(torch.bfloat16)
+            t[a + "f_a_proj.weight"] = lin(hd, H)
+            t[a + "f_b_proj.weight"] = lin(d_inner, hd)
+            t[a + "b_proj.weight"] = lin(nh, H)
+            t[a + "A_log"] = torch.log(1 + 15 * torch.rand(nh, generator=g)).to(torch.bfloat16)
+            t[a + "dt_bias"] = vec(d_inner, 0.1)
+            t[a + "g_proj.weight"] = lin(d_inner, H)  # the full-rank gate
+            t[a + "o_norm.weight"] = norm(hd)
+            t[a + "o_proj.weight"] = lin(H, d_inner)
+        if i < cfg["first_k_dense_replace"]:
+            t[p + "mlp.gate_proj.weight"] = lin(cfg["intermediate_size"], H)
+            t[p + "mlp.up_proj.weight"] = lin(cfg["intermediate_size"], H)
+            t[p + "mlp.down_proj.weight"] = lin(H, cfg["intermediate_size"])
+            continue
+        m = p + "block_sparse_moe."
+        t[m + "gate.weight"] = lin(E, H)
+        t[m + "gate.e_score_correction_bias"] = vec(E, 0.5).float()
+        t[m + "routed_expert_down_proj.weight"] = lin(latent, H)
+        t[m + "routed_expert_up_proj.weight"] = lin(H, latent)
+        t[m + "routed_expert_norm.weight"] = norm(latent)
+        t[m + "shared_experts.gate_proj.weight"] = lin(ff_sh, H)
+        t[m + "shared_experts.up_proj.weight"] = lin(ff_sh, H)
+        t[m + "shared_experts.down_proj.weight"] = lin(H, ff_sh)
+        for w, (rows, cols) in (("w1", (ff_exp, latent)), ("w2", (latent, ff_exp)), ("w3", (ff_exp, latent))):
+            if drawn_experts:
+                blocks, scales = _mxfp4_pack(torch.randn(E, rows, cols, generator=g) / math.sqrt(cols))
+            for e in range(E):
+                if drawn_experts:
+                    packed, scale = blocks[e].reshape(rows, cols // 2).contiguous(), scales[e].contiguous()
+                else:
+                    packed = torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8)
+                    scale = torch.randint(118, 127, (rows, cols // 32), generator=g, dtype=torch.uint8)
+                t[f"{m}experts.{e}.{w}.weight_packed"], t[f"{m}experts.{e}.{w}.weight_scale"] = packed, scale
+    # the vision tower and projector the text conversion leaves out
+    t["vision_tower.patch_embed.proj.weight"] = lin(64, 48)
+    t["mm_projector.proj.0.weight"] = lin(H, 64)
+    return t
+
+
+def build_kimi_k3(out_dir, seed: int = 0, layers: int = KIMI_K3_LAYERS, **wide) -> Path:
+    """The tiny Kimi-K3 checkpoint (kimi_k3_config, kimi_k3_tensors) with the fixtures tokenizer, in `out_dir`;
+    `wide` (experts, expert_ff, latent) widens the routed experts, stored as random codes."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = kimi_k3_config(layers, **wide)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    save_file(kimi_k3_tensors(cfg, seed, drawn_experts=not wide), str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    _fixtures().build_tokenizer(out)
+    # K3 ships no jinja template (its chats are rendered in python) and the converter then reads one from
+    # llama.cpp's models/templates, which the extracted sources lack: the fixture names a template of its own
+    path = out / "tokenizer_config.json"
+    tok_cfg = json.loads(path.read_text())
+    tok_cfg["chat_template"] = ("{% for m in messages %}<|im_{{ m['role'] }}|>{{ m['content'] }}<|im_end|>"
+                                "{% endfor %}")
+    path.write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    return out
+
+
 # last: every builder above has registered by now
 if __name__ == "__main__":
     import argparse

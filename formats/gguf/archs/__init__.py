@@ -29,10 +29,10 @@ from . import mistral3, smollm, olmo, exaone, llama4, glm  # noqa: F401  (issue 
 from . import minimax, ernie  # noqa: F401  (issue 26: MiniMax-M2, ERNIE 4.5 MoE)
 from .llama4 import llama4_expert_part, merge_llama4_experts, split_llama4_experts
 from . import glm_dsa  # noqa: F401  (GLM-5: MLA + the DSA indexer)
-from . import not_written  # noqa: F401  (Kimi-K3: refused with why)
 from . import qwen35  # noqa: F401  (Qwen3.5: hybrid linear attention)
 from . import gemma4  # noqa: F401  (Gemma 4: MoE beside the MLP, per-layer embeddings, KV-shared layers)
 from . import deepseek4  # noqa: F401  (DeepSeek-V4: an arch-local name and key table; gguf 0.19 lacks it)
+from . import kimi_k3  # noqa: F401  (Kimi-K3: its own name table, gguf 0.19 has no kimi-k3)
 from .base import (EXPERT_COUNT_KEYS, GgufArch, arch_by_name, arch_for_config, expert_count, expert_count_key,
                    expert_name, register_arch, registered, supported_classes)
 from .deepseek2 import kv_b_parts, merge_kv_b, split_kv_b

@@ -18,7 +18,7 @@ from .mtp import MtpBlock
 
 __all__ = ["GgufArch", "register_arch", "registered", "arch_by_name", "arch_for_config", "supported_classes",
            "expert_name", "EXPERT_COUNT_KEYS", "expert_count_key", "expert_count", "expert_keys", "moe_config",
-           "HF_DENSE_BLOCK", "llama_converter_keys", "register_not_written", "StoredValues", "TextOfMultimodal",
+           "HF_DENSE_BLOCK", "llama_converter_keys", "StoredValues", "TextOfMultimodal",
            "text_model_config"]
 
 MetadataHook = Callable[[gguf.GGUFWriter, Mapping], None]
@@ -195,6 +195,20 @@ class GgufArch:
     # a multimodal class of the family written as its text model, its towers left out as llama.cpp's converter
     # leaves them (Llama 4: TextOfMultimodal); its class is one of hf_classes
     multimodal: TextOfMultimodal | None = None
+    # an architecture the installed gguf-py does not know (Kimi-K3: only llama.cpp's vendored gguf-py names
+    # kimi-k3, and the package never imports that): () -> an object answering TensorNameMap's get_type_and_name
+    # / get_name for block 0, from the architecture's own name table. None: gguf-py's map of `enum`
+    name_map: Callable[[], Any] | None = field(default=None, repr=False)
+    # the per-layer KV head counts llama.cpp reads as head_count_kv (an int or one per layer), where they are not
+    # the config's one count: Kimi-K3 writes 0 on its linear-attention layers, how its loader tells them apart
+    head_count_kv: Callable[[Mapping], Any] | None = field(default=None, repr=False)
+    # a transform of the whole record stream (records, config.json, the file to name) -> records, run before
+    # every other, for what one record alone cannot do: Kimi-K3 fuses pairs of vectors into one tensor and
+    # strips its text model's `language_model.` prefix
+    adapt_stream: Callable[..., Any] | None = field(default=None, repr=False)
+    # why a GGUF of this architecture is written but not read back (a refusal naming it instead of a misread
+    # key); "": read back. Kimi-K3 stores res_norm * res_proj as one tensor and has no transformers class
+    not_read: str = ""
 
     def shifts_norm(self, gguf_name: str) -> bool:
         """Whether the GGUF tensor is a norm stored as `norm_shift + w`."""
@@ -267,18 +281,7 @@ def arch_for_config(config: Mapping) -> tuple[GgufArch | None, str]:
                 return a, ""
         return None, f"model_type {mt!r}" if mt else "no architectures/model_type in config.json"
     named = ", ".join(map(str, archs))
-    why = next((_NOT_WRITTEN[c] for c in archs if isinstance(c, str) and c in _NOT_WRITTEN), None)
-    return None, f"architecture {named}" + (f" ({why})" if why else "")
-
-
-# HF classes llama.cpp runs that qconvert does not write, with why (said in the refusal instead of a bare
-# "not supported"): register_not_written
-_NOT_WRITTEN: dict[str, str] = {}
-
-
-def register_not_written(hf_class: str, why: str) -> None:
-    """Name an HF class llama.cpp has an architecture for that qconvert does not write, and why."""
-    _NOT_WRITTEN[hf_class] = why
+    return None, f"architecture {named}"
 
 
 # `...experts.<e>.<rest>`: one expert's tensor of a MoE layer (Mixtral's block_sparse_moe.experts.3.w1,

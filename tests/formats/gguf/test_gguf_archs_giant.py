@@ -11,8 +11,6 @@ convert_hf_to_gguf.py and llama_model_quantize, and its runtime):
   (model.layers.3, with the indexer, routed experts and eh_proj / enorm / hnorm / shared_head / embed_tokens) is
   kept as the converter keeps it by default (blk.3.*, block_count 4, nextn_predict_layers 1), left out with
   `--no-mtp` as its --no-mtp leaves it (bytes and keys equal, the same logits), and comes back from `gguf->hf`.
-- Kimi-K3 (llama.cpp's kimi-k3, absent from the installed gguf 0.19) is refused in one line that says so and
-  names llama.cpp's converter (DeepSeek-V4, also absent from it, is written: test_gguf_archs_deepseek4.py).
 """
 
 from __future__ import annotations
@@ -194,22 +192,3 @@ def test_glm_dsa_indexer_heads_not_a_multiple_of_64_are_refused(tmp_path):
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
-@pytest.mark.parametrize("hf_class,gguf_name", [("KimiK3ForConditionalGeneration", "kimi-k3")])
-def test_giants_gguf_0_19_does_not_name_are_refused_saying_why(hf_class, gguf_name, tmp_path):
-    """Kimi-K3 is a llama.cpp architecture the installed gguf 0.19 does not name (and qconvert does not
-    write): one line naming the class, llama.cpp's name for it and the converter to use, exit 2,
-    nothing written."""
-    from safetensors.torch import save_file
-
-    assert gguf_name not in gguf.MODEL_ARCH_NAMES.values()
-    src = tmp_path / "src"
-    src.mkdir()
-    config = json.loads((glm_dir() / "config.json").read_text())
-    config.update(architectures=[hf_class])
-    (src / "config.json").write_text(json.dumps(config))
-    save_file({"model.embed_tokens.weight": torch.zeros(512, 128)}, str(src / "model.safetensors"))
-    out = tmp_path / "out.gguf"
-    proc = run_cli("hf->gguf", src, out, "--type", "f32", check_rc=2)
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and hf_class in lines[0] and f"llama.cpp's {gguf_name}" in lines[0]
-    assert "convert_hf_to_gguf.py" in lines[0] and not out.exists()
