@@ -448,7 +448,7 @@ static void iq1_refit_sums(const lattice_t *lat, int groups, const int *index, c
 
 /* One IQ1_S super-block (50 bytes: fp16 d, qs[32] index lows, qh[8] uint16: 3 index highs per group, the 3-bit
  * block scale at bit 12, the delta's sign at bit 15), zeroed by the caller. The importance matrix is required. */
-static int quantize_iq1_s_super(const lattice_t *lat, const float *xbl, const float *qwbl, uint8_t *y) {
+QC_CLONES static int quantize_iq1_s_super(const lattice_t *lat, const float *xbl, const float *qwbl, uint8_t *y) {
     static const float x_p[3] = {-1 + IQ1_DELTA, IQ1_DELTA, 1 + IQ1_DELTA};
     static const float x_m[3] = {-1 - IQ1_DELTA, -IQ1_DELTA, 1 - IQ1_DELTA};
     enum { BS = 32, NB = 256 / 32 };
@@ -478,18 +478,25 @@ static int quantize_iq1_s_super(const lattice_t *lat, const float *xbl, const fl
         float best_score = -FLT_MAX, scale = max;
         int b1 = -1, b2 = -1, shift = 0;
         for (int i1 = 0; i1 <= BS; ++i1) {
+            /* every split's sums for this i1 first, in a loop without branches the compiler vectorizes (the same
+             * float32 expressions per element), then the scan for the first strict best in ggml's order */
+            float qxp[BS + 1], q2p[BS + 1], qxm[BS + 1], q2m[BS + 1];
             const float x0 = sumx[i1] - sumx[0], w0 = sumw[i1] - sumw[0];
             for (int i2 = i1; i2 <= BS; ++i2) {
                 const float x1 = sumx[i2] - sumx[i1], x2 = sumx[BS] - sumx[i2];
                 const float w1 = sumw[i2] - sumw[i1], w2 = sumw[BS] - sumw[i2];
                 /* the three levels' sums, left to right as ggml adds them */
-                float sqx = x0 * x_p[0] + x1 * x_p[1] + x2 * x_p[2];
-                float sq2 = w0 * x_p[0] * x_p[0] + w1 * x_p[1] * x_p[1] + w2 * x_p[2] * x_p[2];
+                qxp[i2] = x0 * x_p[0] + x1 * x_p[1] + x2 * x_p[2];
+                q2p[i2] = w0 * x_p[0] * x_p[0] + w1 * x_p[1] * x_p[1] + w2 * x_p[2] * x_p[2];
+                qxm[i2] = x0 * x_m[0] + x1 * x_m[1] + x2 * x_m[2];
+                q2m[i2] = w0 * x_m[0] * x_m[0] + w1 * x_m[1] * x_m[1] + w2 * x_m[2] * x_m[2];
+            }
+            for (int i2 = i1; i2 <= BS; ++i2) {
+                float sqx = qxp[i2], sq2 = q2p[i2];
                 if (sq2 > 0 && sqx * sqx > best_score * sq2) {
                     scale = sqx / sq2; best_score = scale * sqx; b1 = i1; b2 = i2; shift = 1;
                 }
-                sqx = x0 * x_m[0] + x1 * x_m[1] + x2 * x_m[2];
-                sq2 = w0 * x_m[0] * x_m[0] + w1 * x_m[1] * x_m[1] + w2 * x_m[2] * x_m[2];
+                sqx = qxm[i2]; sq2 = q2m[i2];
                 if (sq2 > 0 && sqx * sqx > best_score * sq2) {
                     scale = sqx / sq2; best_score = scale * sqx; b1 = i1; b2 = i2; shift = -1;
                 }
@@ -539,7 +546,7 @@ static int quantize_iq1_s_super(const lattice_t *lat, const float *xbl, const fl
 /* One IQ1_M super-block (56 bytes: qs[32] index lows; qh[16], per 16-block the two groups' index highs in its
  * nibbles and their delta signs at bits 3 and 7; four uint16 of 3-bit block scales, fp16 d in their top nibbles),
  * zeroed by the caller. Without an importance matrix the weights are x*x (ggml allows it for IQ1_M). */
-static int quantize_iq1_m_super(const lattice_t *lat, const float *xbl, const float *qwbl, uint8_t *y) {
+QC_CLONES static int quantize_iq1_m_super(const lattice_t *lat, const float *xbl, const float *qwbl, uint8_t *y) {
     static const float x_p[3] = {-1 + IQ1_DELTA, IQ1_DELTA, 1 + IQ1_DELTA};
     static const float x_m[3] = {-1 - IQ1_DELTA, -IQ1_DELTA, 1 - IQ1_DELTA};
     static const uint8_t masks[4] = {0x00, 0x80, 0x08, 0x88};
@@ -581,8 +588,11 @@ static int quantize_iq1_m_super(const lattice_t *lat, const float *xbl, const fl
         float best_score = -FLT_MAX, scale = max;
         int b1 = -1, b2 = -1, bk = -1;
         for (int i1 = 0; i1 <= BS; ++i1) {
+            /* the sums of every split for this i1 in a branch-free loop the compiler vectorizes (the same float32
+             * expressions per element), then the scan for the first strict best in ggml's order (i2, then k) */
+            float sqx[4][BS + 1], sq2[4][BS + 1];
             for (int i2 = i1; i2 <= BS; ++i2) {
-                float qx_p[2], qx_m[2], q2_p[2], q2_m[2], sqx[4], sq2[4];
+                float qx_p[2], qx_m[2], q2_p[2], q2_m[2];
                 for (int h = 0; h < 2; ++h) {
                     const float sx = px[h][i1] + px[h][i2];
                     qx_p[h] = txs[h] * p2 - sx;
@@ -591,13 +601,16 @@ static int quantize_iq1_m_super(const lattice_t *lat, const float *xbl, const fl
                     q2_m[h] = tws[h] * m2 * m2 + pw[h][i1] * cm1 + pw[h][i2] * cm2;
                 }
                 /* k: the deltas of (first half, second half): 0 (+,+), 1 (+,-), 2 (-,+), 3 (-,-) */
-                sqx[0] = qx_p[0] + qx_p[1]; sq2[0] = q2_p[0] + q2_p[1];
-                sqx[1] = qx_p[0] + qx_m[1]; sq2[1] = q2_p[0] + q2_m[1];
-                sqx[2] = qx_m[0] + qx_p[1]; sq2[2] = q2_m[0] + q2_p[1];
-                sqx[3] = qx_m[0] + qx_m[1]; sq2[3] = q2_m[0] + q2_m[1];
+                sqx[0][i2] = qx_p[0] + qx_p[1]; sq2[0][i2] = q2_p[0] + q2_p[1];
+                sqx[1][i2] = qx_p[0] + qx_m[1]; sq2[1][i2] = q2_p[0] + q2_m[1];
+                sqx[2][i2] = qx_m[0] + qx_p[1]; sq2[2][i2] = q2_m[0] + q2_p[1];
+                sqx[3][i2] = qx_m[0] + qx_m[1]; sq2[3][i2] = q2_m[0] + q2_m[1];
+            }
+            for (int i2 = i1; i2 <= BS; ++i2) {
                 for (int k = 0; k < 4; ++k) {
-                    if (sq2[k] > 0 && sqx[k] * sqx[k] > best_score * sq2[k]) {
-                        scale = sqx[k] / sq2[k]; best_score = scale * sqx[k]; b1 = i1; b2 = i2; bk = k;
+                    const float a = sqx[k][i2], b = sq2[k][i2];
+                    if (b > 0 && a * a > best_score * b) {
+                        scale = a / b; best_score = scale * a; b1 = i1; b2 = i2; bk = k;
                     }
                 }
             }
