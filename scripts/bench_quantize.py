@@ -97,12 +97,15 @@ def rmse(inputs, outs, t: str) -> float:
     return (se / n) ** 0.5
 
 
-IMATRIX_TYPES = ("IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_1")
+IMATRIX_TYPES = ("IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                 "Q6_K", "Q4_1")
 
 
 def ours_with_imatrix(x: np.ndarray, t: str, imatrix: np.ndarray | None, threads: int) -> np.ndarray:
-    from qconvert.kernels.ggml import iq2, iq3_s
+    from qconvert.kernels.ggml import iq1, iq2, iq3_s
 
+    if t.startswith("IQ1"):
+        return getattr(iq1, f"quantize_{t.lower()}")(x, imatrix, threads=threads)
     if t.startswith("IQ"):
         return getattr(iq3_s if t.startswith("IQ3") else iq2, f"quantize_{t.lower()}")(x, imatrix, threads=threads)
     if LAYOUTS[t].kind == "k":

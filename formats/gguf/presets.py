@@ -8,8 +8,9 @@ line numbers below are that file's) for the K presets and Q8_0, with every branc
 dense models, MoE models (3-D `ffn_*_exps`, shared experts `ffn_*_shexp`, the n_expert == 8 rules),
 fused attn_qkv (phi3, falcon), DeepSeek-2's MLA tensors (attn_kv_b counts as attn_v; attn_q_a/q_b,
 attn_kv_a_mqa, attn_k_b, attn_v_b take the base type), falcon's branches and the 70B attn_v bump.
-The IQ presets, Q2_K_S, Q3_K_S/L, MXFP4_MOE and the imatrix-only rules are not here (no such PRESETS
-entry), nor glm5-next's own exceptions (llama-quant.cpp:331-347, :472-486).
+Of the IQ presets only IQ1_S and IQ1_M are here (llama-quant.cpp:490-566 for them); the other IQ presets, Q2_K_S,
+Q3_K_S/L, MXFP4_MOE and the imatrix-only rules are not (no such PRESETS entry), nor glm5-next's own exceptions
+(llama-quant.cpp:331-347, :472-486).
 
 Layer positions. llama-quantize walks the tensors sorted by (layer of `blk.N.`, then name)
 (llama-model-loader.h weight_name_comparer) and:
@@ -58,7 +59,12 @@ PRESETS = {p.name: p for p in (
     Preset("q2_0", 41, "Q2_0"),
     Preset("tq1_0", 36, "TQ1_0"),
     Preset("tq2_0", 37, "TQ2_0"),
+    # the 1-bit lattice file types (LLAMA_FTYPE_MOSTLY_IQ1_S / _IQ1_M), an importance matrix required: rules of
+    # their own (_iq1_type), shared in llama.cpp with the IQ2_XXS / IQ2_XS / IQ2_S / IQ2_M mixes
+    Preset("iq1_s", 24, "IQ1_S"),
+    Preset("iq1_m", 31, "IQ1_M"),
 )}
+_IQ1 = ("iq1_s", "iq1_m")
 # llama-quant.cpp:534-536: an untied token_embd of these file types is Q4_K
 _EMBD_Q4_K = ("q2_0", "tq1_0", "tq2_0")
 
@@ -199,6 +205,8 @@ def _output_type(preset: Preset, shape, facts: ModelFacts) -> tuple[str, str]:
         return "Q8_0", f"{preset.name}: falcon output -> Q8_0"
     if shape[-1] % TARGET_LAYOUTS[preset.base].block:
         return "Q8_0", f"{preset.name}: output rows do not fill {preset.base} blocks -> Q8_0"
+    if preset.name in _IQ1:
+        return "Q5_K", f"{preset.name}: output"  # :502-505
     return ("Q8_0" if preset.base == "Q8_0" else "Q6_K"), f"{preset.name}: output"
 
 
@@ -248,6 +256,26 @@ def _attn_output_type(p: str, facts: ModelFacts) -> str | None:
     return {"q2_k": "Q3_K", "q3_k_m": "Q4_K"}.get(p)
 
 
+def _iq1_type(p: str, cat: str, gguf_name: str, facts: ModelFacts) -> tuple[str | None, str]:
+    """The IQ1_S / IQ1_M rules below the output (llama-quant.cpp:525-566): token_embd Q2_K; attn_v-like Q4_K with
+    4+ query heads per KV head or 4+ experts, else Q2_K; attn_k of an 8-expert model Q4_K; the first eighth of
+    the ffn_down tensors Q2_K, counted by the running counter even in a MoE model (this branch has no
+    layer_info); attn_output IQ2_XXS (Q5_K with 8 experts). Falcon has no rules of its own here."""
+    if cat == "token_embd":
+        return "Q2_K", "token_embd"
+    if cat in _ATTN_V_LIKE:
+        i = _rank(gguf_name, facts)
+        return ("Q4_K" if facts.n_gqa >= 4 or facts.n_expert >= 4 else "Q2_K"), f"{cat} #{i} of {facts.n_wv}"
+    if cat == "attn_k" and facts.n_expert == 8:
+        return "Q4_K", "attn_k of an 8-expert model"
+    if cat == "ffn_down":
+        i = _rank(gguf_name, facts)
+        return ("Q2_K" if i < facts.n_layers // 8 else None), f"ffn_down #{i}"
+    if cat == "attn_output":
+        return ("Q5_K" if facts.n_expert == 8 else "IQ2_XXS"), f"attn_output of layer {_layer(gguf_name)}"
+    return None, ""
+
+
 def preset_type(preset: Preset, gguf_name: str, shape, facts: ModelFacts) -> tuple[str, str]:
     """(ggml type, which rule chose it) for a tensor llama-quantize quantizes (quantized_by_llama_cpp),
     before the shape fallback. `shape` in HF order; 3-D expert tensors are (n_expert, rows, cols)."""
@@ -258,6 +286,9 @@ def preset_type(preset: Preset, gguf_name: str, shape, facts: ModelFacts) -> tup
         return t, rule + (" (tied embedding)" if cat == "token_embd" else "")
     layer = _layer(gguf_name)
     chosen, where = None, ""
+    if p in _IQ1:
+        chosen, where = _iq1_type(p, cat, gguf_name, facts)
+        return (chosen, f"{p}: {where}") if chosen else (preset.base, p)
     if cat == "token_embd" and p in _EMBD_Q4_K:
         return "Q4_K", f"{p}: token_embd"
     if cat in _ATTN_V_LIKE:

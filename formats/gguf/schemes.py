@@ -54,7 +54,8 @@ def codebook_scheme(name: str) -> TargetScheme:
     6-bit sub-block scales under an fp16 super-block scale (as the K types: group 32, block 256), IQ3_S 4-bit
     ones (group 32, IQ3_XXS and IQ2_XXS too), IQ2_S and IQ2_XS 4-bit ones of 16-blocks."""
     lay = CODEBOOK_LAYOUTS[name]
-    scale = "fp16" if not lay.sub_block else "k6" if name == "IQ4_XS" else "k4"  # the IQ2/IQ3 types: 4-bit
+    # the IQ2/IQ3 types: 4-bit, the IQ1 types 3-bit
+    scale = "fp16" if not lay.sub_block else "k6" if name == "IQ4_XS" else "k3" if name.startswith("IQ1") else "k4"
     return TargetScheme(name, CODEBOOK_FAMILY, bits=lay.bits, group=lay.sub_block or lay.block, block=lay.block,
                         zero="none", scale=scale, ggml_type=lay.ggml_type, block_bytes=lay.nbytes)
 
@@ -115,7 +116,8 @@ _K_FALLBACK = {"Q2_K": ("Q4_0", "Q4_1"), "Q3_K": ("Q4_0", "Q4_1"), "Q4_K": ("Q5_
                "Q5_K": ("Q5_1", "Q5_1"), "Q6_K": ("Q8_0", "Q8_0")}
 # the same for the 256-element codebook types (llama-quant.cpp:402-410: the IQ1/IQ2/IQ3 types and IQ4_XS ->
 # IQ4_NL, whatever the source)
-_CODEBOOK_FALLBACK = {t: "IQ4_NL" for t in ("IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS")}
+_CODEBOOK_FALLBACK = {t: "IQ4_NL" for t in ("IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_S",
+                                              "IQ1_M")}
 # the 1-2-bit types' (llama-quant.cpp:411-415): Q2_0, TQ1_0, TQ2_0 -> Q4_0; Q1_0 has none (llama-quantize stops:
 # "no tensor type fallback is defined for type q1_0"), so its plan is refused
 _LOWBIT_FALLBACK = {"Q2_0": "Q4_0", "TQ1_0": "Q4_0", "TQ2_0": "Q4_0"}
@@ -125,7 +127,9 @@ _CODEBOOK_VALUES = {"IQ4_NL": "a non-linear 16-value table", "IQ4_XS": "a non-li
                     "IQ2_S": "a 1024-point lattice of 8-value groups with signs apart",
                     "IQ2_XS": "a 512-point lattice of 8-value groups with even-parity signs",
                     "IQ3_XXS": "a 256-point lattice of 4-value groups with even-parity signs",
-                    "IQ2_XXS": "a 256-point lattice of 8-value groups with even-parity signs"}
+                    "IQ2_XXS": "a 256-point lattice of 8-value groups with even-parity signs",
+                    "IQ1_S": "a 2048-point grid of 8-value groups of -1, 0, +1 shifted by +-0.125 per block",
+                    "IQ1_M": "a 2048-point grid of 8-value groups of -1, 0, +1 shifted by +-0.125 per group"}
 # llama-quant.cpp tensor_requires_imatrix: the types llama-quantize refuses to make without an importance matrix
 # (but for token_embd / per_layer_token_embd / output), "this quantization requires an imatrix!"
 _IMATRIX_REQUIRED = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ1_S", "IQ1_M")

@@ -22,7 +22,9 @@ rest is requantized. `--imatrix FILE` weighs the K quantizers as llama-quantize 
 kernels/ggml/iq4_nl.py, iq4_xs.py, iq3_s.py, iq2.py, byte-identical to ggml's quantize_iq4_nl / _iq4_xs / _iq3_s /
 _iq3_xxs / _iq2_s / _iq2_xs / _iq2_xxs, with the --imatrix weights too) requantize every source; no grid keeps
 its codes in them (schemes.py). Their rows that are not whole 256-blocks fall back to IQ4_NL; an IQ2 / IQ3_XXS
-tensor without an importance vector is refused, as llama-quantize refuses it (schemes.imatrix_refusal). A
+tensor without an importance vector is refused, as llama-quantize refuses it (schemes.imatrix_refusal).
+`--type iq1_s` / `iq1_m` are llama-quantize's mixes for those file types (presets.py), IQ1 tensors written by
+kernels/ggml/iq1.py (ggml's quantize_iq1_s / _iq1_m bytes), an importance matrix required as for the IQ2 types. A
 codebook tensor of a GGUF source (float32 carrying its blocks: reader.CodebookDense) keeps its type by default
 as a grid does, and into its own type its blocks are copied.
 """
@@ -70,7 +72,8 @@ _FILE_TYPE_NAMES = {"F32": "ALL_F32", "Q3_K": "MOSTLY_Q3_K_M", "Q4_K": "MOSTLY_Q
                     "IQ2_S": "MOSTLY_IQ2_M", "MXFP4": "MOSTLY_MXFP4_MOE"}
 FILE_TYPES = {t: int(gguf.LlamaFileType[_FILE_TYPE_NAMES.get(t, f"MOSTLY_{t}")]) for t in (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
-    "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "MXFP4", "NVFP4", "Q1_0", "TQ1_0", "TQ2_0")}
+    "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "MXFP4", "NVFP4", "Q1_0", "TQ1_0", "TQ2_0", "IQ1_S",
+    "IQ1_M")}
 FILE_TYPES["Q2_0"] = 41  # LLAMA_FTYPE_MOSTLY_Q2_0 (llama.h), which gguf 0.19's LlamaFileType lacks
 # tensors a checkpoint may carry that llama.cpp recomputes itself
 _DROPPED = re.compile(r"rotary_emb\.inv_freq$")

@@ -26,10 +26,10 @@
 #define EPS_DEFAULT 1e-15f  /* GROUP_MAX_EPS: IQ2_XS, IQ2_XXS */
 #define EPS_1E8 1e-8f       /* GROUP_MAX_EPS_IQ3_XXS, GROUP_MAX_EPS_IQ2_S */
 
-enum { T_IQ3_S = 0, T_IQ3_XXS = 1, T_IQ2_S = 2, T_IQ2_XS = 3, T_IQ2_XXS = 4, N_TYPES = 5 };
+enum { T_IQ3_S = 0, T_IQ3_XXS = 1, T_IQ2_S = 2, T_IQ2_XS = 3, T_IQ2_XXS = 4, T_IQ1_S = 5, T_IQ1_M = 6, N_TYPES = 7 };
 enum { REFINE_ALL = 0, REFINE_OFF = 1, REFINE_ALWAYS = 2 };
 /* error codes: a GGML_ASSERT ggml would abort on */
-enum { QC_OK = 0, QC_NO_NEIGHBOUR = 1, QC_NAN_SCALE = 2, QC_NO_TABLES = 3, QC_BAD_TYPE = 4 };
+enum { QC_OK = 0, QC_NO_NEIGHBOUR = 1, QC_NAN_SCALE = 2, QC_NO_TABLES = 3, QC_BAD_TYPE = 4, QC_NO_WEIGHTS = 5 };
 
 typedef struct {
     int bits, dim, npoints, kmap_size;
@@ -40,11 +40,12 @@ typedef struct {
     const int32_t *flat;
     int64_t total;          /* entries in flat */
     float *cand_values;     /* [dim][total]: coordinate i of the candidate at flat[p] at cand_values[i*total + p] */
+    uint8_t *codes;         /* [npoints * dim]: the code l of each coordinate ((value - 1) / 2), IQ1's table index */
 } lattice_t;
 
 static lattice_t LAT[N_TYPES];
 
-int qc_iq_abi_version(void) { return 1; }
+int qc_iq_abi_version(void) { return 2; }
 
 void qc_iq_set_lattice(int type, int bits, int dim, int npoints, int kmap_size, const float *values,
                        const int32_t *kmap, const int64_t *start, const int64_t *count, const int32_t *flat) {
@@ -54,11 +55,14 @@ void qc_iq_set_lattice(int type, int bits, int dim, int npoints, int kmap_size, 
     /* the candidates' coordinates laid out list by list, one row per coordinate, so that the distance loop over a
      * list's candidates reads contiguous memory and vectorizes (the same float32 operations per candidate) */
     float *cv = malloc(sizeof(float) * (size_t)(total > 0 ? total : 1) * (size_t)dim);
-    if (!cv) return;
+    uint8_t *codes = malloc((size_t)npoints * (size_t)dim);
+    if (!cv || !codes) { free(cv); free(codes); return; }
     for (int64_t p = 0; p < total; ++p)
         for (int i = 0; i < dim; ++i) cv[i * total + p] = values[(int64_t)flat[p] * dim + i];
+    for (int64_t p = 0; p < (int64_t)npoints * dim; ++p) codes[p] = (uint8_t)((int)(values[p] - 1) / 2);
     free(LAT[type].cand_values);
-    lattice_t l = {bits, dim, npoints, kmap_size, values, kmap, start, count, flat, total, cv};
+    free(LAT[type].codes);
+    lattice_t l = {bits, dim, npoints, kmap_size, values, kmap, start, count, flat, total, cv, codes};
     LAT[type] = l;
 }
 
@@ -212,6 +216,9 @@ static const spec_t SPECS[N_TYPES] = {
     /* IQ2_S   */ {16, 3, 0.1f, 9, REFINE_OFF, 0, EPS_1E8, 2.f, 0.9875f, 82},
     /* IQ2_XS  */ {16, 3, 0.1f, 9, REFINE_OFF, 1, EPS_DEFAULT, 1.f, 1.f, 74},
     /* IQ2_XXS */ {32, 3, 0.1f, 6, REFINE_ALWAYS, 1, EPS_DEFAULT, 1.f, 1.f, 66},
+    /* IQ1_S, IQ1_M: their own search below (quantize_iq1_s_super, quantize_iq1_m_super); block size, bytes only */
+    /* IQ1_S   */ {32, 0, 0.f, 0, 0, 0, 0.f, 0.f, 0.f, 50},
+    /* IQ1_M   */ {16, 0, 0.f, 0, 0, 0, 0.f, 0.f, 0.f, 56},
 };
 
 /* One super-block of 256 values -> its bytes (zeroed first by the caller). */
@@ -348,17 +355,338 @@ static int quantize_super(int type, const float *xbl, const float *qwbl, uint8_t
     return QC_OK;
 }
 
+/* ------------------------------------------------------------------------------------------------------------
+ * IQ1_S and IQ1_M (ggml-quants.c quantize_row_iq1_s_impl / quantize_row_iq1_m_impl). Each value of a block takes
+ * one of three levels {-1, 0, +1} + delta, delta = +-IQ1_DELTA shared by a block (IQ1_S) or by each 8-group (IQ1_M,
+ * the two groups of a 16-block chosen independently); groups of 8 codes must then lie on the 2048-point grid
+ * (kgrid_1bit_2048, codes 0..2 in 2 bits each). The block scale is found exactly: with the values sorted, every
+ * split of them into the three levels (two boundaries i1 <= i2) is scored from prefix sums, both deltas (IQ1_M:
+ * the four combinations of the halves' deltas), keeping the first strict best of sumqx^2/sumq2. An off-grid group
+ * takes the neighbour of least weighted error at that scale (a different error than the IQ2 types': the
+ * candidate's levels shifted by the delta, the signed values, the weights themselves rather than their roots),
+ * and the scale is refitted where a group moved. The super-block scale d is max_scale/15 with a fudge factor
+ * (IQ1_S: fp16(d*1.125); IQ1_M: d refitted over all blocks' 3-bit scales, fp16(d*1.1125) spread over the top
+ * nibbles of the four uint16 scales).
+ *
+ * The sort is the C library's qsort with ggml's comparator on ggml's (value, index) pairs: where values tie (or a
+ * NaN makes the comparison inconsistent) the order is whatever qsort gives, so calling the same qsort keeps the
+ * same order on any platform, where a hand-written sort would have to copy glibc's merge sort to agree. */
+
+#define IQ1_DELTA 0.125f     /* IQ1S_DELTA = IQ1M_DELTA */
+#define IQ1S_EPS 1e-12f      /* GROUP_MAX_EPS_IQ1_S */
+#define IQ1M_EPS 1e-7f       /* GROUP_MAX_EPS_IQ1_M */
+
+typedef struct { float value; int index; } iq1_pair_t;  /* ggml's float pairs[2*j], (int)pairs[2*j + 1] */
+
+static int iq1_pair_cmp(const void *a, const void *b) {
+    const float l = ((const iq1_pair_t *)a)->value, r = ((const iq1_pair_t *)b)->value;
+    return l < r ? -1 : l > r ? 1 : 0;
+}
+
+/* The neighbour of least sum(w * (scale*levels[l] - x)^2) among an off-grid code's list, the first of equal ones
+ * (iq1_find_best_neighbour2). -1 when none is below FLT_MAX: ggml then scans the whole grid comparing with x[i]
+ * for grid index i (past the group's 8 values) and asserts; we stop there. */
+static int iq1_neighbour(const lattice_t *lat, int u, const float *x, const float *w, float scale,
+                         const float *levels) {
+    const int64_t st = lat->start[u], nc = lat->count[u];
+    float best_d2 = FLT_MAX;
+    int best = -1;
+    for (int64_t j = 0; j < nc; ++j) {
+        const int p = lat->flat[st + j];
+        const uint8_t *l = lat->codes + (int64_t)p * 8;
+        float d2 = 0;
+        for (int i = 0; i < 8; ++i) {
+            float q = levels[l[i]];
+            float diff = scale * q - x[i];
+            d2 += w[i] * diff * diff;
+        }
+        if (d2 < best_d2) { best_d2 = d2; best = p; }
+    }
+    return best;
+}
+
+/* Sort a block's values with their positions, as ggml does before its split search. */
+static void iq1_sorted(const float *xb, int bs, iq1_pair_t *pairs) {
+    for (int j = 0; j < bs; ++j) { pairs[j].value = xb[j]; pairs[j].index = j; }
+    qsort(pairs, (size_t)bs, sizeof(iq1_pair_t), iq1_pair_cmp);
+}
+
+/* The grid index of each 8-group of codes L (off-grid: best neighbour at `scale`, the group's own levels).
+ * -> whether all were on the grid, or -1 on no neighbour. */
+static int iq1_groups(const lattice_t *lat, int groups, const uint8_t *L, const float *xb, const float *weight,
+                      float scale, const float *const *levels, int *index) {
+    int all_on = 1;
+    for (int k = 0; k < groups; ++k) {
+        int u = 0;
+        for (int j = 0; j < 8; ++j) u |= L[8 * k + j] << 2 * j;
+        int gi = lat->kmap[u];
+        if (gi < 0) {
+            all_on = 0;
+            gi = iq1_neighbour(lat, u, xb + 8 * k, weight + 8 * k, scale, levels[k]);
+            if (gi < 0) return -1;
+        }
+        index[k] = gi;
+    }
+    return all_on;
+}
+
+/* sum(w*q*x), sum(w*q*q) over a block's groups on their grid points, q the group's levels (the refit). */
+static void iq1_refit_sums(const lattice_t *lat, int groups, const int *index, const float *xb, const float *weight,
+                           const float *const *levels, float *sumqx, float *sumq2) {
+    float sx = 0, s2 = 0;
+    for (int k = 0; k < groups; ++k) {
+        const uint8_t *l = lat->codes + (int64_t)index[k] * 8;
+        for (int j = 0; j < 8; ++j) {
+            float w = weight[8 * k + j];
+            float q = levels[k][l[j]];
+            sx += w * q * xb[8 * k + j];
+            s2 += w * q * q;
+        }
+    }
+    *sumqx = sx; *sumq2 = s2;
+}
+
+/* One IQ1_S super-block (50 bytes: fp16 d, qs[32] index lows, qh[8] uint16: 3 index highs per group, the 3-bit
+ * block scale at bit 12, the delta's sign at bit 15), zeroed by the caller. The importance matrix is required. */
+QC_CLONES static int quantize_iq1_s_super(const lattice_t *lat, const float *xbl, const float *qwbl, uint8_t *y) {
+    static const float x_p[3] = {-1 + IQ1_DELTA, IQ1_DELTA, 1 + IQ1_DELTA};
+    static const float x_m[3] = {-1 - IQ1_DELTA, -IQ1_DELTA, 1 - IQ1_DELTA};
+    enum { BS = 32, NB = 256 / 32 };
+    float scales[NB], weight[BS], sumx[BS + 1], sumw[BS + 1];
+    int shifts[NB], index[4];
+    uint8_t L[BS];
+    uint16_t qh[NB];
+    iq1_pair_t pairs[BS];
+    memset(qh, 0, sizeof qh);
+    float max_scale = 0;
+    float sumx2 = 0;
+    for (int i = 0; i < 256; ++i) sumx2 += xbl[i] * xbl[i];
+    float sigma2 = 2 * sumx2 / 256;
+    for (int ib = 0; ib < NB; ++ib) {
+        const float *xb = xbl + BS * ib, *qw = qwbl + BS * ib;
+        for (int i = 0; i < BS; ++i) weight[i] = qw[i] * sqrtf(sigma2 + xb[i] * xb[i]);
+        float max = fabsf(xb[0]);
+        for (int i = 1; i < BS; ++i) { float a = fabsf(xb[i]); max = max > a ? max : a; }
+        if (max < IQ1S_EPS) { scales[ib] = 0; shifts[ib] = 1; continue; }
+        iq1_sorted(xb, BS, pairs);
+        sumx[0] = sumw[0] = 0;
+        for (int j = 0; j < BS; ++j) {
+            int i = pairs[j].index;
+            sumx[j + 1] = sumx[j] + weight[i] * xb[i];
+            sumw[j + 1] = sumw[j] + weight[i];
+        }
+        float best_score = -FLT_MAX, scale = max;
+        int b1 = -1, b2 = -1, shift = 0;
+        for (int i1 = 0; i1 <= BS; ++i1) {
+            /* every split's sums for this i1 first, in a loop without branches the compiler vectorizes (the same
+             * float32 expressions per element), then the scan for the first strict best in ggml's order */
+            float qxp[BS + 1], q2p[BS + 1], qxm[BS + 1], q2m[BS + 1];
+            const float x0 = sumx[i1] - sumx[0], w0 = sumw[i1] - sumw[0];
+            for (int i2 = i1; i2 <= BS; ++i2) {
+                const float x1 = sumx[i2] - sumx[i1], x2 = sumx[BS] - sumx[i2];
+                const float w1 = sumw[i2] - sumw[i1], w2 = sumw[BS] - sumw[i2];
+                /* the three levels' sums, left to right as ggml adds them */
+                qxp[i2] = x0 * x_p[0] + x1 * x_p[1] + x2 * x_p[2];
+                q2p[i2] = w0 * x_p[0] * x_p[0] + w1 * x_p[1] * x_p[1] + w2 * x_p[2] * x_p[2];
+                qxm[i2] = x0 * x_m[0] + x1 * x_m[1] + x2 * x_m[2];
+                q2m[i2] = w0 * x_m[0] * x_m[0] + w1 * x_m[1] * x_m[1] + w2 * x_m[2] * x_m[2];
+            }
+            for (int i2 = i1; i2 <= BS; ++i2) {
+                float sqx = qxp[i2], sq2 = q2p[i2];
+                if (sq2 > 0 && sqx * sqx > best_score * sq2) {
+                    scale = sqx / sq2; best_score = scale * sqx; b1 = i1; b2 = i2; shift = 1;
+                }
+                sqx = qxm[i2]; sq2 = q2m[i2];
+                if (sq2 > 0 && sqx * sqx > best_score * sq2) {
+                    scale = sqx / sq2; best_score = scale * sqx; b1 = i1; b2 = i2; shift = -1;
+                }
+            }
+        }
+        if (b1 < 0 || b2 < 0 || shift == 0) { scales[ib] = 0; shifts[ib] = 1; continue; }
+        for (int j = 0; j < BS; ++j) L[pairs[j].index] = (uint8_t)(j < b1 ? 0 : j < b2 ? 1 : 2);
+        if (scale < 0) {
+            for (int j = 0; j < BS; ++j) L[j] = (uint8_t)(2 - L[j]);
+            scale = -scale; shift = -shift;
+        }
+        const float *xx = shift == 1 ? x_p : x_m;
+        const float *levels[4] = {xx, xx, xx, xx};
+        int on = iq1_groups(lat, 4, L, xb, weight, scale, levels, index);
+        if (on < 0) return QC_NO_NEIGHBOUR;
+        if (!on) {
+            float sqx, sq2;
+            iq1_refit_sums(lat, 4, index, xb, weight, levels, &sqx, &sq2);
+            if (sqx > 0 && sq2 > 0) scale = sqx / sq2;
+        }
+        uint16_t h = 0;
+        for (int k = 0; k < 4; ++k) {
+            y[2 + 4 * ib + k] = (uint8_t)(index[k] & 255);
+            h |= (uint16_t)((index[k] >> 8) << 3 * k);
+        }
+        qh[ib] = h;
+        if (!(scale >= 0)) return QC_NAN_SCALE;
+        scales[ib] = scale;
+        shifts[ib] = shift;
+        max_scale = max_scale > scale ? max_scale : scale;
+    }
+    if (max_scale) {
+        float d = max_scale / 15;
+        uint16_t dh = fp32_to_fp16(d * 1.125f);
+        y[0] = (uint8_t)(dh & 255); y[1] = (uint8_t)(dh >> 8);
+        float id = 1 / d;
+        for (int ib = 0; ib < NB; ++ib) {
+            int l = clampi(nearest_int(0.5f * (id * scales[ib] - 1)), 0, 7);
+            if (shifts[ib] == -1) l |= 8;
+            qh[ib] |= (uint16_t)(l << 12);
+        }
+    }
+    memcpy(y + 34, qh, sizeof qh);
+    return QC_OK;
+}
+
+/* One IQ1_M super-block (56 bytes: qs[32] index lows; qh[16], per 16-block the two groups' index highs in its
+ * nibbles and their delta signs at bits 3 and 7; four uint16 of 3-bit block scales, fp16 d in their top nibbles),
+ * zeroed by the caller. Without an importance matrix the weights are x*x (ggml allows it for IQ1_M). */
+QC_CLONES static int quantize_iq1_m_super(const lattice_t *lat, const float *xbl, const float *qwbl, uint8_t *y) {
+    static const float x_p[3] = {-1 + IQ1_DELTA, IQ1_DELTA, 1 + IQ1_DELTA};
+    static const float x_m[3] = {-1 - IQ1_DELTA, -IQ1_DELTA, 1 - IQ1_DELTA};
+    static const uint8_t masks[4] = {0x00, 0x80, 0x08, 0x88};
+    enum { BS = 16, NB = 256 / 16 };
+    float scales[NB], weight[256];
+    int shifts[NB], index[2];
+    uint8_t L[BS], qs[32], qh[NB];
+    uint16_t sc[4] = {0, 0, 0, 0};
+    iq1_pair_t pairs[BS];
+    memset(qs, 0, sizeof qs);
+    memset(qh, 0, sizeof qh);
+    float max_scale = 0;
+    float sumx2 = 0;
+    for (int i = 0; i < 256; ++i) sumx2 += xbl[i] * xbl[i];
+    float sigma2 = 2 * sumx2 / 256;
+    /* the weights of every block: the search's, and the final refit's (ggml computes them twice, alike) */
+    if (qwbl) for (int i = 0; i < 256; ++i) weight[i] = qwbl[i] * sqrtf(sigma2 + xbl[i] * xbl[i]);
+    else for (int i = 0; i < 256; ++i) weight[i] = xbl[i] * xbl[i];
+    const float p2 = x_p[2], m2 = x_m[2];
+    const float cp1 = x_p[0] * x_p[0] - x_p[1] * x_p[1], cp2 = x_p[1] * x_p[1] - x_p[2] * x_p[2];
+    const float cm1 = x_m[0] * x_m[0] - x_m[1] * x_m[1], cm2 = x_m[1] * x_m[1] - x_m[2] * x_m[2];
+    for (int ib = 0; ib < NB; ++ib) {
+        const float *xb = xbl + BS * ib, *wb = weight + BS * ib;
+        float max = fabsf(xb[0]);
+        for (int i = 1; i < BS; ++i) { float a = fabsf(xb[i]); max = max > a ? max : a; }
+        if (max < IQ1M_EPS) { scales[ib] = 0; shifts[ib] = 0; continue; }
+        iq1_sorted(xb, BS, pairs);
+        /* prefix sums per half (each half has its own delta sign); a value of the other half repeats the sum */
+        float px[2][BS + 1], pw[2][BS + 1];
+        px[0][0] = px[1][0] = pw[0][0] = pw[1][0] = 0;
+        for (int j = 0; j < BS; ++j) {
+            const int i = pairs[j].index, h = i < BS / 2 ? 0 : 1;
+            px[h][j + 1] = px[h][j] + wb[i] * xb[i];
+            px[1 - h][j + 1] = px[1 - h][j];
+            pw[h][j + 1] = pw[h][j] + wb[i];
+            pw[1 - h][j + 1] = pw[1 - h][j];
+        }
+        const float txs[2] = {px[0][BS], px[1][BS]}, tws[2] = {pw[0][BS], pw[1][BS]};
+        float best_score = -FLT_MAX, scale = max;
+        int b1 = -1, b2 = -1, bk = -1;
+        for (int i1 = 0; i1 <= BS; ++i1) {
+            /* the sums of every split for this i1 in a branch-free loop the compiler vectorizes (the same float32
+             * expressions per element), then the scan for the first strict best in ggml's order (i2, then k) */
+            float sqx[4][BS + 1], sq2[4][BS + 1];
+            for (int i2 = i1; i2 <= BS; ++i2) {
+                float qx_p[2], qx_m[2], q2_p[2], q2_m[2];
+                for (int h = 0; h < 2; ++h) {
+                    const float sx = px[h][i1] + px[h][i2];
+                    qx_p[h] = txs[h] * p2 - sx;
+                    qx_m[h] = txs[h] * m2 - sx;
+                    q2_p[h] = tws[h] * p2 * p2 + pw[h][i1] * cp1 + pw[h][i2] * cp2;
+                    q2_m[h] = tws[h] * m2 * m2 + pw[h][i1] * cm1 + pw[h][i2] * cm2;
+                }
+                /* k: the deltas of (first half, second half): 0 (+,+), 1 (+,-), 2 (-,+), 3 (-,-) */
+                sqx[0][i2] = qx_p[0] + qx_p[1]; sq2[0][i2] = q2_p[0] + q2_p[1];
+                sqx[1][i2] = qx_p[0] + qx_m[1]; sq2[1][i2] = q2_p[0] + q2_m[1];
+                sqx[2][i2] = qx_m[0] + qx_p[1]; sq2[2][i2] = q2_m[0] + q2_p[1];
+                sqx[3][i2] = qx_m[0] + qx_m[1]; sq2[3][i2] = q2_m[0] + q2_m[1];
+            }
+            for (int i2 = i1; i2 <= BS; ++i2) {
+                for (int k = 0; k < 4; ++k) {
+                    const float a = sqx[k][i2], b = sq2[k][i2];
+                    if (b > 0 && a * a > best_score * b) {
+                        scale = a / b; best_score = scale * a; b1 = i1; b2 = i2; bk = k;
+                    }
+                }
+            }
+        }
+        if (b1 < 0 || b2 < 0 || bk < 0) { scales[ib] = 0; shifts[ib] = 0; continue; }
+        for (int j = 0; j < BS; ++j) L[pairs[j].index] = (uint8_t)(j < b1 ? 0 : j < b2 ? 1 : 2);
+        if (scale < 0) {
+            for (int j = 0; j < BS; ++j) L[j] = (uint8_t)(2 - L[j]);
+            scale = -scale;
+            bk = 3 - bk;  /* both halves' deltas flip */
+        }
+        const float *levels[2] = {bk < 2 ? x_p : x_m, bk % 2 == 0 ? x_p : x_m};
+        int on = iq1_groups(lat, 2, L, xb, wb, scale, levels, index);
+        if (on < 0) return QC_NO_NEIGHBOUR;
+        if (!on) {
+            float sqxf, sq2f;
+            iq1_refit_sums(lat, 2, index, xb, wb, levels, &sqxf, &sq2f);
+            if (sqxf > 0 && sq2f > 0) scale = sqxf / sq2f;
+        }
+        qs[2 * ib] = (uint8_t)(index[0] & 255);
+        qs[2 * ib + 1] = (uint8_t)(index[1] & 255);
+        qh[ib] = (uint8_t)((index[0] >> 8) | ((index[1] >> 8) << 4));
+        if (!(scale >= 0)) return QC_NAN_SCALE;
+        scales[ib] = scale;
+        shifts[ib] = bk;
+        max_scale = max_scale > scale ? max_scale : scale;
+    }
+    if (max_scale) {
+        float d = max_scale / 15;
+        float id = 1 / d;
+        float sqxf = 0, sq2f = 0;
+        for (int ib = 0; ib < NB; ++ib) {
+            int l = clampi(nearest_int(0.5f * (id * scales[ib] - 1)), 0, 7);
+            sc[ib / 4] |= (uint16_t)(l << 3 * (ib % 4));
+            qh[ib] |= masks[shifts[ib]];
+            const float *xb = xbl + BS * ib, *wb = weight + BS * ib;
+            for (int k = 0; k < 2; ++k) {
+                const float *xx = k == 0 ? (shifts[ib] < 2 ? x_p : x_m) : (shifts[ib] % 2 == 0 ? x_p : x_m);
+                const int gi = qs[2 * ib + k] + ((qh[ib] << (8 - 4 * k)) & 0x700);
+                const uint8_t *lv = lat->codes + (int64_t)gi * 8;
+                for (int j = 0; j < 8; ++j) {
+                    float w = wb[8 * k + j];
+                    float q = xx[lv[j]] * (2 * l + 1);
+                    sqxf += w * q * xb[8 * k + j];
+                    sq2f += w * q * q;
+                }
+            }
+        }
+        if (sq2f > 0) d = sqxf / sq2f;
+        uint16_t s = fp32_to_fp16(d * 1.1125f);
+        sc[0] |= (uint16_t)((s & 0x000f) << 12);
+        sc[1] |= (uint16_t)((s & 0x00f0) << 8);
+        sc[2] |= (uint16_t)((s & 0x0f00) << 4);
+        sc[3] |= (uint16_t)(s & 0xf000);
+    }
+    memcpy(y, qs, sizeof qs);
+    memcpy(y + 32, qh, sizeof qh);
+    memcpy(y + 48, sc, sizeof sc);
+    return QC_OK;
+}
+
 /* rows [r0, r1) of x [rows, n] -> their bytes in y (row r at y + r * row_bytes); qw [n] or NULL. */
 QC_CLONES int qc_iq_quantize(int type, const float *x, int64_t n, const float *qw, uint8_t *y, int64_t r0, int64_t r1) {
     if (type < 0 || type >= N_TYPES) return QC_BAD_TYPE;
     if (!LAT[type].kmap) return QC_NO_TABLES;
+    if (type == T_IQ1_S && !qw) return QC_NO_WEIGHTS;  /* ggml: GGML_ASSERT(quant_weights) */
     const int nbytes = SPECS[type].nbytes;
     const int64_t nsup = n / 256, row_bytes = nsup * nbytes;
     for (int64_t r = r0; r < r1; ++r) {
         for (int64_t s = 0; s < nsup; ++s) {
             uint8_t *yb = y + r * row_bytes + s * nbytes;
             memset(yb, 0, nbytes);
-            int err = quantize_super(type, x + r * n + 256 * s, qw ? qw + 256 * s : NULL, yb);
+            const float *xs = x + r * n + 256 * s, *qs = qw ? qw + 256 * s : NULL;
+            int err = type == T_IQ1_S ? quantize_iq1_s_super(&LAT[type], xs, qs, yb)
+                    : type == T_IQ1_M ? quantize_iq1_m_super(&LAT[type], xs, qs, yb)
+                    : quantize_super(type, xs, qs, yb);
             if (err) return err;
         }
     }

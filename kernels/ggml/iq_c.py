@@ -1,4 +1,5 @@
-"""The C twin of the lattice quantizers IQ3_S, IQ3_XXS, IQ2_S, IQ2_XS, IQ2_XXS (kernels/ggml/iq_c.c): built once
+"""The C twin of the lattice quantizers IQ3_S, IQ3_XXS, IQ2_S, IQ2_XS, IQ2_XXS, and the only writer of IQ1_S and IQ1_M
+(kernels/ggml/iq_c.c; kernels/ggml/iq1.py calls it): built once
 per machine with the system C compiler and cached as kernels/ggml/kquant_c.py builds its file (same cache folders,
 same flags), loaded with ctypes, and run on a pool of plain Python threads, each taking bands of rows one at a time
 (a ctypes call releases the GIL; nothing spins).
@@ -31,14 +32,15 @@ __all__ = ["available", "quantize", "quantize_k_imatrix", "K_IMATRIX_TYPES", "TY
 # one library: the lattice quantizers, and the K quantizers with an importance matrix (kquant_imatrix_c.c)
 _SOURCES = [Path(__file__).with_name("iq_c.c"), Path(__file__).with_name("kquant_imatrix_c.c")]
 _FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-fno-strict-aliasing"]
-TYPE_IDS = {"IQ3_S": 0, "IQ3_XXS": 1, "IQ2_S": 2, "IQ2_XS": 3, "IQ2_XXS": 4}
-BLOCK_BYTES = {"IQ3_S": 110, "IQ3_XXS": 98, "IQ2_S": 82, "IQ2_XS": 74, "IQ2_XXS": 66}
+TYPE_IDS = {"IQ3_S": 0, "IQ3_XXS": 1, "IQ2_S": 2, "IQ2_XS": 3, "IQ2_XXS": 4, "IQ1_S": 5, "IQ1_M": 6}
+BLOCK_BYTES = {"IQ3_S": 110, "IQ3_XXS": 98, "IQ2_S": 82, "IQ2_XS": 74, "IQ2_XXS": 66, "IQ1_S": 50, "IQ1_M": 56}
 # the K types with an importance matrix this library quantizes (ggml's quantize_row_q*_K_impl), their ids, bytes
 K_IMATRIX_TYPES = {"Q2_K": (2, 84), "Q3_K": (3, 110), "Q4_K": (4, 144), "Q5_K": (5, 176), "Q6_K": (6, 210)}
 _ERRORS = {1: "no neighbour of finite weighted error: ggml's quantizer aborts on this input (GGML_ASSERT(grid_index "
               ">= 0) in its find_best_neighbour); the values or their weights overflow float32",
            2: "a block scale is NaN: ggml's quantizer aborts on this input (GGML_ASSERT(scale >= 0)); the values or "
-              "their weights overflow float32"}
+              "their weights overflow float32",
+           5: "IQ1_S needs an importance matrix: ggml asserts one (GGML_ASSERT(quant_weights))"}
 # super-blocks per task handed to a thread: a few ms of work, so a thread slowed by another process leaves the
 # rest to the others
 _TASK_SUPER_BLOCKS = 256
@@ -73,7 +75,7 @@ def _build() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(lib_path))
         except OSError:
             continue
-        if lib.qc_iq_abi_version() != 1:
+        if lib.qc_iq_abi_version() != 2:
             continue
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.qc_iq_quantize.restype = ctypes.c_int
@@ -106,7 +108,7 @@ def _tables(lib, type_name: str) -> None:
             return
         from .iq_lattice import lattice
 
-        lat = lattice(type_name)
+        lat = lattice("IQ1_S" if type_name == "IQ1_M" else type_name)  # one grid, one set of tables
         values = np.ascontiguousarray(lat.values, np.float32)
         kmap = np.ascontiguousarray(lat.kmap, np.int32)
         start = np.ascontiguousarray(lat.nb_start, np.int64)

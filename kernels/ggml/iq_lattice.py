@@ -11,7 +11,7 @@ kernels/ggml/iq_grids.py: the grid's values; the map (grid index, or -1 off the 
 3 bits x 4; the C source's 43692 for 2 bits x 8, which covers every code of 0..2 the IQ2 quantizers produce);
 and for every code off the grid its neighbour list: the grid points at the `nwant` smallest distinct squared
 distances, ordered by (distance, index) as C's qsort with iq3_compare_func / iq2_compare_func leaves them
-(nwant: IQ3_S 3, IQ3_XXS / IQ2_XXS / IQ2_XS 2, IQ2_S 1). Built once per type on first use, in numpy
+(nwant: IQ3_S, IQ1_S, IQ1_M 3, IQ3_XXS / IQ2_XXS / IQ2_XS 2, IQ2_S 1). Built once per type on first use, in numpy
 (milliseconds for the 3-bit grids, 0.1-0.2 s for the 2-bit ones; C's init takes seconds for IQ2_S's).
 
 `grid_indices` is the search for many groups at once, exact in float32: the weighted error of every candidate
@@ -53,6 +53,9 @@ _SPECS = {
     "IQ2_XXS": (iq_grids.KGRID_2BIT_256, 2, 8, 43692, 2),
     "IQ2_XS": (iq_grids.KGRID_2BIT_512, 2, 8, 43692, 2),
     "IQ2_S": (iq_grids.KGRID_2BIT_1024, 2, 8, 43692, 1),
+    # IQ1_S and IQ1_M share one grid and one init (iq2_data_index maps both to slot 2): the same tables
+    "IQ1_S": (iq_grids.KGRID_1BIT_2048, 2, 8, 43692, 3),
+    "IQ1_M": (iq_grids.KGRID_1BIT_2048, 2, 8, 43692, 3),
 }
 
 

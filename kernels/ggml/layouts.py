@@ -40,7 +40,7 @@ class BlockLayout:
     bits: int  # bits per code (float types: bits per element)
     offset: int = 0  # legacy symmetric types: value = d * (q - offset)
     has_min: bool = False  # legacy asymmetric types: value = d * q + m
-    kind: str = "legacy"  # "float" | "legacy" | "k" | "codebook" | "fp4" | "lowbit" | "iq1"
+    kind: str = "legacy"  # "float" | "legacy" | "k" | "codebook" | "fp4" | "lowbit"
     sub_block: int = 0  # K types, IQ4_XS, the IQ2/IQ3 types: elements sharing one sub-block scale
     signed_codes: bool = False  # Q8_0 stores int8 codes
 
@@ -98,7 +98,9 @@ _CODEBOOK_TABLE = (_ggml("IQ4_NL", 4, kind="codebook"), _ggml("IQ4_XS", 4, kind=
                    _ggml("IQ3_S", 3, kind="codebook", sub_block=32), _ggml("IQ2_S", 2, kind="codebook", sub_block=16),
                    _ggml("IQ2_XS", 2, kind="codebook", sub_block=16),
                    _ggml("IQ3_XXS", 3, kind="codebook", sub_block=32),
-                   _ggml("IQ2_XXS", 2, kind="codebook", sub_block=32))
+                   _ggml("IQ2_XXS", 2, kind="codebook", sub_block=32),
+                   # IQ1_S / IQ1_M (IQ1_LAYOUTS below): 3-level values on the 2048-point grid (kernels/ggml/iq1.py)
+                   _ggml("IQ1_S", 1, kind="codebook", sub_block=32), _ggml("IQ1_M", 1, kind="codebook", sub_block=16))
 CODEBOOK_LAYOUTS: dict[str, BlockLayout] = {t.name: t for t in _CODEBOOK_TABLE}
 CODEBOOK_TYPES = tuple(CODEBOOK_LAYOUTS)
 # FP4 float blocks: E2M1 codes times a block scale (kernels/floatq.py). MXFP4 32-blocks of an E8M0 exponent and
@@ -120,9 +122,9 @@ LOWBIT_TYPES = tuple(LOWBIT_LAYOUTS)
 Q2_0_PRISM = BlockLayout("Q2_0", 42, 128, 34, 2, kind="lowbit")
 # IQ1_S (ggml 19: fp16 d, 32 bytes of grid index lows, 8 uint16 of index highs, 3-bit scale and delta sign per
 # 32-block) and IQ1_M (ggml 29: no d field, the fp16 scale spread over the top nibbles of its four uint16 scales),
-# 256-blocks on ggml's 2048-point iq1s grid plus a +-0.125 delta: read (decoded as ggml decodes them), not written
-IQ1_LAYOUTS: dict[str, BlockLayout] = {t.name: t for t in (_ggml("IQ1_S", 1, kind="iq1", sub_block=32),
-                                                           _ggml("IQ1_M", 1, kind="iq1", sub_block=16))}
+# 256-blocks on ggml's 2048-point iq1s grid plus a +-0.125 delta: codebook types, read as gguf-py decodes them and
+# written by kernels/ggml/iq1.py (ggml's quantize_iq1_s / _iq1_m bytes)
+IQ1_LAYOUTS: dict[str, BlockLayout] = {t: CODEBOOK_LAYOUTS[t] for t in ("IQ1_S", "IQ1_M")}
 # ggml types this llama.cpp has that gguf 0.19's GGMLQuantizationType lacks: type id -> layout
 GGUF_PY_UNKNOWN: dict[int, BlockLayout] = {42: LOWBIT_LAYOUTS["Q2_0"]}
 # every type a writer can store: the grid types, the codebook types, the FP4 float-block types and the 1-2-bit types

@@ -53,7 +53,7 @@ def ggml_quantize(x: np.ndarray, type_name: str, imatrix: np.ndarray | None = No
     from ..dispatch import note_kernel  # the report's "kernel": no Triton twin of this quantizer
 
     note_kernel("quantize", "llama.cpp")
-    lay = TARGET_LAYOUTS[type_name.upper()]  # grid and codebook types (IQ4_NL) alike
+    lay = {**TARGET_LAYOUTS, **IQ1_LAYOUTS}[type_name.upper()]  # grid, codebook (IQ4_NL) and IQ1 types alike
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows, n = x.shape
     out = np.empty((rows, lay.row_bytes(n)), np.uint8)

@@ -57,8 +57,12 @@ def tiny(tmp_path_factory):
     run_cli("hf->gguf", src, f32, "--type", "f32", "--quiet")
     rng = np.random.default_rng(7)
     imatrix = {n: (rng.random(int(t.shape[0])) * 4).astype(np.float32) for n, t in gguf_tensors(f32).items()
-               if n.startswith("blk.") and not n.endswith("norm.weight")}
-    write_legacy_imatrix(d / "imatrix.dat", imatrix)
+               if n.startswith("blk.") and not n.endswith("norm.weight")
+               # attn_v (IQ1 mixes: Q2_K, rows of 128 -> Q4_0) left out: llama-quantize weighs Q4_0 by the imatrix,
+               # qconvert's legacy quantizers do not (the report says "imatrix not applied")
+               and "attn_v" not in n}
+    # ncall 1: the file holds the very vectors llama-quantize is given (mean * ncall / ncall may move an ulp)
+    write_legacy_imatrix(d / "imatrix.dat", imatrix, ncall=1)
     made: dict[str, Path] = {}
 
     def llama(t: str) -> Path:
@@ -270,3 +274,34 @@ def test_q2_0_of_neither_block_size_is_one_line(tiny, tmp_path):
     assert len(err.splitlines()) == 1 and "Traceback" not in proc.stderr, err
     assert q2[0].name in err
     assert not (tmp_path / "out").exists()
+
+
+# llama.cpp's logits of our IQ1 file against those of llama-quantize's, which must be the same bytes (so the same
+# logits, 0.0 measured); and against transformers on the file's own weights as for the types above
+@pytest.mark.parametrize("t", ("IQ1_S", "IQ1_M"))
+def test_iq1_write_equals_llama_quantize_with_imatrix_and_runs(t, tiny, tmp_path):
+    """`--type iq1_s / iq1_m --imatrix`: llama-quantize's mix for the file type (output Q5_K, or Q8_0 for rows of
+    128; token_embd Q2_K; attn_output IQ2_XXS; the rows of 128 falling back to IQ4_NL) and every tensor's bytes,
+    kernels/ggml/iq_c.c's IQ1 writers among them; llama.cpp runs the file. Without --imatrix the plan is refused in
+    one line, as llama-quantize refuses it."""
+    ours, rep = tmp_path / "ours.gguf", tmp_path / "report.json"
+    imatrix = tiny["dir"] / "imatrix.dat"
+    run_cli("hf->gguf", tiny["src"], ours, "--type", t.lower(), "--imatrix", imatrix, "--allow-requant", "--report",
+            rep, "--quiet")
+    theirs = tiny["llama"](t)
+    a, b = _tensors(ours), _tensors(theirs)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert int(a[name].tensor_type) == int(b[name].tensor_type), name
+        np.testing.assert_array_equal(np.asarray(a[name].data).view(np.uint8), np.asarray(b[name].data).view(np.uint8),
+                                      err_msg=name)
+    assert sum(_type_name(x) == t for x in a.values()) == 2  # the ffn_down of both layers (rows of 256)
+    assert int(scan_header(ours).scalars["general.file_type"]) == FTYPE[t]
+    back = tmp_path / "back"
+    run_cli("gguf->hf", ours, back, "--type", "f32", "--quiet")
+    got, want = llama_logits(ours, PROMPT), transformers_logits(back, PROMPT)
+    assert np.isfinite(got).all() and float(np.abs(got - want).max()) < LOGITS_MAX
+    proc = run_cli("hf->gguf", tiny["src"], tmp_path / "no.gguf", "--type", t.lower(), "--allow-requant", check_rc=2)
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1 and "importance matrix" in err and "Traceback" not in proc.stderr
+    assert not (tmp_path / "no.gguf").exists()

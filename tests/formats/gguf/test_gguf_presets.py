@@ -318,3 +318,23 @@ def test_sub_block_scale_fit_rules():
     ok, d, ints = fit_sub_block_scales(targets)
     assert ok.tolist() == [True, False, True, False]
     np.testing.assert_array_equal(d[0].astype(np.float32) * ints[0].astype(np.float32), targets[0])
+
+
+def test_iq1_s_mix_with_imatrix_equals_llama_quantize(tmp_path):
+    """`--type iq1_s --imatrix` on the 8-layer llama, 256 wide (no shape fallback): llama-quantize's IQ1_S mix
+    (LLAMA_FTYPE_MOSTLY_IQ1_S = 24: output Q5_K, token_embd Q2_K, attn_v Q2_K with 2 query heads per KV head,
+    ffn_down of the first eighth of the layers Q2_K, attn_output IQ2_XXS, the rest IQ1_S) and every tensor's bytes
+    (kernels/ggml/iq_c.c's IQ1_S and IQ2_XXS, kquant_imatrix_c.c's K types)."""
+    from qconvert.formats.gguf.imatrix import read_imatrix
+
+    src = model_dir("llama")
+    path = tmp_path / "imatrix.dat"
+    write_legacy_imatrix(path, _imatrix_values(src), ncall=1)
+    ours = tmp_path / "ours.gguf"
+    run_cli("hf->gguf", src, ours, "--type", "iq1_s", "--imatrix", path, "--allow-requant")
+    theirs = llama_quantize(f32_gguf("llama", tmp_path), tmp_path / "theirs.gguf", 24, read_imatrix(path))
+    types = assert_same_tensors(ours, theirs)
+    assert _file_type(ours) == 24
+    assert (types["output.weight"], types["token_embd.weight"], types["blk.0.ffn_down.weight"],
+            types["blk.1.ffn_down.weight"], types["blk.3.attn_output.weight"], types["blk.2.attn_v.weight"],
+            types["blk.5.ffn_up.weight"]) == ("Q5_K", "Q2_K", "Q2_K", "IQ1_S", "IQ2_XXS", "Q2_K", "IQ1_S")
