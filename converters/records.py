@@ -321,6 +321,9 @@ class NativeForm:
     facts: Mapping[str, Any] = field(default_factory=dict)
 
 
+_UNSET: Any = object()  # `params` not given: a reader's lazy record (params_loader) or a dense one
+
+
 @dataclass
 class TensorRecord:
     """One logical tensor of a source model, loaded lazily.
@@ -334,7 +337,7 @@ class TensorRecord:
     shape: tuple[int, ...]
     dtype: str  # "grid" for quantized tensors, else the torch dtype name ("float16", ...)
     load: Callable[[], Dense | Grid]
-    params: GridParams | None = None
+    params: GridParams | None = _UNSET  # None for a dense record; see params_loader
     source_file: str = ""
     source_name: str = ""  # the tensor's own name in the source file, when it differs (GGUF "blk.0.attn_q.weight")
     native_type: str | None = None  # the source's packed type a writer of the same type copies ("Q4_K")
@@ -346,6 +349,9 @@ class TensorRecord:
     # first use and may be dropped again (`release_params`), so that a giant model's scales are not all held
     # from planning to writing, and a split worker takes its records without reading any other tensor's
     params_loader: Callable[[], GridParams] | None = None
+
+    def __post_init__(self) -> None:
+        _post_init(self)
 
     @property
     def is_grid(self) -> bool:
@@ -369,7 +375,16 @@ def _get_params(rec: TensorRecord) -> GridParams | None:
 
 
 def _set_params(rec: TensorRecord, params: GridParams | None) -> None:
-    rec._params = params
+    rec._params = None if params is _UNSET else params
+    rec._params_given = params is not _UNSET
+
+
+def _post_init(rec: TensorRecord) -> None:
+    # parameters given (a reader's eager record, or a record derived with `replace(rec, params=...)`, which
+    # passes them, None for a dense half of a grid included) are the record's own: a loader copied along from
+    # the record it derives from would read the other tensor's
+    if rec._params_given:
+        rec.params_loader = None
 
 
 # `params` is a dataclass field (the readers pass it by name) held in `_params`, read through `params_loader`
