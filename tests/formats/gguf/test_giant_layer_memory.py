@@ -72,3 +72,32 @@ def test_many_expert_mxfp4_layer_memory_bounded_by_one_expert(tmp_path):
         for e in range(EXPERTS):
             packed, scale = layer._expert_bytes(e, proj, HIDDEN, FFN)
             assert np.array_equal(np.asarray(stack.data[e]), _ggml_mxfp4(packed, scale)), (proj, e)
+
+
+def test_lazy_record_parameters_read_on_use_and_not_inherited():
+    """A record whose reader re-reads its parameters (`params_loader`) reads them on use, drops them when
+    released and reads them again; a record derived from it with parameters of its own (a grid's dense halves:
+    `replace(rec, params=None)`) keeps them, not the parent's loader (else the halves were read as grids)."""
+    from dataclasses import replace
+
+    from qconvert.converters.records import TensorRecord
+    from qconvert.formats.common.float_grids import float_grid
+    import torch
+
+    reads = []
+
+    def loader():
+        reads.append(1)
+        return float_grid("e2m1", torch.full((4, 2), 1.0).to(torch.float8_e8m0fnu), 32)
+
+    rec = TensorRecord("w", (4, 64), "grid", lambda: None, params_loader=loader)
+    assert rec.is_grid and not reads
+    assert rec.params.n_groups == 2 and rec.params is rec.params and len(reads) == 1
+    assert rec.params.zeros.stride() == (0, 0)  # a float grid's unused zero points cost one byte
+    rec.release_params()
+    assert rec.params.n_groups == 2 and len(reads) == 2
+    half = replace(rec, name="w.k", params=None)
+    assert not half.is_grid and half.params is None and len(reads) == 2
+    eager = TensorRecord("d", (4, 64), "grid", lambda: None, params=loader())
+    eager.release_params()  # nothing to read it again with: kept
+    assert eager.params is not None and eager.params_loader is None
