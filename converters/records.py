@@ -59,8 +59,15 @@ import torch
 
 from ..kernels.packings import packing
 
-__all__ = ["GridParams", "PackedCodes", "Grid", "Dense", "TensorRecord", "NativeForm", "ModelSource", "describe_record",
+__all__ = ["unused_zeros", "GridParams", "PackedCodes", "Grid", "Dense", "TensorRecord", "NativeForm", "ModelSource", "describe_record",
            "describe_grid", "float_element", "describe_float_grid", "register_codebook", "codebook_name"]
+
+
+def unused_zeros(shape) -> torch.Tensor:
+    """The `zeros` of a grid that has no zero points (codebook and float grids: the formula does not use them):
+    int8 zeros of `shape` as one byte seen at every place (stride 0), so that a giant model's float grids do not
+    hold a byte per group for nothing. Indexing or `.contiguous()` gives real zeros where a caller needs them."""
+    return torch.zeros((), dtype=torch.int8).expand(*shape)
 
 
 @dataclass(frozen=True)
@@ -314,6 +321,9 @@ class NativeForm:
     facts: Mapping[str, Any] = field(default_factory=dict)
 
 
+_UNSET: Any = object()  # `params` not given: a reader's lazy record (params_loader) or a dense one
+
+
 @dataclass
 class TensorRecord:
     """One logical tensor of a source model, loaded lazily.
@@ -327,7 +337,7 @@ class TensorRecord:
     shape: tuple[int, ...]
     dtype: str  # "grid" for quantized tensors, else the torch dtype name ("float16", ...)
     load: Callable[[], Dense | Grid]
-    params: GridParams | None = None
+    params: GridParams | None = _UNSET  # None for a dense record; see params_loader
     source_file: str = ""
     source_name: str = ""  # the tensor's own name in the source file, when it differs (GGUF "blk.0.attn_q.weight")
     native_type: str | None = None  # the source's packed type a writer of the same type copies ("Q4_K")
@@ -335,14 +345,51 @@ class TensorRecord:
     layer_flags: dict = field(default_factory=dict)  # format -> a layer's own flags a writer of that format carries
     lossy_standin: str = ""  # why these values are a stand-in that leaves the source's grid (see run.py)
     native_forms: tuple[NativeForm, ...] = ()  # the stored forms a writer of the source's format can keep
+    # reads `params` from the source (a reader that can sets it instead of `params`): the parameters are read on
+    # first use and may be dropped again (`release_params`), so that a giant model's scales are not all held
+    # from planning to writing, and a split worker takes its records without reading any other tensor's
+    params_loader: Callable[[], GridParams] | None = None
+
+    def __post_init__(self) -> None:
+        _post_init(self)
 
     @property
     def is_grid(self) -> bool:
-        return self.params is not None
+        return self._params is not None or self.params_loader is not None
+
+    def release_params(self) -> None:
+        """Drop the parameters read so far when they can be read again (`params_loader`): the runner calls it
+        once a record is planned, the write reads them again with the codes (`load`)."""
+        if self.params_loader is not None:
+            self._params = None
 
     def native_form(self, kind: str) -> NativeForm | None:
         """The source's stored form of that kind (NativeForm), or None."""
         return next((f for f in self.native_forms if f.kind == kind), None)
+
+
+def _get_params(rec: TensorRecord) -> GridParams | None:
+    if rec._params is None and rec.params_loader is not None:
+        rec._params = rec.params_loader()
+    return rec._params
+
+
+def _set_params(rec: TensorRecord, params: GridParams | None) -> None:
+    rec._params = None if params is _UNSET else params
+    rec._params_given = params is not _UNSET
+
+
+def _post_init(rec: TensorRecord) -> None:
+    # parameters given (a reader's eager record, or a record derived with `replace(rec, params=...)`, which
+    # passes them, None for a dense half of a grid included) are the record's own: a loader copied along from
+    # the record it derives from would read the other tensor's
+    if rec._params_given:
+        rec.params_loader = None
+
+
+# `params` is a dataclass field (the readers pass it by name) held in `_params`, read through `params_loader`
+# when the record has one and the parameters are not held
+TensorRecord.params = property(_get_params, _set_params)  # type: ignore[assignment]
 
 
 def describe_grid(p: GridParams, in_features: int) -> str:

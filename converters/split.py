@@ -2,7 +2,8 @@
 cluster), with the same bytes as `run.convert`.
 
 The driver plans once, from the headers (run.plan_conversion), checks the plan, and cuts the (record, plan)
-pairs into parts: consecutive tensors of one source file, at most `part_values` source values each (so a
+pairs into parts (a worker plans nothing: it gets the driver's plans and writer once, as SplitJob, opens the
+source's headers and takes its parts' records by their place in the stream, reading only their bytes): consecutive tensors of one source file, at most `part_values` source values each (so a
 part reads only its own bytes of one shard; the cut depends on the plan alone, never on the worker count, so
 a re-run with other workers resumes the same parts). The writer's `open_split` writes what only the driver
 writes first (GGUF: the header, which fixes where every tensor's bytes go); each part's `open_part` session
@@ -31,14 +32,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .checker import EXACT, NEAR_EXACT
 from .errors import QConvertError
 from .plan import BitIdentical, Options, TensorPlan, Writer, check_plan
 from .registry import get_format
 from .report import NotFinite, Report, TensorResult, kernel_summary, measure
-from .run import _not_finite_refusal, device_scope, open_source, plan_conversion
+from .run import _not_finite_refusal, device_scope, open_source, plan_conversion, return_large_buffers
 from ..kernels import kernel_trace
 
 __all__ = ["convert_split", "SplitStats", "Part", "make_parts", "part_memory_bytes", "run_part_on_node",
@@ -74,8 +75,10 @@ class SplitStats:
 
 @dataclass(frozen=True)
 class SplitJob:
-    """What a worker on any node needs to convert a part: enough to plan again from the headers (a Ray node),
-    where the split's files are, and the plan's fingerprint (a node whose plan differs refuses)."""
+    """What a worker on any node needs to convert its parts, sent once per worker: the driver's plan (the
+    writer as planning left it, every tensor's TensorPlan, the source files' sizes and times), where the
+    split's files are, and the plan's fingerprint. A worker plans nothing: it opens the source's headers and
+    takes the records of its parts by their place in the stream."""
 
     src_format: str
     src_path: str
@@ -85,6 +88,9 @@ class SplitJob:
     layout: Any
     fingerprint: str
     part_values: int
+    writer: Writer
+    plans: list
+    files: list  # source_files(): what the plan read, checked on the node before a byte is read
     threads: int = 1
 
 
@@ -128,15 +134,21 @@ def machine_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def plan_fingerprint(src_format: str, source, dst_format: str, options: Options, plans: list[TensorPlan],
-                     part_values: int) -> str:
-    """The plan and what its bytes depend on: the options, every source file's size and mtime, the tensors'
-    targets and verdicts, the cut into parts."""
+def source_files(source) -> list[list]:
+    """[name, size, mtime_ns] of every file the source's tensors are read from."""
     files = []
     for f in source.weight_files():
         p = Path(source.path) / f if Path(source.path).is_dir() else Path(source.path)
         st = p.stat()
-        files.append((str(f), st.st_size, st.st_mtime_ns))
+        files.append([str(f), st.st_size, st.st_mtime_ns])
+    return files
+
+
+def plan_fingerprint(src_format: str, source, dst_format: str, options: Options, plans: list[TensorPlan],
+                     part_values: int) -> str:
+    """The plan and what its bytes depend on: the options, every source file's size and mtime, the tensors'
+    targets and verdicts, the cut into parts."""
+    files = [tuple(f) for f in source_files(source)]
     doc = {"src": src_format, "dst": dst_format, "files": files, "part_values": part_values,
            "options": [options.type, options.tensor_types, options.allow_requant, sorted(map(str, options.extra.items())),
                        str(options.device)],
@@ -144,36 +156,65 @@ def plan_fingerprint(src_format: str, source, dst_format: str, options: Options,
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
 
 
-# The planned conversion a worker process holds, by fingerprint: a worker (spawned here, or a Ray node's)
-# plans once from the headers and keeps it for its next parts.
-_PLANNED: dict[str, tuple[Any, Any, list]] = {}
+class _RecordStream:
+    """The source's records as the writer takes them (`adapt_records`), in the stream order the driver planned,
+    advanced to each part's records: the records before them are passed over, not loaded (a reader whose
+    records read their parameters on use, `TensorRecord.params_loader`, reads nothing of them), and a part
+    earlier in the stream than the last one taken starts the stream again. A record that is not the planned
+    tensor at its place means the node's source is not the driver's: refused."""
+
+    def __init__(self, source, writer: Writer, plans: list[TensorPlan]):
+        self.source, self.writer, self.plans = source, writer, plans
+        self._start()
+
+    def _start(self) -> None:
+        self.records = iter(self.writer.adapt_records(self.source.records(), self.source))
+        self.position = 0  # the index of the next record the stream yields
+
+    def take(self, indices) -> Iterator[tuple[int, Any]]:
+        for i in indices:
+            if i < self.position:
+                self._start()
+            while True:
+                rec = next(self.records, None)
+                if rec is None:
+                    raise QConvertError(f"the source on this node has fewer tensors than the driver planned "
+                                        f"({self.position}, not {len(self.plans)})", path=self.source.path)
+                self.position += 1
+                if self.position - 1 == i:
+                    break
+            if rec.name != self.plans[i].name:
+                raise QConvertError(f"the source on this node differs from the driver's: tensor {i} is {rec.name}, "
+                                    f"planned {self.plans[i].name}", path=self.source.path)
+            yield i, rec
 
 
-def _planned(job: SplitJob):
-    if job.fingerprint not in _PLANNED:
+# What a worker process holds for a job, by fingerprint: the source opened from its headers, the driver's
+# writer and plans, and the record stream its parts advance.
+_PREPARED: dict[str, tuple[Any, Writer, list, _RecordStream]] = {}
+
+
+def _prepared(job: SplitJob):
+    if job.fingerprint not in _PREPARED:
         with device_scope(job.options.device):
             source = open_source(job.src_format, Path(job.src_path), job.options)
-            writer = get_format(job.dst_format).writer.for_conversion(source, job.options)
-            pairs = plan_conversion(source, writer, job.options, progress=False)
-        found = plan_fingerprint(job.src_format, source, job.dst_format, job.options, [p for _, p in pairs],
-                                 job.part_values)
-        if found != job.fingerprint:
-            raise QConvertError("the plan on this node differs from the driver's (the source changed, or another "
-                                "qconvert version is installed here)", path=job.src_path)
-        _PLANNED[job.fingerprint] = (source, writer, pairs)
-    return _PLANNED[job.fingerprint]
+        if source_files(source) != job.files:
+            raise QConvertError("the source on this node differs from the driver's (its files' sizes or times)",
+                                path=job.src_path)
+        _PREPARED.clear()  # one job at a time: an earlier job's source and plans are not kept
+        _PREPARED[job.fingerprint] = (source, job.writer, job.plans, _RecordStream(source, job.writer, job.plans))
+    return _PREPARED[job.fingerprint]
 
 
 def run_part(job: SplitJob, part: Part) -> dict:
     """Convert one part: each tensor loaded, encoded and written at its place, measured as run.convert measures
     it; the manifest (its written ranges and results) is written last, atomically, and returned."""
-    source, writer, pairs = _planned(job)
-    plans = [p for _, p in pairs]
+    source, writer, plans, stream = _prepared(job)
     results = []
     with device_scope(job.options.device):
         session = writer.open_part(Path(job.folder), source, plans, job.options, job.layout)
-        for i in part.pairs:
-            rec, plan = pairs[i]
+        for i, rec in stream.take(part.pairs):
+            plan = plans[i]
             with kernel_trace() as used:
                 item = rec.load()
                 decoded = session.add(plan, item)
@@ -183,11 +224,11 @@ def run_part(job: SplitJob, part: Part) -> dict:
                                  else measure(item, decoded, reference))
             except NotFinite as e:
                 raise _not_finite_refusal(e, rec, plan) from None
-            del item, decoded, reference
+            del item, decoded, reference, rec
             verdict = plan.verdict
             if verdict == EXACT and max_err != 0.0:
                 raise QConvertError(f"internal error: planned exact but measured max error {max_err:g}",
-                                    tensor=rec.name)
+                                    tensor=plan.name)
             if verdict == NEAR_EXACT and max_err == 0.0:
                 verdict = EXACT
             results.append({"pair": i, "verdict": verdict, "max_abs_err": max_err, "rmse": rmse,
@@ -207,6 +248,7 @@ def run_part_on_node(job: SplitJob, part: Part) -> dict:
     """run_part in a worker (a process of ProcessWorkers, a Ray task): a refusal or a bug comes back as
     {"error": line}, for the driver to name the part in one line."""
     _use_threads(job.threads)
+    return_large_buffers()
     try:
         return run_part(job, part)
     except QConvertError as e:
@@ -262,6 +304,7 @@ class ProcessWorkers:
         self.workers = max(1, workers)
         ctx = mp.get_context("fork")
         self.procs, self.conns = [], []
+        self.sent = [None] * self.workers  # the fingerprint of the job each worker holds
         for _ in range(self.workers):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, args=(theirs,), daemon=True)
@@ -283,8 +326,9 @@ class ProcessWorkers:
             while todo and idle:
                 w = idle.pop(0)
                 held[w] = todo.pop(0)
-                try:
-                    self.conns[w].send((job, held[w]))
+                try:  # the job (the plan) once per worker, then its parts
+                    self.conns[w].send((None if self.sent[w] == job.fingerprint else job, job.fingerprint, held[w]))
+                    self.sent[w] = job.fingerprint
                 except OSError:  # the worker died while idle (killed between parts)
                     self.procs[w].join()
                     raise QConvertError(f"{held[w].label(total)} failed: its worker had ended (status "
@@ -330,8 +374,10 @@ class ProcessWorkers:
 
 
 def _worker_main(conn) -> None:
-    """A forked worker: converts the parts it receives (each with its SplitJob; it plans once per job) until
-    None, answering each with the part's manifest or {"error": line}."""
+    """A forked worker: converts the parts it receives until None, answering each with the part's manifest or
+    {"error": line}. A message is (job, fingerprint, part), the job (the driver's plan) sent with a worker's
+    first part only and kept."""
+    jobs: dict[str, SplitJob] = {}
     while True:
         try:
             message = conn.recv()
@@ -339,8 +385,10 @@ def _worker_main(conn) -> None:
             return
         if message is None:
             return
-        job, part = message
-        conn.send(run_part_on_node(job, part))
+        job, fingerprint, part = message
+        if job is not None:
+            jobs = {fingerprint: job}
+        conn.send(run_part_on_node(jobs[fingerprint], part))
 
 
 def work_folder(out: Path) -> Path:
@@ -353,6 +401,7 @@ def convert_split(src_format: str, src_path: Path, dst_format: str, out_path: Pa
     """run.convert's conversion, its tensors converted in parts by `workers` (ProcessWorkers, or the Ray
     executor of apps/split_ray.py); see the module docstring."""
     start = time.perf_counter()
+    return_large_buffers()
     out = Path(out_path)
     target = get_format(dst_format)
     if not target.can_write:
@@ -407,7 +456,7 @@ def convert_split(src_format: str, src_path: Path, dst_format: str, out_path: Pa
         stats = SplitStats(len(parts), len(manifests), len(todo), getattr(workers, "workers", 0))
         threads = max(1, (os.cpu_count() or 1) // max(1, stats.workers)) if isinstance(workers, ProcessWorkers) else 1
         job = SplitJob(src_format, str(Path(src_path).absolute()), dst_format, options, str(folder.absolute()),
-                       split_out.layout, fingerprint, part_values, threads)
+                       split_out.layout, fingerprint, part_values, writer, plans, source_files(source), threads)
         for m in workers.run(job, todo, len(parts), progress):
             manifests[m["part"]] = m
         split_out.finish([manifests[p.index].get("writer", {}) for p in parts])

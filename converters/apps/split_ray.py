@@ -2,9 +2,10 @@
 declaring one CPU and the memory its largest tensor needs, joined to the cluster at ADDRESS or to a local Ray
 started for the conversion, as `batch --ray` does (batch.py: the same start, the same one-line failures).
 
-A task runs `split.run_part_on_node` on whichever node Ray picks: it plans again from the source's headers
-(once per worker process), refuses if its plan is not the driver's, and writes its part into the split's
-files, so every node needs the same install and SRC and OUT on a shared filesystem."""
+A task runs `split.run_part_on_node` on whichever node Ray picks: it takes the driver's plan (put once in the
+object store), opens the source's headers (once per worker process), refuses if the source's files are not
+the ones the driver planned, and writes its part into the split's files, so every node needs the same install
+and SRC and OUT on a shared filesystem."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ class RayWorkers:
     def run(self, job: SplitJob, parts: list[Part], total: int, progress: bool) -> list[dict]:
         ray = self._ray
         todo, running, done = list(parts), {}, []
+        job = ray.put(job)  # the plan once in the object store, not pickled into every task
         try:
             while todo or running:
                 while todo and len(running) < self.workers:

@@ -161,15 +161,21 @@ def _float_block(src: Source, shape, s: TargetScheme, native, prefer_groups=()) 
         return Decision(REQUANTIZE, f"{what} are not {s.element} values" + requant)
     if p.axis != 1 or not p.contiguous_groups(in_f):
         return Decision(REQUANTIZE, "the source's scale groups do not run along the rows" + requant)
-    # the per-group scale a target without a tensor scale stores
-    eff = p.effective_scales() if (s.scale == "ue4m3" and s.tensor_scale) else p.folded_scales()
     if s.group and p.group_size % s.group:
         return Decision(REQUANTIZE, f"scale groups of {p.group_size} do not cover whole {s.group}-element scale "
                                     "blocks" + requant)
+    keep = dict(keeps_codes=True)
+    if s.scale == "e8m0" and s.group and p.scales.dtype == torch.float8_e8m0fnu and p.global_scale is None:
+        # E8M0 bytes already (MXFP4 sources): every byte but NaN's 0xFF is a power of two an exponent holds, which
+        # is is_e8m0_exact's answer without a float32 copy of a giant's scales
+        if bool((p.scales.view(torch.uint8) == 0xFF).any()):
+            return Decision(REQUANTIZE, "block scales are not powers of two, which E8M0 exponents hold" + requant)
+        return Decision(EXACT, "codes and block scales kept (E8M0 exponents)", **keep)
+    # the per-group scale a target without a tensor scale stores
+    eff = p.effective_scales() if (s.scale == "ue4m3" and s.tensor_scale) else p.folded_scales()
     if not s.group and not bool((eff == eff.reshape(-1)[0]).all()):
         return Decision(REQUANTIZE, f"the source scales blocks or channels apart; {s.name} stores one scale per "
                                     "tensor" + requant)
-    keep = dict(keeps_codes=True)
     if s.scale == "e8m0":
         if not bool(is_e8m0_exact(eff).all()):
             return Decision(REQUANTIZE, "block scales are not powers of two, which E8M0 exponents hold" + requant)

@@ -15,7 +15,7 @@ import torch
 from typing import Iterator
 
 from ...converters.errors import BadInput
-from ...converters.records import GridParams, TensorRecord
+from ...converters.records import GridParams, TensorRecord, unused_zeros
 from ...kernels.floatq import element_table
 from .checkpoint import CheckpointSource
 
@@ -64,7 +64,7 @@ def float_grid(element: str, scales: torch.Tensor, group_size: int, *, global_sc
     producer decodes E2M1's code 8 (kernels/floatq.element_table)."""
     bits = 4 if element == "e2m1" else 8
     return GridParams(bits=bits, group_size=group_size, scales=scales,
-                      zeros=torch.zeros(scales.shape, dtype=torch.int8),
+                      zeros=unused_zeros(scales.shape),
                       codebook=element_table(element, negative_zero=negative_zero),
                       global_scale=None if global_scale is None else global_scale.reshape(()).to(torch.float32),
                       global_scale_op=global_scale_op, block_rows=block_rows)

@@ -315,7 +315,10 @@ def _encode_fp4(lay: BlockLayout, verdict: str, item: Dense | Grid, quant: Quant
         rows, n = item.shape
         codes = item.codes.numpy()
         if lay.name == "MXFP4":
-            e = floatq.float_to_e8m0(p.folded_scales()[:, torch.arange(0, n, 32) // p.group_size]).numpy()
+            if p.scales.dtype == torch.float8_e8m0fnu and p.group_size == 32 and p.global_scale is None:
+                e = p.scales.view(torch.uint8).numpy()  # the exponents as stored: float_to_e8m0's bytes, uncomputed
+            else:
+                e = floatq.float_to_e8m0(p.folded_scales()[:, torch.arange(0, n, 32) // p.group_size]).numpy()
             data = floatq.pack_ggml_mxfp4(codes, e)
             proof = _mxfp4_bit_identical(data, codes, p, n)
             return data, proof if proof is not None else torch.from_numpy(floatq.decode_ggml_mxfp4(data, n))

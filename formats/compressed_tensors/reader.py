@@ -30,7 +30,7 @@ from typing import Iterator
 import torch
 
 from ...converters.errors import BadInput
-from ...converters.records import Grid, GridParams, TensorRecord
+from ...converters.records import Grid, GridParams, TensorRecord, unused_zeros
 from ...converters.model_shapes import ModelShapes
 from ..common.checkpoint import CheckpointDir, CheckpointSource
 from ...kernels.floatq import element_table, unpack_fp4
@@ -313,7 +313,7 @@ class CtSource(RuntimeScales, CheckpointSource):
             global_scale = self.ckpt.get(gname).reshape(())
         rows = args.block_structure[0] if args.strategy == "block" else 1
         return GridParams(bits=8 if element == "e4m3" else 4, group_size=group, scales=scales,
-                          zeros=torch.zeros(scales.shape, dtype=torch.int8), codebook=element_table(element),
+                          zeros=unused_zeros(scales.shape), codebook=element_table(element),
                           global_scale=global_scale, global_scale_op="div", block_rows=rows)
 
     # -- loading -----------------------------------------------------------------------------------
@@ -352,9 +352,12 @@ class CtSource(RuntimeScales, CheckpointSource):
                 yield self.ckpt.dense_record(name, shard)
 
     def _record(self, prefix: str, shard: str) -> TensorRecord:
-        params, shape = self._params(prefix)
-        return TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p), params=params,
-                            source_file=shard)
+        """The module's record from its headers: the scales and zero points are read when first used (planning,
+        writing: `params_loader`), not held by the record from planning to writing."""
+        args, parts = self.modules[prefix]
+        shape = self._shape(args, parts)
+        return TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p),
+                            source_file=shard, params_loader=lambda p=prefix: self._params(p)[0])
 
     def describe(self) -> dict:
         schemes = {}

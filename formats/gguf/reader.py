@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from ...converters.errors import BadInput
-from ...converters.records import Dense, Grid, GridParams, PackedCodes, TensorRecord
+from ...converters.records import Dense, Grid, GridParams, PackedCodes, TensorRecord, unused_zeros
 from ...kernels.ggml.kblocks import K_ZERO_POINT, unpack_k_blocks
 from ...kernels import floatq
 from ...kernels.ggml.layouts import CODEBOOK_LAYOUTS, FP4_LAYOUTS, GGUF_PY_UNKNOWN, LAYOUTS, LOWBIT_LAYOUTS, Q2_0_PRISM
@@ -742,7 +742,7 @@ class GgufSource(ModelSource):
         else:
             scales = torch.where(scale_bytes == 0x7F, 0, scale_bytes & 0x7F).to(torch.uint8).view(torch.float8_e4m3fn)
             group, post = 16, self._post_scale(t, path, expert)
-        params = GridParams(bits=4, group_size=group, scales=scales, zeros=torch.zeros(scales.shape, dtype=torch.int8),
+        params = GridParams(bits=4, group_size=group, scales=scales, zeros=unused_zeros(scales.shape),
                             codebook=floatq.element_table("e2m1", negative_zero=False),  # ggml's kvalues: code 8 is 0
                             global_scale=post, global_scale_op="post")
         return params, (torch.from_numpy(codes) if with_codes else None), words

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ....converters.plan import TensorPlan
-from ....converters.records import Dense, Grid, GridParams
+from ....converters.records import Dense, Grid, GridParams, unused_zeros
 from ....kernels.floatq import element_table
 from ..layout import UqffType
 from .base import EncodedLayer, FloatGridCodec, keeps_float_codes, u32_tensor
@@ -45,7 +45,7 @@ class Fp8Codec(FloatGridCodec, family="fp8"):
         shape = tuple(wshape)
         scales = scale.reshape(1, 1).expand(shape[0], 1).contiguous()
         params = GridParams(bits=8, group_size=shape[1], scales=scales,
-                            zeros=torch.zeros(scales.shape, dtype=torch.int8), codebook=element_table("e4m3"))
+                            zeros=unused_zeros(scales.shape), codebook=element_table("e4m3"))
         return shape, params
 
     @classmethod

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ....converters.plan import TensorPlan
-from ....converters.records import Dense, Grid, GridParams
+from ....converters.records import Dense, Grid, GridParams, unused_zeros
 from ....kernels.floatq import element_table, float_to_e8m0, pack_fp4, unpack_fp4
 from ..layout import UqffType
 from .base import EncodedLayer, FloatGridCodec, keeps_float_codes
@@ -36,7 +36,7 @@ class Mxfp4Codec(FloatGridCodec, family="mxfp4"):
                 tuple(scales.shape) != (wshape[0], wshape[1] * 2 // 32):
             raise layer.bad(f"MXFP4 weight {list(wshape)} / scales {list(scales.shape)} do not match")
         scales = scales.view(torch.float8_e8m0fnu)
-        params = GridParams(bits=4, group_size=32, scales=scales, zeros=torch.zeros(scales.shape, dtype=torch.int8),
+        params = GridParams(bits=4, group_size=32, scales=scales, zeros=unused_zeros(scales.shape),
                             codebook=element_table("e2m1"))
         return (wshape[0], wshape[1] * 2), params
 
