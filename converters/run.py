@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from .checker import EXACT, NEAR_EXACT, REQUANTIZE
+from .class_tensors import compare as compare_with_class
 from .errors import BadInput, QConvertError, RefusedPlan
 from .model_shapes import Layout, known_layout
 from .output import atomic_output
@@ -49,7 +50,16 @@ def plan_conversion(source: ModelSource, writer: Writer, options: Options,
     needs, and the writer's own (check_model)."""
     if writer.copies_side_files:
         check_side_files(source.side_files())
-    records = writer.adapt_records(finite_params(source.records(), source.path), source)
+    # the reader's own names and shapes, before the writer adapts them (GGUF splits DeepSeek's kv_b_proj):
+    # what transformers' class is asked about (check_required_tensors' `shapes`)
+    read_shapes: dict[str, tuple[int, ...]] = {}
+
+    def noted(records: Iterable[TensorRecord]) -> Iterator[TensorRecord]:
+        for rec in records:
+            read_shapes.setdefault(rec.name, tuple(rec.shape))
+            yield rec
+
+    records = writer.adapt_records(noted(finite_params(source.records(), source.path)), source)
     pairs = []
     for rec, plan in tqdm(writer.plan_records(records, options, source), desc="Checking", unit="tensor",
                           disable=not progress, leave=False):
@@ -57,7 +67,8 @@ def plan_conversion(source: ModelSource, writer: Writer, options: Options,
         pairs.append((rec, mark_standin(rec, plan)))
         rec.release_params()  # the plan holds what it needs; the write reads the parameters with the codes
     plans = [plan for _, plan in pairs]
-    check_required_tensors(source, [rec.name for rec, _ in pairs], {rec.name: rec.source_file for rec, _ in pairs})
+    check_required_tensors(source, [rec.name for rec, _ in pairs], {rec.name: rec.source_file for rec, _ in pairs},
+                           read_shapes)
     writer.check_model(source, plans, options)
     return pairs
 
@@ -112,7 +123,8 @@ _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 _MAX_LAYERS = 1 << 16  # the deepest released models have ~130 layers
 
 
-def check_required_tensors(source, names: list[str], files: dict[str, str] | None = None) -> None:
+def check_required_tensors(source, names: list[str], files: dict[str, str] | None = None,
+                           shapes: dict[str, tuple[int, ...]] | None = None) -> None:
     """What every model needs whatever its format, checked on the records' (Hugging Face) names, which
     every reader yields alike (one `<module>.weight` per quantized linear): some tensors at all;
     `lm_head.weight` when config.json unties it from the embedding (transformers would otherwise start
@@ -122,10 +134,11 @@ def check_required_tensors(source, names: list[str], files: dict[str, str] | Non
     For the architectures whose names are known (model_shapes.KNOWN_LAYOUTS: llama, mistral, qwen2,
     qwen3) also: no name the architecture does not have (a renamed or foreign tensor, a layer at or
     beyond num_hidden_layers), and every tensor of the model present, in every layer (the biases where
-    config.json says the model has them). Other architectures keep only the layer count, with layers
-    beyond it allowed: DeepSeek-V3 stores its multi-token-prediction layer as
-    model.layers.<num_hidden_layers>, and MoE, hybrid (attention / state-space) and pruned models hold
-    different tensors in different layers, so no per-layer rule is safe for them.
+    config.json says the model has them). Other architectures get no per-layer rule of ours (MoE, hybrid
+    and multi-token-prediction models hold different tensors in different layers; DeepSeek-V3 stores its
+    MTP layer as model.layers.<num_hidden_layers>): the embedding, the final norm and complete expert
+    groups (_check_any_architecture), and, given the reader's `shapes`, every tensor transformers' own
+    class loads for the config, in its shape (_check_class_tensors, class_tensors.py).
 
     For every architecture: the embedding, the final norm and the routed experts (_check_any_architecture).
 
@@ -172,6 +185,8 @@ def check_required_tensors(source, names: list[str], files: dict[str, str] | Non
                            f"layer {missing[0]}{more}", path=one_file, tensor=f"model.layers.{missing[0]}")
     if layout is None:
         _check_any_architecture(names, present, config, where, file_of, one_file)
+        if shapes:
+            _check_class_tensors(config, shapes, layer_files, file_of, one_file)
         return
     for name in layout.top_required:
         if name not in present:
@@ -239,6 +254,23 @@ def _check_any_architecture(names: list[str], present: set[str], config: dict, w
                 gap = sorted(full - experts[e])[0]
                 raise BadInput(f"missing: expert {e} lacks what its siblings hold", path=file_of(
                     f"{head}.{e}.{next(iter(experts[e]))}"), tensor=f"{head}.{e}.{gap}")
+
+
+def _check_class_tensors(config: dict, shapes: dict[str, tuple[int, ...]], layer_files: dict[int, Path], file_of,
+                         one_file: Path) -> None:
+    """Every tensor transformers' class for this config.json loads is present, in its shape (class_tensors.py
+    says what is compared and why). Found by scripts/fuzz: a DeepSeek-V3 FP8 checkpoint missing one layer's
+    q_a_layernorm or router, or with the router's bias reshaped [4] -> [1, 4], converted with exit 0."""
+    found = compare_with_class(config, shapes)
+    if found is None:
+        return
+    name, why = found
+    if name in shapes:
+        path = file_of(name)
+    else:
+        m = _LAYER_NAME.match(name)
+        path = layer_files.get(int(m[1]), one_file) if m else one_file
+    raise BadInput(why, path=path, tensor=name)
 
 
 def _not_in_layout(name: str, layout: Layout, n_layers: int | None) -> str:

@@ -41,9 +41,11 @@ def preload_qconvert() -> list[str]:
                 importlib.import_module(info.name)
             except Exception:
                 failed.append(info.name)
+    from qconvert.converters.class_tensors import preload
     from qconvert.converters.registry import all_formats
 
     all_formats()
+    preload()  # transformers' model machinery, which the check of non-llama checkpoints asks (2-4 s a case)
     return failed
 
 

@@ -26,6 +26,9 @@ def _import_capturing_output() -> tuple[bytes, bytes]:
         os.dup2(err.fileno(), 2)
         try:
             import qconvert.converters.apps.cli  # noqa: F401
+            from qconvert.converters.class_tensors import preload
+
+            preload()  # transformers' model machinery (2-4 s), which non-llama checkpoints' checks import
         finally:
             sys.stdout.flush()
             sys.stderr.flush()

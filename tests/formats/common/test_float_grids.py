@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import fixtures
-from helpers import expect_user_error, gguf_tensors, llama_logits, run_cli
+from helpers import edit_safetensors, expect_user_error, gguf_tensors, llama_logits, run_cli
 
 from qconvert.converters.checker import EXACT, NEAR_EXACT, REQUANTIZE, check
 from qconvert.converters.records import GridParams
@@ -643,3 +643,38 @@ def _gguf_of(fmt: str, src: Path, tmp: Path) -> Path:
     out = tmp / "src.gguf"
     run_cli(f"{fmt}->gguf", src, out)
     return out
+
+
+# -- a DeepSeek-V3 FP8 checkpoint with one tensor gone, renamed or reshaped (scripts/fuzz findings: these converted
+# with exit 0 before run.py asked transformers' class what it loads, converters/class_tensors.py) ----------------
+
+def _drop(name):
+    return lambda t: t.pop(name)
+
+
+def _rename(name):
+    return lambda t: t.__setitem__(name + "x", t.pop(name))
+
+
+def _reshape(name, shape):
+    return lambda t: t.__setitem__(name, t[name].reshape(shape))
+
+
+@pytest.mark.parametrize("edit, tensor, needle", [
+    (_drop("model.layers.0.self_attn.q_a_layernorm.weight"), "model.layers.0.self_attn.q_a_layernorm.weight",
+     "missing: DeepseekV3ForCausalLM has it"),
+    (_drop("model.layers.1.mlp.gate.weight"), "model.layers.1.mlp.gate.weight", "missing: DeepseekV3ForCausalLM"),
+    (_rename("model.layers.1.mlp.gate.e_score_correction_bias"), "model.layers.1.mlp.gate.e_score_correction_bias",
+     "missing: DeepseekV3ForCausalLM"),
+    (_reshape("model.layers.1.mlp.gate.e_score_correction_bias", (1, 4)),
+     "model.layers.1.mlp.gate.e_score_correction_bias", "shape (1, 4) is not the (4,) DeepseekV3ForCausalLM has"),
+    (_reshape("model.layers.1.mlp.gate.weight", (2, 256)), "model.layers.1.mlp.gate.weight",
+     "shape (2, 256) is not the (4, 128)"),
+])
+@pytest.mark.parametrize("pair", ["fp8->hf", "fp8->gguf"])
+def test_fp8_deepseek_missing_or_misshapen_tensor_is_refused(edit, tensor, needle, pair, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(_deepseek("transformers"), src)
+    edit_safetensors(src / "model.safetensors", edit)
+    expect_user_error(pair, src, tmp_path, "model.safetensors", f"tensor {tensor}", needle,
+                      out_name="out.gguf" if pair.endswith("gguf") else "out")

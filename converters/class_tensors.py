@@ -1,0 +1,179 @@
+"""The tensors a transformers model class holds for a config.json: names and shapes read from the class itself,
+built on the meta device (no weights, nothing allocated).
+
+Why: for the architectures without per-layer rules (model_shapes.KNOWN_LAYOUTS covers llama, mistral, qwen2 and
+qwen3 only), a checkpoint missing one layer's norm or router, or holding a router bias of another shape, used to
+convert with exit 0 (found by scripts/fuzz on DeepSeek-V3 FP8 checkpoints). transformers' `from_pretrained` is
+the loader every Hugging Face checkpoint is written for, and it starts a missing tensor from random values: the
+class's own state dict is the one authority on what must be there, for every architecture it has, with no table
+of ours to keep in step with it.
+
+What is compared is deliberately narrow, so that no checkpoint transformers loads is refused:
+- only `*ForCausalLM` classes that transformers itself has (no remote code is run); the checkpoint's names go
+  through the class's own load-time renames first (transformers 5's conversion mapping: Mixtral's
+  block_sparse_moe -> mlp, ...), and a tensor a load-time converter rebuilds (fused, split) is checked for
+  presence only, not shape;
+- routed experts are left out (transformers 5 fuses them into 3-D parameters that checkpoints store per
+  expert; run.py checks their completeness itself);
+- tied weights and the class's `_keys_to_ignore_on_load_missing` are not required, and what its
+  `_keys_to_ignore_on_load_unexpected` names (Qwen3.5's `mtp.*` block) is not looked at;
+- when fewer than 90% of the checkpoint's other names are the class's, the checkpoint follows another naming
+  (an older producer's, a converter's), and the comparison is skipped rather than guessed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import warnings
+from functools import lru_cache
+
+import torch
+
+# a config transformers would need minutes to build on the meta device is not a checkpoint anyone converts
+_MAX_LAYERS = 1024
+_MIN_SHARED = 0.9
+
+
+@contextlib.contextmanager
+def _quiet_fds():
+    """transformers' import reports what its optional integrations fail to load (torchao's CUDA libraries, as
+    log records and warnings) and torch's deprecation notes (on the process's own fds): none of it is qconvert's
+    to show, and a refusal must stay one line."""
+    saved = [os.dup(1), os.dup(2)]
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            logging.disable(logging.CRITICAL)
+            try:
+                yield
+            finally:
+                logging.disable(logging.NOTSET)
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, null):
+            os.close(fd)
+
+
+@lru_cache(maxsize=1)
+def _transformers():
+    """transformers with its model-building machinery imported (about 2-4 s, once per process), or None."""
+    try:
+        with _quiet_fds():
+            import transformers
+            import transformers.modeling_utils  # noqa: F401
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+            transformers.logging.set_verbosity_error()
+    except Exception:  # noqa: BLE001 - without transformers there is no class to compare with
+        return None
+    return transformers, CONFIG_MAPPING
+
+
+def preload() -> None:
+    """Import transformers' model machinery now (the tests' fork server and the fuzzer's pool import once and
+    fork)."""
+    _transformers()
+
+
+def _is_expert(name: str) -> bool:
+    return ".experts." in name
+
+
+def class_tensors(config: dict):
+    """(class name, {tensor name: shape}, rename) for the class this config.json names: the tensors it loads
+    (routed experts, tied and ignorable tensors left out) and `rename(checkpoint name) -> (model name, rebuilt)`,
+    transformers' own load-time renaming; None where there is no such class to ask (see the module's
+    docstring)."""
+    classes = config.get("architectures")
+    model_type = config.get("model_type")
+    if not (isinstance(classes, list) and len(classes) == 1 and isinstance(classes[0], str)
+            and classes[0].endswith("ForCausalLM") and isinstance(model_type, str)):
+        return None
+    layers = config.get("num_hidden_layers")
+    if not isinstance(layers, int) or isinstance(layers, bool) or not 0 < layers <= _MAX_LAYERS:
+        return None
+    found = _transformers()
+    if found is None:
+        return None
+    transformers, config_mapping = found
+    cls = getattr(transformers, classes[0], None)
+    if cls is None or model_type not in config_mapping:
+        return None
+    kwargs = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "quantization_config",
+                                                          "transformers_version", "auto_map")}
+    try:
+        with _quiet_fds():
+            hf_config = config_mapping[model_type](**kwargs)
+            with torch.device("meta"):
+                model = cls(hf_config)
+    except Exception:  # noqa: BLE001 - a config the class cannot build is judged by the other checks
+        return None
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items() if not _is_expert(name)}
+    tied = getattr(model, "_tied_weights_keys", None) or ()
+    if getattr(hf_config, "tie_word_embeddings", False):
+        for name in (tied.keys() if isinstance(tied, dict) else tied):
+            shapes.pop(name, None)
+    for pattern in getattr(cls, "_keys_to_ignore_on_load_missing", None) or ():
+        shapes = {n: s for n, s in shapes.items() if not re.search(pattern, n)}
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+        transforms = get_model_conversion_mapping(model)
+    except Exception:  # noqa: BLE001 - a transformers without the 5.x loading API: names compared as they are
+        transforms, rename_source_key = [], None
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta = model.state_dict()
+
+    def rename(name: str) -> tuple[str, bool]:
+        if rename_source_key is None:
+            return name, False
+        try:
+            new, pattern = rename_source_key(name, renamings, converters, model.base_model_prefix, meta)
+        except Exception:  # noqa: BLE001 - a name the mapping cannot take stays as it is
+            return name, False
+        return new, pattern is not None
+
+    ignored = [re.compile(p) for p in getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or ()]
+
+    def rename_loaded(name: str) -> tuple[str, bool] | None:
+        """None for a name transformers ignores on load (Qwen3.5's `mtp.*`, DeepSeek-V3's layer 61)."""
+        if any(p.search(name) for p in ignored):
+            return None
+        return rename(name)
+
+    return cls.__name__, shapes, rename_loaded
+
+
+def compare(config: dict, shapes: dict[str, tuple[int, ...]]):
+    """The first tensor the checkpoint (its records' names and shapes) lacks or holds in another shape than the
+    class loads: (name, message), or None. Experts are not compared (run.py checks them)."""
+    wanted = class_tensors(config)
+    if wanted is None:
+        return None
+    class_name, expected, rename = wanted
+    loaded: dict[str, tuple[str, tuple[int, ...], bool]] = {}  # model name -> (checkpoint name, shape, rebuilt)
+    for name, shape in shapes.items():
+        if not _is_expert(name):
+            renamed = rename(name)
+            if renamed is None:
+                continue
+            model_name, rebuilt = renamed
+            loaded.setdefault(model_name, (name, tuple(shape), rebuilt))
+    if not loaded or sum(n in expected for n in loaded) < _MIN_SHARED * len(loaded):
+        return None
+    for model_name in expected:
+        if model_name not in loaded:
+            return model_name, (f"missing: {class_name} has it for this config.json (transformers would start it "
+                                "from random values)")
+    for model_name, (name, shape, rebuilt) in loaded.items():
+        want = expected.get(model_name)
+        if want is not None and not rebuilt and shape != want:
+            return name, f"shape {shape} is not the {want} {class_name} has for this config.json"
+    return None
