@@ -9,8 +9,8 @@ class's own state dict is the one authority on what must be there, for every arc
 of ours to keep in step with it.
 
 What is compared is deliberately narrow, so that no checkpoint transformers loads is refused:
-- only `*ForCausalLM` classes that transformers itself has (no remote code is run); the checkpoint's names go
-  through the class's own load-time renames first (transformers 5's conversion mapping: Mixtral's
+- only `*ForCausalLM` classes that transformers itself has (no remote code is run); the checkpoint's names that
+  are not already the class's own go through the class's own load-time renames first (transformers 5's conversion mapping: Mixtral's
   block_sparse_moe -> mlp, ...), and a tensor a load-time converter rebuilds (fused, split) is checked for
   presence only, not shape;
 - routed experts are left out (transformers 5 fuses them into 3-D parameters that checkpoints store per
@@ -132,7 +132,10 @@ def class_tensors(config: dict):
     meta = model.state_dict()
 
     def rename(name: str) -> tuple[str, bool]:
-        if rename_source_key is None:
+        # a name that is already the class's own is taken as it is: the load-time renames are written for the
+        # names a release uses (DeepSeek-V4's `norm.` -> `kv_norm.` would move the final norm our reader
+        # already names model.norm.weight)
+        if rename_source_key is None or name in meta:
             return name, False
         try:
             new, pattern = rename_source_key(name, renamings, converters, model.base_model_prefix, meta)
