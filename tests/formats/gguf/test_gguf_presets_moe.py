@@ -36,8 +36,9 @@ from qconvert.formats.gguf.schemes import k_fallback  # noqa: E402
 
 ROOT = Path(__file__).parents[2] / "_fixtures" / "presets_moe"
 FTYPES = {"q2_k": 10, "q3_k_m": 12, "q4_k_s": 14, "q4_k_m": 15, "q5_k_s": 16, "q5_k_m": 17, "q6_k": 18, "q8_0": 7}
-# (the 1-2-bit presets q1_0 / q2_0 / tq1_0 / tq2_0 are compared with llama-quantize in test_gguf_lowbit.py)
-assert set(FTYPES) == set(PRESETS) - {"q1_0", "q2_0", "tq1_0", "tq2_0"}
+# (the 1-2-bit presets q1_0 / q2_0 / tq1_0 / tq2_0 are compared with llama-quantize in test_gguf_lowbit.py, the
+# IQ1 mixes, which need an imatrix, there and in test_gguf_presets.py)
+assert set(FTYPES) == set(PRESETS) - {"q1_0", "q2_0", "tq1_0", "tq2_0", "iq1_s", "iq1_m"}
 assert all(PRESETS[k].file_type == v for k, v in FTYPES.items())
 
 
