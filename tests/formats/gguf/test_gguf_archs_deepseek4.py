@@ -25,7 +25,6 @@ streams, a hash-routed first layer):
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +33,7 @@ import numpy as np
 import pytest
 
 import fixtures_archs
+from gguf_arch_files import cached as _cached
 from helpers import gguf_tensors, llama_logits, run_cli
 from llama_quantize import llama_quantize
 
@@ -42,18 +42,6 @@ gguf = pytest.importorskip("gguf")
 
 ROOT = Path(__file__).parents[2] / "_fixtures" / "archs"
 PROMPT = fixtures_archs.arch_prompt()
-
-
-def _cached(path: Path, build) -> Path:
-    done = path.with_name(path.name + ".done")
-    if not done.exists():
-        if path.is_dir():
-            shutil.rmtree(path)
-        path.unlink(missing_ok=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        build(path)
-        done.write_text("ok")
-    return path
 
 
 def model_dir(wide: bool = False) -> Path:

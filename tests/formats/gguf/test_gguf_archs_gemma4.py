@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import fixtures_archs
+from gguf_arch_files import cached as _cached
 from helpers import gguf_tensors, llama_logits, run_cli
 from llama_quantize import llama_quantize
 
@@ -35,18 +36,6 @@ ROOT = Path(__file__).parents[2] / "_fixtures" / "archs"
 KINDS = fixtures_archs.GEMMA4_KINDS
 PROMPT = fixtures_archs.arch_prompt()
 LAYERS = 6
-
-
-def _cached(path: Path, build) -> Path:
-    done = path.with_name(path.name + ".done")
-    if not done.exists():
-        if path.is_dir():
-            shutil.rmtree(path)
-        path.unlink(missing_ok=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        build(path)
-        done.write_text("ok")
-    return path
 
 
 def model_dir(kind: str, wide: bool = False) -> Path:

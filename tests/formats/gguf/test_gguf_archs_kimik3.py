@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 
 import fixtures_archs
+from gguf_arch_files import cached as _cached
 from helpers import expect_user_error, gguf_tensors, llama_logits, run_cli
 
 gguf = pytest.importorskip("gguf")
@@ -60,18 +61,6 @@ def _reference_module():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def _cached(path: Path, build) -> Path:
-    done = path.with_name(path.name + ".done")
-    if not done.exists():
-        if path.is_dir():
-            shutil.rmtree(path)
-        path.unlink(missing_ok=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        build(path)
-        done.write_text("ok")
-    return path
 
 
 @pytest.fixture(scope="module")
