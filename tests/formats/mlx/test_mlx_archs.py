@@ -19,13 +19,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+from gguf_arch_files import cached as _cached
 
 REPO = Path(__file__).resolve().parents[3]
 MLX_PY = REPO / ".venvs" / "mlx" / "bin" / "python"
@@ -69,17 +70,6 @@ def _mlx_ready() -> bool:
 
 
 pytestmark = pytest.mark.skipif(not _mlx_ready(), reason="mlx environment missing: bash scripts/test_env.d/40-mlx.sh")
-
-
-def _cached(path: Path, build) -> Path:
-    done = path.with_name(path.name + ".done")
-    if not done.exists():
-        if path.is_dir():
-            shutil.rmtree(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        build(path)
-        done.write_text("ok")
-    return path
 
 
 def source_dir(case: str) -> Path:

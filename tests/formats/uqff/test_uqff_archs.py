@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
 import fixtures_uqff as FU
+from gguf_arch_files import cached as _cached
 
 mistralrs = pytest.importorskip("mistralrs", reason="mistralrs==0.9.5 is installed by scripts/test_env.d/30-mistralrs.sh")
 
@@ -47,17 +47,6 @@ CASES = {
     # architectures (Qwen3_5ForCausalLM) loads it as a text model
     "qwen3_5": ("hybrid-qwen3_5", "auto", 0),
 }
-
-
-def _cached(path: Path, build) -> Path:
-    done = path.with_name(path.name + ".done")
-    if not done.exists():
-        if path.is_dir():
-            shutil.rmtree(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        build(path)
-        done.write_text("ok")
-    return path
 
 
 def source_dir(kind: str) -> Path:
