@@ -87,7 +87,14 @@ class QuarkSource(FloatModuleSource):
         self.quant_config = qc.data
         self.config = conf.model
         self.where = where
-        self.exclude = [e for e in (qc.get("exclude") or []) if isinstance(e, str)]
+        exclude = qc.get("exclude")
+        if exclude is None:
+            exclude = []
+        if not isinstance(exclude, list) or not all(isinstance(e, str) for e in exclude):
+            # Quark's exclude is a list of module-name patterns; anything else is not a list it could have written
+            # (scripts/fuzz found -1e300 here raising a TypeError)
+            raise BadInput("quantization_config.exclude is not a list of module-name patterns", path=where)
+        self.exclude = exclude
         self.layer_configs = qc.get("layer_quant_config") or {}
         if not isinstance(self.layer_configs, dict):
             raise BadInput("quantization_config.layer_quant_config is not an object", path=where)

@@ -102,6 +102,9 @@ BAD = {
     "mxfp8-label-on-mxfp4-codes": (lambda src: _rewrite_config(src, lambda qc: qc["global_quant_config"]["weight"]
                                                                .update(dtype="fp8_e4m3")),
                                    ("scale shape", f"{Q}.weight_scale")),
+    # scripts/fuzz (seed 2028, case 6554): a number for the exclude list raised a TypeError
+    "exclude-not-a-list": (lambda src: _rewrite_config(src, lambda qc: qc.update(exclude=-1e300)),
+                           ("quantization_config.exclude", "config.json")),
     "excluded-but-quantized": (lambda src: _rewrite_config(src, lambda qc: qc["layer_quant_config"].update(
         {f"{Q}": {"weight": None}})), ("not quantized", f"{Q}.weight", "model.safetensors")),
     "scale-shape": (lambda src: _rewrite_tensors(src, lambda t: t.update(
