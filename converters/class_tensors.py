@@ -100,6 +100,9 @@ def class_tensors(config: dict):
         return None
     found = _transformers()
     if found is None:
+        # said, not silent: without transformers the checkpoint's tensors are not checked against the class
+        warnings.warn(f"transformers is not installed, so the checkpoint's tensors were not checked against "
+                      f"{classes[0]}'s (a missing or misshapen one is not caught): pip install transformers")
         return None
     transformers, config_mapping = found
     cls = getattr(transformers, classes[0], None)
