@@ -444,6 +444,9 @@ def _draw(name: str, shape: tuple, gen, gemma: bool, tie: bool, kind: str = ""):
         return 1.0 + 0.2 * (torch.rand(shape, generator=gen) - 0.5)  # the MoE branch's own norms
     if name.startswith(("vision_model.", "multi_modal_projector.")):  # a multimodal tower (Llama 4's): not run here
         return 0.02 * torch.randn(shape, generator=gen)
+    if kind == "gemma4_vl" and name.startswith(("model.vision_tower.", "model.embed_vision.", "model.audio_tower.",
+                                                "model.embed_audio.")):  # Gemma 4's towers: not run here either
+        return 0.02 * torch.randn(shape, generator=gen)
     if name.endswith("indexer.k_norm.bias"):  # a LayerNorm's bias (GLM-5's indexer)
         return 0.1 * torch.randn(shape, generator=gen)
     if kind in HYBRID_KINDS:
@@ -1245,13 +1248,15 @@ def _gemma4_vl(layers: int, wide: bool):
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
     # the released Gemma 4 checkpoints' class: _gemma4_moe's text model (model.language_model.*) beside a one-layer
     # vision tower and its projector (model.vision_tower.*, model.embed_vision.*), which llama.cpp's converter
-    # leaves out of the text GGUF (to its --mmproj run); no audio tower (audio_config None, as the 26B-A4B and 31B
-    # releases); the tower's values are small random ones (nothing here runs it)
+    # leaves out of the text GGUF (to its --mmproj run), and a one-layer audio tower (model.audio_tower.*,
+    # model.embed_audio.*: E2B / E4B carry one) left out the same way; the towers' values are random (not run here)
     text, _, _ = _gemma4_moe(layers, wide)
     text.pad_token_id = 0  # the multimodal forward pads image/audio placeholders with it (released: 0)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64)
-    cfg = Gemma4Config(text_config=text.to_dict(), vision_config=vision, audio_config=None, tie_word_embeddings=True)
+    audio = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, output_proj_dims=32,
+                 subsampling_conv_channels=[8, 4])
+    cfg = Gemma4Config(text_config=text.to_dict(), vision_config=vision, audio_config=audio, tie_word_embeddings=True)
     return cfg, Gemma4ForConditionalGeneration, {}
 
 
