@@ -468,7 +468,8 @@ class GgufWriter(Writer):
         prefix = spec.multimodal.prefix if isinstance(source, _TextModel) else None
         for rec in records:
             if prefix and rec.name.startswith(prefix):  # the text model's tensors, named as its own class names them
-                rec = replace(rec, name=rec.name[len(prefix):], source_name=rec.source_name or rec.name)
+                rec = replace(rec, name=spec.multimodal.renamed + rec.name[len(prefix):],
+                              source_name=rec.source_name or rec.name)
             if self._keeps_mtp(source) and spec.mtp.is_mtp(rec.name, n_layers):
                 # a kept MTP block is named as the layers after the trunk (Qwen3.5's mtp.* too: archs/mtp.py)
                 named = spec.mtp.as_layer(rec.name, n_layers)

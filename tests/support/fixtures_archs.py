@@ -436,13 +436,16 @@ def _draw(name: str, shape: tuple, gen, gemma: bool, tie: bool, kind: str = ""):
             gain = 4.0 if name.endswith("gate_up_proj") else 1.0
             return gain * torch.randn(shape, generator=gen) / shape[-2] ** 0.5
 
-    if kind in GEMMA4_KINDS and len(shape) == 1 and name.endswith(_GEMMA4_SCALES):
+    if kind.startswith("gemma4") and len(shape) == 1 and name.endswith(_GEMMA4_SCALES):
         # Gemma 4's router input scale, per-expert output scale and per-layer output scalar: ~1, each
         # value distinct so that a misplaced one shows
         return 1.0 + 0.4 * (torch.rand(shape, generator=gen) - 0.5)
-    if kind in GEMMA4_KINDS and len(shape) == 1 and name.endswith(("layernorm_1.weight", "layernorm_2.weight")):
+    if kind.startswith("gemma4") and len(shape) == 1 and name.endswith(("layernorm_1.weight", "layernorm_2.weight")):
         return 1.0 + 0.2 * (torch.rand(shape, generator=gen) - 0.5)  # the MoE branch's own norms
     if name.startswith(("vision_model.", "multi_modal_projector.")):  # a multimodal tower (Llama 4's): not run here
+        return 0.02 * torch.randn(shape, generator=gen)
+    if kind == "gemma4_vl" and name.startswith(("model.vision_tower.", "model.embed_vision.", "model.audio_tower.",
+                                                "model.embed_audio.")):  # Gemma 4's towers: not run here either
         return 0.02 * torch.randn(shape, generator=gen)
     if name.endswith("indexer.k_norm.bias"):  # a LayerNorm's bias (GLM-5's indexer)
         return 0.1 * torch.randn(shape, generator=gen)
@@ -480,7 +483,7 @@ def _initialise(model, seed: int, gemma: bool, tie: bool, kind: str = "") -> Non
     named = dict(model.named_parameters())
     # persistent buffers that are weights (DeepSeek's router correction bias); rotary tables are not
     named.update({n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
-    if kind in GEMMA4_KINDS:  # Gemma 4's per-layer output scalar is a saved buffer, not a parameter
+    if kind.startswith("gemma4"):  # Gemma 4's per-layer output scalar is a saved buffer, not a parameter
         named.update({n: b for n, b in model.named_buffers() if n.endswith(".layer_scalar")})
     with torch.no_grad():
         for name in sorted(named):
@@ -1239,3 +1242,22 @@ if __name__ == "__main__":
     ap.add_argument("--wide", action="store_true")
     a = ap.parse_args()
     print(build_arch_model(a.out_dir, a.kind, a.seed, a.layers, a.wide))
+
+
+def _gemma4_vl(layers: int, wide: bool):
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+    # the released Gemma 4 checkpoints' class: _gemma4_moe's text model (model.language_model.*) beside a one-layer
+    # vision tower and its projector (model.vision_tower.*, model.embed_vision.*), which llama.cpp's converter
+    # leaves out of the text GGUF (to its --mmproj run), and a one-layer audio tower (model.audio_tower.*,
+    # model.embed_audio.*: E2B / E4B carry one) left out the same way; the towers' values are random (not run here)
+    text, _, _ = _gemma4_moe(layers, wide)
+    text.pad_token_id = 0  # the multimodal forward pads image/audio placeholders with it (released: 0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64)
+    audio = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, output_proj_dims=32,
+                 subsampling_conv_channels=[8, 4])
+    cfg = Gemma4Config(text_config=text.to_dict(), vision_config=vision, audio_config=audio, tie_word_embeddings=True)
+    return cfg, Gemma4ForConditionalGeneration, {}
+
+
+BUILDERS["gemma4_vl"] = _gemma4_vl

@@ -29,11 +29,13 @@ class TextOfMultimodal:
     """Multimodal classes llama.cpp's converter writes as their text model alone (Llama4ForConditionalGeneration,
     the class of the released Llama 4 checkpoints): its text run merges config.json's `config_key` over the top
     level, reads the tensors under `prefix` as the text model's and leaves the towers (`towers`: names starting so)
-    to the mmproj file its --mmproj run writes."""
+    to the mmproj file its --mmproj run writes. The converter deletes `language_model.` wherever it stands, so the
+    prefix becomes `renamed` (Gemma 4's model.language_model.layers.0 is its causal LM's model.layers.0)."""
     classes: tuple[str, ...]
     config_key: str = "text_config"
     prefix: str = "language_model."
     towers: tuple[str, ...] = ("vision_model.", "multi_modal_projector.")
+    renamed: str = ""
 
     def applies(self, config: Mapping) -> bool:
         archs = config.get("architectures") or []

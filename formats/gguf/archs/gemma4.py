@@ -13,8 +13,10 @@ scalar (layer_output_scale), sliding layers with head_dim and full ones with the
 full layers' "proportional" rope stored as rope_freqs (factor 1 for the rotated pairs, 1e30 for the rest, as
 the converter's generate_extra_tensors), the embedding as the output.
 
-llama.cpp's converter registers Gemma4ForConditionalGeneration and Gemma4ForCausalLM for the text model; this
-entry takes the causal LM (the text model's own checkpoint; a multimodal checkpoint's towers are not read).
+llama.cpp's converter registers Gemma4ForConditionalGeneration (the released checkpoints' class) and
+Gemma4ForCausalLM for the text model: both are taken, the multimodal class as its text model (`multimodal`: its
+text_config, its model.language_model.* tensors as model.*), its vision and audio towers left out as the converter
+leaves them to its --mmproj run.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import gguf
 import numpy as np
 
 from ....converters.errors import BadInput
-from .base import HF_DENSE_BLOCK, GgufArch, expert_count, register_arch
+from .base import HF_DENSE_BLOCK, GgufArch, TextOfMultimodal, expert_count, register_arch
 from ..hparams import MAX_HEADS, MAX_WIDTH, rope_parameters
 
 
@@ -260,8 +262,16 @@ def _gemma4_config(cfg: dict, get, names, cv) -> None:
                    moe_intermediate_size=get("expert_feed_forward_length", required=True, lo=1, hi=MAX_WIDTH))
 
 
+# the released checkpoints' class: the text model under model.language_model. (the converter's TextModel deletes
+# `language_model.`), the towers under model.vision_tower / model.embed_vision / model.audio_tower / model.embed_audio
+# (its filter_tensors skips any name holding vision_ or audio_; Gemma4VisionAudioModel writes them to the mmproj)
+GEMMA4_MULTIMODAL = TextOfMultimodal(("Gemma4ForConditionalGeneration",), prefix="model.language_model.",
+                                     towers=("model.vision_tower.", "model.embed_vision.", "model.audio_tower.",
+                                             "model.embed_audio."), renamed="model.")
+
 register_arch(GgufArch(
-    "gemma4", ("Gemma4ForCausalLM",), ("gemma4_text",), "Gemma4ForCausalLM", "gemma4_text",
+    "gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), ("gemma4_text",), "Gemma4ForCausalLM",
+    "gemma4_text", multimodal=GEMMA4_MULTIMODAL,
     extra_metadata=_gemma4_extra, norms=("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"),
     attention=("attn_q", "attn_output"), block_extra=("attn_q_norm",), tied_output_dropped=True,
     caveats=_gemma4_caveats, hf_block=GEMMA4_BLOCK, tensor_names=GEMMA4_TENSOR_NAMES,

@@ -13,6 +13,10 @@ For each:
   they follow transformers within 0.02 (ggml's GELU: the gap gemma2/gemma3 show too);
 - `--type q8_0` and `--type q4_k_m` (256 wide: K types) equal llama-quantize's bytes of our F32 file;
 - `gguf->hf` loads in transformers as Gemma4ForCausalLM with the source's config fields and logits (0 apart).
+
+Gemma4ForConditionalGeneration (the released checkpoints' class; gemma4_vl: the MoE text model beside vision and
+audio towers) is written as its text model, as llama.cpp's converter writes it: the same checks on that file, its
+towers dropped with a note, and `gguf->hf` gives Gemma4ForCausalLM with the multimodal model's text logits.
 """
 
 from __future__ import annotations
@@ -209,3 +213,52 @@ def test_kv_sharing_llama_cpp_cannot_follow_is_a_caveat(tmp_path):
     warned = [line for line in proc.stderr.splitlines() if "num_kv_shared_layers" in line]
     assert len(warned) == 1 and "layer 4" in warned[0] and "llama.cpp" in warned[0], proc.stderr
     assert out.is_file()
+
+
+def test_multimodal_class_is_written_as_its_text_model(tmp_path):
+    """Gemma4ForConditionalGeneration (the released checkpoints' class: gemma4_moe's text model under
+    model.language_model., vision and audio towers beside it): llama.cpp's converter writes its text model as gemma4 and
+    leaves the tower to its --mmproj run; so does qconvert, byte for byte, each tower tensor dropped with a note;
+    llama.cpp's logits on the two files are the same, and `gguf->hf` gives the text model's class
+    (Gemma4ForCausalLM) with the multimodal model's text logits."""
+    import llama_cpp_reference as ref
+
+    kind = "gemma4_vl"
+    src = model_dir(kind)
+    theirs = _cached(ROOT / f"gemma4-{kind}-ref.gguf",
+                     lambda out: ref.convert_reference(src, out, model_name=f"tiny {kind}"))
+    ours, report = tmp_path / "ours.gguf", tmp_path / "report.json"
+    run_cli("hf->gguf", src, ours, "--type", "f32", "--report", report)
+    assert _same_tensors(ours, theirs) == {"F32"}
+    assert _model_keys(ours) == _model_keys(theirs)
+    assert gguf.GGUFReader(str(ours)).fields["general.architecture"].contents() == "gemma4"
+    planned = json.loads(report.read_text())["tensors"]
+    dropped = {t["name"] for t in planned if t["target"] == "dropped"}
+    towers = {t["name"] for t in planned if t["name"].startswith(("model.vision_tower.", "model.embed_vision.",
+                                                                  "model.audio_tower.", "model.embed_audio."))}
+    assert dropped == towers and {"model.embed_vision.embedding_projection.weight",
+                                  "model.embed_audio.embedding_projection.weight"} <= towers
+    # the audio tower's unclipped linears hold inf bounds: a dropped tensor's values reach nothing, so no refusal
+    assert "model.audio_tower.layers.0.feed_forward1.ffw_layer_1.input_max" in towers
+    assert all("mmproj" in t["reason"] for t in planned if t["target"] == "dropped")
+    assert {"blk.3.ffn_gate_up_exps.weight", "blk.3.ffn_down_exps.scale", "rope_freqs.weight"} <= set(
+        gguf_tensors(ours))
+
+    from transformers import Gemma4ForConditionalGeneration
+    import torch
+
+    model = Gemma4ForConditionalGeneration.from_pretrained(str(src), dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():  # text only: the text model's logits
+        want = model(input_ids=torch.tensor([PROMPT])).logits[0].float().numpy()
+    got = llama_logits(ours, PROMPT)
+    assert np.array_equal(got, llama_logits(theirs, PROMPT))
+    # ggml's GELU against torch's, as the causal LMs' (measured max 0.0068, mean 0.0008); that the text path is
+    # the causal LM's own is shown exactly below (gguf->hf's Gemma4ForCausalLM: 0 apart)
+    assert np.abs(got - want).max() < 0.02, float(np.abs(got - want).max())
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+    assert want.std(axis=-1).min() > 0.3
+    out = tmp_path / "hf"
+    run_cli("gguf->hf", ours, out, "--type", "f32")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Gemma4ForCausalLM"]
+    back = fixtures_archs.transformers_logits(out, PROMPT)
+    assert np.abs(back - want).max() == 0, float(np.abs(back - want).max())
