@@ -462,7 +462,11 @@ class UqffSource(ModelSource):
     def _check_shape(self, name: str, shape: tuple, where: Path) -> None:
         """A tensor's shape against config.json (converters/model_shapes.py), and its layer index."""
         i = layer_index(name)
-        if i is not None and self.shapes.layers is not None and i >= self.shapes.layers:
+        # the multi-token-prediction layers some models keep after the trunk (GLM-4.5 / GLM-5, DeepSeek-V3:
+        # model.layers.<num_hidden_layers + k>, counted by num_nextn_predict_layers) are the model's too
+        nextn = self.config.get("num_nextn_predict_layers") if isinstance(self.config, dict) else None
+        nextn = nextn if isinstance(nextn, int) and not isinstance(nextn, bool) and 0 <= nextn <= 16 else 0
+        if i is not None and self.shapes.layers is not None and i >= self.shapes.layers + nextn:
             raise BadInput(f"layer {i} is beyond config.json's num_hidden_layers {self.shapes.layers}", path=where,
                            tensor=name)
         self.shapes.check_dense(name, tuple(shape), where)

@@ -161,18 +161,19 @@ def test_bnb_4bit_to_iq4_nl_reports_the_measured_error_and_llama_cpp_runs_it(tmp
     down = next(r for r in BnbSource(src).records() if r.name.endswith("mlp.down_proj.weight"))
     x = down.load().dequantize(torch.float32).numpy()
     assert bytes(tensors["blk.0.ffn_down.weight"].data) == ggml_quantize(x, "IQ4_NL").tobytes()
-    # against Q4_K from the same source (4.5 bits per weight both), rmse over the 7 linears, measured:
-    # nf4_dq IQ4_NL 0.00522 (max 0.0223) vs Q4_K 0.00332 (max 0.0153): ratio 1.57;
-    # fp4    IQ4_NL 0.00623 (max 0.0282) vs Q4_K 0.00366 (max 0.0165): ratio 1.70.
-    # (On dense N(0, 1) weights the two are within 7%; these sources hold only 16 levels per 64-block,
-    # which Q4_K's searched scale + min per 32 fits far better than IQ4_NL's one scale and fixed table.)
+    # against `--type Q4_K` from the same source, rmse over the 7 linears. These linears' rows are 128 wide, so
+    # Q4_K falls back as llama-quantize's does: Q5_0 (the fallback for a grid requantized from its values; it was
+    # Q5_1, with a min, before float and codebook grids took llama-quantize's choice), measured:
+    # nf4_dq IQ4_NL 0.00522 vs Q5_0 0.00406: ratio 1.29 (1.57 against Q5_1's 0.00332).
+    # (On dense N(0, 1) weights IQ4_NL and Q4_K are within 7%; these sources hold only 16 levels per 64-block,
+    # which a 5-bit grid fits better than IQ4_NL's one scale and fixed table.)
     q4k = tmp_path / "q4_k.gguf"
     run_cli("bnb->gguf", src, q4k, "--type", "Q4_K", "--allow-requant", "--quiet")
     k_errs = _errors_against_source(q4k, variant)
     rmse_iq = float(np.sqrt(np.mean([e[1] ** 2 for e in errs.values()])))
     rmse_k = float(np.sqrt(np.mean([e[1] ** 2 for e in k_errs.values()])))
     assert 0 < rmse_iq < 0.008 and 0 < rmse_k < 0.005, (rmse_iq, rmse_k)
-    assert 1.3 < rmse_iq / rmse_k < 2.0, (rmse_iq, rmse_k)
+    assert 1.15 < rmse_iq / rmse_k < 2.0, (rmse_iq, rmse_k)
     # llama.cpp runs it: a smoke bound against bitsandbytes' own logits (requantizing moves them, as Q4_K does);
     # measured max 0.777 / rms 0.163 (nf4_dq), 0.784 / 0.186 (fp4); Q4_K: 0.495 / 0.104, 0.467 / 0.112
     logits = llama_logits(out, json.loads((src / "versions.json").read_text())["prompt_ids"])
