@@ -10,9 +10,9 @@ of ours to keep in step with it.
 
 What is compared is deliberately narrow, so that no checkpoint transformers loads is refused:
 - only `*ForCausalLM` classes that transformers itself has (no remote code is run); the checkpoint's names that
-  are not already the class's own go through the class's own load-time renames first (transformers 5's conversion mapping: Mixtral's
-  block_sparse_moe -> mlp, ...), and a tensor a load-time converter rebuilds (fused, split) is checked for
-  presence only, not shape;
+  are not already the class's own go through the class's own load-time renames first (transformers 5's
+  conversion mapping: Mixtral's block_sparse_moe -> mlp, ...), and a tensor a load-time converter rebuilds
+  (fused, split) is checked for presence only, not shape;
 - routed experts are left out (transformers 5 fuses them into 3-D parameters that checkpoints store per
   expert; run.py checks their completeness itself);
 - tied weights and the class's `_keys_to_ignore_on_load_missing` are not required, and what its
@@ -117,7 +117,8 @@ def class_tensors(config: dict):
                 model = cls(hf_config)
     except Exception:  # noqa: BLE001 - a config the class cannot build is judged by the other checks
         return None
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items() if not _is_expert(name)}
+    meta = model.state_dict()  # every name the class loads (meta tensors: names and shapes only)
+    shapes = {name: tuple(t.shape) for name, t in meta.items() if not _is_expert(name)}
     tied = getattr(model, "_tied_weights_keys", None) or ()
     if getattr(hf_config, "tie_word_embeddings", False):
         for name in (tied.keys() if isinstance(tied, dict) else tied):
@@ -132,7 +133,6 @@ def class_tensors(config: dict):
         transforms, rename_source_key = [], None
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    meta = model.state_dict()
 
     def rename(name: str) -> tuple[str, bool]:
         # a name that is already the class's own is taken as it is: the load-time renames are written for the
