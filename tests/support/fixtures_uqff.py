@@ -188,6 +188,17 @@ def mistralrs_logprobs_many(jobs: list[dict], timeout: int = 600) -> list[dict]:
     return [json.loads(Path(a["out"]).read_text()) for a in args]
 
 
+def raw_tensors(d: Path) -> dict:
+    """Every tensor of a UQFF set, read with safetensors only (no code of ours)."""
+    from safetensors import safe_open
+
+    out = {}
+    for shard in sorted(Path(d).glob("*.uqff")):
+        with safe_open(str(shard), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
 def teacher_forced_gap(model_dir: Path, mistral: dict, every_weight: bool = False) -> float:
     """Max |logprob| difference between mistral.rs' top-3 at each greedy step (`mistralrs_logprobs`' output)
     and transformers (float32) on `model_dir`, fed mistral.rs' own prompt ids and chosen tokens (so a near-tie

@@ -62,13 +62,7 @@ def _stem(d: Path) -> str:
     return next(d.glob("*-0.uqff")).name
 
 
-def _raw(d: Path) -> dict:
-    """Every tensor of a UQFF set, read with safetensors only (no code of ours)."""
-    out = {}
-    for shard in sorted(d.glob("*.uqff")):
-        with safe_open(str(shard), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
+_raw = FU.raw_tensors  # every tensor of a UQFF set, read with safetensors only
 
 
 def _layers(d: Path):

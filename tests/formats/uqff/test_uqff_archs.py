@@ -22,7 +22,6 @@ import json
 from pathlib import Path
 
 import pytest
-from safetensors import safe_open
 
 import fixtures_uqff as FU
 from gguf_arch_files import cached as _cached
@@ -60,12 +59,7 @@ def _convert(src_fmt, src, dst_fmt, out, **kw):
     return convert(src_fmt, Path(src), dst_fmt, Path(out), Options(**kw), progress=False)
 
 
-def _raw(d: Path) -> dict:
-    out = {}
-    for shard in sorted(d.glob("*.uqff")):
-        with safe_open(str(shard), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
+_raw = FU.raw_tensors  # every tensor of a UQFF set, read with safetensors only
 
 
 @pytest.fixture(scope="module")
