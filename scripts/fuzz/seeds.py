@@ -134,7 +134,8 @@ class ReaderSeeds:
 
 
 READER_SEEDS: dict[str, ReaderSeeds] = {
-    "gptq": ReaderSeeds("gptq", lambda work: _fixture_seeds("gptq")),
+    # gptqmodel's GPTQ checkpoints of the test models, and its Qwen3.5 (hybrid linear attention) checkpoint
+    "gptq": ReaderSeeds("gptq", lambda work: _fixture_seeds("gptq") + producer("gptq_qwen35/model")(work)),
     "gptq-v2": ReaderSeeds("gptq-v2", lambda work: _fixture_seeds("gptq-v2")),
     "qqq": ReaderSeeds("qqq", lambda work: _fixture_seeds("qqq")),
     "hqq": ReaderSeeds("hqq", lambda work: _fixture_seeds("hqq")),
@@ -149,7 +150,8 @@ READER_SEEDS: dict[str, ReaderSeeds] = {
     "bitsandbytes": ReaderSeeds("bitsandbytes", producer("bitsandbytes/fp4*", "bitsandbytes/int8",
                                                          "bitsandbytes/nf4_dq*")),
     "compressed-tensors": ReaderSeeds("compressed-tensors", producer("compressed_tensors/*")),
-    "mlx": ReaderSeeds("mlx", producer("mlx/*")),
+    # mlx-lm's affine checkpoint (mlx/model) and its mxfp4 / mxfp8 ones (mlx/<mode>/model)
+    "mlx": ReaderSeeds("mlx", producer("mlx/*", "mlx/*/model")),
     "modelopt": ReaderSeeds("modelopt", producer("modelopt/*")),
     # DeepSeek-V3-style FP8 in both block layouts (fixtures_float; the 117 MB `_big` one is too slow to copy)
     "fp8": ReaderSeeds("fp8", fixture("float/deepseek_fp8_deepseek", "float/deepseek_fp8_transformers*")),
