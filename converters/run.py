@@ -33,7 +33,7 @@ from .validate import ConfigView, check_side_files
 from ..kernels import kernel_trace, resolve_device, use_device
 
 __all__ = ["convert", "return_large_buffers", "open_source", "plan_conversion", "resolve_device_option", "device_scope",
-           "check_required_tensors"]
+           "check_required_tensors", "check_model_identity"]
 
 
 def open_source(fmt: str, path: Path, options: Options | None = None) -> ModelSource:
@@ -48,6 +48,7 @@ def plan_conversion(source: ModelSource, writer: Writer, options: Options,
     """Every record the writer takes with its plan, in stream order (the one pass over the source), after the
     model-wide checks: the side files the output carries (first: they are small), the tensors every model
     needs, and the writer's own (check_model)."""
+    check_model_identity(source)
     if writer.copies_side_files:
         check_side_files(source.side_files())
     # the reader's own names and shapes, before the writer adapts them (GGUF splits DeepSeek's kv_b_proj):
@@ -121,6 +122,19 @@ def _refuse_not_finite(what: str, values: torch.Tensor, rec: TensorRecord, sourc
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 _MAX_LAYERS = 1 << 16  # the deepest released models have ~130 layers
+
+
+def check_model_identity(source) -> None:
+    """config.json's `architectures` (class names) and `model_type`, which writers and the class check read
+    before any tensor is planned: anything but a list of strings and a string is refused naming the key (either
+    may be absent)."""
+    config = source.config
+    if not isinstance(config, dict):
+        return
+    path = Path(source.path or ".")
+    view = ConfigView(config, path / "config.json" if path.is_dir() and (path / "config.json").exists() else path)
+    view.str_list("architectures", default=None)
+    view.str("model_type", default=None)
 
 
 def check_required_tensors(source, names: list[str], files: dict[str, str] | None = None,

@@ -189,6 +189,13 @@ class ConfigView:
             raise self._bad(key, v, "a list")
         return v
 
+    def str_list(self, key: str, default: Any = REQUIRED) -> Any:
+        """A list of strings (config.json's `architectures`: class names)."""
+        v = self.list(key, default)
+        if isinstance(v, list) and not all(isinstance(x, str) for x in v):
+            raise self._bad(key, v, "a list of strings")
+        return v
+
     def view(self, key: str, default: Any = REQUIRED) -> "ConfigView | Any":
         """A nested object as a ConfigView (missing with a default: the default, e.g. None)."""
         present, v = self._value(key, default)

@@ -249,11 +249,11 @@ class CheckpointDir:
         for tensor, shard in weight_map.items():
             if not tensor:
                 raise BadInput("weight_map has an empty tensor name", path=index)
-            if shard in checked:
-                continue
-            if not isinstance(shard, str):
+            if not isinstance(shard, str):  # first: a list is not hashable for the set below
                 raise BadInput(f"weight_map value is {json_kind(shard)}: expected a shard file name", path=index,
                                tensor=tensor)
+            if shard in checked:
+                continue
             if not _plain_file_name(shard) or not shard.endswith(".safetensors"):
                 raise BadInput(f"weight_map names shard {shard[:80]!r}: expected a .safetensors file name inside "
                                "the folder (no directories, no ..)", path=index, tensor=tensor)

@@ -171,6 +171,21 @@ def test_model_config_value_of_the_wrong_type_or_range(ckpt, tmp_path, key, valu
     _gguf_error(ckpt, tmp_path, "config.json", f"{key} is {value!r}"[:40])
 
 
+@pytest.mark.parametrize("literal, needle", [
+    ("1e99999", "architectures is inf: expected a list"),  # the fuzzer's case: json reads the literal as inf
+    ('"LlamaForCausalLM"', "architectures is 'LlamaForCausalLM': expected a list"),  # `in` would match substrings
+    ("[3]", "architectures is [3]: expected a list of strings"),
+])
+def test_architectures_that_are_not_class_names(ckpt, tmp_path, literal, needle):
+    """config.json's `architectures` is read by every writer before any tensor (the hf writer's renames, the
+    class check): anything but a list of class names is refused naming the key (the fuzzer found a float
+    raising a TypeError in model_shapes.canonical_name)."""
+    _edit_json(ckpt / "config.json", lambda cfg: cfg.update({"architectures": "@ARCHITECTURES@"}))
+    path = ckpt / "config.json"
+    path.write_text(path.read_text().replace('"@ARCHITECTURES@"', literal))
+    expect_user_error("gptq->hf", ckpt, tmp_path, "config.json", needle, out_name="out")
+
+
 @pytest.mark.parametrize("where", ["config.json", "quantize_config.json"])
 @pytest.mark.parametrize("poison", ["deep", "long number"])
 def test_json_bombs_reach_the_user_as_one_line(ckpt, tmp_path, where, poison):

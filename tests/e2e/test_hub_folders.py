@@ -251,6 +251,7 @@ def _first(index):
     ("absolute", ("'/tmp/model-00001-of-00002.safetensors'", "inside the folder")),
     ("subfolder", ("'sub/model-00001-of-00002.safetensors'", "no directories")),
     ("not-a-string", ("weight_map value is an integer",)),
+    ("a-list", ("weight_map value is an array",)),  # unhashable: a TypeError before the fuzzer found it
     ("not-a-dict", ("weight_map is an array",)),
     ("empty", ("weight_map is an object",)),
     ("missing-shard", ("model-00003-of-00003.safetensors", "missing")),
@@ -270,6 +271,8 @@ def test_malformed_index_is_one_line(gptq_folders, tmp_path, case, needles):
             wm[name] = "sub/" + wm[name]
         elif case == "not-a-string":
             wm[name] = 3
+        elif case == "a-list":
+            wm[name] = [1, 2]
         elif case == "not-a-dict":
             index["weight_map"] = list(wm)
         elif case == "empty":

@@ -24,7 +24,6 @@ import gguf
 import torch
 
 from .base import GgufArch, TextOfMultimodal, expert_keys, moe_config, register_arch, llama_converter_keys
-from ..hparams import MAX_WIDTH
 
 LLAMA4_BLOCK = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
                 "self_attn.v_proj", "self_attn.o_proj", "feed_forward.gate_proj", "feed_forward.up_proj",
