@@ -16,7 +16,8 @@ What is compared is deliberately narrow, so that no checkpoint transformers load
 - routed experts are left out (transformers 5 fuses them into 3-D parameters that checkpoints store per
   expert; run.py checks their completeness itself);
 - tied weights and the class's `_keys_to_ignore_on_load_missing` are not required, and what its
-  `_keys_to_ignore_on_load_unexpected` names (Qwen3.5's `mtp.*` block) is not looked at;
+  `_keys_to_ignore_on_load_unexpected` names is not compared with the class; Qwen3.5's and Qwen3-Next's `mtp.*`
+  block, which it names, is compared with one of the class's own full-attention layers (_compare_mtp_block);
 - when fewer than 90% of the checkpoint's other names are the class's, the checkpoint follows another naming
   (an older producer's, a converter's), and the comparison is skipped rather than guessed.
 """
@@ -182,4 +183,43 @@ def compare(config: dict, shapes: dict[str, tuple[int, ...]]):
         want = expected.get(model_name)
         if want is not None and not rebuilt and shape != want:
             return name, f"shape {shape} is not the {want} {class_name} has for this config.json"
+    ignored_mtp = {n: tuple(s) for n, s in shapes.items()
+                   if n.startswith("mtp.") and not _is_expert(n) and rename(n) is None}
+    return _compare_mtp_block(config, expected, ignored_mtp) if ignored_mtp else None
+
+
+# Qwen3.5 / Qwen3-Next keep a multi-token-prediction block beside the model (`mtp.*`) that transformers ignores on
+# load, but llama.cpp's converter keeps (blk.N.nextn.*) and vLLM's MTP drafter loads: a block missing a tensor or
+# holding a renamed one is as wrong as such a trunk (found by scripts/fuzz on gptqmodel's Qwen3.5). Its own modules
+# (fc over [embedding, hidden], two input norms, a final norm) and, per block layer, the tensors of one of the
+# trunk's full-attention layers, in their shapes.
+_MTP_OWN = {"mtp.fc.weight": lambda h: (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": lambda h: (h,),
+            "mtp.pre_fc_norm_hidden.weight": lambda h: (h,), "mtp.norm.weight": lambda h: (h,)}
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(0|[1-9][0-9]{0,5})\.")
+
+
+def _compare_mtp_block(config: dict, expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]]):
+    hidden = config.get("hidden_size")
+    kinds = config.get("layer_types")
+    full = [i for i, kind in enumerate(kinds) if kind == "full_attention"] if isinstance(kinds, list) else []
+    if not isinstance(hidden, int) or not full:
+        return None  # not the layout this check knows: the block is carried as it is
+    prefix = f"model.layers.{full[0]}."
+    layer = {n[len(prefix):]: s for n, s in expected.items() if n.startswith(prefix)}
+    declared = config.get("mtp_num_hidden_layers")  # Qwen3.5 states it; Qwen3-Next's block is counted
+    if isinstance(declared, int) and not isinstance(declared, bool) and declared > 0:
+        n_layers = declared
+    else:
+        n_layers = 1 + max((int(m[1]) for m in map(_MTP_LAYER.match, found) if m), default=-1)
+    want = {name: shape(hidden) for name, shape in _MTP_OWN.items()}
+    want.update({f"mtp.layers.{i}.{tail}": s for i in range(n_layers) for tail, s in layer.items()})
+    for name in want:
+        if name not in found:
+            return name, ("missing: the multi-token-prediction block beside the model has it (its layers are "
+                          f"full-attention layers such as model.layers.{full[0]})")
+    for name, shape in found.items():
+        if name not in want:
+            return name, "not a tensor of the multi-token-prediction block (mtp.*) this config.json describes"
+        if shape != want[name]:
+            return name, f"shape {shape} is not the {want[name]} of the multi-token-prediction block"
     return None

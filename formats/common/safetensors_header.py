@@ -101,6 +101,8 @@ def read_header(path: Path) -> SafetensorsHeader:
     data_len = size - 8 - n
     tensors: dict[str, TensorEntry] = {}
     for name, info in data.items():
+        if not name:  # no loader can ask for it, and a writer would carry it under no name
+            raise bad("a tensor has an empty name")
         if not isinstance(info, dict):
             raise bad("header entry is not an object", name)
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")

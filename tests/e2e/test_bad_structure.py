@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -589,3 +590,31 @@ def test_act_order_module_without_g_idx(fx, tmp_path):
     plain = _copy(fx["variants"]["v1_b4_g32_sym"]["ckpt"], tmp_path, "plain")
     _edit_tensors(plain, lambda t: t.pop(name))
     run_cli("gptq->hf", plain, tmp_path / "ok", "--quiet")
+
+
+# -- the multi-token-prediction block transformers ignores (class_tensors._compare_mtp_block) -------------------
+
+QWEN35_GPTQ = Path(__file__).parents[1] / "producer_fixtures" / "gptq_qwen35" / "model"  # gptqmodel's, with mtp.*
+
+
+@pytest.mark.parametrize("edit, needles", [
+    (lambda t: t.pop("mtp.layers.0.self_attn.k_norm.weight"),
+     ("tensor mtp.layers.0.self_attn.k_norm.weight", "missing: the multi-token-prediction block")),
+    (lambda t: t.__setitem__("mtp.fuzzed_fc.weight", t.pop("mtp.fc.weight")),
+     ("tensor mtp.fc.weight", "missing: the multi-token-prediction block")),
+    (lambda t: t.__setitem__("mtp.layers.1.input_layernorm.weight", t["mtp.layers.0.input_layernorm.weight"].clone()),
+     ("tensor mtp.layers.1.input_layernorm.weight", "not a tensor of the multi-token-prediction block")),
+    (lambda t: t.__setitem__("mtp.norm.weight", t["mtp.norm.weight"][:64].clone()),
+     ("tensor mtp.norm.weight", "shape (64,) is not the (128,)")),
+    (lambda t: t.__setitem__("", t.pop("mtp.pre_fc_norm_embedding.weight")),  # refused by the header reader
+     ("model.safetensors", "a tensor has an empty name")),
+], ids=["removed", "renamed", "extra-layer", "misshapen", "empty-name"])
+def test_qwen_mtp_block_is_checked_like_the_trunk(tmp_path, edit, needles):
+    """Qwen3.5's `mtp.*` block, which transformers ignores on load but llama.cpp's converter keeps and vLLM's MTP
+    drafter loads, must hold its own modules and one full-attention layer's tensors per declared layer, in their
+    shapes: a removed, renamed, extra or misshapen one converted with exit 0 before (scripts/fuzz, seed 2029). The
+    unmutated checkpoint converts (tests/formats/gguf/test_gguf_archs_hybrid.py)."""
+    folder = tmp_path / "in"
+    shutil.copytree(QWEN35_GPTQ, folder)
+    edit_safetensors(next(folder.glob("*.safetensors")), edit)
+    expect_user_error("gptq->hf", folder, tmp_path, *needles, out_name="out")
