@@ -838,6 +838,40 @@ BUILDERS["gemma4_moe"] = _gemma4_moe
 BUILDERS["gemma4_ple"] = _gemma4_ple
 
 
+# Gemma 4's tokenizer (issue 26): its named special tokens, in Gemma's id order, and chat markers
+GEMMA4_SPECIAL = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")
+GEMMA4_EXTRA_SPECIAL = ("<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|\"|>")
+
+
+def gemma4_tokenizer(out: Path, vocab_size: int | None = None) -> Path:
+    """A tokenizer of Gemma 4's kind, offline: transformers' GemmaTokenizer (BPE with byte fallback, spaces
+    normalised to U+2581, no prefix space, <bos> added) over a vocabulary laid out as Gemma's (pad, eos, bos,
+    unk, mask first, chat tokens as extra special tokens, the 256 <0xXX> byte tokens, then BPE merges trained
+    here on the fixtures' corpus), written with save_pretrained over the byte-level one in ``out``."""
+    from tokenizers import Tokenizer, models, normalizers, trainers
+    from transformers import GemmaTokenizer
+
+    fx = _fixtures()
+    vocab_size = vocab_size or fx.VOCAB_SIZE
+    fixed = list(GEMMA4_SPECIAL) + list(GEMMA4_EXTRA_SPECIAL) + [f"<0x{b:02X}>" for b in range(256)]
+    trained = Tokenizer(models.BPE())
+    trained.normalizer = normalizers.Replace(" ", "\u2581")
+    trained.train_from_iterator(fx._corpus(), trainer=trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=1, show_progress=False))
+    model = json.loads(trained.to_str())["model"]
+    learned = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    room = vocab_size - len(fixed)
+    vocab = {t: i for i, t in enumerate(fixed + learned[:room])}
+    assert len(vocab) == vocab_size, len(vocab)
+    merges = [m for m in model["merges"] if "".join(m if isinstance(m, list) else m.split(" ")) in vocab]
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (Path(out) / name).unlink(missing_ok=True)
+    pairs = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in merges]
+    tok = GemmaTokenizer(vocab=vocab, merges=pairs, extra_special_tokens=list(GEMMA4_EXTRA_SPECIAL), add_bos_token=True)
+    tok.save_pretrained(str(out))
+    return Path(out)
+
+
 # --------------------------------------------------------------------------------------------------
 # DeepSeek-V4 (issue 26, tests/formats/gguf/test_gguf_archs_deepseek4.py): the checkpoint as the release
 # lays it out, which is the only form llama.cpp's converter reads (conversion/deepseek.py DeepseekV4Model:

@@ -206,6 +206,10 @@ class GgufArch:
     # every other, for what one record alone cannot do: Kimi-K3 fuses pairs of vectors into one tensor and
     # strips its text model's `language_model.` prefix
     adapt_stream: Callable[..., Any] | None = field(default=None, repr=False)
+    # the tokenizer model llama.cpp's converter writes a byte-fallback BPE tokenizer.json as: `llama` (SentencePiece
+    # style, scores from the merge ranks) but for Gemma 4, whose converter writes `gemma4` (llama.cpp's BPE over
+    # U+2581-escaped text with the file's merges; tokenizer.py _write_gemma4)
+    byte_fallback_tokenizer: str = "llama"
     # why a GGUF of this architecture is written but not read back (a refusal naming it instead of a misread
     # key); "": read back. Kimi-K3 stores res_norm * res_proj as one tensor and has no transformers class
     not_read: str = ""

@@ -262,3 +262,62 @@ def test_multimodal_class_is_written_as_its_text_model(tmp_path):
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Gemma4ForCausalLM"]
     back = fixtures_archs.transformers_logits(out, PROMPT)
     assert np.abs(back - want).max() == 0, float(np.abs(back - want).max())
+
+
+# strings with runs of spaces, tabs, newlines, bytes no merge covers, CJK and an emoji (byte fallback), and the
+# chat markers (added special tokens)
+TOKENIZER_TEXTS = ["The quick brown fox jumps over the lazy dog.", "Hello  world!\n\n  indented\tand tabs",
+                   "naïve ünïcode — 你好 🙂", "<|turn>user\nWhat is 3.14159?<turn|>\n<|turn>model\n",
+                   " leading space", "def main():\n    print('hello, world')\n"]
+
+
+def tokenizer_model_dir() -> Path:
+    """gemma4_ple's weights beside a tokenizer of Gemma 4's own kind (fixtures_archs.gemma4_tokenizer: the
+    released one's form, byte-fallback BPE over U+2581 for spaces), which llama.cpp's converter writes as
+    tokenizer model `gemma4` (the other fixtures' byte-level tokenizer takes its BPE path)."""
+    def build(d: Path) -> None:
+        d.mkdir(parents=True)
+        for name in ("config.json", "generation_config.json", "model.safetensors"):
+            shutil.copy(model_dir("gemma4_ple") / name, d / name)
+        fixtures_archs.gemma4_tokenizer(d)
+
+    return _cached(ROOT / "tidy-gemma4-tok", build)
+
+
+def _tokenizer_fields(path: Path) -> dict:
+    """Every tokenizer.* key of a GGUF as its bytes in the file (name, value type, values)."""
+    r = gguf.GGUFReader(str(path))
+    return {k: b"".join(bytes(p) for p in f.parts) for k, f in r.fields.items() if k.startswith("tokenizer.")}
+
+
+def test_gemma4_tokenizer_is_the_converters(tmp_path):
+    """A tokenizer of Gemma 4's kind is written as llama.cpp's converter writes it (model `gemma4`: the merges,
+    scores -1000, its token types, no space prefix, <bos> added), every tokenizer key byte for byte; llama.cpp
+    tokenizes with it as transformers does, and `gguf->hf` gives a tokenizer that does too."""
+    import llama_cpp_reference as ref
+    from transformers import AutoTokenizer
+
+    src = tokenizer_model_dir()
+    theirs = _cached(ROOT / "tidy-gemma4-tok-ref.gguf",
+                     lambda out: ref.convert_reference(src, out, model_name="tiny gemma4_ple"))
+    ours = tmp_path / "ours.gguf"
+    run_cli("hf->gguf", src, ours, "--type", "f32")
+    a, b = _tokenizer_fields(ours), _tokenizer_fields(theirs)
+    assert sorted(a) == sorted(b)
+    for key in b:
+        assert a[key] == b[key], key
+    fields = gguf.GGUFReader(str(ours)).fields
+    assert fields["tokenizer.ggml.model"].contents() == "gemma4" and "tokenizer.ggml.pre" not in fields
+    assert set(fields["tokenizer.ggml.scores"].contents()) == {-1000.0}
+
+    want = [AutoTokenizer.from_pretrained(str(src)).encode(t) for t in TOKENIZER_TEXTS]
+    assert all(w[0] == 2 for w in want) and any(len(w) > 12 for w in want)  # <bos> added, merges at work
+    llm = llama_cpp.Llama(str(ours), vocab_only=True, verbose=False)
+    try:
+        assert [llm.tokenize(t.encode(), add_bos=True, special=True) for t in TOKENIZER_TEXTS] == want
+    finally:
+        llm.close()
+    out = tmp_path / "hf"
+    run_cli("gguf->hf", ours, out, "--type", "f32")
+    back = AutoTokenizer.from_pretrained(str(out))
+    assert [back.encode(t) for t in TOKENIZER_TEXTS] == want
