@@ -444,8 +444,9 @@ def _draw(name: str, shape: tuple, gen, gemma: bool, tie: bool, kind: str = ""):
         return 1.0 + 0.2 * (torch.rand(shape, generator=gen) - 0.5)  # the MoE branch's own norms
     if name.startswith(("vision_model.", "multi_modal_projector.")):  # a multimodal tower (Llama 4's): not run here
         return 0.02 * torch.randn(shape, generator=gen)
-    if kind == "gemma4_vl" and name.startswith(("model.vision_tower.", "model.embed_vision.", "model.audio_tower.",
-                                                "model.embed_audio.")):  # Gemma 4's towers: not run here either
+    if kind.startswith("gemma4_vl") and name.startswith(("model.vision_tower.", "model.embed_vision.",
+                                                         "model.audio_tower.", "model.embed_audio.")):
+        # Gemma 4's towers: not run here either
         return 0.02 * torch.randn(shape, generator=gen)
     if name.endswith("indexer.k_norm.bias"):  # a LayerNorm's bias (GLM-5's indexer)
         return 0.1 * torch.randn(shape, generator=gen)
@@ -1295,3 +1296,20 @@ def _gemma4_vl(layers: int, wide: bool):
 
 
 BUILDERS["gemma4_vl"] = _gemma4_vl
+
+
+def _gemma4_vl_ple(layers: int, wide: bool):
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+    # Gemma4ForConditionalGeneration as E2B / E4B are released: _gemma4_ple's text model (per-layer embeddings,
+    # KV-shared layers with the double-wide MLP) beside _gemma4_vl's vision and audio towers, with a tokenizer
+    # of Gemma 4's own kind (TOKENIZER_EXTRAS: gemma4_tokenizer)
+    text, _, _ = _gemma4_ple(layers, wide)
+    text.pad_token_id = 0
+    vl, _, _ = _gemma4_vl(layers, wide)
+    cfg = Gemma4Config(text_config=text.to_dict(), vision_config=vl.vision_config.to_dict(),
+                       audio_config=vl.audio_config.to_dict(), tie_word_embeddings=True)
+    return cfg, Gemma4ForConditionalGeneration, {}
+
+
+BUILDERS["gemma4_vl_ple"] = _gemma4_vl_ple
+TOKENIZER_EXTRAS["gemma4_vl_ple"] = gemma4_tokenizer
