@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import gguf
 import torch
@@ -72,14 +72,82 @@ def _arch_enum(arch: str) -> gguf.MODEL_ARCH:
 _NOT_LOADED = {gguf.MODEL_TENSOR.ATTN_ROT_EMBD}
 
 
+def _as_module_name(hf_name: str) -> str:
+    """An HF tensor name in the form the name maps are looked up with: a bare parameter that llama.cpp's
+    converters name as a module's weight or bias is given that suffix (gguf-py's maps, and the tables of
+    `ArchNameTable`, name modules)."""
+    # the router's score-correction bias (DeepSeek-V3) is a parameter named ..._bias, mapped as a .bias
+    hf_name = re.sub(r"\.e_score_correction_bias$", ".e_score_correction.bias", hf_name)
+    # gpt-oss's attention sinks are a bare parameter (self_attn.sinks); llama.cpp names the tensor
+    # attn_sinks.weight (its converter appends .weight: conversion/gpt_oss.py filter_tensors)
+    hf_name = re.sub(r"\.self_attn\.sinks$", ".self_attn.sinks.weight", hf_name)
+    # Gated DeltaNet's step bias (Qwen3.5 / Qwen3-Next linear_attn.dt_bias) is llama.cpp's ssm_dt.bias (its
+    # converter renames it dt_proj.bias: conversion/qwen.py Qwen3NextModel.modify_tensors)
+    return re.sub(r"\.linear_attn\.dt_bias$", ".linear_attn.dt_proj.bias", hf_name)
+
+
+def _as_parameter_name(hf_name: str) -> str:
+    """`_as_module_name` undone: the HF name of the parameter a looked-up name stands for."""
+    hf_name = re.sub(r"\.e_score_correction\.bias$", ".e_score_correction_bias", hf_name)
+    hf_name = re.sub(r"\.self_attn\.sinks\.weight$", ".self_attn.sinks", hf_name)
+    return re.sub(r"\.linear_attn\.dt_proj\.bias$", ".linear_attn.dt_bias", hf_name)
+
+
+class ArchNameTable:
+    """The name map of an architecture the installed gguf-py (0.19) does not name, from the entry's own table
+    (GgufArch.name_table): it answers the two lookups names.py asks of gguf-py's TensorNameMap
+    (get_type_and_name, get_name) for block 0, and gives the table's inverse for reading back.
+
+    A new architecture needs a table when `gguf.MODEL_ARCH_NAMES` lacks it (DeepSeek-V4, Kimi-K3): the names
+    then come from the gguf-py vendored in llama.cpp's sources (constants.py TENSOR_NAMES / MODEL_TENSORS,
+    tensor_mapping.py), which the package never imports at run time, so the entry mirrors them and its test
+    checks the mirror against that gguf-py. Drop the table when the installed gguf names the architecture.
+
+    Table keys are HF names of block 0 (`model.layers.0.` + the module; `model.`/`lm_head` outside the layers):
+    a module (`...self_attn.q_a_proj` -> `blk.0.attn_q_a`: the tensor's .weight / .bias follows, as in
+    gguf-py's maps) or a whole tensor name (`model.hc_head.hc_fn` -> `output_hc_fn.weight`: a bare parameter
+    the converter names as a weight). A tensor kind is gguf 0.19's MODEL_TENSOR where it has the GGUF name
+    (the expert stacks: names.py recognises them by it), else the name in capitals."""
+
+    def __init__(self, table: Mapping[str, str]) -> None:
+        self.mapping: dict[str, tuple[object, str]] = {
+            _as_module_name(hf): (_INSTALLED_KINDS.get(_kind_key(name), name.upper()), name)
+            for hf, name in table.items()}
+        self.inverse: dict[str, str] = {name: hf for hf, (_, name) in self.mapping.items()}
+
+    def get_type_and_name(self, key: str, try_suffixes: Sequence[str] = ()) -> tuple[object, str] | None:
+        if key in self.mapping:
+            return self.mapping[key]
+        for suffix in try_suffixes:
+            if key.endswith(suffix) and key[: -len(suffix)] in self.mapping:
+                kind, name = self.mapping[key[: -len(suffix)]]
+                return kind, name + suffix
+        return None
+
+    def get_name(self, key: str, try_suffixes: Sequence[str] = ()) -> str | None:
+        found = self.get_type_and_name(key, try_suffixes)
+        return None if found is None else found[1]
+
+
+# gguf 0.19's tensor kinds by name (`blk.{bid}.ffn_gate_exps` -> FFN_GATE_EXP), for the tables' kinds
+_INSTALLED_KINDS = {name: kind for kind, name in gguf.TENSOR_NAMES.items()}
+
+
+def _kind_key(gguf_name: str) -> str:
+    """A table's GGUF name as gguf-py's TENSOR_NAMES spells it (block 0 -> {bid}, no .weight / .bias)."""
+    base = re.sub(r"\.(weight|bias)$", "", gguf_name)
+    return "blk.{bid}." + base[len("blk.0."):] if base.startswith("blk.0.") else base
+
+
 @lru_cache(maxsize=8)
-def _name_map(arch: str) -> gguf.TensorNameMap:
+def _name_map(arch: str) -> gguf.TensorNameMap | ArchNameTable:
     """gguf's name map for one block: names of block i are those of block 0 with the index swapped,
     so mapping a name costs the same whatever num_hidden_layers says (gguf's map of n blocks holds
-    every name of every block: a config's 2**31 layers would build it for hours)."""
+    every name of every block: a config's 2**31 layers would build it for hours). An architecture gguf 0.19
+    does not name maps by its entry's own table (ArchNameTable)."""
     spec = arch_by_name(arch)
-    if spec is not None and spec.name_map is not None:  # an architecture gguf 0.19 does not know (Kimi-K3)
-        return spec.name_map()
+    if spec is not None and spec.name_table is not None:
+        return ArchNameTable(spec.name_table)
     return gguf.get_tensor_name_map(_arch_enum(arch), 1)
 
 
@@ -110,22 +178,7 @@ def gguf_tensor_name(hf_name: str, arch: str, n_layers: int) -> str | None:
     member = expert_name(hf_name)
     if member is not None:
         hf_name = member[0]
-    table = arch_by_name(arch).name_table if arch_by_name(arch) is not None else None
-    if table is not None:  # an architecture gguf-py does not name: the entry's own table (archs/deepseek4.py)
-        base, layer = _split_index(hf_name)
-        name = table.get(base)
-        if name is None or (layer is not None and layer >= int(n_layers)) or \
-                (member is not None and not is_expert_stack(name)):
-            return None
-        return name if layer is None else f"blk.{layer}." + name[len("blk.0."):]
-    # the router's score-correction bias (DeepSeek-V3) is a parameter named ..._bias, mapped as a .bias
-    hf_name = re.sub(r"\.e_score_correction_bias$", ".e_score_correction.bias", hf_name)
-    # gpt-oss's attention sinks are a bare parameter (self_attn.sinks); llama.cpp names the tensor
-    # attn_sinks.weight (its converter appends .weight: conversion/gpt_oss.py filter_tensors)
-    hf_name = re.sub(r"\.self_attn\.sinks$", ".self_attn.sinks.weight", hf_name)
-    # Gated DeltaNet's step bias (Qwen3.5 / Qwen3-Next linear_attn.dt_bias) is llama.cpp's ssm_dt.bias (its
-    # converter renames it dt_proj.bias: conversion/qwen.py Qwen3NextModel.modify_tensors)
-    hf_name = re.sub(r"\.linear_attn\.dt_bias$", ".linear_attn.dt_proj.bias", hf_name)
+    hf_name = _as_module_name(hf_name)
     base, layer = _split_index(hf_name)
     if layer is not None and layer >= int(n_layers):
         return None
@@ -196,6 +249,8 @@ def _inverse_map(arch: str) -> dict[str, str]:
     """GGUF base name -> HF module name, for the HF naming of the architecture's class (block 0 stands
     for every block)."""
     tmap = _name_map(arch)
+    if isinstance(tmap, ArchNameTable):  # the entry's own table: its inverse, whole tensor names included
+        return dict(tmap.inverse)
     inv: dict[str, str] = {}
     block = arch_by_name(arch).hf_block
     for hf in list(_HF_GLOBAL) + [f"model.layers.0.{m}" for m in block]:
@@ -214,13 +269,6 @@ def hf_tensor_name(gguf_name: str, arch: str, n_layers: int) -> str | None:
     base, layer = _split_index(gguf_name)
     if layer is not None and layer >= int(n_layers):
         return None
-    table = arch_by_name(arch).name_table if arch_by_name(arch) is not None else None
-    if table is not None:  # the entry's own table, inverted (archs/deepseek4.py)
-        hf = {g: h for h, g in table.items()}.get(base)
-        if hf is None or layer is None:
-            return hf
-        head, sep, tail = hf.partition(".0.")
-        return f"{head}.{layer}.{tail}" if sep else None
     own = _own_names(arch)[1].get(base)
     if own is not None:
         return own if layer is None else f"model.layers.{layer}." + own[len("model.layers.0."):]
@@ -228,19 +276,16 @@ def hf_tensor_name(gguf_name: str, arch: str, n_layers: int) -> str | None:
     if mtp is not None and mtp.kept and nextn_hf_module(gguf_name) is not None:  # an MTP block's own tensor
         return nextn_hf_module(gguf_name)
     inv = _inverse_map(arch)
-    hf = None
-    for suffix in (".weight", ".bias"):
-        if base.endswith(suffix):
-            module = inv.get(base[: -len(suffix)])
-            hf = None if module is None else module + suffix
-            break
-    else:
-        hf = inv.get(base)
+    hf = inv.get(base)  # a bare GGUF name (ssm_a), or a whole tensor name of an ArchNameTable
+    if hf is None:
+        for suffix in (".weight", ".bias"):
+            if base.endswith(suffix):
+                module = inv.get(base[: -len(suffix)])
+                hf = None if module is None else module + suffix
+                break
     if hf is None:
         return None
-    hf = re.sub(r"\.e_score_correction\.bias$", ".e_score_correction_bias", hf)
-    hf = re.sub(r"\.self_attn\.sinks\.weight$", ".self_attn.sinks", hf)
-    hf = re.sub(r"\.linear_attn\.dt_proj\.bias$", ".linear_attn.dt_bias", hf)
+    hf = _as_parameter_name(hf)
     if layer is None or not base.startswith("blk.0."):
         return None if layer is not None or hf.startswith("model.layers.") else hf
     return f"model.layers.{layer}." + hf[len("model.layers.0."):]

@@ -8,6 +8,8 @@ Writing (:func:`add_tokenizer`) supports what llama.cpp can run:
   reference converter's hash table; an unknown splitter is refused instead of written.
 * llama-2 style HF ``tokenizer.json`` (BPE with ``byte_fallback``) -> model ``llama``: tokens, scores
   (from the merge ranks) and types derived from the json itself.
+* Gemma 4's byte-fallback BPE ``tokenizer.json`` -> model ``gemma4`` (the architecture's
+  ``byte_fallback_tokenizer``): tokens, merges, scores -1000 and types as its converter writes them.
 * SentencePiece ``tokenizer.model`` -> model ``llama`` through ``gguf.SentencePieceVocab`` (needs the
   optional ``sentencepiece`` package, imported lazily).
 
@@ -15,7 +17,7 @@ Special token ids, ``add_bos``/``add_eos`` and the chat template go through ``gg
 The token list is padded to the embedding rows with ``[PAD{i}]`` tokens of type UNUSED.
 
 Reading back (:func:`tokenizer_files_from_gguf`) writes a ``tokenizer.json`` + ``tokenizer_config.json``
-that ``tokenizers`` / ``transformers.AutoTokenizer`` load, for ``gpt2`` models.
+that ``tokenizers`` / ``transformers.AutoTokenizer`` load, for ``gpt2``, ``llama`` and ``gemma4`` models.
 """
 
 from __future__ import annotations
@@ -448,6 +450,10 @@ class _OutOfRangeIds(logging.Filter):
         self.ids: list[tuple[str, int]] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("Unknown separator token"):
+            # a pair template's second special token (Gemma's `<bos> A <bos> B`): gguf-py writes no add_sep,
+            # as llama.cpp's converter does, and llama.cpp encodes no pairs; nothing for the user to act on
+            return False
         m = self._TEXT.match(record.getMessage())
         if m:
             self.ids.append((m.group(1), int(m.group(2))))
@@ -457,7 +463,8 @@ class _OutOfRangeIds(logging.Filter):
 
 def _special_vocab(model_dir: Path, config: Mapping, n_vocab: int, *, merges: bool,
                    unk_token_id: int | None, add_bos_default: bool,
-                   fallback_ids: Mapping[str, int] | None = None) -> gguf.SpecialVocab:
+                   fallback_ids: Mapping[str, int] | None = None,
+                   add_eos_default: bool | None = False) -> gguf.SpecialVocab:
     _check_side_json(model_dir)
     skipped = _OutOfRangeIds()
     vocab_logger = logging.getLogger("gguf.vocab")
@@ -486,7 +493,8 @@ def _special_vocab(model_dir: Path, config: Mapping, n_vocab: int, *, merges: bo
     for typ, tid in (fallback_ids or {}).items():
         sv.special_token_ids.setdefault(typ, tid)
     sv.add_special_token.setdefault("bos", add_bos_default)
-    sv.add_special_token.setdefault("eos", False)
+    if add_eos_default is not None:  # None: add_eos_token only where the tokenizer files say it
+        sv.add_special_token.setdefault("eos", add_eos_default)
     for typ in ("bos", "eos"):
         if sv.add_special_token.get(typ) and typ not in sv.special_token_ids:
             raise BadInput(f"the tokenizer adds a {typ.upper()} token but names no {typ}_token id",
@@ -514,6 +522,9 @@ def add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path, config: Mapping, n_v
         _check_side_json(model_dir)
         model = tj.get("model") or {}
         mtype = _model_type(model)
+        if mtype == "BPE" and model.get("byte_fallback") and _byte_fallback_model(writer) == "gemma4":
+            _write_gemma4(writer, tj, tj_path, model_dir, config, n_vocab)
+            return
         if mtype == "BPE" and model.get("byte_fallback"):
             tokens, scores, types, prefix = _llama_hf_vocab(tj, n_vocab, tj_path)
             unk_tok = model.get("unk_token")
@@ -578,6 +589,84 @@ def _write_gpt2(writer: gguf.GGUFWriter, tj: Mapping, tj_path: Path, model_dir: 
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     sv.add_to_gguf(writer, quiet=True)
+
+
+def _byte_fallback_model(writer: gguf.GGUFWriter) -> str:
+    """The tokenizer model the architecture's converter writes a byte-fallback BPE tokenizer.json as
+    (archs: byte_fallback_tokenizer; `llama` unless the entry says otherwise)."""
+    from .archs import arch_by_name
+
+    spec = arch_by_name(getattr(writer, "arch", ""))
+    return spec.byte_fallback_tokenizer if spec is not None else "llama"
+
+
+def _special_token_texts(model_dir: Path) -> set[str]:
+    """The texts transformers counts among a tokenizer's special tokens (all_special_tokens): the named ones
+    (bos_token, eos_token, ...) and the extra / additional special tokens of tokenizer_config.json, then of
+    special_tokens_map.json for a name the former lacks (an AddedToken may be saved as {"content": ...})."""
+    def text(value: Any) -> str | None:
+        if isinstance(value, Mapping):
+            value = value.get("content")
+        return value if isinstance(value, str) else None
+
+    named: dict[str, str] = {}
+    extra: list[str] = []
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        cfg = read_json(path)
+        for key in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"):
+            if key not in named and text(cfg.get(key)) is not None:
+                named[key] = text(cfg[key])
+        for key in ("extra_special_tokens", "additional_special_tokens"):
+            values = cfg.get(key)
+            values = list(values.values()) if isinstance(values, Mapping) else values
+            if isinstance(values, list) and not extra:
+                extra = [t for t in map(text, values) if t is not None]
+    return set(named.values()) | set(extra)
+
+
+# Gemma 4's chat markers its converter types USER_DEFINED whatever the tokenizer says, "so that the chat parser
+# can read them" (llama.cpp renders a USER_DEFINED token's text; a CONTROL one's never)
+GEMMA4_VISIBLE_TOKENS = frozenset({"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+                                   "<tool_response|>", '<|"|>'})
+
+
+def _write_gemma4(writer: gguf.GGUFWriter, tj: Mapping, tj_path: Path, model_dir: Path, config: Mapping,
+                  n_vocab: int) -> None:
+    """Gemma 4's byte-fallback BPE tokenizer as its converter writes it (conversion/gemma.py Gemma4Model.set_vocab,
+    through gguf-py's LlamaHfVocab) and llama.cpp's `gemma4` tokenizer runs it: BPE with the tokenizer.json's
+    merges over text whose spaces become U+2581 (no pre-tokenizer name: the model implies it), every score
+    -1000, types BYTE for <0xXX>, CONTROL for transformers' special tokens, USER_DEFINED for added non-special
+    ones and the chat markers above, NORMAL otherwise; no space prefix, <bos> always added."""
+    tokens, types, added = _token_table(tj, n_vocab, tj_path)
+    special = _special_token_texts(model_dir)
+    byte_re = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+    base = len(tj["model"].get("vocab") or {})  # transformers' vocab_size: the model's own tokens
+    for i, tok in enumerate(tokens):
+        if types[i] == int(TT.UNUSED):
+            continue
+        if i < base and byte_re.fullmatch(tok):
+            types[i] = int(TT.BYTE)
+        elif i < base or tok in special:
+            types[i] = int(TT.CONTROL if tok in special else TT.NORMAL)
+        else:
+            types[i] = int(TT.USER_DEFINED)
+        if tok in GEMMA4_VISIBLE_TOKENS:
+            types[i] = int(TT.USER_DEFINED)
+    sv = _special_vocab(model_dir, config, n_vocab, merges=True, unk_token_id=None, add_bos_default=True,
+                        add_eos_default=None)
+    sv.add_special_token["bos"] = True  # whatever tokenizer_config.json says (llama.cpp forces it for gemma4 too)
+    if not sv.merges:
+        raise BadInput("Gemma 4's byte-fallback BPE tokenizer.json has no merges (llama.cpp's gemma4 tokenizer "
+                       "merges by them)", path=tj_path)
+    writer.add_tokenizer_model("gemma4")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([-1000.0] * len(tokens))
+    writer.add_token_types(types)
+    sv.add_to_gguf(writer, quiet=True)
+    writer.add_add_space_prefix(False)
 
 
 def _add_named_special_tokens(sv: gguf.SpecialVocab, tokens: Sequence[str], arch: str, model_dir: Path) -> None:
@@ -684,13 +773,14 @@ def tokenizer_files_from_gguf(fields: Any, out_dir: Path, *, path: object = None
     (a :class:`gguf.GGUFReader`, its ``fields`` or a plain dict) that ``tokenizers`` and
     ``transformers.AutoTokenizer`` load: byte-level BPE for model ``gpt2`` (merges and the
     pre-tokenizer of ``tokenizer.ggml.pre``), a byte-fallback BPE with merges rebuilt from the scores
-    for model ``llama`` (SentencePiece style). Returns the written paths."""
+    for model ``llama`` (SentencePiece style), and with the file's merges for model ``gemma4``. Returns the
+    written paths."""
     kv = field_values(fields)
     _check_tokenizer_kv(kv, path)
     model = kv.get("tokenizer.ggml.model")
-    if model not in ("gpt2", "llama"):
+    if model not in ("gpt2", "llama", "gemma4"):
         raise BadInput(f"GGUF tokenizer model {model!r} cannot be turned into a tokenizer.json "
-                       "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)", path=path)
+                       "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece, 'gemma4')", path=path)
     tokens: list[str] = [t.decode("utf-8", "replace") if isinstance(t, bytes) else t
                          for t in kv.get("tokenizer.ggml.tokens") or []]
     if not tokens:
@@ -716,7 +806,7 @@ def tokenizer_files_from_gguf(fields: Any, out_dir: Path, *, path: object = None
     bos, eos = tok_at("tokenizer.ggml.bos_token_id"), tok_at("tokenizer.ggml.eos_token_id")
     pad, unk = tok_at("tokenizer.ggml.padding_token_id"), tok_at("tokenizer.ggml.unknown_token_id")
     # llama.cpp's defaults when the flags are absent: SentencePiece adds BOS, byte-level BPE does not
-    add_bos = bool(kv.get("tokenizer.ggml.add_bos_token", model == "llama")) and bos is not None
+    add_bos = bool(kv.get("tokenizer.ggml.add_bos_token", model in ("llama", "gemma4"))) and bos is not None
     add_eos = bool(kv.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
 
     if add_bos or add_eos:
@@ -748,6 +838,18 @@ def tokenizer_files_from_gguf(fields: Any, out_dir: Path, *, path: object = None
         except BadInput as e:
             raise BadInput(e.detail, path=path) from None
         decoder = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+    elif model == "gemma4":
+        # Gemma 4's own form (GemmaTokenizer's): BPE with the file's merges and byte fallback over text whose
+        # spaces are U+2581, no pre-split and no prefix space, as llama.cpp's gemma4 tokenizer runs it
+        bpe = {"byte_fallback": True, "ignore_merges": False, "unk_token": unk,
+               "merges": [list(p) for p in _merge_pairs(kv.get("tokenizer.ggml.merges") or [])]}
+        if not bpe["merges"]:
+            raise BadInput("GGUF gemma4 tokenizer has no tokenizer.ggml.merges", path=path)
+        normalizer = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+        pre_tokenizer = None
+        decoder = {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"},
+            {"type": "Fuse"}]}
     else:
         scores = list(kv.get("tokenizer.ggml.scores") or [])
         if len(scores) != len(tokens):

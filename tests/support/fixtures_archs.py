@@ -444,8 +444,9 @@ def _draw(name: str, shape: tuple, gen, gemma: bool, tie: bool, kind: str = ""):
         return 1.0 + 0.2 * (torch.rand(shape, generator=gen) - 0.5)  # the MoE branch's own norms
     if name.startswith(("vision_model.", "multi_modal_projector.")):  # a multimodal tower (Llama 4's): not run here
         return 0.02 * torch.randn(shape, generator=gen)
-    if kind == "gemma4_vl" and name.startswith(("model.vision_tower.", "model.embed_vision.", "model.audio_tower.",
-                                                "model.embed_audio.")):  # Gemma 4's towers: not run here either
+    if kind.startswith("gemma4_vl") and name.startswith(("model.vision_tower.", "model.embed_vision.",
+                                                         "model.audio_tower.", "model.embed_audio.")):
+        # Gemma 4's towers: not run here either
         return 0.02 * torch.randn(shape, generator=gen)
     if name.endswith("indexer.k_norm.bias"):  # a LayerNorm's bias (GLM-5's indexer)
         return 0.1 * torch.randn(shape, generator=gen)
@@ -836,6 +837,40 @@ def _gemma4_ple(layers: int, wide: bool):
 
 BUILDERS["gemma4_moe"] = _gemma4_moe
 BUILDERS["gemma4_ple"] = _gemma4_ple
+
+
+# Gemma 4's tokenizer (issue 26): its named special tokens, in Gemma's id order, and chat markers
+GEMMA4_SPECIAL = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")
+GEMMA4_EXTRA_SPECIAL = ("<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|\"|>")
+
+
+def gemma4_tokenizer(out: Path, vocab_size: int | None = None) -> Path:
+    """A tokenizer of Gemma 4's kind, offline: transformers' GemmaTokenizer (BPE with byte fallback, spaces
+    normalised to U+2581, no prefix space, <bos> added) over a vocabulary laid out as Gemma's (pad, eos, bos,
+    unk, mask first, chat tokens as extra special tokens, the 256 <0xXX> byte tokens, then BPE merges trained
+    here on the fixtures' corpus), written with save_pretrained over the byte-level one in ``out``."""
+    from tokenizers import Tokenizer, models, normalizers, trainers
+    from transformers import GemmaTokenizer
+
+    fx = _fixtures()
+    vocab_size = vocab_size or fx.VOCAB_SIZE
+    fixed = list(GEMMA4_SPECIAL) + list(GEMMA4_EXTRA_SPECIAL) + [f"<0x{b:02X}>" for b in range(256)]
+    trained = Tokenizer(models.BPE())
+    trained.normalizer = normalizers.Replace(" ", "\u2581")
+    trained.train_from_iterator(fx._corpus(), trainer=trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=1, show_progress=False))
+    model = json.loads(trained.to_str())["model"]
+    learned = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    room = vocab_size - len(fixed)
+    vocab = {t: i for i, t in enumerate(fixed + learned[:room])}
+    assert len(vocab) == vocab_size, len(vocab)
+    merges = [m for m in model["merges"] if "".join(m if isinstance(m, list) else m.split(" ")) in vocab]
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (Path(out) / name).unlink(missing_ok=True)
+    pairs = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in merges]
+    tok = GemmaTokenizer(vocab=vocab, merges=pairs, extra_special_tokens=list(GEMMA4_EXTRA_SPECIAL), add_bos_token=True)
+    tok.save_pretrained(str(out))
+    return Path(out)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1261,3 +1296,20 @@ def _gemma4_vl(layers: int, wide: bool):
 
 
 BUILDERS["gemma4_vl"] = _gemma4_vl
+
+
+def _gemma4_vl_ple(layers: int, wide: bool):
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+    # Gemma4ForConditionalGeneration as E2B / E4B are released: _gemma4_ple's text model (per-layer embeddings,
+    # KV-shared layers with the double-wide MLP) beside _gemma4_vl's vision and audio towers, with a tokenizer
+    # of Gemma 4's own kind (TOKENIZER_EXTRAS: gemma4_tokenizer)
+    text, _, _ = _gemma4_ple(layers, wide)
+    text.pad_token_id = 0
+    vl, _, _ = _gemma4_vl(layers, wide)
+    cfg = Gemma4Config(text_config=text.to_dict(), vision_config=vl.vision_config.to_dict(),
+                       audio_config=vl.audio_config.to_dict(), tie_word_embeddings=True)
+    return cfg, Gemma4ForConditionalGeneration, {}
+
+
+BUILDERS["gemma4_vl_ple"] = _gemma4_vl_ple
+TOKENIZER_EXTRAS["gemma4_vl_ple"] = gemma4_tokenizer

@@ -20,7 +20,8 @@ config.json, which HF modules its blocks hold, which tensors every layer must ha
 
 A new architecture is one module here that calls `register_arch` (base.py), imported below; the names
 themselves come from gguf-py's `TensorNameMap` for the architecture (names.py), or from the entry's own
-`name_table` where the installed gguf-py does not name the architecture (deepseek4).
+`name_table` where the installed gguf-py does not name the architecture (deepseek4, kimi-k3: names.py's
+`ArchNameTable` says when a new one needs it).
 """
 
 from . import llama, qwen, gemma, deepseek2, phi3, gpt_oss  # noqa: F401  (each registers its entries, in this order)

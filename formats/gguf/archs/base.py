@@ -117,7 +117,8 @@ class GgufArch:
     # what the config asks that llama.cpp's graph for this architecture does not do (it hard-codes it):
     # a list of warnings for the user, the conversion goes on
     caveats: Callable[[Mapping], list[str]] = field(default=lambda config: [], repr=False)
-    # the HF module names of one block that map to GGUF names (names.hf_tensor_name's inverse map)
+    # the HF module names of one block that map to GGUF names (names.hf_tensor_name's inverse map; an entry
+    # with a name_table reads its table's inverse instead)
     hf_block: tuple[str, ...] = HF_DENSE_BLOCK
     # config_from_gguf's hook for the architecture's own config.json fields (ConfigHook)
     config_from_gguf: ConfigHook = field(default=_no_config, repr=False)
@@ -178,10 +179,11 @@ class GgufArch:
     # feed_forward_length, attention.head_count_kv): config_from_gguf's shared fields take layer 0's value
     # and the architecture's hook reads the array
     per_layer_keys: tuple[str, ...] = ()
-    # an architecture the installed gguf-py (0.19) does not name (DeepSeek-V4: only the gguf-py vendored in
-    # llama.cpp's sources has it, which the package never imports): its own table of HF tensor names, block 0
-    # standing for every block, suffix included -> GGUF names (archs/deepseek4.py), used by names.py in place
-    # of gguf-py's TensorNameMap. None: gguf-py's map
+    # an architecture the installed gguf-py (0.19) does not name (DeepSeek-V4, Kimi-K3: only the gguf-py vendored
+    # in llama.cpp's sources has them, which the package never imports): its own table, HF name of block 0 (a
+    # module, or a whole tensor name for a bare parameter) -> GGUF name, mirroring that gguf-py and checked
+    # against it by the entry's test; names.py's ArchNameTable maps by it both ways in place of gguf-py's
+    # TensorNameMap. None: gguf-py's map of `enum`
     name_table: Mapping[str, str] | None = field(default=None, repr=False)
     # llama.cpp's converter keeps each tensor's stored type whatever --outtype says (DeepSeek-V4: its
     # tensor_force_quant): the FP4 grids (the MXFP4 experts) as MXFP4, float32 tensors as F32, 2-D bfloat16
@@ -197,10 +199,6 @@ class GgufArch:
     # a multimodal class of the family written as its text model, its towers left out as llama.cpp's converter
     # leaves them (Llama 4: TextOfMultimodal); its class is one of hf_classes
     multimodal: TextOfMultimodal | None = None
-    # an architecture the installed gguf-py does not know (Kimi-K3: only llama.cpp's vendored gguf-py names
-    # kimi-k3, and the package never imports that): () -> an object answering TensorNameMap's get_type_and_name
-    # / get_name for block 0, from the architecture's own name table. None: gguf-py's map of `enum`
-    name_map: Callable[[], Any] | None = field(default=None, repr=False)
     # the per-layer KV head counts llama.cpp reads as head_count_kv (an int or one per layer), where they are not
     # the config's one count: Kimi-K3 writes 0 on its linear-attention layers, how its loader tells them apart
     head_count_kv: Callable[[Mapping], Any] | None = field(default=None, repr=False)
@@ -208,6 +206,10 @@ class GgufArch:
     # every other, for what one record alone cannot do: Kimi-K3 fuses pairs of vectors into one tensor and
     # strips its text model's `language_model.` prefix
     adapt_stream: Callable[..., Any] | None = field(default=None, repr=False)
+    # the tokenizer model llama.cpp's converter writes a byte-fallback BPE tokenizer.json as: `llama` (SentencePiece
+    # style, scores from the merge ranks) but for Gemma 4, whose converter writes `gemma4` (llama.cpp's BPE over
+    # U+2581-escaped text with the file's merges; tokenizer.py _write_gemma4)
+    byte_fallback_tokenizer: str = "llama"
     # why a GGUF of this architecture is written but not read back (a refusal naming it instead of a misread
     # key); "": read back. Kimi-K3 stores res_norm * res_proj as one tensor and has no transformers class
     not_read: str = ""
@@ -219,7 +221,7 @@ class GgufArch:
 
     @property
     def enum(self) -> gguf.MODEL_ARCH | None:
-        """gguf-py's enum of the architecture; None for one it does not name (the entry's tensor_names)."""
+        """gguf-py's enum of the architecture; None for one it does not name (the entry's name_table)."""
         return _ENUM_BY_NAME.get(self.name)
 
 

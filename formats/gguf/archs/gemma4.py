@@ -271,7 +271,7 @@ GEMMA4_MULTIMODAL = TextOfMultimodal(("Gemma4ForConditionalGeneration",), prefix
 
 register_arch(GgufArch(
     "gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), ("gemma4_text",), "Gemma4ForCausalLM",
-    "gemma4_text", multimodal=GEMMA4_MULTIMODAL,
+    "gemma4_text", multimodal=GEMMA4_MULTIMODAL, byte_fallback_tokenizer="gemma4",
     extra_metadata=_gemma4_extra, norms=("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"),
     attention=("attn_q", "attn_output"), block_extra=("attn_q_norm",), tied_output_dropped=True,
     caveats=_gemma4_caveats, hf_block=GEMMA4_BLOCK, tensor_names=GEMMA4_TENSOR_NAMES,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import gguf
 import torch
@@ -104,37 +104,9 @@ KIMI_K3_KEYS = {
 }
 
 
-class KimiK3NameMap:
-    """The two lookups names.py asks of gguf-py's TensorNameMap (get_type_and_name, get_name), over the table
-    above for block 0 (names.py swaps the block index). The kind is gguf 0.19's MODEL_TENSOR where it has
-    one (the expert stacks: names.py recognises them by it), else the vendored kind's name as a string."""
-
-    def __init__(self) -> None:
-        self.mapping: dict[str, tuple[Any, str]] = {}
-        for name, hf in KIMI_K3_GLOBAL_TENSORS.items():
-            self.mapping[hf] = (_kind(name, False), name)
-        for name, hf in KIMI_K3_BLOCK_TENSORS.items():
-            self.mapping[f"model.layers.0.{hf}"] = (_kind(name, True), f"blk.0.{name}")
-
-    def get_type_and_name(self, key: str, try_suffixes: Iterable[str] = ()) -> tuple[Any, str] | None:
-        if key in self.mapping:
-            return self.mapping[key]
-        for suffix in try_suffixes:
-            if key.endswith(suffix) and key[: -len(suffix)] in self.mapping:
-                kind, name = self.mapping[key[: -len(suffix)]]
-                return kind, name + suffix
-        return None
-
-    def get_name(self, key: str, try_suffixes: Iterable[str] = ()) -> str | None:
-        found = self.get_type_and_name(key, try_suffixes)
-        return None if found is None else found[1]
-
-
-_INSTALLED_KINDS = {name: kind for kind, name in gguf.TENSOR_NAMES.items()}
-
-
-def _kind(gguf_name: str, block: bool):
-    return _INSTALLED_KINDS.get(f"blk.{{bid}}.{gguf_name}" if block else gguf_name, gguf_name.upper())
+# HF name -> GGUF name for names.py (GgufArch.name_table; names.py's ArchNameTable adds .weight / .bias)
+KIMI_K3_NAME_TABLE = {**{hf: name for name, hf in KIMI_K3_GLOBAL_TENSORS.items()},
+                      **{f"model.layers.0.{hf}": f"blk.0.{name}" for name, hf in KIMI_K3_BLOCK_TENSORS.items()}}
 
 
 def _kimi_k3_caveats(config: Mapping) -> list[str]:
@@ -147,10 +119,6 @@ def _kimi_k3_caveats(config: Mapping) -> list[str]:
         out.append(f"moe_layer_freq is {config['moe_layer_freq']} but llama.cpp's kimi-k3 loads routed experts in "
                    "every layer after the dense lead")
     return out
-
-
-def _name_map() -> KimiK3NameMap:
-    return KimiK3NameMap()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -325,9 +293,8 @@ register_arch(GgufArch(
     # ssm_a, a bare tensor, and ssm_dt.bias are required too, but the check names .weight tensors only)
     linear_attention=("ssm_conv1d_q", "ssm_conv1d_k", "ssm_conv1d_v", "ssm_f_a", "ssm_f_b", "ssm_beta", "ssm_g",
                       "ssm_norm"),
-    hf_block=tuple(KIMI_K3_BLOCK_TENSORS.values()),
     dropped_tensor=_tower_dropped,
     not_read="its residual scores are stored fused (res_norm * res_proj cannot be split back) and transformers "
              "has no Kimi-K3 class; convert from the compressed-tensors checkpoint instead",
     stored_values=a_log_values,  # A = -exp(A_log) in float32, as Qwen3.5's ssm_a (the converter folds it too)
-    name_map=_name_map, head_count_kv=_head_count_kv, adapt_stream=_adapt_stream))
+    name_table=KIMI_K3_NAME_TABLE, head_count_kv=_head_count_kv, adapt_stream=_adapt_stream))

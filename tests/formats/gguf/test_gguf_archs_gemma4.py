@@ -17,6 +17,9 @@ For each:
 Gemma4ForConditionalGeneration (the released checkpoints' class; gemma4_vl: the MoE text model beside vision and
 audio towers) is written as its text model, as llama.cpp's converter writes it: the same checks on that file, its
 towers dropped with a note, and `gguf->hf` gives Gemma4ForCausalLM with the multimodal model's text logits.
+gemma4_vl_ple is that class with E2B's layout (gemma4_ple's text model) and a tokenizer of Gemma 4's own kind
+(byte-fallback BPE, written as the converter's `gemma4` tokenizer model): the same checks, every tokenizer key
+byte for byte, llama.cpp tokenizing as transformers does, and q8_0 / q4_k_m equal to llama-quantize's bytes.
 """
 
 from __future__ import annotations
@@ -135,11 +138,12 @@ def test_f32_is_what_llama_cpp_converter_writes_and_runs(kind):
     assert want.std(axis=-1).min() > 0.3  # far from uniform: a wrong weight would show
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + ("gemma4_vl_ple",))
 @pytest.mark.parametrize("preset, ftype, wide", [("q8_0", 7, False), ("q4_k_m", 15, True)])
 def test_quantized_equals_llama_quantize(kind, preset, ftype, wide, tmp_path):
     """llama-quantize's per-tensor types and bytes (the fused expert stacks, the per-layer embeddings, the
-    Q4_K_M mix's Q6_K choices), from our F32 file; 256 wide for the K types."""
+    Q4_K_M mix's Q6_K choices), from our F32 file; 256 wide for the K types. gemma4_vl_ple: the multimodal class
+    with E2B's layout, its towers dropped before either quantizes."""
     f32 = ours_f32(kind, wide)
     ours = tmp_path / f"ours-{preset}.gguf"
     run_cli("hf->gguf", model_dir(kind, wide), ours, "--type", preset, "--allow-requant")
@@ -262,3 +266,90 @@ def test_multimodal_class_is_written_as_its_text_model(tmp_path):
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Gemma4ForCausalLM"]
     back = fixtures_archs.transformers_logits(out, PROMPT)
     assert np.abs(back - want).max() == 0, float(np.abs(back - want).max())
+
+
+# strings with runs of spaces, tabs, newlines, bytes no merge covers, CJK and an emoji (byte fallback), and the
+# chat markers (added special tokens)
+TOKENIZER_TEXTS = ["The quick brown fox jumps over the lazy dog.", "Hello  world!\n\n  indented\tand tabs",
+                   "naïve ünïcode — 你好 🙂", "<|turn>user\nWhat is 3.14159?<turn|>\n<|turn>model\n",
+                   " leading space", "def main():\n    print('hello, world')\n"]
+
+
+# Gemma4ForConditionalGeneration as E2B / E4B are released (fixtures_archs: gemma4_ple's text model beside vision and
+# audio towers, with a tokenizer of Gemma 4's own kind)
+VL_PLE = "gemma4_vl_ple"
+
+
+def vl_ple_reference() -> Path:
+    import llama_cpp_reference as ref
+
+    return _cached(ROOT / f"gemma4-{VL_PLE}-ref.gguf",
+                   lambda out: ref.convert_reference(model_dir(VL_PLE), out, model_name=f"tiny {VL_PLE}"))
+
+def _tokenizer_fields(path: Path) -> dict:
+    """Every tokenizer.* key of a GGUF as its bytes in the file (name, value type, values)."""
+    r = gguf.GGUFReader(str(path))
+    return {k: b"".join(bytes(p) for p in f.parts) for k, f in r.fields.items() if k.startswith("tokenizer.")}
+
+
+def test_gemma4_tokenizer_is_the_converters(tmp_path):
+    """A tokenizer of Gemma 4's kind (the E2B fixture's) is written as llama.cpp's converter writes it (model
+    `gemma4`: the merges, scores -1000, its token types, no space prefix, <bos> added), every tokenizer key byte
+    for byte; llama.cpp tokenizes with it as transformers does, and so does the tokenizer read back from it."""
+    from transformers import AutoTokenizer
+
+    ours, theirs = ours_f32(VL_PLE), vl_ple_reference()
+    a, b = _tokenizer_fields(ours), _tokenizer_fields(theirs)
+    assert sorted(a) == sorted(b)
+    for key in b:
+        assert a[key] == b[key], key
+    fields = gguf.GGUFReader(str(ours)).fields
+    assert fields["tokenizer.ggml.model"].contents() == "gemma4" and "tokenizer.ggml.pre" not in fields
+    assert set(fields["tokenizer.ggml.scores"].contents()) == {-1000.0}
+    want = [AutoTokenizer.from_pretrained(str(model_dir(VL_PLE))).encode(t) for t in TOKENIZER_TEXTS]
+    assert all(w[0] == 2 for w in want) and any(len(w) > 12 for w in want)  # <bos> added, merges at work
+    llm = llama_cpp.Llama(str(ours), vocab_only=True, verbose=False)
+    try:
+        assert [llm.tokenize(t.encode(), add_bos=True, special=True) for t in TOKENIZER_TEXTS] == want
+    finally:
+        llm.close()
+    # read back (what `gguf->hf` writes beside the weights), in process: the round trip of the weights is the
+    # causal and MoE multimodal tests' above
+    from qconvert.formats.gguf.tokenizer import tokenizer_files_from_gguf
+
+    tokenizer_files_from_gguf(gguf.GGUFReader(str(ours)), tmp_path)
+    back = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert [back.encode(t) for t in TOKENIZER_TEXTS] == want
+
+
+def test_e2b_multimodal_class_is_written_as_its_text_model():
+    """Gemma4ForConditionalGeneration with E2B's text layout (per-layer embeddings, KV-shared layers with the
+    double-wide MLP) beside vision and audio towers: written as llama.cpp's converter writes its text model, byte
+    for byte (tensors, gemma4.* keys), the towers dropped; llama.cpp's logits on the two files identical and
+    within ggml's GELU of transformers' multimodal model (`gguf->hf` of this layout: gemma4_ple's round trip)."""
+    from transformers import Gemma4ForConditionalGeneration
+    import torch
+
+    src, ours, theirs = model_dir(VL_PLE), ours_f32(VL_PLE), vl_ple_reference()
+    assert _same_tensors(ours, theirs) == {"F32"}
+    keys = _model_keys(ours)
+    assert keys == _model_keys(theirs)
+    names = set(gguf_tensors(ours))
+    assert {"per_layer_token_embd.weight", "per_layer_model_proj.weight", "blk.5.inp_gate.weight"} <= names
+    assert "blk.4.attn_k.weight" not in names and "blk.5.attn_v.weight" not in names  # KV-shared layers
+    assert keys["gemma4.attention.shared_kv_layers"] == 2
+    assert keys["gemma4.feed_forward_length"] == [256] * 4 + [512] * 2  # the shared layers' double-wide MLP
+    planned = json.loads(ours.with_name(ours.name + ".report.json").read_text())["tensors"]
+    dropped = {t["name"] for t in planned if t["target"] == "dropped"}
+    assert dropped and all(n.startswith(("model.vision_tower.", "model.embed_vision.", "model.audio_tower.",
+                                         "model.embed_audio.")) for n in dropped)
+    assert all(t["verdict"] == "exact" and t["max_abs_err"] == 0 for t in planned if t["target"] != "dropped")
+
+    model = Gemma4ForConditionalGeneration.from_pretrained(str(src), dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([PROMPT])).logits[0].float().numpy()
+    got = llama_logits(ours, PROMPT)
+    assert np.array_equal(got, llama_logits(theirs, PROMPT))
+    assert np.abs(got - want).max() < 0.02, float(np.abs(got - want).max())  # ggml's GELU, as the causal LMs'
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+    assert want.std(axis=-1).min() > 0.3
