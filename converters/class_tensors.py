@@ -183,6 +183,16 @@ def compare(config: dict, shapes: dict[str, tuple[int, ...]]):
         want = expected.get(model_name)
         if want is not None and not rebuilt and shape != want:
             return name, f"shape {shape} is not the {want} {class_name} has for this config.json"
+    # a tensor under one of the class's modules with a parameter name no module of the class has (`g_idxx`,
+    # `weightx`: a damaged or foreign partner) is refused; other names the class does not have (extra modules,
+    # a release's own buffers) are carried, as transformers loads such checkpoints and ignores them
+    modules = {n.rpartition(".")[0] for n in expected}
+    parameters = {n.rpartition(".")[2] for n in expected}
+    for model_name, (name, _, rebuilt) in loaded.items():
+        module, _, parameter = model_name.rpartition(".")
+        if model_name not in expected and not rebuilt and module in modules and parameter not in parameters:
+            return name, (f"not a tensor of {class_name}: its {module} has no {parameter!r} (nor has any module "
+                          "of it)")
     ignored_mtp = {n: tuple(s) for n, s in shapes.items()
                    if n.startswith("mtp.") and not _is_expert(n) and rename(n) is None}
     return _compare_mtp_block(config, expected, ignored_mtp) if ignored_mtp else None

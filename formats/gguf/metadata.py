@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import struct
 from typing import Mapping
 
 import gguf
@@ -43,8 +44,55 @@ def _default_name(config: Mapping) -> str:
     return src.rsplit("/", 1)[-1] if src else "model"
 
 
+class _KeysRead(dict):
+    """config.json as the metadata functions read it, with the keys they read in order. The architectures' hooks
+    (archs/*.py) convert dozens of keys with int() / float(); a value of another type there (a list where a count
+    belongs: the fuzzer's `num_experts_per_tok: [1, 2]`) raises in the hook, and is refused naming the key that
+    was read with a value no count or width can be, instead of as a crash."""
+
+    def __init__(self, config: Mapping):
+        super().__init__(config)
+        self.read: list[str] = []
+
+    def __getitem__(self, key):
+        self.read.append(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.read.append(key)
+        return super().get(key, default)
+
+    def culprit(self) -> str | None:
+        """The most recently read key whose value no count, width or factor can be (not null, a bool, a string, a
+        finite float or an int within 64 bits); None when every key read holds such a value (the error is then
+        ours, and stays a crash to report)."""
+        def plain(v) -> bool:
+            return (v is None or isinstance(v, (bool, str)) or (isinstance(v, int) and abs(v) < 1 << 63)
+                    or (isinstance(v, float) and math.isfinite(v)))
+        for key in reversed(self.read):
+            if key in self and not plain(dict.__getitem__(self, key)):
+                return key
+        return None
+
+
 def add_model_metadata(writer: gguf.GGUFWriter, config: Mapping, arch: str, *, file_type: int,
                        name: str | None = None, mtp_blocks: int | None = None) -> None:
+    """add_model_metadata_unchecked, with a config value its hooks cannot convert refused naming the key (the
+    caller names the file)."""
+    config = _KeysRead(config)
+    try:
+        add_model_metadata_unchecked(writer, config, arch, file_type=file_type, name=name, mtp_blocks=mtp_blocks)
+    except (TypeError, ValueError, OverflowError, struct.error):
+        key = config.culprit()
+        if key is None:
+            raise
+        value = repr(dict.get(config, key))
+        value = value if len(value) <= 60 else value[:57] + "..."
+        raise BadInput(f"{key} is {value}: not a value llama.cpp's {arch} hyper-parameters can hold") from None
+
+
+def add_model_metadata_unchecked(writer: gguf.GGUFWriter, config: Mapping, arch: str, *, file_type: int,
+                                 name: str | None = None, mtp_blocks: int | None = None) -> None:
     """Write the model hyper-parameters llama.cpp reads for ``arch`` (llama, qwen2, qwen3), plus
     ``general.file_type`` (a :class:`gguf.LlamaFileType` value), ``general.quantization_version``
     and ``general.name``. Tokenizer keys are written by ``tokenizer.add_tokenizer``; a llama-3 rope

@@ -618,3 +618,14 @@ def test_qwen_mtp_block_is_checked_like_the_trunk(tmp_path, edit, needles):
     shutil.copytree(QWEN35_GPTQ, folder)
     edit_safetensors(next(folder.glob("*.safetensors")), edit)
     expect_user_error("gptq->hf", folder, tmp_path, *needles, out_name="out")
+
+
+def test_a_parameter_no_module_of_the_class_has_is_refused(tmp_path):
+    """A tensor under one of the class's modules whose parameter name no module of the class has (a renamed GPTQ
+    partner, `g_idx` -> `g_idxx`) was carried into the output as a tensor of its own (scripts/fuzz, seed 2029)."""
+    folder = tmp_path / "in"
+    shutil.copytree(QWEN35_GPTQ, folder)
+    name = "model.layers.0.mlp.gate_proj.g_idx"
+    edit_safetensors(next(folder.glob("*.safetensors")), lambda t: t.__setitem__(name + "x", t.pop(name)))
+    expect_user_error("gptq->hf", folder, tmp_path, f"tensor {name}x", "not a tensor of Qwen3_5ForCausalLM",
+                      "has no 'g_idxx'", out_name="out")

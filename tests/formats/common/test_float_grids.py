@@ -502,9 +502,15 @@ def test_gpt_oss_mxfp4_to_hf_is_refused_naming_the_route(tmp_path):
 @pytest.mark.parametrize("case, needles", [("no_scales", ("_scales", "gate_up_proj")),
                                            ("short_scales", ("blocks", "scales", "gate_up_proj")),
                                            ("no_o_proj_bias", ("model.layers.1.self_attn.o_proj.bias", "missing")),
-                                           ("int_bias", ("down_proj_bias", "I32", "integer"))])
+                                           ("int_bias", ("down_proj_bias", "I32", "integer")),
+                                           ("experts_used_list", ("config.json", "num_experts_per_tok is [1, 2]"))])
 def test_bad_gpt_oss_mxfp4_input_is_one_line(case, needles, tmp_path):
     src = _copy(_gpt_oss_mxfp4(), tmp_path / "model")
+    if case == "experts_used_list":  # scripts/fuzz seed 2029: a TypeError in archs/base.py expert_keys' int()
+        cfg = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**cfg, "num_experts_per_tok": [1, 2]}))
+        expect_user_error("mxfp4->gguf", src, tmp_path, *needles)
+        return
     name = "model.layers.0.mlp.experts.gate_up_proj_scales"
     # found by scripts/fuzz: a missing bias converted to a GGUF without it (which llama.cpp cannot load), a
     # bias retagged as integers converted its bits as integers
