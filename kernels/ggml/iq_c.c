@@ -23,6 +23,8 @@
 #define QC_CLONES
 #endif
 
+#define QC_INLINE static inline __attribute__((always_inline))
+
 #define EPS_DEFAULT 1e-15f  /* GROUP_MAX_EPS: IQ2_XS, IQ2_XXS */
 #define EPS_1E8 1e-8f       /* GROUP_MAX_EPS_IQ3_XXS, GROUP_MAX_EPS_IQ2_S */
 
@@ -248,12 +250,12 @@ QC_CLONES static int best_neighbour(const lattice_t *lat, int u, const float *xv
 
 /* Code one group at trial id: the packed code of clamp(nearest_int(0.5*(id*x - 1)), 0, kmaxq - 1), its grid index
  * (best neighbour at `scale` when off the grid). *on says whether the code was on the grid. */
-static int code_group(const lattice_t *lat, float id, float scale, const float *xval, const float *waux, int kmaxq,
-                      int *on) {
+QC_INLINE int code_group(const lattice_t *lat, float id, float scale, const float *xval, const float *waux, int kmaxq,
+                         int *on, const int dim, const int bits) {
     int u = 0;
-    for (int i = 0; i < lat->dim; ++i) {
+    for (int i = 0; i < dim; ++i) {
         int l = clampi(nearest_int(0.5f * (id * xval[i] - 1)), 0, kmaxq - 1);
-        u |= l << (lat->bits * i);
+        u |= l << (bits * i);
     }
     int gi = lat->kmap[u];
     *on = gi >= 0;
@@ -261,12 +263,12 @@ static int code_group(const lattice_t *lat, float id, float scale, const float *
     return gi;
 }
 
-static void block_sums(const lattice_t *lat, int bs, const int *gi, const float *xval, const float *weight,
-                       float *sumqx, float *sumq2) {
+QC_INLINE void block_sums(const lattice_t *lat, int bs, const int *gi, const float *xval, const float *weight,
+                          float *sumqx, float *sumq2, const int dim) {
     float sx = 0, s2 = 0;
     for (int i = 0; i < bs; ++i) {
         float w = weight[i];
-        float q = lat->values[(int64_t)gi[i / lat->dim] * lat->dim + i % lat->dim];
+        float q = lat->values[(int64_t)gi[i / dim] * dim + i % dim];
         sx += w * xval[i] * q;
         s2 += w * q * q;
     }
@@ -276,10 +278,10 @@ static void block_sums(const lattice_t *lat, int bs, const int *gi, const float 
 /* The scale search of a live block (iq_lattice.search_blocks): trials id = (2*kmaxq - 1 + is*step)/mx for
  * is = -trials..trials, the refit per `refine`. gi[groups] out; returns the scale (before the sign check), or
  * sets *err. */
-static float search_block(const lattice_t *lat, int bs, const float *xval, const float *weight, const float *waux,
-                          float mx, int kmaxq, float step, int trials, int refine, float start_scale, int *gi,
-                          int *err) {
-    const int groups = bs / lat->dim;
+QC_INLINE float search_block(const lattice_t *lat, int bs, const float *xval, const float *weight, const float *waux,
+                             float mx, int kmaxq, float step, int trials, int refine, float start_scale, int *gi,
+                             int *err, const int dim, const int bits) {
+    const int groups = bs / dim;
     int aux[16], on[16], on_aux[16];
     float best = 0;
     float scale = start_scale;
@@ -289,11 +291,12 @@ static float search_block(const lattice_t *lat, int bs, const float *xval, const
         float id = (2 * kmaxq - 1 + is * step) / mx;
         float this_scale = 1 / id;
         for (int k = 0; k < groups; ++k) {
-            aux[k] = code_group(lat, id, this_scale, xval + k * lat->dim, waux + k * lat->dim, kmaxq, &on_aux[k]);
+            aux[k] = code_group(lat, id, this_scale, xval + k * dim, waux + k * dim, kmaxq, &on_aux[k], dim,
+                                bits);
             if (aux[k] < 0) { *err = QC_NO_NEIGHBOUR; return 0; }
         }
         float sumqx, sumq2;
-        block_sums(lat, bs, aux, xval, weight, &sumqx, &sumq2);
+        block_sums(lat, bs, aux, xval, weight, &sumqx, &sumq2, dim);
         if (sumq2 > 0 && sumqx * sumqx > best * sumq2) {
             scale = sumqx / sumq2; best = scale * sumqx;
             for (int k = 0; k < groups; ++k) { gi[k] = aux[k]; on[k] = on_aux[k]; }
@@ -307,11 +310,11 @@ static float search_block(const lattice_t *lat, int bs, const float *xval, const
         for (int k = 0; k < groups; ++k) {
             if (refine == REFINE_OFF && on[k]) continue;
             int dummy;
-            gi[k] = code_group(lat, id, scale, xval + k * lat->dim, waux + k * lat->dim, kmaxq, &dummy);
+            gi[k] = code_group(lat, id, scale, xval + k * dim, waux + k * dim, kmaxq, &dummy, dim, bits);
             if (gi[k] < 0) { *err = QC_NO_NEIGHBOUR; return 0; }
         }
         float sumqx, sumq2;
-        block_sums(lat, bs, gi, xval, weight, &sumqx, &sumq2);
+        block_sums(lat, bs, gi, xval, weight, &sumqx, &sumq2, dim);
         if (sumq2 > 0) scale = sumqx / sumq2;
     }
     return scale;
@@ -351,11 +354,14 @@ static const spec_t SPECS[N_TYPES] = {
     /* IQ1_M   */ {16, 0, 0.f, 0, 0, 0, 0.f, 0.f, 0.f, 56},
 };
 
-/* One super-block of 256 values -> its bytes (zeroed first by the caller). */
-static int quantize_super(int type, const float *xbl, const float *qwbl, uint8_t *y) {
+/* One super-block of 256 values -> its bytes (zeroed first by the caller). Inlined into one function per type (below),
+ * so that the type's block size, group size and bits are constants: the loops over a group's coordinates and a
+ * block's values unroll, the code's bit shifts and the q lookups need no division. */
+QC_INLINE int quantize_super(const int type, const float *xbl, const float *qwbl, uint8_t *y) {
+    const int dim = type == T_IQ3_S || type == T_IQ3_XXS ? 4 : 8, bits = dim == 4 ? 3 : 2;
     const spec_t *sp = &SPECS[type];
     const lattice_t *lat = &LAT[type];
-    const int bs = sp->bs, nblocks = 256 / bs, groups = bs / lat->dim, sgroups = bs / 8;
+    const int bs = sp->bs, nblocks = 256 / bs, groups = bs / dim, sgroups = bs / 8;
     float weight[32], waux[32], xval[32], scales[16];
     uint8_t block_signs[4];
     int gi[8];
@@ -418,7 +424,7 @@ static int quantize_super(int type, const float *xbl, const float *qwbl, uint8_t
         }
         int err = QC_OK;
         float scale = search_block(lat, bs, xval, weight, waux, mx, sp->kmaxq, sp->step, sp->trials, sp->refine,
-                                   start, gi, &err);
+                                   start, gi, &err, dim, bits);
         if (err) return err;
         if (scale < 0) {
             scale = -scale;
@@ -816,6 +822,22 @@ QC_CLONES static int quantize_iq1_m_super(const lattice_t *lat, const float *xbl
     return QC_OK;
 }
 
+QC_CLONES static int quantize_iq3_s_super(const float *x, const float *qw, uint8_t *y) {
+    return quantize_super(T_IQ3_S, x, qw, y);
+}
+QC_CLONES static int quantize_iq3_xxs_super(const float *x, const float *qw, uint8_t *y) {
+    return quantize_super(T_IQ3_XXS, x, qw, y);
+}
+QC_CLONES static int quantize_iq2_s_super(const float *x, const float *qw, uint8_t *y) {
+    return quantize_super(T_IQ2_S, x, qw, y);
+}
+QC_CLONES static int quantize_iq2_xs_super(const float *x, const float *qw, uint8_t *y) {
+    return quantize_super(T_IQ2_XS, x, qw, y);
+}
+QC_CLONES static int quantize_iq2_xxs_super(const float *x, const float *qw, uint8_t *y) {
+    return quantize_super(T_IQ2_XXS, x, qw, y);
+}
+
 /* rows [r0, r1) of x [rows, n] -> their bytes in y (row r at y + r * row_bytes); qw [n] or NULL. */
 QC_CLONES int qc_iq_quantize(int type, const float *x, int64_t n, const float *qw, uint8_t *y, int64_t r0, int64_t r1) {
     if (type < 0 || type >= N_TYPES) return QC_BAD_TYPE;
@@ -830,7 +852,11 @@ QC_CLONES int qc_iq_quantize(int type, const float *x, int64_t n, const float *q
             const float *xs = x + r * n + 256 * s, *qs = qw ? qw + 256 * s : NULL;
             int err = type == T_IQ1_S ? quantize_iq1_s_super(&LAT[type], xs, qs, yb)
                     : type == T_IQ1_M ? quantize_iq1_m_super(&LAT[type], xs, qs, yb)
-                    : quantize_super(type, xs, qs, yb);
+                    : type == T_IQ3_S ? quantize_iq3_s_super(xs, qs, yb)
+                    : type == T_IQ3_XXS ? quantize_iq3_xxs_super(xs, qs, yb)
+                    : type == T_IQ2_S ? quantize_iq2_s_super(xs, qs, yb)
+                    : type == T_IQ2_XS ? quantize_iq2_xs_super(xs, qs, yb)
+                    : quantize_iq2_xxs_super(xs, qs, yb);
             if (err) return err;
         }
     }
