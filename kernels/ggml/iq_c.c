@@ -641,7 +641,20 @@ QC_CLONES static int quantize_iq1_s_super(const lattice_t *lat, const float *xbl
                 qxm[i2] = x0 * x_m[0] + x1 * x_m[1] + x2 * x_m[2];
                 q2m[i2] = w0 * x_m[0] * x_m[0] + w1 * x_m[1] * x_m[1] + w2 * x_m[2] * x_m[2];
             }
+            /* whether any split beats the best so far: the scan's own test, branch-free over all of them, with
+             * best_score as it stands. Where none does, the scan below changes nothing (best_score changes only
+             * when a test passes) and is skipped; as the best grows, most rows are. */
+            int pass[BS + 1], any = 0;
             for (int i2 = i1; i2 <= BS; ++i2) {
+                pass[i2] = ((q2p[i2] > 0) & (qxp[i2] * qxp[i2] > best_score * q2p[i2])) |
+                           ((q2m[i2] > 0) & (qxm[i2] * qxm[i2] > best_score * q2m[i2]));
+                any |= pass[i2];
+            }
+            if (!any) continue;
+            /* likewise the splits before the first that passes; from there on the scan runs as ggml's */
+            int first = i1;
+            while (!pass[first]) ++first;
+            for (int i2 = first; i2 <= BS; ++i2) {
                 float sqx = qxp[i2], sq2 = q2p[i2];
                 if (sq2 > 0 && sqx * sqx > best_score * sq2) {
                     scale = sqx / sq2; best_score = scale * sqx; b1 = i1; b2 = i2; shift = 1;
@@ -756,7 +769,18 @@ QC_CLONES static int quantize_iq1_m_super(const lattice_t *lat, const float *xbl
                 sqx[2][i2] = qx_m[0] + qx_p[1]; sq2[2][i2] = q2_m[0] + q2_p[1];
                 sqx[3][i2] = qx_m[0] + qx_m[1]; sq2[3][i2] = q2_m[0] + q2_m[1];
             }
+            /* skipped where no split passes the scan's test at the best as it stands (see IQ1_S) */
+            int pass[BS + 1], any = 0;
             for (int i2 = i1; i2 <= BS; ++i2) {
+                pass[i2] = 0;
+                for (int k = 0; k < 4; ++k)
+                    pass[i2] |= (sq2[k][i2] > 0) & (sqx[k][i2] * sqx[k][i2] > best_score * sq2[k][i2]);
+                any |= pass[i2];
+            }
+            if (!any) continue;
+            int first = i1;
+            while (!pass[first]) ++first;
+            for (int i2 = first; i2 <= BS; ++i2) {
                 for (int k = 0; k < 4; ++k) {
                     const float a = sqx[k][i2], b = sq2[k][i2];
                     if (b > 0 && a * a > best_score * b) {
