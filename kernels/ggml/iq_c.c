@@ -51,9 +51,12 @@ typedef struct {
 
 static lattice_t LAT[N_TYPES];
 
-int qc_iq_abi_version(void) { return 2; }
+int qc_iq_abi_version(void) { return 3; }
 
 static int use_avx2;  /* the CPU runs AVX2: the neighbour searches take their AVX2 versions (the same float32 ops) */
+static int portable_only;  /* set by the tests: the portable C searches, as on a CPU without AVX2 */
+
+void qc_iq_portable_only(int on) { portable_only = on; }
 
 #define IQ1_DELTA 0.125f     /* IQ1S_DELTA = IQ1M_DELTA */
 
@@ -223,7 +226,7 @@ AVX2 static int iq1_neighbour_avx2(const lattice_t *lat, int u, const float *x, 
  * none is below FLT_MAX (ggml asserts). */
 QC_CLONES static int best_neighbour(const lattice_t *lat, int u, const float *xval, const float *waux, float scale) {
 #ifdef QC_AVX2
-    if (use_avx2) return lat->dim == 4 ? best_neighbour_avx2_4(lat, u, xval, waux, scale)
+    if (use_avx2 && !portable_only) return lat->dim == 4 ? best_neighbour_avx2_4(lat, u, xval, waux, scale)
                                        : best_neighbour_avx2_8(lat, u, xval, waux, scale);
 #endif
     const int64_t st = lat->start[u], nc = lat->count[u];
@@ -524,7 +527,7 @@ static int iq1_pair_cmp(const void *a, const void *b) {
 static int iq1_neighbour(const lattice_t *lat, int u, const float *x, const float *w, float scale,
                          const float *levels) {
 #ifdef QC_AVX2
-    if (use_avx2) return iq1_neighbour_avx2(lat, u, x, w, scale, levels[1] < 0);  /* x_m[1] = -IQ1_DELTA */
+    if (use_avx2 && !portable_only) return iq1_neighbour_avx2(lat, u, x, w, scale, levels[1] < 0);  /* x_m[1] = -IQ1_DELTA */
 #endif
     const int64_t st = lat->start[u], nc = lat->count[u];
     float best_d2 = FLT_MAX;
