@@ -285,7 +285,8 @@ QC_INLINE float search_block(const lattice_t *lat, int bs, const float *xval, co
                              float mx, int kmaxq, float step, int trials, int refine, float start_scale, int *gi,
                              int *err, const int dim, const int bits) {
     const int groups = bs / dim;
-    int aux[16], on[16], on_aux[16];
+    int aux[16], on[16], on_aux[16], prev[16];
+    float sumqx = 0, sumq2 = 0;
     float best = 0;
     float scale = start_scale;
     int g0 = lat->kmap[0];  /* code 0 (L = 0) */
@@ -298,8 +299,14 @@ QC_INLINE float search_block(const lattice_t *lat, int bs, const float *xval, co
                                 bits);
             if (aux[k] < 0) { *err = QC_NO_NEIGHBOUR; return 0; }
         }
-        float sumqx, sumq2;
-        block_sums(lat, bs, aux, xval, weight, &sumqx, &sumq2, dim);
+        /* the sums depend on the grid points only: a trial that picked the same points as the one before
+         * (neighbouring trial scales often do) has the same sums */
+        int same = is > -trials;
+        for (int k = 0; k < groups; ++k) same &= aux[k] == prev[k];
+        if (!same) {
+            block_sums(lat, bs, aux, xval, weight, &sumqx, &sumq2, dim);
+            for (int k = 0; k < groups; ++k) prev[k] = aux[k];
+        }
         if (sumq2 > 0 && sumqx * sumqx > best * sumq2) {
             scale = sumqx / sumq2; best = scale * sumqx;
             for (int k = 0; k < groups; ++k) { gi[k] = aux[k]; on[k] = on_aux[k]; }
