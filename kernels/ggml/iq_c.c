@@ -30,7 +30,13 @@
 #define QC_CLONES
 #endif
 
+#if defined(__GNUC__)
 #define QC_INLINE static inline __attribute__((always_inline))
+#define QC_MAYBE_UNUSED __attribute__((unused))
+#else
+#define QC_INLINE static inline
+#define QC_MAYBE_UNUSED
+#endif
 
 #define EPS_DEFAULT 1e-15f  /* GROUP_MAX_EPS: IQ2_XS, IQ2_XXS */
 #define EPS_1E8 1e-8f       /* GROUP_MAX_EPS_IQ3_XXS, GROUP_MAX_EPS_IQ2_S */
@@ -60,8 +66,8 @@ static lattice_t LAT[N_TYPES];
 
 int qc_iq_abi_version(void) { return 3; }
 
-static int use_avx2;  /* the CPU runs AVX2: the neighbour searches take their AVX2 versions (the same float32 ops) */
-static int portable_only;  /* set by the tests: the portable C searches, as on a CPU without AVX2 */
+static int use_avx2 QC_MAYBE_UNUSED;  /* the CPU runs AVX2: the neighbour searches take their AVX2 versions (the same float32 ops) */
+static int portable_only QC_MAYBE_UNUSED;  /* set by the tests: the portable C searches, as on a CPU without AVX2 */
 
 void qc_iq_portable_only(int on) { portable_only = on; }
 
