@@ -7,7 +7,7 @@ bf16-rounded float32 tensors of real LLM shapes.
     python scripts/bench_quantize.py --imatrix --repeat 5     # 2048x2048 with an imatrix: IQ and K types, Q4_1
 
 --imatrix: one 2048x2048 bf16 tensor and a random importance vector, each type's time the MIN of --repeat runs
-(other processes share the CPUs), ours (kernels/ggml/iq_c.c, kquant_imatrix_c.c; Q4_1 without imatrix: the
+(other processes share the CPUs; ours and ggml's alternate; wall and CPU seconds), ours (kernels/ggml/iq_c.c, kquant_imatrix_c.c; Q4_1 without imatrix: the
 legacy C path) against ggml_quantize_chunk at the same thread count, after a warm-up call on both sides (ggml's
 grid init for the IQ types, our C build); a markdown table row per type and thread count.
 
@@ -79,13 +79,24 @@ def gguf_py_quantize(x: np.ndarray, t: str) -> np.ndarray:
     return gguf.quants.quantize(x, gguf.GGMLQuantizationType[t])
 
 
-def timed(fn, inputs, repeat: int):
+def timed(fn, inputs, repeat: int, clock=time.perf_counter):
     best, outs = float("inf"), None
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = clock()
         outs = [fn(x) for x in inputs]
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best, outs
+
+
+def timed_both(fn, inputs, repeat: int):
+    """(min wall seconds, min CPU seconds of this process, all threads, outputs): on a loaded machine the CPU
+    seconds are the steadier measure of the work done; the wall seconds include the waits for a core."""
+    wall, cpu, outs = float("inf"), float("inf"), None
+    for _ in range(repeat):
+        w0, c0 = time.perf_counter(), time.process_time()
+        outs = [fn(x) for x in inputs]
+        wall, cpu = min(wall, time.perf_counter() - w0), min(cpu, time.process_time() - c0)
+    return wall, cpu, outs
 
 
 def rmse(inputs, outs, t: str) -> float:
@@ -119,17 +130,23 @@ def bench_imatrix(types, thread_counts, repeat: int) -> None:
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn((2048, 2048), generator=gen) * 2048 ** -0.5).to(torch.bfloat16).to(torch.float32).numpy()
     imatrix = np.random.default_rng(0).gamma(0.7, 1.0, 2048).astype(np.float32)
-    print(f"2048x2048 bf16, imatrix gamma(0.7); min of {repeat} runs; ratio = ggml time / ours (>= 1.5 is the target)")
-    print("| type | threads | ours s | ggml s | ggml/ours | same bytes |")
-    print("|---|---|---|---|---|---|")
+    print(f"2048x2048 bf16, imatrix gamma(0.7); min of {repeat} runs, ours and ggml's alternating; ratio = ggml time"
+          " / ours (>= 1.5 is the target); wall seconds, then CPU seconds of the process (all its threads)")
+    print("| type | threads | ours s | ggml s | ggml/ours | ours CPU s | ggml CPU s | ggml/ours CPU | same bytes |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for t in types:
         im = None if t == "Q4_1" else imatrix
         for n in thread_counts:
             ours_with_imatrix(x[:8], t, im, n), ggml_quantize(x[:8], t, im, threads=n)  # warm-up: builds, grid init
-            our_time, ours = timed(lambda a: ours_with_imatrix(a, t, im, n), [x], repeat)
-            gg_time, theirs = timed(lambda a: ggml_quantize(a, t, im, threads=n), [x], repeat)
+            our_time = gg_time = our_cpu = gg_cpu = float("inf")
+            for _ in range(repeat):  # alternating, so that a change of load reaches both sides alike
+                wall, cpu, ours = timed_both(lambda a: ours_with_imatrix(a, t, im, n), [x], 1)
+                our_time, our_cpu = min(our_time, wall), min(our_cpu, cpu)
+                wall, cpu, theirs = timed_both(lambda a: ggml_quantize(a, t, im, threads=n), [x], 1)
+                gg_time, gg_cpu = min(gg_time, wall), min(gg_cpu, cpu)
             same = np.array_equal(ours[0], np.asarray(theirs[0]).reshape(ours[0].shape))
-            print(f"| {t} | {n} | {our_time:.3f} | {gg_time:.3f} | {gg_time / our_time:.2f} | {same} |", flush=True)
+            print(f"| {t} | {n} | {our_time:.3f} | {gg_time:.3f} | {gg_time / our_time:.2f} | {our_cpu:.3f} | "
+                  f"{gg_cpu:.3f} | {gg_cpu / our_cpu:.2f} | {same} |", flush=True)
 
 
 def main(argv=None) -> int:

@@ -10,6 +10,13 @@
  * Exactness: every value is computed by the same float32 expression, in the same association order, as ggml's C;
  * sums run over a block's elements in order; the build uses -ffp-contract=off and no fast-math (no FMA, no
  * reassociation). tests/kernels/test_iq_c.py compares the bytes with ggml_quantize_chunk.
+ *
+ * Speed (docs/benchmarks.md: about 1.6-2.6x ggml's CPU time, bytes equal) comes from doing ggml's arithmetic with
+ * less around it, never from other arithmetic: the neighbour searches take 8 candidates per AVX2 vector where the
+ * CPU has AVX2 (chosen at run time, so the library stays portable; the portable C otherwise, which the tests force
+ * and compare too), each type's search inlined with its sizes as constants, a trial that lands on the same grid
+ * points as the one before reuses its sums, IQ1's split scan skips the splits that cannot pass its test, and IQ1's
+ * block sort calls qsort only where its order is ambiguous (ties, NaN).
  */
 #include <stdint.h>
 #include <string.h>
@@ -21,6 +28,14 @@
 #define QC_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define QC_CLONES
+#endif
+
+#if defined(__GNUC__)
+#define QC_INLINE static inline __attribute__((always_inline))
+#define QC_MAYBE_UNUSED __attribute__((unused))
+#else
+#define QC_INLINE static inline
+#define QC_MAYBE_UNUSED
 #endif
 
 #define EPS_DEFAULT 1e-15f  /* GROUP_MAX_EPS: IQ2_XS, IQ2_XXS */
@@ -39,30 +54,61 @@ typedef struct {
     const int64_t *count;   /* [kmap_size]: its length */
     const int32_t *flat;
     int64_t total;          /* entries in flat */
-    float *cand_values;     /* [dim][total]: coordinate i of the candidate at flat[p] at cand_values[i*total + p] */
+    float *cand_values;     /* [dim][stride]: coordinate i of the candidate at flat[p] at cand_values[i*stride + p]
+                             * (lattice types only) */
+    int64_t stride;         /* total + 8: a load of 8 candidates from a list's start never reads past a row */
     uint8_t *codes;         /* [npoints * dim]: the code l of each coordinate ((value - 1) / 2), IQ1's table index */
+    float *iq1_levels;      /* IQ1 only, [2][npoints][8]: each grid point's 8 levels with delta +IQ1_DELTA, then
+                             * with -IQ1_DELTA (x_p[l], x_m[l]: the values ggml's neighbour search reads) */
 } lattice_t;
 
 static lattice_t LAT[N_TYPES];
 
-int qc_iq_abi_version(void) { return 2; }
+int qc_iq_abi_version(void) { return 3; }
+
+static int use_avx2 QC_MAYBE_UNUSED;  /* the CPU runs AVX2: the neighbour searches take their AVX2 versions (the same float32 ops) */
+static int portable_only QC_MAYBE_UNUSED;  /* set by the tests: the portable C searches, as on a CPU without AVX2 */
+
+void qc_iq_portable_only(int on) { portable_only = on; }
+
+#define IQ1_DELTA 0.125f     /* IQ1S_DELTA = IQ1M_DELTA */
 
 void qc_iq_set_lattice(int type, int bits, int dim, int npoints, int kmap_size, const float *values,
                        const int32_t *kmap, const int64_t *start, const int64_t *count, const int32_t *flat) {
     if (type < 0 || type >= N_TYPES) return;
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(QC_NO_CLONES)
+    __builtin_cpu_init();
+    use_avx2 = __builtin_cpu_supports("avx2");
+#endif
+    const int iq1 = type == T_IQ1_S || type == T_IQ1_M;
     int64_t total = 0;
     for (int u = 0; u < kmap_size; ++u) if (start[u] + count[u] > total) total = start[u] + count[u];
+    const int64_t stride = total + 8;
     /* the candidates' coordinates laid out list by list, one row per coordinate, so that the distance loop over a
-     * list's candidates reads contiguous memory and vectorizes (the same float32 operations per candidate) */
-    float *cv = malloc(sizeof(float) * (size_t)(total > 0 ? total : 1) * (size_t)dim);
+     * list's candidates reads contiguous memory and vectorizes (the same float32 operations per candidate). IQ1's
+     * lists are 4x longer over a 4x larger grid: there the search reads each candidate's 8 levels instead. */
+    float *cv = iq1 ? NULL : malloc(sizeof(float) * (size_t)stride * (size_t)dim);
     uint8_t *codes = malloc((size_t)npoints * (size_t)dim);
-    if (!cv || !codes) { free(cv); free(codes); return; }
-    for (int64_t p = 0; p < total; ++p)
-        for (int i = 0; i < dim; ++i) cv[i * total + p] = values[(int64_t)flat[p] * dim + i];
+    float *levels = iq1 ? malloc(sizeof(float) * 2 * (size_t)npoints * 8) : NULL;
+    if ((!iq1 && !cv) || !codes || (iq1 && !levels)) { free(cv); free(codes); free(levels); return; }
     for (int64_t p = 0; p < (int64_t)npoints * dim; ++p) codes[p] = (uint8_t)((int)(values[p] - 1) / 2);
+    if (cv) {
+        for (int i = 0; i < dim; ++i) {
+            for (int64_t p = 0; p < total; ++p) cv[i * stride + p] = values[(int64_t)flat[p] * dim + i];
+            for (int64_t p = total; p < stride; ++p) cv[i * stride + p] = 0;
+        }
+    }
+    if (levels) {
+        const float x_p[3] = {-1 + IQ1_DELTA, IQ1_DELTA, 1 + IQ1_DELTA}, x_m[3] = {-1 - IQ1_DELTA, -IQ1_DELTA, 1 - IQ1_DELTA};
+        for (int64_t p = 0; p < (int64_t)npoints * 8; ++p) {
+            levels[p] = x_p[codes[p]];
+            levels[(int64_t)npoints * 8 + p] = x_m[codes[p]];
+        }
+    }
     free(LAT[type].cand_values);
     free(LAT[type].codes);
-    lattice_t l = {bits, dim, npoints, kmap_size, values, kmap, start, count, flat, total, cv, codes};
+    free(LAT[type].iq1_levels);
+    lattice_t l = {bits, dim, npoints, kmap_size, values, kmap, start, count, flat, total, cv, stride, codes, levels};
     LAT[type] = l;
 }
 
@@ -91,9 +137,111 @@ static uint16_t fp32_to_fp16(float f) {
 
 static inline int clampi(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(QC_NO_CLONES)
+#define QC_AVX2 1
+#include <immintrin.h>
+#define AVX2 __attribute__((target("avx2")))
+
+/* The first lane of the least of 8 distances if it is below *best_d2 (then *best_d2 takes it), else -1: the scalar
+ * scan's `if (d2[j] < best_d2)` over the 8 in order. A NaN or a distance >= FLT_MAX never wins there, nor here
+ * (min_ps keeps its second operand, FLT_MAX, for a NaN). Lanes >= m are not candidates. */
+AVX2 static inline int pick_first_least(__m256 d2, int m, float *best_d2) {
+    const __m256 big = _mm256_set1_ps(FLT_MAX);
+    if (m < 8) {
+        const __m256i past = _mm256_cmpgt_epi32(_mm256_setr_epi32(1, 2, 3, 4, 5, 6, 7, 8), _mm256_set1_epi32(m));
+        d2 = _mm256_blendv_ps(d2, big, _mm256_castsi256_ps(past));
+    }
+    const __m256 c = _mm256_min_ps(d2, big);
+    __m256 mn = _mm256_min_ps(c, _mm256_permute2f128_ps(c, c, 1));
+    mn = _mm256_min_ps(mn, _mm256_shuffle_ps(mn, mn, _MM_SHUFFLE(1, 0, 3, 2)));
+    mn = _mm256_min_ps(mn, _mm256_shuffle_ps(mn, mn, _MM_SHUFFLE(2, 3, 0, 1)));
+    const float least = _mm_cvtss_f32(_mm256_castps256_ps128(mn));
+    if (!(least < *best_d2)) return -1;
+    *best_d2 = least;
+    return __builtin_ctz((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(c, mn, _CMP_EQ_OQ)));
+}
+
+/* best_neighbour's search, 8 candidates a vector: per candidate the same float32 operations in the same order
+ * (d2 = 0, then d2 += (w*diff)*diff coordinate by coordinate, diff = scale*q - x), no FMA. */
+AVX2 static inline __attribute__((always_inline)) int nb_avx2(const lattice_t *lat, int u, const float *xval,
+                                                              const float *waux, float scale, const int dim) {
+    const int64_t st = lat->start[u], nc = lat->count[u], stride = lat->stride;
+    const float *cv = lat->cand_values + st;
+    const __m256 vs = _mm256_set1_ps(scale);
+    __m256 vx[8], vw[8];
+    for (int i = 0; i < dim; ++i) { vx[i] = _mm256_set1_ps(xval[i]); vw[i] = _mm256_set1_ps(waux[i]); }
+    float best_d2 = FLT_MAX;
+    int best = -1;
+    for (int64_t c0 = 0; c0 < nc; c0 += 8) {
+        __m256 d2 = _mm256_setzero_ps();
+        for (int i = 0; i < dim; ++i) {
+            const __m256 diff = _mm256_sub_ps(_mm256_mul_ps(vs, _mm256_loadu_ps(cv + i * stride + c0)), vx[i]);
+            d2 = _mm256_add_ps(d2, _mm256_mul_ps(_mm256_mul_ps(vw[i], diff), diff));
+        }
+        const int lane = pick_first_least(d2, nc - c0 < 8 ? (int)(nc - c0) : 8, &best_d2);
+        if (lane >= 0) best = lat->flat[st + c0 + lane];
+    }
+    return best;
+}
+AVX2 static int best_neighbour_avx2_4(const lattice_t *lat, int u, const float *x, const float *w, float scale) {
+    return nb_avx2(lat, u, x, w, scale, 4);
+}
+AVX2 static int best_neighbour_avx2_8(const lattice_t *lat, int u, const float *x, const float *w, float scale) {
+    return nb_avx2(lat, u, x, w, scale, 8);
+}
+
+/* iq1_neighbour's search, 8 candidates at a time: each candidate's 8 terms (w*diff)*diff computed across its
+ * coordinates, the 8x8 block transposed, then summed coordinate by coordinate from 0 as the scalar loop adds them. */
+AVX2 static int iq1_neighbour_avx2(const lattice_t *lat, int u, const float *x, const float *w, float scale,
+                                   int minus) {
+    const int64_t st = lat->start[u], nc = lat->count[u];
+    const float *lv = lat->iq1_levels + (minus ? (int64_t)lat->npoints * 8 : 0);
+    const __m256 vs = _mm256_set1_ps(scale), vx = _mm256_loadu_ps(x), vw = _mm256_loadu_ps(w);
+    float best_d2 = FLT_MAX;
+    int best = -1;
+    for (int64_t c0 = 0; c0 < nc; c0 += 8) {
+        const int m = nc - c0 < 8 ? (int)(nc - c0) : 8;
+        __m256 r[8];
+        for (int j = 0; j < 8; ++j) {
+            const int p = lat->flat[st + c0 + (j < m ? j : 0)];
+            const __m256 diff = _mm256_sub_ps(_mm256_mul_ps(vs, _mm256_loadu_ps(lv + (int64_t)p * 8)), vx);
+            r[j] = _mm256_mul_ps(_mm256_mul_ps(vw, diff), diff);
+        }
+        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        const __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+        const __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+        const __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+        const __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+        const __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+        const __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+        const __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+        const __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+        /* coordinate i of the 8 candidates: */
+        __m256 d2 = _mm256_add_ps(_mm256_setzero_ps(), _mm256_permute2f128_ps(s0, s4, 0x20));
+        d2 = _mm256_add_ps(d2, _mm256_permute2f128_ps(s1, s5, 0x20));
+        d2 = _mm256_add_ps(d2, _mm256_permute2f128_ps(s2, s6, 0x20));
+        d2 = _mm256_add_ps(d2, _mm256_permute2f128_ps(s3, s7, 0x20));
+        d2 = _mm256_add_ps(d2, _mm256_permute2f128_ps(s0, s4, 0x31));
+        d2 = _mm256_add_ps(d2, _mm256_permute2f128_ps(s1, s5, 0x31));
+        d2 = _mm256_add_ps(d2, _mm256_permute2f128_ps(s2, s6, 0x31));
+        d2 = _mm256_add_ps(d2, _mm256_permute2f128_ps(s3, s7, 0x31));
+        const int lane = pick_first_least(d2, m, &best_d2);
+        if (lane >= 0) best = lat->flat[st + c0 + lane];
+    }
+    return best;
+}
+#endif
+
 /* The best neighbour of an off-grid code: least sum(waux * (scale*q - xval)^2), the first of equal ones; -1 when
  * none is below FLT_MAX (ggml asserts). */
 QC_CLONES static int best_neighbour(const lattice_t *lat, int u, const float *xval, const float *waux, float scale) {
+#ifdef QC_AVX2
+    if (use_avx2 && !portable_only) return lat->dim == 4 ? best_neighbour_avx2_4(lat, u, xval, waux, scale)
+                                       : best_neighbour_avx2_8(lat, u, xval, waux, scale);
+#endif
     const int64_t st = lat->start[u], nc = lat->count[u];
     const int dim = lat->dim;
     float best_d2 = FLT_MAX;
@@ -103,7 +251,7 @@ QC_CLONES static int best_neighbour(const lattice_t *lat, int u, const float *xv
         const int m = (int)(nc - c0 < 256 ? nc - c0 : 256);
         for (int j = 0; j < m; ++j) d2[j] = 0;
         for (int i = 0; i < dim; ++i) {  /* d2 += weight[i]*diff*diff, coordinate after coordinate as ggml */
-            const float *q = lat->cand_values + i * lat->total + st + c0;
+            const float *q = lat->cand_values + i * lat->stride + st + c0;
             const float xi = xval[i], wi = waux[i];
             for (int j = 0; j < m; ++j) {
                 float diff = scale * q[j] - xi;
@@ -118,12 +266,12 @@ QC_CLONES static int best_neighbour(const lattice_t *lat, int u, const float *xv
 
 /* Code one group at trial id: the packed code of clamp(nearest_int(0.5*(id*x - 1)), 0, kmaxq - 1), its grid index
  * (best neighbour at `scale` when off the grid). *on says whether the code was on the grid. */
-static int code_group(const lattice_t *lat, float id, float scale, const float *xval, const float *waux, int kmaxq,
-                      int *on) {
+QC_INLINE int code_group(const lattice_t *lat, float id, float scale, const float *xval, const float *waux, int kmaxq,
+                         int *on, const int dim, const int bits) {
     int u = 0;
-    for (int i = 0; i < lat->dim; ++i) {
+    for (int i = 0; i < dim; ++i) {
         int l = clampi(nearest_int(0.5f * (id * xval[i] - 1)), 0, kmaxq - 1);
-        u |= l << (lat->bits * i);
+        u |= l << (bits * i);
     }
     int gi = lat->kmap[u];
     *on = gi >= 0;
@@ -131,12 +279,12 @@ static int code_group(const lattice_t *lat, float id, float scale, const float *
     return gi;
 }
 
-static void block_sums(const lattice_t *lat, int bs, const int *gi, const float *xval, const float *weight,
-                       float *sumqx, float *sumq2) {
+QC_INLINE void block_sums(const lattice_t *lat, int bs, const int *gi, const float *xval, const float *weight,
+                          float *sumqx, float *sumq2, const int dim) {
     float sx = 0, s2 = 0;
     for (int i = 0; i < bs; ++i) {
         float w = weight[i];
-        float q = lat->values[(int64_t)gi[i / lat->dim] * lat->dim + i % lat->dim];
+        float q = lat->values[(int64_t)gi[i / dim] * dim + i % dim];
         sx += w * xval[i] * q;
         s2 += w * q * q;
     }
@@ -146,11 +294,13 @@ static void block_sums(const lattice_t *lat, int bs, const int *gi, const float 
 /* The scale search of a live block (iq_lattice.search_blocks): trials id = (2*kmaxq - 1 + is*step)/mx for
  * is = -trials..trials, the refit per `refine`. gi[groups] out; returns the scale (before the sign check), or
  * sets *err. */
-static float search_block(const lattice_t *lat, int bs, const float *xval, const float *weight, const float *waux,
-                          float mx, int kmaxq, float step, int trials, int refine, float start_scale, int *gi,
-                          int *err) {
-    const int groups = bs / lat->dim;
-    int aux[16], on[16], on_aux[16];
+QC_INLINE float search_block(const lattice_t *lat, int bs, const float *xval, const float *weight, const float *waux,
+                             float mx, int kmaxq, float step, int trials, int refine, float start_scale, int *gi,
+                             int *err, const int dim, const int bits) {
+    const int groups = bs / dim;
+    int aux[16], on[16], on_aux[16], prev[16];  /* prev: the previous trial's points (none yet: -1) */
+    float sumqx = 0, sumq2 = 0;
+    for (int k = 0; k < 16; ++k) prev[k] = -1;
     float best = 0;
     float scale = start_scale;
     int g0 = lat->kmap[0];  /* code 0 (L = 0) */
@@ -159,11 +309,18 @@ static float search_block(const lattice_t *lat, int bs, const float *xval, const
         float id = (2 * kmaxq - 1 + is * step) / mx;
         float this_scale = 1 / id;
         for (int k = 0; k < groups; ++k) {
-            aux[k] = code_group(lat, id, this_scale, xval + k * lat->dim, waux + k * lat->dim, kmaxq, &on_aux[k]);
+            aux[k] = code_group(lat, id, this_scale, xval + k * dim, waux + k * dim, kmaxq, &on_aux[k], dim,
+                                bits);
             if (aux[k] < 0) { *err = QC_NO_NEIGHBOUR; return 0; }
         }
-        float sumqx, sumq2;
-        block_sums(lat, bs, aux, xval, weight, &sumqx, &sumq2);
+        /* the sums depend on the grid points only: a trial that picked the same points as the one before
+         * (neighbouring trial scales often do) has the same sums */
+        int same = 1;
+        for (int k = 0; k < groups; ++k) same &= aux[k] == prev[k];
+        if (!same) {
+            block_sums(lat, bs, aux, xval, weight, &sumqx, &sumq2, dim);
+            for (int k = 0; k < groups; ++k) prev[k] = aux[k];
+        }
         if (sumq2 > 0 && sumqx * sumqx > best * sumq2) {
             scale = sumqx / sumq2; best = scale * sumqx;
             for (int k = 0; k < groups; ++k) { gi[k] = aux[k]; on[k] = on_aux[k]; }
@@ -177,11 +334,11 @@ static float search_block(const lattice_t *lat, int bs, const float *xval, const
         for (int k = 0; k < groups; ++k) {
             if (refine == REFINE_OFF && on[k]) continue;
             int dummy;
-            gi[k] = code_group(lat, id, scale, xval + k * lat->dim, waux + k * lat->dim, kmaxq, &dummy);
+            gi[k] = code_group(lat, id, scale, xval + k * dim, waux + k * dim, kmaxq, &dummy, dim, bits);
             if (gi[k] < 0) { *err = QC_NO_NEIGHBOUR; return 0; }
         }
         float sumqx, sumq2;
-        block_sums(lat, bs, gi, xval, weight, &sumqx, &sumq2);
+        block_sums(lat, bs, gi, xval, weight, &sumqx, &sumq2, dim);
         if (sumq2 > 0) scale = sumqx / sumq2;
     }
     return scale;
@@ -221,11 +378,14 @@ static const spec_t SPECS[N_TYPES] = {
     /* IQ1_M   */ {16, 0, 0.f, 0, 0, 0, 0.f, 0.f, 0.f, 56},
 };
 
-/* One super-block of 256 values -> its bytes (zeroed first by the caller). */
-static int quantize_super(int type, const float *xbl, const float *qwbl, uint8_t *y) {
+/* One super-block of 256 values -> its bytes (zeroed first by the caller). Inlined into one function per type (below),
+ * so that the type's block size, group size and bits are constants: the loops over a group's coordinates and a
+ * block's values unroll, the code's bit shifts and the q lookups need no division. */
+QC_INLINE int quantize_super(const int type, const float *xbl, const float *qwbl, uint8_t *y) {
+    const int dim = type == T_IQ3_S || type == T_IQ3_XXS ? 4 : 8, bits = dim == 4 ? 3 : 2;
     const spec_t *sp = &SPECS[type];
     const lattice_t *lat = &LAT[type];
-    const int bs = sp->bs, nblocks = 256 / bs, groups = bs / lat->dim, sgroups = bs / 8;
+    const int bs = sp->bs, nblocks = 256 / bs, groups = bs / dim, sgroups = bs / 8;
     float weight[32], waux[32], xval[32], scales[16];
     uint8_t block_signs[4];
     int gi[8];
@@ -288,7 +448,7 @@ static int quantize_super(int type, const float *xbl, const float *qwbl, uint8_t
         }
         int err = QC_OK;
         float scale = search_block(lat, bs, xval, weight, waux, mx, sp->kmaxq, sp->step, sp->trials, sp->refine,
-                                   start, gi, &err);
+                                   start, gi, &err, dim, bits);
         if (err) return err;
         if (scale < 0) {
             scale = -scale;
@@ -372,7 +532,6 @@ static int quantize_super(int type, const float *xbl, const float *qwbl, uint8_t
  * NaN makes the comparison inconsistent) the order is whatever qsort gives, so calling the same qsort keeps the
  * same order on any platform, where a hand-written sort would have to copy glibc's merge sort to agree. */
 
-#define IQ1_DELTA 0.125f     /* IQ1S_DELTA = IQ1M_DELTA */
 #define IQ1S_EPS 1e-12f      /* GROUP_MAX_EPS_IQ1_S */
 #define IQ1M_EPS 1e-7f       /* GROUP_MAX_EPS_IQ1_M */
 
@@ -388,6 +547,9 @@ static int iq1_pair_cmp(const void *a, const void *b) {
  * for grid index i (past the group's 8 values) and asserts; we stop there. */
 static int iq1_neighbour(const lattice_t *lat, int u, const float *x, const float *w, float scale,
                          const float *levels) {
+#ifdef QC_AVX2
+    if (use_avx2 && !portable_only) return iq1_neighbour_avx2(lat, u, x, w, scale, levels[1] < 0);  /* x_m[1] = -IQ1_DELTA */
+#endif
     const int64_t st = lat->start[u], nc = lat->count[u];
     float best_d2 = FLT_MAX;
     int best = -1;
@@ -405,8 +567,20 @@ static int iq1_neighbour(const lattice_t *lat, int u, const float *x, const floa
     return best;
 }
 
-/* Sort a block's values with their positions, as ggml does before its split search. */
+/* Sort a block's values with their positions, as ggml does before its split search. Where the values are distinct
+ * and none is NaN, every correct sort gives the one order there is, so an insertion sort (no comparator calls through
+ * a pointer, no merge buffers) gives qsort's result; where two values tie or one is NaN, the order is whatever the C
+ * library's qsort gives, so qsort sorts them again. */
 static void iq1_sorted(const float *xb, int bs, iq1_pair_t *pairs) {
+    for (int j = 0; j < bs; ++j) {
+        const float v = xb[j];
+        int k = j;
+        while (k > 0 && pairs[k - 1].value > v) { pairs[k] = pairs[k - 1]; --k; }
+        pairs[k].value = v; pairs[k].index = j;
+    }
+    int ambiguous = pairs[0].value != pairs[0].value;
+    for (int j = 1; j < bs; ++j) ambiguous |= !(pairs[j - 1].value < pairs[j].value);
+    if (!ambiguous) return;
     for (int j = 0; j < bs; ++j) { pairs[j].value = xb[j]; pairs[j].index = j; }
     qsort(pairs, (size_t)bs, sizeof(iq1_pair_t), iq1_pair_cmp);
 }
@@ -491,7 +665,20 @@ QC_CLONES static int quantize_iq1_s_super(const lattice_t *lat, const float *xbl
                 qxm[i2] = x0 * x_m[0] + x1 * x_m[1] + x2 * x_m[2];
                 q2m[i2] = w0 * x_m[0] * x_m[0] + w1 * x_m[1] * x_m[1] + w2 * x_m[2] * x_m[2];
             }
+            /* whether any split beats the best so far: the scan's own test, branch-free over all of them, with
+             * best_score as it stands. Where none does, the scan below changes nothing (best_score changes only
+             * when a test passes) and is skipped; as the best grows, most rows are. */
+            int pass[BS + 1], any = 0;
             for (int i2 = i1; i2 <= BS; ++i2) {
+                pass[i2] = ((q2p[i2] > 0) & (qxp[i2] * qxp[i2] > best_score * q2p[i2])) |
+                           ((q2m[i2] > 0) & (qxm[i2] * qxm[i2] > best_score * q2m[i2]));
+                any |= pass[i2];
+            }
+            if (!any) continue;
+            /* likewise the splits before the first that passes; from there on the scan runs as ggml's */
+            int first = i1;
+            while (!pass[first]) ++first;
+            for (int i2 = first; i2 <= BS; ++i2) {
                 float sqx = qxp[i2], sq2 = q2p[i2];
                 if (sq2 > 0 && sqx * sqx > best_score * sq2) {
                     scale = sqx / sq2; best_score = scale * sqx; b1 = i1; b2 = i2; shift = 1;
@@ -606,7 +793,18 @@ QC_CLONES static int quantize_iq1_m_super(const lattice_t *lat, const float *xbl
                 sqx[2][i2] = qx_m[0] + qx_p[1]; sq2[2][i2] = q2_m[0] + q2_p[1];
                 sqx[3][i2] = qx_m[0] + qx_m[1]; sq2[3][i2] = q2_m[0] + q2_m[1];
             }
+            /* skipped where no split passes the scan's test at the best as it stands (see IQ1_S) */
+            int pass[BS + 1], any = 0;
             for (int i2 = i1; i2 <= BS; ++i2) {
+                pass[i2] = 0;
+                for (int k = 0; k < 4; ++k)
+                    pass[i2] |= (sq2[k][i2] > 0) & (sqx[k][i2] * sqx[k][i2] > best_score * sq2[k][i2]);
+                any |= pass[i2];
+            }
+            if (!any) continue;
+            int first = i1;
+            while (!pass[first]) ++first;
+            for (int i2 = first; i2 <= BS; ++i2) {
                 for (int k = 0; k < 4; ++k) {
                     const float a = sqx[k][i2], b = sq2[k][i2];
                     if (b > 0 && a * a > best_score * b) {
@@ -672,6 +870,22 @@ QC_CLONES static int quantize_iq1_m_super(const lattice_t *lat, const float *xbl
     return QC_OK;
 }
 
+QC_CLONES static int quantize_iq3_s_super(const float *x, const float *qw, uint8_t *y) {
+    return quantize_super(T_IQ3_S, x, qw, y);
+}
+QC_CLONES static int quantize_iq3_xxs_super(const float *x, const float *qw, uint8_t *y) {
+    return quantize_super(T_IQ3_XXS, x, qw, y);
+}
+QC_CLONES static int quantize_iq2_s_super(const float *x, const float *qw, uint8_t *y) {
+    return quantize_super(T_IQ2_S, x, qw, y);
+}
+QC_CLONES static int quantize_iq2_xs_super(const float *x, const float *qw, uint8_t *y) {
+    return quantize_super(T_IQ2_XS, x, qw, y);
+}
+QC_CLONES static int quantize_iq2_xxs_super(const float *x, const float *qw, uint8_t *y) {
+    return quantize_super(T_IQ2_XXS, x, qw, y);
+}
+
 /* rows [r0, r1) of x [rows, n] -> their bytes in y (row r at y + r * row_bytes); qw [n] or NULL. */
 QC_CLONES int qc_iq_quantize(int type, const float *x, int64_t n, const float *qw, uint8_t *y, int64_t r0, int64_t r1) {
     if (type < 0 || type >= N_TYPES) return QC_BAD_TYPE;
@@ -686,7 +900,11 @@ QC_CLONES int qc_iq_quantize(int type, const float *x, int64_t n, const float *q
             const float *xs = x + r * n + 256 * s, *qs = qw ? qw + 256 * s : NULL;
             int err = type == T_IQ1_S ? quantize_iq1_s_super(&LAT[type], xs, qs, yb)
                     : type == T_IQ1_M ? quantize_iq1_m_super(&LAT[type], xs, qs, yb)
-                    : quantize_super(type, xs, qs, yb);
+                    : type == T_IQ3_S ? quantize_iq3_s_super(xs, qs, yb)
+                    : type == T_IQ3_XXS ? quantize_iq3_xxs_super(xs, qs, yb)
+                    : type == T_IQ2_S ? quantize_iq2_s_super(xs, qs, yb)
+                    : type == T_IQ2_XS ? quantize_iq2_xs_super(xs, qs, yb)
+                    : quantize_iq2_xxs_super(xs, qs, yb);
             if (err) return err;
         }
     }

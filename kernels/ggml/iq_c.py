@@ -75,13 +75,15 @@ def _build() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(lib_path))
         except OSError:
             continue
-        if lib.qc_iq_abi_version() != 2:
+        if lib.qc_iq_abi_version() != 3:
             continue
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.qc_iq_quantize.restype = ctypes.c_int
         lib.qc_iq_quantize.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, i64, i64]
         lib.qc_k_imatrix_quantize.restype = ctypes.c_int
         lib.qc_k_imatrix_quantize.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, i64, i64]
+        lib.qc_iq_portable_only.restype = None
+        lib.qc_iq_portable_only.argtypes = [ctypes.c_int]
         lib.qc_iq_set_lattice.restype = None
         lib.qc_iq_set_lattice.argtypes = [ctypes.c_int] * 5 + [ptr] * 5
         return lib
@@ -99,6 +101,15 @@ def _lib():
 def available() -> bool:
     """Whether the C lattice quantizers can run here (built or cached, and not disabled by QCONVERT_COMPILE=0)."""
     return os.environ.get("QCONVERT_COMPILE", "1") != "0" and _lib() is not None
+
+
+def portable_only(on: bool) -> None:
+    """Make the C searches skip their AVX2 versions (on=True) as on a CPU without AVX2, or take them again where the
+    CPU has it: for the tests, which compare both with ggml's bytes. Process-wide; call it with no quantize running."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the C lattice quantizers are not available")
+    lib.qc_iq_portable_only(1 if on else 0)
 
 
 def _tables(lib, type_name: str) -> None:

@@ -98,6 +98,26 @@ def test_c_bytes_equal_ggml_on_edge_rows(t, c_path):
     assert quantize(one, w, threads=2).tobytes() == ggml_quantize(one, t, w).tobytes()
 
 
+@pytest.mark.parametrize("t", (*TYPES, "IQ1_S", "IQ1_M"))
+def test_portable_searches_equal_ggml(t, c_path):
+    """The neighbour searches' portable C (a CPU without AVX2: ARM, old x86), forced here where the AVX2 versions
+    would run, gives ggml's bytes too: weight rows and edge rows, with an importance matrix and (where ggml allows)
+    without."""
+    from qconvert.kernels.ggml import iq1
+
+    quantize = getattr(iq1, f"quantize_{t.lower()}") if t.startswith("IQ1") else _quantize(t)
+    x, imatrix = _weights(8, 2048, 90 + len(t))
+    rows = np.concatenate([x, _edges(2048)])
+    iq_c.portable_only(True)
+    try:
+        for weights in (imatrix, None) if t in ("IQ3_S", "IQ3_XXS", "IQ2_S", "IQ1_M") else (imatrix,):
+            ours, theirs = quantize(rows, weights, threads=2), ggml_quantize(rows, t, weights)
+            bad = np.flatnonzero((ours != theirs).any(axis=1))
+            assert bad.size == 0, f"{t} imatrix={weights is not None}: rows {bad.tolist()} differ from ggml"
+    finally:
+        iq_c.portable_only(False)
+
+
 def test_huge_values_raise_where_ggml_aborts(c_path):
     """Values whose squares overflow float32 leave no neighbour of finite error: ggml aborts (shown in
     test_iq3_s.py / test_iq_low_bit.py), the C path raises ValueError as the numpy one does. IQ2_XXS does not get
