@@ -31,12 +31,14 @@ from pathlib import Path
 import torch
 
 from ...converters.checker import EXACT, REFUSED, REQUANTIZE, decide
+from ...converters.errors import BadInput, RefusedPlan
 from ...converters.plan import Options, TensorPlan, Writer, WriterSession
 from ...converters.records import Dense, Grid, TensorRecord
 from ...kernels.dequant import dequantize_grid_torch
 from ...kernels.floatq import float_to_e8m0
 from ..common.checkpoint import ShardWriter, copy_side_files, write_json
 from .configs import to_mlx_lm
+from .experts import StackSpill, layout_for
 from .packing import mlx_affine_quantize, pack_mlx
 from .schemes import MLX_FLOAT_MODES, bits_for, mlx_scheme, parse_mlx_type
 
@@ -85,6 +87,43 @@ class MlxWriter(Writer):
 
     # -- planning ------------------------------------------------------------------------------------
     def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
+        plan = self._plan_tensor(rec, options, source)
+        layout = layout_for(source.config)
+        slot = layout.stacked_slot(plan.name) if layout is not None else None
+        if slot is not None:  # an expert: written into its layer's switch layer (experts.py)
+            plan.out_name = f"{slot[0]}[{slot[1]}]"
+        return plan
+
+    def check_model(self, source, plans: list[TensorPlan], options: Options) -> None:
+        """The experts of every switch layer are all there, one shape and one mlx type: mlx-lm's
+        QuantizedSwitchLinear has one bits and group size for all of them."""
+        layout = layout_for(source.config)
+        if layout is None:
+            return
+        stacks: dict[str, dict[int, TensorPlan]] = {}
+        for p in plans:
+            slot = layout.stacked_slot(p.name)
+            if slot is not None:
+                stacks.setdefault(slot[0], {})[slot[1]] = p
+        count = layout.expert_count(source.config)
+        folder = Path(getattr(source, "path", "."))
+        where = folder / "config.json" if folder.is_dir() else folder
+        for name, members in stacks.items():
+            if count is None:
+                raise BadInput(f"the checkpoint has expert tensors ({name}) but config.json's {layout.count_key} "
+                               "is not a positive integer", path=where)
+            missing = sorted(set(range(count)) - set(members))
+            if missing or len(members) != count:
+                raise BadInput(f"{name}: experts {missing[:4] or sorted(set(members) - set(range(count)))[:4]} do not "
+                               f"match config.json's {layout.count_key} = {count}; mlx-lm stacks all of them",
+                               path=where, tensor=layout.expert_name(name, (missing or [0])[0]))
+            forms = {(p.shape, _stack_form(p.action)) for p in members.values()}
+            if len(forms) > 1:
+                first, other = sorted(forms, key=str)[:2]
+                raise RefusedPlan(f"{name}: its experts are not one mlx type ({_describe(first)} and "
+                                  f"{_describe(other)}), which mlx-lm's switch layer needs; give them one --type")
+
+    def _plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
         store = self.store or model_dtype(source.config or {})
         explicit = options.explicit_type(rec.name) or options.type
         want = parse_mlx_type(explicit) if explicit else None
@@ -100,7 +139,7 @@ class MlxWriter(Writer):
             auto = mlx_scheme(bits_for(p.bits) or 8, 0, store)
             d = decide(p, rec.shape, scheme, [auto] if want else [], prefer_groups=rec.source_groups)
             return self._plan(rec, d, bits)
-        if want is not None and len(rec.shape) == 2 and _QUANTIZABLE.match(rec.name):
+        if want is not None and len(rec.shape) == 2 and _QUANTIZABLE.match(_mlx_name(rec.name, source)):
             d = decide(rec.dtype, rec.shape, mlx_scheme(want.bits, want.group, store))
             if d.verdict != REFUSED:
                 return self._plan(rec, d, want.bits)
@@ -123,6 +162,23 @@ class MlxWriter(Writer):
         return MlxSession(Path(path), source, self.store or model_dtype(source.config or {}))
 
 
+def _mlx_name(name: str, source) -> str:
+    """The name mlx-lm's model gives a tensor: an expert's is its switch layer's (Mixtral's `experts.E.w1` is
+    `switch_mlp.gate_proj`, a linear mlx-lm quantizes)."""
+    layout = layout_for(source.config)
+    slot = layout.stacked_slot(name) if layout is not None else None
+    return name if slot is None else slot[0]
+
+
+def _stack_form(action: MlxAction | None) -> tuple:
+    return ("dense",) if action is None else (action.bits, action.group, action.mode)
+
+
+def _describe(form: tuple) -> str:
+    shape, kind = form
+    return f"{list(shape)} " + ("unquantized" if kind == ("dense",) else f"{kind[0]}-bit g{kind[1]} {kind[2]}")
+
+
 class MlxSession(WriterSession):
     max_shard_bytes = 2 * 1024**3  # ShardWriter's default (mlx_lm.convert's own shards are 5 GB at most)
 
@@ -130,41 +186,64 @@ class MlxSession(WriterSession):
         self.path, self.source, self.store = path, source, store
         self.shards = ShardWriter(path, max_shard_bytes=self.max_shard_bytes)
         self.schemes: dict[str, tuple[int, int, str]] = {}  # module path -> (bits, group, mode)
-        self.dense_linears: list[str] = []
+        self.dense_linears: dict[str, None] = {}  # module paths, in order (a switch layer once)
+        self.layout = layout_for(source.config)
+        self.count = self.layout.expert_count(source.config) if self.layout is not None else None
+        self.pending: dict[str, StackSpill] = {}  # switch layer tensors being filled, by output name
+
+    def _put(self, name: str, tensor: torch.Tensor, slot: tuple[str, int] | None) -> None:
+        """Store a tensor; an expert's part goes to its slot of the stacked tensor `slot[0]`'s spill, which is
+        stored once its last expert arrived."""
+        if slot is None:
+            self.shards.put(name, tensor)
+            return
+        if name not in self.pending:
+            self.pending[name] = StackSpill(self.path, self.count, tensor)
+        spill = self.pending[name]
+        spill.put(slot[1], tensor)
+        if spill.complete:
+            del self.pending[name]
+            self.shards.put(name, spill.stacked())
+
+    def _module(self, plan: TensorPlan) -> tuple[str, tuple[str, int] | None]:
+        """The module path the tensor is written under (an expert's switch layer) and the expert slot, if any."""
+        slot = self.layout.stacked_slot(plan.name) if self.layout is not None else None
+        name = slot[0] if slot is not None else plan.name
+        return name[: -len(".weight")] if name.endswith(".weight") else name, slot
 
     def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor:
         action: MlxAction | None = plan.action
+        prefix, slot = self._module(plan)
         if action is None:
-            if _QUANTIZABLE.match(plan.name) and len(plan.shape) == 2:
-                self.dense_linears.append(plan.name[: -len(".weight")])
+            if _QUANTIZABLE.match(f"{prefix}.weight") and len(plan.shape) == 2:
+                self.dense_linears[prefix] = None
             tensor = item.tensor if isinstance(item, Dense) else item.dequantize(self.store)
-            self.shards.put(plan.name, tensor)
+            self._put(f"{prefix}.weight" if slot is not None else plan.name, tensor, slot)
             return tensor.to(torch.float32)
         bits, group = action.bits, action.group
-        prefix = plan.name[: -len(".weight")]
         if action.mode != "affine":
-            return self._add_float_mode(prefix, item, action)
+            return self._add_float_mode(prefix, item, action, slot)
         if action.keep:
             codes, scales, biases = self._kept(item, group)
         else:
             codes, scales, biases = mlx_affine_quantize(item.dequantize(torch.float32), bits, group, self.store)
-        self.shards.put(f"{prefix}.weight", self._words(item, codes, bits, action.keep))
-        self.shards.put(f"{prefix}.scales", scales.contiguous())
-        self.shards.put(f"{prefix}.biases", biases.contiguous())
+        self._put(f"{prefix}.weight", self._words(item, codes, bits, action.keep), slot)
+        self._put(f"{prefix}.scales", scales.contiguous(), slot)
+        self._put(f"{prefix}.biases", biases.contiguous(), slot)
         self.schemes[prefix] = (bits, group, "affine")
         # what mlx computes: scales * q, rounded to the stored dtype, plus biases, rounded again
         return dequantize_grid_torch(codes, scales, torch.zeros_like(scales), group, None, torch.float32,
                                      mins=biases, compute_dtype=self.store)
 
-    def _add_float_mode(self, prefix: str, grid: Grid, action: MlxAction) -> torch.Tensor:
+    def _add_float_mode(self, prefix: str, grid: Grid, action: MlxAction, slot) -> torch.Tensor:
         """mlx's mxfp4 / mxfp8 mode: the E2M1 / E4M3 codes and one E8M0 exponent per 32 (the checker made sure
         every scale is a power of two held exactly); what mlx decodes is code value times 2**(e - 127), exact in
         float32 (mx.dequantize(..., dtype=float32))."""
         p = grid.params
         out_f, in_f = grid.shape
         e8m0 = float_to_e8m0(p.folded_scales()[:, torch.arange(0, in_f, 32) // p.group_size]).contiguous()
-        self.shards.put(f"{prefix}.weight", pack_mlx(grid.codes, action.bits))
-        self.shards.put(f"{prefix}.scales", e8m0)
+        self._put(f"{prefix}.weight", pack_mlx(grid.codes, action.bits), slot)
+        self._put(f"{prefix}.scales", e8m0, slot)
         self.schemes[prefix] = (action.bits, 32, action.mode)
         e = e8m0.view(torch.float8_e8m0fnu).to(torch.float32)
         return (p.codebook[grid.codes.to(torch.int64)].view(out_f, -1, 32) * e[..., None]).view(out_f, in_f)
@@ -192,6 +271,10 @@ class MlxSession(WriterSession):
         return pack_mlx(codes, bits)
 
     def close(self) -> None:
+        if self.pending:  # check_model made sure every expert is planned; a source that changed under us is a bug
+            for spill in self.pending.values():
+                spill.close()
+            raise AssertionError(f"experts never arrived for {sorted(self.pending)}")
         self.shards.close()
         config = to_mlx_lm(dict(self.source.config))  # the keys mlx-lm requires (configs.py)
         for key in ("quantization", "quantization_config"):
