@@ -25,7 +25,52 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ExpertLayout", "LAYOUTS", "layout_for", "StackSpill"]
+__all__ = ["ExpertLayout", "Presanitized", "LAYOUTS", "layout_for", "StackSpill"]
+
+
+@dataclass(frozen=True)
+class Presanitized:
+    """What else an architecture's sanitize changes, when it changes it only while it stacks per-expert weights:
+    mlx-lm's Qwen3-Next sanitize returns at once when no `experts.0.up_proj.weight` is found (a folder it saved
+    itself), so a folder with stacked experts must hold the rest in sanitize's output form too, as mlx_lm.convert's
+    does: `shifted_norms` stored as 1 + w (mlx-lm's RMSNorm multiplies by the weight, transformers' Qwen3-Next by
+    1 + w), the depthwise conv1d weights [channels, kernel, 1] (transformers' [channels, 1, kernel]), and the tensors
+    under `dropped` (the MTP block mlx-lm does not run) left out."""
+
+    shifted_norms: tuple[str, ...]
+    dropped: str
+
+    def drops(self, name: str) -> bool:
+        return self.dropped in name
+
+    def _shifted(self, name: str, tensor: torch.Tensor) -> bool:
+        return tensor.dim() == 1 and name.endswith(self.shifted_norms)
+
+    @staticmethod
+    def _conv(name: str) -> bool:
+        return "conv1d.weight" in name
+
+    def to_mlx(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor as mlx-lm's sanitize leaves it (1 + w rounds once in the tensor's dtype)."""
+        if self._shifted(name, tensor):
+            return tensor + 1.0
+        if self._conv(name) and tensor.dim() == 3 and tensor.shape[-1] != 1:
+            return tensor.movedim(2, 1).contiguous()
+        return tensor
+
+    def from_mlx(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Transformers' tensor from sanitize's form: a shifted norm as float32 (stored - 1, which is w where
+        1 + w was exact), the conv1d weight's axes back."""
+        if self._shifted(name, tensor):
+            return tensor.to(torch.float32) - 1.0
+        if self._conv(name) and tensor.dim() == 3 and tensor.shape[-1] == 1 and tensor.shape[1] != 1:
+            return tensor.movedim(2, 1).contiguous()
+        return tensor
+
+    def hf_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self._conv(name) and len(shape) == 3 and shape[-1] == 1 and shape[1] != 1:
+            return (shape[0], shape[2], shape[1])
+        return tuple(shape)
 
 
 @dataclass(frozen=True)
@@ -38,6 +83,10 @@ class ExpertLayout:
     block: str
     projections: dict[str, str]
     count_keys: tuple[str, ...]
+    sanitized: Presanitized | None = None  # what else the writer stores in sanitize's form, with the experts
+    # a routing tensor mlx-lm's sanitize drops (its router then ignores it): written all the same, warned about
+    # when non-zero, since mlx-lm then picks other experts than transformers
+    ignored_routing: str | None = None
 
     def __post_init__(self):
         names = "|".join(map(re.escape, self.projections))
@@ -83,11 +132,18 @@ _W123 = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 # or the file MODEL_REMAPPING names: minimax_m2 -> minimax.py; qwen3_5_moe_text runs as qwen3_5_moe's text model)
 LAYOUTS: dict[str, ExpertLayout] = {
     "qwen3_moe": ExpertLayout("mlp", _GLU, ("num_experts", "num_local_experts")),
+    # mlx_lm/models/qwen3_next.py sanitize: the norms it adds 1 to, the MTP block it drops
+    "qwen3_next": ExpertLayout("mlp", _GLU, ("num_experts",), Presanitized(
+        (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight", ".q_norm.weight",
+         ".k_norm.weight"), "mtp.")),
     "qwen3_5_moe_text": ExpertLayout("mlp", _GLU, ("num_experts", "num_local_experts")),
-    "ernie4_5_moe": ExpertLayout("mlp", _GLU, ("moe_num_experts",)),
+    # mlx_lm/models/ernie4_5_moe.py drops `e_score_correction_bias` and routes by the gate's softmax alone, where
+    # transformers picks the top k of softmax + bias
+    "ernie4_5_moe": ExpertLayout("mlp", _GLU, ("moe_num_experts",), ignored_routing="e_score_correction_bias"),
     "glm4_moe": ExpertLayout("mlp", _GLU, ("n_routed_experts",)),
     "deepseek_v2": ExpertLayout("mlp", _GLU, ("n_routed_experts",)),
     "deepseek_v3": ExpertLayout("mlp", _GLU, ("n_routed_experts",)),
+    "glm_moe_dsa": ExpertLayout("mlp", _GLU, ("n_routed_experts",)),
     "mixtral": ExpertLayout("block_sparse_moe", _W123, ("num_local_experts",)),
     "minimax_m2": ExpertLayout("block_sparse_moe", _W123, ("num_local_experts",)),
 }

@@ -107,6 +107,10 @@ class MlxSource(CheckpointSource):
         # read as Hugging Face's per-expert tensors, one expert at a time
         self.layout = layout_for(self.config)
         self.expert_count = self.layout.expert_count(self.config) if self.layout is not None else None
+        # a folder with stacked experts of an architecture whose sanitize then does nothing else holds the rest in
+        # its output form too (Qwen3-Next: norms stored as 1 + w, conv1d axes; experts.Presanitized): read back
+        stacked = self.layout is not None and any(self._stacked(n) for n in self.ckpt.location)
+        self.presanitized = self.layout.sanitized if stacked else None
 
     def _stacked(self, name: str) -> bool:
         """Whether a tensor (or a module's weight) is a switch layer's stack of every expert."""
@@ -248,10 +252,21 @@ class MlxSource(CheckpointSource):
                         yield self._module_record(prefix, shard, e)
                     elif e is not None:
                         yield self._dense_expert_record(name, shard, e)
+                    elif self.presanitized is not None:
+                        yield self._presanitized_record(name, shard)
                     else:
                         self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard,
                                                 self.ckpt.dtype(name))
                         yield self.ckpt.dense_record(name, shard)
+
+    def _presanitized_record(self, name: str, shard: str) -> TensorRecord:
+        """A tensor of a folder in mlx-lm's sanitized form, as transformers holds it (a shifted norm as float32)."""
+        form = self.presanitized
+        shape = form.hf_shape(name, self.ckpt.shape(name))
+        self.shapes.check_dense(name, shape, self.ckpt.path / shard, self.ckpt.dtype(name))
+        shifted = len(shape) == 1 and name.endswith(form.shifted_norms)
+        return TensorRecord(name, shape, "float32" if shifted else dtype_name(self.ckpt.dtype(name)),
+                            lambda: Dense(form.from_mlx(name, self.ckpt.get(name))), source_file=shard)
 
     def _module_record(self, prefix: str, shard: str, expert: int | None = None) -> TensorRecord:
         params, shape, _ = self._params(prefix, expert=expert)

@@ -24,16 +24,17 @@ save_config writes them; tokenizer and generation files are copied. Shards strea
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ...converters.checker import EXACT, REFUSED, REQUANTIZE, decide
+from ...converters.checker import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, decide
 from ...converters.errors import BadInput, RefusedPlan
 from ...converters.plan import Options, TensorPlan, Writer, WriterSession
-from ...converters.records import Dense, Grid, TensorRecord
+from ...converters.records import Dense, Grid, TensorRecord, describe_record
 from ...kernels.dequant import dequantize_grid_torch
 from ...kernels.floatq import float_to_e8m0
 from ..common.checkpoint import ShardWriter, copy_side_files, write_json
@@ -43,6 +44,8 @@ from .packing import mlx_affine_quantize, pack_mlx
 from .schemes import MLX_FLOAT_MODES, bits_for, mlx_scheme, parse_mlx_type
 
 __all__ = ["MlxWriter", "model_dtype"]
+
+logger = logging.getLogger(__name__)
 
 # the modules mlx-lm's nn.quantize turns into quantized ones (nn.Linear, nn.Embedding: `to_quantized`)
 _QUANTIZABLE = re.compile(r"^(model\.layers\.\d+\..*_proj|model\.embed_tokens|lm_head)\.weight$")
@@ -71,6 +74,13 @@ class MlxAction:
     mode: str = "affine"
 
 
+@dataclass(frozen=True)
+class MlxDrop:
+    """A tensor not written: mlx-lm's model has no place for it (Qwen3-Next's MTP block, experts.Presanitized)."""
+
+    drop: bool = True
+
+
 class MlxWriter(Writer):
     """The registered writer; `for_conversion` gives the per-conversion one that knows the model dtype."""
 
@@ -87,11 +97,19 @@ class MlxWriter(Writer):
 
     # -- planning ------------------------------------------------------------------------------------
     def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
-        plan = self._plan_tensor(rec, options, source)
         layout = layout_for(source.config)
+        sanitized = layout.sanitized if layout is not None else None
+        if sanitized is not None and sanitized.drops(rec.name):
+            return TensorPlan(rec.name, rec.shape, describe_record(rec), "dropped", EXACT,
+                              "dropped: mlx-lm does not run it (its sanitize drops it)", action=MlxDrop())
+        plan = self._plan_tensor(rec, options, source)
         slot = layout.stacked_slot(plan.name) if layout is not None else None
         if slot is not None:  # an expert: written into its layer's switch layer (experts.py)
             plan.out_name = f"{slot[0]}[{slot[1]}]"
+        if sanitized is not None and plan.action is None and len(rec.shape) == 1 and \
+                rec.name.endswith(sanitized.shifted_norms):
+            plan.verdict = NEAR_EXACT  # the runner measures it: exact when 1 + w rounds to nothing
+            plan.reason = "stored as 1 + w, mlx-lm's form of this norm (its sanitize adds 1 only to per-expert folders)"
         return plan
 
     def check_model(self, source, plans: list[TensorPlan], options: Options) -> None:
@@ -102,7 +120,7 @@ class MlxWriter(Writer):
             return
         stacks: dict[str, dict[int, TensorPlan]] = {}
         for p in plans:
-            slot = layout.stacked_slot(p.name)
+            slot = layout.stacked_slot(p.name) if not isinstance(p.action, MlxDrop) else None
             if slot is not None:
                 stacks.setdefault(slot[0], {})[slot[1]] = p
         count = layout.expert_count(source.config)
@@ -205,6 +223,13 @@ class MlxSession(WriterSession):
             del self.pending[name]
             self.shards.put(name, spill.stacked())
 
+    def _warn_ignored(self, name: str, tensor: torch.Tensor) -> None:
+        ignored = self.layout.ignored_routing if self.layout is not None else None
+        if ignored and name.endswith(ignored) and bool((tensor != 0).any()) and not getattr(self, "_warned", False):
+            self._warned = True
+            logger.warning("%s is not zero: mlx-lm 0.32 drops %s and routes by the gate alone, so its model picks "
+                           "other experts than transformers'", name, ignored)
+
     def _module(self, plan: TensorPlan) -> tuple[str, tuple[str, int] | None]:
         """The module path the tensor is written under (an expert's switch layer) and the expert slot, if any."""
         slot = self.layout.stacked_slot(plan.name) if self.layout is not None else None
@@ -213,12 +238,21 @@ class MlxSession(WriterSession):
 
     def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor:
         action: MlxAction | None = plan.action
+        if isinstance(action, MlxDrop):
+            return item.dequantize(torch.float32)
         prefix, slot = self._module(plan)
         if action is None:
             if _QUANTIZABLE.match(f"{prefix}.weight") and len(plan.shape) == 2:
                 self.dense_linears[prefix] = None
             tensor = item.tensor if isinstance(item, Dense) else item.dequantize(self.store)
-            self._put(f"{prefix}.weight" if slot is not None else plan.name, tensor, slot)
+            name = f"{prefix}.weight" if slot is not None else plan.name
+            self._warn_ignored(plan.name, tensor)
+            sanitized = self.layout.sanitized if self.layout is not None else None
+            if sanitized is not None:  # stored as mlx-lm's sanitize leaves it; measured as it reads back
+                stored = sanitized.to_mlx(plan.name, tensor)
+                self._put(name, stored, slot)
+                return sanitized.from_mlx(plan.name, stored).to(torch.float32)
+            self._put(name, tensor, slot)
             return tensor.to(torch.float32)
         bits, group = action.bits, action.group
         if action.mode != "affine":
