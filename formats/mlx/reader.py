@@ -8,6 +8,10 @@ row, formats/mlx/packing.py), `<p>.scales` and `<p>.biases` [out, in/group] in t
 q + biases. config.json's `quantization` = {group_size, bits, mode} plus per-module entries (a dict of
 group_size/bits/mode, or false: left unquantized); mlx-lm copies it to `quantization_config` too.
 
+A MoE layer's experts saved by mlx_lm.convert are stacked in switch layers (`<block>.switch_mlp.<proj>.*`, every
+part with a leading [experts] axis; formats/mlx/experts.py): each is yielded as Hugging Face's per-expert records
+(`<block>.experts.<e>.<proj>.weight`), read one expert's slice at a time.
+
 Each quantized module is yielded as a min-form grid (scales, mins = biases) that dequantizes in the stored
 dtype with two roundings, fp(fp(s*q) + b), which is mx.dequantize bit for bit.
 

@@ -16,6 +16,10 @@ of nibbles (LSB first), `scales` uint8, no biases, the module's quantization ent
 (OCP MXFP8: compressed-tensors mxfp8-quantized, AMD Quark MXFP8, mlx's own) in mlx's `mxfp8` mode the same way,
 four E4M3 bytes a uint32 word.
 
+A MoE layer's routed experts are written stacked in mlx-lm's switch layers, as mlx_lm.convert writes them
+(formats/mlx/experts.py): each expert's parts go to their slot of a temporary file per stacked tensor, stored once
+the last expert arrived; check_model makes sure every expert of a stack is there with one mlx type.
+
 config.json gets mlx-lm's `quantization` (the most common bits/group as the default, a per-module entry
 for every other one, false for linears left dense) and its copy `quantization_config`, as mlx-lm's
 save_config writes them; tokenizer and generation files are copied. Shards stream through ShardWriter

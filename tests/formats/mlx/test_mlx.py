@@ -297,6 +297,22 @@ def test_mlx_lm_convert_moe_switch_layers_read_per_expert(tmp_path, prompt):
     _assert_logits_close(llama_logits(gguf_path, prompt), stored["__logits__"], "mlx->gguf llama.cpp vs mlx-lm")
 
 
+def test_switch_layer_of_other_expert_count_is_refused(tmp_path):
+    """A switch layer whose first axis is not config.json's expert count: a BadInput naming the file and the
+    tensor, before any record is read (the CLI's one line, exit 2)."""
+    from qconvert.converters.errors import BadInput
+    from qconvert.formats.mlx.reader import MlxSource
+
+    src = _copy(PRODUCED / "moe" / "model", tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(num_experts=3, num_local_experts=3)
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(BadInput) as e:
+        list(MlxSource(src).records())
+    assert "num_experts = 3 experts along its first axis, got [4, " in str(e.value)
+    assert e.value.path.endswith("model.safetensors") and ".switch_mlp." in e.value.tensor
+
+
 def test_mlx_to_gguf_q4_1(tmp_path, prompt):
     from safetensors.numpy import load_file
 
