@@ -55,6 +55,10 @@ CASES = {
     "ernie4_5_moe": ("ernie4_5_moe", "std-ernie4_5_moe", {}, "mlx4g64", True),
     "minimax_m2": ("minimax_m2", "std-minimax_m2", {}, "mlx4g64", True),
     "qwen3_next": ("qwen3_next", "hybrid-qwen3_next", {}, "mlx4g64", True),
+    # older MoE architectures whose experts are now written stacked too (Qwen3-MoE also needs `num_experts` and
+    # `head_dim` in config.json; Mixtral's w1/w2/w3 experts are quantized as mlx-lm's gate/down/up switch layers)
+    "qwen3_moe": ("qwen3_moe", "qwen3_moe", {}, "mlx4g64", True),
+    "mixtral": ("mixtral", "mixtral", {}, "mlx4g64", True),
     # GLM-5 with two layers, so that both have their own indexer (the GGUF tests' three-layer model ends with a
     # "shared" indexer layer, which mlx-lm 0.32's GLM-5 does not have: "Missing 5 parameters:
     # model.layers.2.self_attn.indexer..."). mlx-lm splits kv_b_proj per head at load (its MLA absorption) and
