@@ -212,6 +212,7 @@ class MlxSession(WriterSession):
         self.layout = layout_for(source.config)
         self.count = self.layout.expert_count(source.config) if self.layout is not None else None
         self.pending: dict[str, StackSpill] = {}  # switch layer tensors being filled, by output name
+        self.warned = False  # the ignored routing tensor warned about (once a conversion)
 
     def _put(self, name: str, tensor: torch.Tensor, slot: tuple[str, int] | None) -> None:
         """Store a tensor; an expert's part goes to its slot of the stacked tensor `slot[0]`'s spill, which is
@@ -229,8 +230,8 @@ class MlxSession(WriterSession):
 
     def _warn_ignored(self, name: str, tensor: torch.Tensor) -> None:
         ignored = self.layout.ignored_routing if self.layout is not None else None
-        if ignored and name.endswith(ignored) and bool((tensor != 0).any()) and not getattr(self, "_warned", False):
-            self._warned = True
+        if ignored and not self.warned and name.endswith(ignored) and bool((tensor != 0).any()):
+            self.warned = True
             logger.warning("%s is not zero: mlx-lm 0.32 drops %s and routes by the gate alone, so its model picks "
                            "other experts than transformers'", name, ignored)
 
