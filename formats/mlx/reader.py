@@ -8,6 +8,10 @@ row, formats/mlx/packing.py), `<p>.scales` and `<p>.biases` [out, in/group] in t
 q + biases. config.json's `quantization` = {group_size, bits, mode} plus per-module entries (a dict of
 group_size/bits/mode, or false: left unquantized); mlx-lm copies it to `quantization_config` too.
 
+A MoE layer's experts saved by mlx_lm.convert are stacked in switch layers (`<block>.switch_mlp.<proj>.*`, every
+part with a leading [experts] axis; formats/mlx/experts.py): each is yielded as Hugging Face's per-expert records
+(`<block>.experts.<e>.<proj>.weight`), read one expert's slice at a time.
+
 Each quantized module is yielded as a min-form grid (scales, mins = biases) that dequantizes in the stored
 dtype with two roundings, fp(fp(s*q) + b), which is mx.dequantize bit for bit.
 
@@ -26,14 +30,15 @@ from typing import Iterator
 import torch
 
 from ...converters.errors import BadInput, QConvertError
-from ...converters.records import Grid, GridParams, PackedCodes, TensorRecord
+from ...converters.records import Dense, Grid, GridParams, PackedCodes, TensorRecord
 from ...converters.validate import ConfigView
 from ...converters.model_shapes import ModelShapes
-from ..common.checkpoint import CheckpointDir, CheckpointSource, read_json
+from ..common.checkpoint import CheckpointDir, CheckpointSource, dtype_name, read_json
 from .packing import MLX_BITS, MLX_GROUPS, unpack_mlx
 from ..common.quant_config import read_config
 from .configs import from_mlx_lm
 from ..common.float_grids import float_grid
+from .experts import layout_for
 
 __all__ = ["MlxSource", "open_mlx", "looks_like_mlx"]
 
@@ -102,6 +107,32 @@ class MlxSource(CheckpointSource):
         self.base = _module_fields(self.quant_config, where, "quantization", None)
         self.modules = {prefix: parts for prefix, parts in self.ckpt.group_modules(_PARTS, primary="weight").items()
                         if "scales" in parts or "biases" in parts}
+        # a MoE layer's experts stacked in mlx-lm's switch layers (mlx_lm.convert's layout, formats/mlx/experts.py):
+        # read as Hugging Face's per-expert tensors, one expert at a time
+        self.layout = layout_for(self.config)
+        self.expert_count = self.layout.expert_count(self.config) if self.layout is not None else None
+        # a folder with stacked experts of an architecture whose sanitize then does nothing else holds the rest in
+        # its output form too (Qwen3-Next: norms stored as 1 + w, conv1d axes; experts.Presanitized): read back
+        stacked = self.layout is not None and any(self._stacked(n) for n in self.ckpt.location)
+        self.presanitized = self.layout.sanitized if stacked else None
+
+    def _stacked(self, name: str) -> bool:
+        """Whether a tensor (or a module's weight) is a switch layer's stack of every expert."""
+        return self.layout is not None and self.layout.expert_name(name, 0) is not None
+
+    def _expert_slice(self, name: str, expert: int | None, where: Path) -> tuple[int, ...]:
+        """The shape of one expert's slice of a stacked tensor (the shape itself when `expert` is None), checked
+        against the config's expert count."""
+        shape = tuple(self.ckpt.shape(name))
+        if expert is None:
+            return shape
+        if self.expert_count is None:
+            raise BadInput(f"a stacked switch layer, but config.json's {self.layout.count_key} is not a positive "
+                           "integer", path=self.path / "config.json", tensor=name)
+        if len(shape) < 2 or shape[0] != self.expert_count:
+            raise BadInput(f"a switch layer stacks {self.layout.count_key} = {self.expert_count} experts along its "
+                           f"first axis, got {list(shape)}", path=where, tensor=name)
+        return shape[1:]
 
     # -- one module's parameters, from the headers first -------------------------------------------------
     def _scheme_of(self, prefix: str, where: Path) -> tuple[int, int, str]:
@@ -116,21 +147,23 @@ class MlxSource(CheckpointSource):
                            path=self.path / "config.json")
         return self.base
 
-    def _params(self, prefix: str, with_values: bool = True) -> tuple[GridParams | None, tuple[int, int], int]:
+    def _params(self, prefix: str, with_values: bool = True, expert: int | None = None
+                ) -> tuple[GridParams | None, tuple[int, int], int]:
+        """One module's grid parameters; of a switch layer, expert `expert`'s (its slice of every part)."""
         parts = self.modules[prefix]
         wname = parts["weight"]
         where = self.ckpt.file_of(wname)
         bits, group, mode = self._scheme_of(prefix, where)
         if mode in _FLOAT_MODES:
-            return self._float_params(prefix, mode, bits, group, with_values)
+            return self._float_params(prefix, mode, bits, group, with_values, expert)
         for needed, partner in (("scales", "biases"), ("biases", "scales")):
             if needed not in parts:
                 raise BadInput(f"{partner} without {needed}: mlx's affine mode stores W = scales * q + biases",
                                path=where, tensor=f"{prefix}.{needed}")
-        wshape = self._packed_shape(wname, where)
+        wshape = self._packed_shape(wname, where, expert)
         sname, bname = parts["scales"], parts["biases"]
-        sdtype, sshape = self.ckpt.dtype(sname), self.ckpt.shape(sname)
-        bdtype, bshape = self.ckpt.dtype(bname), self.ckpt.shape(bname)
+        sdtype, sshape = self.ckpt.dtype(sname), self._expert_slice(sname, expert, self.ckpt.file_of(sname))
+        bdtype, bshape = self.ckpt.dtype(bname), self._expert_slice(bname, expert, self.ckpt.file_of(bname))
         if sdtype not in _FLOAT_TAGS or bdtype != sdtype:
             raise BadInput(f"scales ({sdtype}) and biases ({bdtype}) must be one float dtype (F16, BF16 or F32)",
                            path=self.ckpt.file_of(sname), tensor=sname)
@@ -139,18 +172,22 @@ class MlxSource(CheckpointSource):
                            f"for weight {list(wshape)}", path=self.ckpt.file_of(sname), tensor=sname)
         out_features, words = wshape
         in_features, rest = divmod(words * 32, bits)
-        self._check_inputs(prefix, wname, wshape, sshape, bits, group, where)
+        self._check_inputs(self._expert_prefix(prefix, expert), wname, wshape, sshape, bits, group, where)
         if not with_values:
             return None, (out_features, in_features), bits
-        scales, biases = self.ckpt.get(sname), self.ckpt.get(bname)
+        scales, biases = self.ckpt.get(sname, expert), self.ckpt.get(bname, expert)
         params = GridParams(bits=bits, group_size=group, scales=scales, zeros=torch.zeros_like(scales), mins=biases,
                             compute_dtype=_FLOAT_TAGS[sdtype])
         return params, (out_features, in_features), bits
 
-    def _packed_shape(self, wname: str, where: Path) -> tuple[int, int]:
-        wdtype, wshape = self.ckpt.dtype(wname), self.ckpt.shape(wname)
+    def _expert_prefix(self, prefix: str, expert: int | None) -> str:
+        return prefix if expert is None else self.layout.expert_name(prefix, expert)
+
+    def _packed_shape(self, wname: str, where: Path, expert: int | None = None) -> tuple[int, int]:
+        wdtype, wshape = self.ckpt.dtype(wname), self._expert_slice(wname, expert, where)
         if wdtype not in ("U32", "I32") or len(wshape) != 2 or min(wshape) < 1:
-            raise BadInput(f"packed weight must be a 2-D uint32 tensor, got {wdtype} {list(wshape)}", path=where,
+            what = "of each expert of a switch layer " if expert is not None else ""
+            raise BadInput(f"packed weight {what}must be a 2-D uint32 tensor, got {wdtype} {list(wshape)}", path=where,
                            tensor=wname)
         return tuple(wshape)
 
@@ -168,7 +205,7 @@ class MlxSource(CheckpointSource):
         else:
             self.shapes.check_linear(prefix, out_features, in_features, where, wname, implied)
 
-    def _float_params(self, prefix: str, mode: str, bits: int, group: int, with_values: bool):
+    def _float_params(self, prefix: str, mode: str, bits: int, group: int, with_values: bool, expert: int | None):
         """A float-mode module (mxfp8 / mxfp4): uint32 words of element codes, uint8 E8M0 scales, no biases."""
         parts = self.modules[prefix]
         wname, sname = parts["weight"], parts.get("scales")
@@ -177,22 +214,23 @@ class MlxSource(CheckpointSource):
             extra = "scales" if sname is None else "biases"
             raise BadInput(f"mlx's {mode} mode stores weight and E8M0 scales only, but this module "
                            f"{'lacks' if sname is None else 'has'} {extra}", path=where, tensor=f"{prefix}.{extra}")
-        wshape = self._packed_shape(wname, where)
-        sdtype, sshape = self.ckpt.dtype(sname), self.ckpt.shape(sname)
+        wshape = self._packed_shape(wname, where, expert)
+        sdtype, sshape = self.ckpt.dtype(sname), self._expert_slice(sname, expert, self.ckpt.file_of(sname))
         if sdtype != "U8" or len(sshape) != 2 or sshape[0] != wshape[0]:
             raise BadInput(f"{mode} scales must be uint8 E8M0 exponents [{wshape[0]}, groups], got {sdtype} "
                            f"{list(sshape)}", path=self.ckpt.file_of(sname), tensor=sname)
-        self._check_inputs(prefix, wname, wshape, sshape, bits, group, where)
+        self._check_inputs(self._expert_prefix(prefix, expert), wname, wshape, sshape, bits, group, where)
         shape = (wshape[0], wshape[1] * 32 // bits)
         if not with_values:
             return None, shape, bits
         # E2M1 code 8 is -0.0 in mlx's decode (measured: mx.dequantize gives a signed zero)
-        params = float_grid(_FLOAT_MODES[mode][0], self.ckpt.get(sname).view(torch.float8_e8m0fnu), group)
+        e8m0 = self.ckpt.get(sname, expert).view(torch.float8_e8m0fnu)
+        params = float_grid(_FLOAT_MODES[mode][0], e8m0, group)
         return params, shape, bits
 
-    def _load_grid(self, prefix: str) -> Grid:
-        params, (_, in_features), bits = self._params(prefix)
-        words = self.ckpt.get(self.modules[prefix]["weight"])
+    def _load_grid(self, prefix: str, expert: int | None = None) -> Grid:
+        params, (_, in_features), bits = self._params(prefix, expert=expert)
+        words = self.ckpt.get(self.modules[prefix]["weight"], expert)
         codes = unpack_mlx(words, bits, in_features)
         if params.codebook is not None:
             return Grid(params, codes)  # element codes: the float grid's writers pack them their own way
@@ -202,12 +240,50 @@ class MlxSource(CheckpointSource):
 
     # -- the ModelSource interface ---------------------------------------------------------------------
     def records(self) -> Iterator[TensorRecord]:
-        return self.module_records(self.modules, "weight", self._module_record)
+        """module_records' stream (every tensor in file order, a quantized module as one grid record), with each
+        switch layer, quantized or not, split into its experts' records."""
+        consumed = {n for parts in self.modules.values() for p, n in parts.items() if p != "weight"}
+        for shard in self.ckpt.shards:
+            for name in self.ckpt.keys(shard):
+                if name in consumed:
+                    continue
+                prefix, _, part = name.rpartition(".")
+                experts = range(self.expert_count or 0) if self._stacked(name) else [None]
+                if self._stacked(name):
+                    self._expert_slice(name, 0, self.ckpt.path / shard)  # the expert count, before any record
+                for e in experts:
+                    if part == "weight" and prefix in self.modules:
+                        yield self._module_record(prefix, shard, e)
+                    elif e is not None:
+                        yield self._dense_expert_record(name, shard, e)
+                    elif self.presanitized is not None:
+                        yield self._presanitized_record(name, shard)
+                    else:
+                        self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard,
+                                                self.ckpt.dtype(name))
+                        yield self.ckpt.dense_record(name, shard)
 
-    def _module_record(self, prefix: str, shard: str) -> TensorRecord:
-        params, shape, _ = self._params(prefix)
-        return TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p), params=params,
-                            source_file=shard)
+    def _presanitized_record(self, name: str, shard: str) -> TensorRecord:
+        """A tensor of a folder in mlx-lm's sanitized form, as transformers holds it (a shifted norm as float32)."""
+        form = self.presanitized
+        shape = form.hf_shape(name, self.ckpt.shape(name))
+        self.shapes.check_dense(name, shape, self.ckpt.path / shard, self.ckpt.dtype(name))
+        shifted = len(shape) == 1 and name.endswith(form.shifted_norms)
+        return TensorRecord(name, shape, "float32" if shifted else dtype_name(self.ckpt.dtype(name)),
+                            lambda: Dense(form.from_mlx(name, self.ckpt.get(name))), source_file=shard)
+
+    def _module_record(self, prefix: str, shard: str, expert: int | None = None) -> TensorRecord:
+        params, shape, _ = self._params(prefix, expert=expert)
+        return TensorRecord(f"{self._expert_prefix(prefix, expert)}.weight", shape, "grid",
+                            lambda p=prefix, e=expert: self._load_grid(p, e), params=params, source_file=shard)
+
+    def _dense_expert_record(self, name: str, shard: str, expert: int) -> TensorRecord:
+        """One expert of an unquantized switch layer (a module the quantization left float)."""
+        out = self.layout.expert_name(name, expert)
+        shape = self._expert_slice(name, expert, self.ckpt.path / shard)
+        self.shapes.check_dense(out, shape, self.ckpt.path / shard, self.ckpt.dtype(name))
+        return TensorRecord(out, shape, dtype_name(self.ckpt.dtype(name)),
+                            lambda: Dense(self.ckpt.get(name, expert)), source_file=shard)
 
     def describe(self) -> dict:
         overrides = {k: v for k, v in self.quant_config.items() if k not in ("bits", "group_size", "mode")}

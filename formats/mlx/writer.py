@@ -16,6 +16,10 @@ of nibbles (LSB first), `scales` uint8, no biases, the module's quantization ent
 (OCP MXFP8: compressed-tensors mxfp8-quantized, AMD Quark MXFP8, mlx's own) in mlx's `mxfp8` mode the same way,
 four E4M3 bytes a uint32 word.
 
+A MoE layer's routed experts are written stacked in mlx-lm's switch layers, as mlx_lm.convert writes them
+(formats/mlx/experts.py): each expert's parts go to their slot of a temporary file per stacked tensor, stored once
+the last expert arrived; check_model makes sure every expert of a stack is there with one mlx type.
+
 config.json gets mlx-lm's `quantization` (the most common bits/group as the default, a per-module entry
 for every other one, false for linears left dense) and its copy `quantization_config`, as mlx-lm's
 save_config writes them; tokenizer and generation files are copied. Shards stream through ShardWriter
@@ -24,23 +28,28 @@ save_config writes them; tokenizer and generation files are copied. Shards strea
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ...converters.checker import EXACT, REFUSED, REQUANTIZE, decide
+from ...converters.checker import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, decide
+from ...converters.errors import BadInput, RefusedPlan
 from ...converters.plan import Options, TensorPlan, Writer, WriterSession
-from ...converters.records import Dense, Grid, TensorRecord
+from ...converters.records import Dense, Grid, TensorRecord, describe_record
 from ...kernels.dequant import dequantize_grid_torch
 from ...kernels.floatq import float_to_e8m0
 from ..common.checkpoint import ShardWriter, copy_side_files, write_json
 from .configs import to_mlx_lm
+from .experts import StackSpill, layout_for
 from .packing import mlx_affine_quantize, pack_mlx
 from .schemes import MLX_FLOAT_MODES, bits_for, mlx_scheme, parse_mlx_type
 
 __all__ = ["MlxWriter", "model_dtype"]
+
+logger = logging.getLogger(__name__)
 
 # the modules mlx-lm's nn.quantize turns into quantized ones (nn.Linear, nn.Embedding: `to_quantized`)
 _QUANTIZABLE = re.compile(r"^(model\.layers\.\d+\..*_proj|model\.embed_tokens|lm_head)\.weight$")
@@ -69,6 +78,13 @@ class MlxAction:
     mode: str = "affine"
 
 
+@dataclass(frozen=True)
+class MlxDrop:
+    """A tensor not written: mlx-lm's model has no place for it (Qwen3-Next's MTP block, experts.Presanitized)."""
+
+    drop: bool = True
+
+
 class MlxWriter(Writer):
     """The registered writer; `for_conversion` gives the per-conversion one that knows the model dtype."""
 
@@ -85,6 +101,51 @@ class MlxWriter(Writer):
 
     # -- planning ------------------------------------------------------------------------------------
     def plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
+        layout = layout_for(source.config)
+        sanitized = layout.sanitized if layout is not None else None
+        if sanitized is not None and sanitized.drops(rec.name):
+            return TensorPlan(rec.name, rec.shape, describe_record(rec), "dropped", EXACT,
+                              "dropped: mlx-lm does not run it (its sanitize drops it)", action=MlxDrop())
+        plan = self._plan_tensor(rec, options, source)
+        slot = layout.stacked_slot(plan.name) if layout is not None else None
+        if slot is not None:  # an expert: written into its layer's switch layer (experts.py)
+            plan.out_name = f"{slot[0]}[{slot[1]}]"
+        if sanitized is not None and plan.action is None and len(rec.shape) == 1 and \
+                rec.name.endswith(sanitized.shifted_norms):
+            plan.verdict = NEAR_EXACT  # the runner measures it: exact when 1 + w rounds to nothing
+            plan.reason = "stored as 1 + w, mlx-lm's form of this norm (its sanitize adds 1 only to per-expert folders)"
+        return plan
+
+    def check_model(self, source, plans: list[TensorPlan], options: Options) -> None:
+        """The experts of every switch layer are all there, one shape and one mlx type: mlx-lm's
+        QuantizedSwitchLinear has one bits and group size for all of them."""
+        layout = layout_for(source.config)
+        if layout is None:
+            return
+        stacks: dict[str, dict[int, TensorPlan]] = {}
+        for p in plans:
+            slot = layout.stacked_slot(p.name) if not isinstance(p.action, MlxDrop) else None
+            if slot is not None:
+                stacks.setdefault(slot[0], {})[slot[1]] = p
+        count = layout.expert_count(source.config)
+        folder = Path(getattr(source, "path", "."))
+        where = folder / "config.json" if folder.is_dir() else folder
+        for name, members in stacks.items():
+            if count is None:
+                raise BadInput(f"the checkpoint has expert tensors ({name}) but config.json's {layout.count_key} "
+                               "is not a positive integer", path=where)
+            missing = sorted(set(range(count)) - set(members))
+            if missing or len(members) != count:
+                raise BadInput(f"{name}: experts {missing[:4] or sorted(set(members) - set(range(count)))[:4]} do not "
+                               f"match config.json's {layout.count_key} = {count}; mlx-lm stacks all of them",
+                               path=where, tensor=layout.expert_name(name, (missing or [0])[0]))
+            forms = {(p.shape, _stack_form(p.action)) for p in members.values()}
+            if len(forms) > 1:
+                first, other = sorted(forms, key=str)[:2]
+                raise RefusedPlan(f"{name}: its experts are not one mlx type ({_describe(first)} and "
+                                  f"{_describe(other)}), which mlx-lm's switch layer needs; give them one --type")
+
+    def _plan_tensor(self, rec: TensorRecord, options: Options, source) -> TensorPlan:
         store = self.store or model_dtype(source.config or {})
         explicit = options.explicit_type(rec.name) or options.type
         want = parse_mlx_type(explicit) if explicit else None
@@ -100,7 +161,7 @@ class MlxWriter(Writer):
             auto = mlx_scheme(bits_for(p.bits) or 8, 0, store)
             d = decide(p, rec.shape, scheme, [auto] if want else [], prefer_groups=rec.source_groups)
             return self._plan(rec, d, bits)
-        if want is not None and len(rec.shape) == 2 and _QUANTIZABLE.match(rec.name):
+        if want is not None and len(rec.shape) == 2 and _QUANTIZABLE.match(_mlx_name(rec.name, source)):
             d = decide(rec.dtype, rec.shape, mlx_scheme(want.bits, want.group, store))
             if d.verdict != REFUSED:
                 return self._plan(rec, d, want.bits)
@@ -123,6 +184,23 @@ class MlxWriter(Writer):
         return MlxSession(Path(path), source, self.store or model_dtype(source.config or {}))
 
 
+def _mlx_name(name: str, source) -> str:
+    """The name mlx-lm's model gives a tensor: an expert's is its switch layer's (Mixtral's `experts.E.w1` is
+    `switch_mlp.gate_proj`, a linear mlx-lm quantizes)."""
+    layout = layout_for(source.config)
+    slot = layout.stacked_slot(name) if layout is not None else None
+    return name if slot is None else slot[0]
+
+
+def _stack_form(action: MlxAction | None) -> tuple:
+    return ("dense",) if action is None else (action.bits, action.group, action.mode)
+
+
+def _describe(form: tuple) -> str:
+    shape, kind = form
+    return f"{list(shape)} " + ("unquantized" if kind == ("dense",) else f"{kind[0]}-bit g{kind[1]} {kind[2]}")
+
+
 class MlxSession(WriterSession):
     max_shard_bytes = 2 * 1024**3  # ShardWriter's default (mlx_lm.convert's own shards are 5 GB at most)
 
@@ -130,41 +208,81 @@ class MlxSession(WriterSession):
         self.path, self.source, self.store = path, source, store
         self.shards = ShardWriter(path, max_shard_bytes=self.max_shard_bytes)
         self.schemes: dict[str, tuple[int, int, str]] = {}  # module path -> (bits, group, mode)
-        self.dense_linears: list[str] = []
+        self.dense_linears: dict[str, None] = {}  # module paths, in order (a switch layer once)
+        self.layout = layout_for(source.config)
+        self.count = self.layout.expert_count(source.config) if self.layout is not None else None
+        self.pending: dict[str, StackSpill] = {}  # switch layer tensors being filled, by output name
+        self.warned = False  # the ignored routing tensor warned about (once a conversion)
+
+    def _put(self, name: str, tensor: torch.Tensor, slot: tuple[str, int] | None) -> None:
+        """Store a tensor; an expert's part goes to its slot of the stacked tensor `slot[0]`'s spill, which is
+        stored once its last expert arrived."""
+        if slot is None:
+            self.shards.put(name, tensor)
+            return
+        if name not in self.pending:
+            self.pending[name] = StackSpill(self.path, self.count, tensor)
+        spill = self.pending[name]
+        spill.put(slot[1], tensor)
+        if spill.complete:
+            del self.pending[name]
+            self.shards.put(name, spill.stacked())
+
+    def _warn_ignored(self, name: str, tensor: torch.Tensor) -> None:
+        ignored = self.layout.ignored_routing if self.layout is not None else None
+        if ignored and not self.warned and name.endswith(ignored) and bool((tensor != 0).any()):
+            self.warned = True
+            logger.warning("%s is not zero: mlx-lm 0.32 drops %s and routes by the gate alone, so its model picks "
+                           "other experts than transformers'", name, ignored)
+
+    def _module(self, plan: TensorPlan) -> tuple[str, tuple[str, int] | None]:
+        """The module path the tensor is written under (an expert's switch layer) and the expert slot, if any."""
+        slot = self.layout.stacked_slot(plan.name) if self.layout is not None else None
+        name = slot[0] if slot is not None else plan.name
+        return name[: -len(".weight")] if name.endswith(".weight") else name, slot
 
     def add(self, plan: TensorPlan, item: Dense | Grid) -> torch.Tensor:
         action: MlxAction | None = plan.action
+        if isinstance(action, MlxDrop):
+            return item.dequantize(torch.float32)
+        prefix, slot = self._module(plan)
         if action is None:
-            if _QUANTIZABLE.match(plan.name) and len(plan.shape) == 2:
-                self.dense_linears.append(plan.name[: -len(".weight")])
+            if _QUANTIZABLE.match(f"{prefix}.weight") and len(plan.shape) == 2:
+                self.dense_linears[prefix] = None
             tensor = item.tensor if isinstance(item, Dense) else item.dequantize(self.store)
-            self.shards.put(plan.name, tensor)
+            name = f"{prefix}.weight" if slot is not None else plan.name
+            self._warn_ignored(plan.name, tensor)
+            sanitized = self.layout.sanitized if self.layout is not None else None
+            if sanitized is not None:  # stored as mlx-lm's sanitize leaves it; measured as it reads back
+                stored = sanitized.to_mlx(plan.name, tensor)
+                self._put(name, stored, slot)
+                return sanitized.from_mlx(plan.name, stored).to(torch.float32)
+            self._put(name, tensor, slot)
             return tensor.to(torch.float32)
         bits, group = action.bits, action.group
-        prefix = plan.name[: -len(".weight")]
         if action.mode != "affine":
-            return self._add_float_mode(prefix, item, action)
+            return self._add_float_mode(prefix, item, action, slot)
         if action.keep:
             codes, scales, biases = self._kept(item, group)
         else:
             codes, scales, biases = mlx_affine_quantize(item.dequantize(torch.float32), bits, group, self.store)
-        self.shards.put(f"{prefix}.weight", self._words(item, codes, bits, action.keep))
-        self.shards.put(f"{prefix}.scales", scales.contiguous())
-        self.shards.put(f"{prefix}.biases", biases.contiguous())
+        self._put(f"{prefix}.weight", self._words(item, codes, bits, action.keep), slot)
+        self._put(f"{prefix}.scales", scales.contiguous(), slot)
+        self._put(f"{prefix}.biases", biases.contiguous(), slot)
         self.schemes[prefix] = (bits, group, "affine")
         # what mlx computes: scales * q, rounded to the stored dtype, plus biases, rounded again
         return dequantize_grid_torch(codes, scales, torch.zeros_like(scales), group, None, torch.float32,
                                      mins=biases, compute_dtype=self.store)
 
-    def _add_float_mode(self, prefix: str, grid: Grid, action: MlxAction) -> torch.Tensor:
+    def _add_float_mode(self, prefix: str, grid: Grid, action: MlxAction, slot) -> torch.Tensor:
         """mlx's mxfp4 / mxfp8 mode: the E2M1 / E4M3 codes and one E8M0 exponent per 32 (the checker made sure
         every scale is a power of two held exactly); what mlx decodes is code value times 2**(e - 127), exact in
         float32 (mx.dequantize(..., dtype=float32))."""
         p = grid.params
         out_f, in_f = grid.shape
         e8m0 = float_to_e8m0(p.folded_scales()[:, torch.arange(0, in_f, 32) // p.group_size]).contiguous()
-        self.shards.put(f"{prefix}.weight", pack_mlx(grid.codes, action.bits))
-        self.shards.put(f"{prefix}.scales", e8m0)
+        self._put(f"{prefix}.weight", pack_mlx(grid.codes, action.bits), slot)
+        self._put(f"{prefix}.scales", e8m0, slot)
         self.schemes[prefix] = (action.bits, 32, action.mode)
         e = e8m0.view(torch.float8_e8m0fnu).to(torch.float32)
         return (p.codebook[grid.codes.to(torch.int64)].view(out_f, -1, 32) * e[..., None]).view(out_f, in_f)
@@ -192,6 +310,10 @@ class MlxSession(WriterSession):
         return pack_mlx(codes, bits)
 
     def close(self) -> None:
+        if self.pending:  # check_model made sure every expert is planned; a source that changed under us is a bug
+            for spill in self.pending.values():
+                spill.close()
+            raise AssertionError(f"experts never arrived for {sorted(self.pending)}")
         self.shards.close()
         config = to_mlx_lm(dict(self.source.config))  # the keys mlx-lm requires (configs.py)
         for key in ("quantization", "quantization_config"):

@@ -2,7 +2,7 @@
 scripts/test_env.d/40-mlx.sh): mlx and mlx-lm judge and produce here, never qconvert (not installed there).
 
     load MODEL_DIR OUT.safetensors IDS_JSON [N_NEW]   mlx_lm.load the folder; write every quantized module's
-        mx.dequantize (its own dtype, bfloat16 as float32, "<module>.weight"), the logits of IDS ("__logits__", float32 [T, vocab]) and
+        (a MoE switch layer's: [experts, out, in]) mx.dequantize (its own dtype, bfloat16 as float32, "<module>.weight"), the logits of IDS ("__logits__", float32 [T, vocab]) and
         N_NEW greedy tokens from mlx_lm.generate's own loop (generate_step), as "__generated__"; print a JSON
         summary of the quantized modules (bits, group_size, mode) on stdout
     load-many JOBS_JSON                               `load` for each [MODEL_DIR, OUT, IDS, N_NEW] of the list in one
@@ -32,8 +32,11 @@ def _load(model_dir: str, out: str, ids_json: str, n_new: int = 0) -> None:
     ids = json.loads(ids_json)
     tensors: dict[str, np.ndarray] = {}
     modules = {}
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
     for name, mod in model.named_modules():
-        if isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        # a QuantizedSwitchLinear (a MoE layer's stacked experts) dequantizes the same way, [experts, out, in]
+        if isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)):
             # the float modes' default output is bfloat16, which rounds E8M0 * E4M3 products no value of the
             # grid needs rounded (below bfloat16's normals): asked in float32, mlx gives the products themselves
             wide = {} if mod.mode == "affine" else {"dtype": mx.float32}

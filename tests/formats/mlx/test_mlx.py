@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import fixtures
-from helpers import llama_logits, run_cli
+from helpers import llama_logits, run_cli, transformers_logits
 
 REPO = Path(__file__).resolve().parents[3]
 MLX_PY = REPO / ".venvs" / "mlx" / "bin" / "python"
@@ -260,6 +260,57 @@ def test_mlx_lm_convert_live_reads_the_same(tmp_path, fx, prompt):
     got, _ = mlx_load(out, tmp_path, prompt, n_new=0)
     ours = _qconvert_dequant(out)
     assert ours and all(np.array_equal(w.numpy(), got[n]) for n, w in ours.items())
+
+
+def test_mlx_lm_convert_moe_switch_layers_read_per_expert(tmp_path, prompt):
+    """mlx_lm.convert's own MoE folder (producer_fixtures/mlx/moe: a tiny Qwen3-MoE, each layer's experts stacked in
+    switch layers [experts, out, in] and quantized after stacking, the router at 8 bits as Qwen3-MoE's
+    quant_predicate asks): our reader gives every expert as Hugging Face's per-expert tensor, equal to mx.dequantize
+    of its slice bit for bit, and its `mlx->hf` / `mlx->gguf` run in transformers / llama.cpp with mlx-lm's logits
+    (float32 on every side: both measured 1.9e-6 off mlx-lm's, logit range 7.3)."""
+    from safetensors.numpy import load_file
+
+    from qconvert.formats.mlx.reader import MlxSource
+
+    folder = PRODUCED / "moe" / "model"
+    assert folder.is_dir(), "tests/producer_fixtures/mlx/moe missing: run scripts/producers/mlx.py moe"
+    stored = load_file(str(PRODUCED / "moe" / "reference.safetensors"))  # mx.dequantize by mlx when it was made
+    source = MlxSource(folder)
+    ours = {r.name: r for r in source.records() if r.is_grid}
+    expected = set()
+    for name, want in stored.items():
+        if name.startswith("__"):
+            continue
+        stack = want if want.ndim == 3 else None
+        for e, w in enumerate(stack if stack is not None else [want]):
+            ours_name = source.layout.expert_name(name, e) if stack is not None else name
+            assert np.array_equal(ours[ours_name].load().dequantize(torch.float32).numpy(), w), ours_name
+            expected.add(ours_name)
+    assert expected == set(ours) and sum(".experts." in n for n in ours) == 2 * 3 * 4  # 2 layers, 3 projections
+    from qconvert.converters.plan import Options
+    from qconvert.converters.run import convert
+
+    hf, gguf_path = tmp_path / "hf", tmp_path / "moe.gguf"  # in process: two CLI starts cost more than the rest
+    convert("mlx", folder, "hf", hf, Options(type="f32"), progress=False)
+    convert("mlx", folder, "gguf", gguf_path, Options(type="f32"), progress=False)
+    _assert_logits_close(transformers_logits(hf, prompt), stored["__logits__"], "mlx->hf transformers vs mlx-lm")
+    _assert_logits_close(llama_logits(gguf_path, prompt), stored["__logits__"], "mlx->gguf llama.cpp vs mlx-lm")
+
+
+def test_switch_layer_of_other_expert_count_is_refused(tmp_path):
+    """A switch layer whose first axis is not config.json's expert count: a BadInput naming the file and the
+    tensor, before any record is read (the CLI's one line, exit 2)."""
+    from qconvert.converters.errors import BadInput
+    from qconvert.formats.mlx.reader import MlxSource
+
+    src = _copy(PRODUCED / "moe" / "model", tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(num_experts=3, num_local_experts=3)
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(BadInput) as e:
+        list(MlxSource(src).records())
+    assert "num_experts = 3 experts along its first axis, got [4, " in str(e.value)
+    assert e.value.path.endswith("model.safetensors") and ".switch_mlp." in e.value.tensor
 
 
 def test_mlx_to_gguf_q4_1(tmp_path, prompt):
