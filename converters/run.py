@@ -200,6 +200,7 @@ def check_required_tensors(source, names: list[str], files: dict[str, str] | Non
     if layout is None:
         _check_any_architecture(names, present, config, where, file_of, one_file)
         if shapes:
+            _check_expert_shapes(shapes, file_of)
             _check_class_tensors(config, shapes, layer_files, file_of, one_file)
         return
     for name in layout.top_required:
@@ -268,6 +269,24 @@ def _check_any_architecture(names: list[str], present: set[str], config: dict, w
                 gap = sorted(full - experts[e])[0]
                 raise BadInput(f"missing: expert {e} lacks what its siblings hold", path=file_of(
                     f"{head}.{e}.{next(iter(experts[e]))}"), tensor=f"{head}.{e}.{gap}")
+
+
+def _check_expert_shapes(shapes: dict[str, tuple[int, ...]], file_of) -> None:
+    """Each routed expert's tensor in the shape its siblings hold it: the class check leaves experts out (transformers
+    fuses them), and one expert transposed to the same size converted with exit 0 (scripts/fuzz seed 2029, a
+    DeepSeek-V3 FP8 down_proj [128, 64] -> [64, 128])."""
+    seen: dict[tuple[str, str], dict[tuple[int, ...], list[int]]] = {}
+    for name, shape in shapes.items():
+        m = _EXPERT_NAME.match(name)
+        if m:
+            seen.setdefault((m["head"], m["tail"]), {}).setdefault(tuple(shape), []).append(int(m["index"]))
+    for (head, tail), by_shape in seen.items():
+        if len(by_shape) > 1:
+            common = max(by_shape, key=lambda s: len(by_shape[s]))
+            odd_shape, odd = next((s, e) for s, e in by_shape.items() if s != common)
+            name = f"{head}.{min(odd)}.{tail}"
+            raise BadInput(f"shape {odd_shape} differs from the {common} its {len(by_shape[common])} sibling "
+                           "expert(s) hold", path=file_of(name), tensor=name)
 
 
 def _check_class_tensors(config: dict, shapes: dict[str, tuple[int, ...]], layer_files: dict[int, Path], file_of,

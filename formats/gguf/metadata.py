@@ -62,16 +62,25 @@ class _KeysRead(dict):
         self.read.append(key)
         return super().get(key, default)
 
-    def culprit(self) -> str | None:
-        """The most recently read key whose value no count, width or factor can be (not null, a bool, a string, a
-        finite float or an int within 64 bits); None when every key read holds such a value (the error is then
-        ours, and stays a crash to report)."""
-        def plain(v) -> bool:
-            return (v is None or isinstance(v, (bool, str)) or (isinstance(v, int) and abs(v) < 1 << 63)
-                    or (isinstance(v, float) and math.isfinite(v)))
-        for key in reversed(self.read):
-            if key in self and not plain(dict.__getitem__(self, key)):
-                return key
+    def culprit(self, unsigned: bool = False) -> str | None:
+        """The most recently read key holding a number no count, width or factor can be (an int beyond 64 bits,
+        or with `unsigned`, for gguf's packing errors, outside [0, 2**32); a float that is not finite), else the
+        most recently read key holding something other than a number, bool, string or null; None when neither
+        was read (the error is then ours, and stays a crash to report)."""
+        def bad_number(v) -> bool:
+            if isinstance(v, bool):
+                return False
+            if isinstance(v, int):
+                return not (0 <= v < 1 << 32 if unsigned else abs(v) < 1 << 63)
+            return isinstance(v, float) and not math.isfinite(v)
+
+        def not_scalar(v) -> bool:
+            return not (v is None or isinstance(v, (bool, str, int, float)))
+
+        for test in (bad_number, not_scalar):
+            for key in reversed(self.read):
+                if key in self and test(dict.__getitem__(self, key)):
+                    return key
         return None
 
 
@@ -82,13 +91,34 @@ def add_model_metadata(writer: gguf.GGUFWriter, config: Mapping, arch: str, *, f
     config = _KeysRead(config)
     try:
         add_model_metadata_unchecked(writer, config, arch, file_type=file_type, name=name, mtp_blocks=mtp_blocks)
-    except (TypeError, ValueError, OverflowError, struct.error):
-        key = config.culprit()
+        _check_packable(writer)  # gguf-py packs the values only when the header is written
+    except (TypeError, ValueError, OverflowError, struct.error) as e:
+        key = config.culprit(unsigned=isinstance(e, struct.error))
         if key is None:
             raise
         value = repr(dict.get(config, key))
         value = value if len(value) <= 60 else value[:57] + "..."
         raise BadInput(f"{key} is {value}: not a value llama.cpp's {arch} hyper-parameters can hold") from None
+
+
+_INT_RANGES = {gguf.GGUFValueType.UINT8: (0, 1 << 8), gguf.GGUFValueType.UINT16: (0, 1 << 16),
+               gguf.GGUFValueType.UINT32: (0, 1 << 32), gguf.GGUFValueType.UINT64: (0, 1 << 64),
+               gguf.GGUFValueType.INT8: (-(1 << 7), 1 << 7), gguf.GGUFValueType.INT16: (-(1 << 15), 1 << 15),
+               gguf.GGUFValueType.INT32: (-(1 << 31), 1 << 31), gguf.GGUFValueType.INT64: (-(1 << 63), 1 << 63)}
+
+
+def _check_packable(writer: gguf.GGUFWriter) -> None:
+    """Every integer key (or array element) within its GGUF type's range: a negative count from config.json
+    (num_experts_per_tok: -1) would otherwise fail as a struct.error when the header is packed, long after the
+    key that caused it was read."""
+    for kv in writer.kv_data:
+        for value in kv.values():
+            kind = value.sub_type if value.type == gguf.GGUFValueType.ARRAY else value.type
+            if kind in _INT_RANGES:
+                lo, hi = _INT_RANGES[kind]
+                items = value.value if value.type == gguf.GGUFValueType.ARRAY else [value.value]
+                if any(not lo <= int(v) < hi for v in items):
+                    raise struct.error("argument out of range")
 
 
 def add_model_metadata_unchecked(writer: gguf.GGUFWriter, config: Mapping, arch: str, *, file_type: int,

@@ -503,12 +503,20 @@ def test_gpt_oss_mxfp4_to_hf_is_refused_naming_the_route(tmp_path):
                                            ("short_scales", ("blocks", "scales", "gate_up_proj")),
                                            ("no_o_proj_bias", ("model.layers.1.self_attn.o_proj.bias", "missing")),
                                            ("int_bias", ("down_proj_bias", "I32", "integer")),
-                                           ("experts_used_list", ("config.json", "num_experts_per_tok is [1, 2]"))])
+                                           ("experts_used_list", ("config.json", "num_experts_per_tok is [1, 2]")),
+                                           ("experts_used_negative", ("config.json", "num_experts_per_tok is -1")),
+                                           ("window_infinite", ("config.json", "sliding_window is -inf"))])
 def test_bad_gpt_oss_mxfp4_input_is_one_line(case, needles, tmp_path):
     src = _copy(_gpt_oss_mxfp4(), tmp_path / "model")
-    if case == "experts_used_list":  # scripts/fuzz seed 2029: a TypeError in archs/base.py expert_keys' int()
+    # scripts/fuzz seed 2029: config values the GGUF metadata hooks cannot convert raised a TypeError (int() of a
+    # list), an OverflowError (int() of inf) or a struct.error when the header was packed (a negative count)
+    edits = {"experts_used_list": '"num_experts_per_tok": [1, 2]', "experts_used_negative": '"num_experts_per_tok": -1',
+             "window_infinite": '"sliding_window": -1e400'}
+    if case in edits:
+        key = edits[case].split(":")[0].strip('"')
         cfg = json.loads((src / "config.json").read_text())
-        (src / "config.json").write_text(json.dumps({**cfg, "num_experts_per_tok": [1, 2]}))
+        text = json.dumps({**cfg, key: "@VALUE@"}).replace(f'"{key}": "@VALUE@"', edits[case])
+        (src / "config.json").write_text(text)
         expect_user_error("mxfp4->gguf", src, tmp_path, *needles)
         return
     name = "model.layers.0.mlp.experts.gate_up_proj_scales"
@@ -676,6 +684,10 @@ def _reshape(name, shape):
      "model.layers.1.mlp.gate.e_score_correction_bias", "shape (1, 4) is not the (4,) DeepseekV3ForCausalLM has"),
     (_reshape("model.layers.1.mlp.gate.weight", (2, 256)), "model.layers.1.mlp.gate.weight",
      "shape (2, 256) is not the (4, 128)"),
+    # an expert's tensor transposed to the same size (scripts/fuzz seed 2029): experts are outside the class check
+    (lambda t: (_reshape("model.layers.1.mlp.experts.0.down_proj.weight", (64, 128))(t),  # its 16x32 blocks too
+                _reshape("model.layers.1.mlp.experts.0.down_proj.weight_scale_inv", (4, 4))(t)),
+     "model.layers.1.mlp.experts.0.down_proj.weight", "shape (64, 128) differs from the (128, 64) its 3 sibling"),
 ])
 @pytest.mark.parametrize("pair", ["fp8->hf", "fp8->gguf"])
 def test_fp8_deepseek_missing_or_misshapen_tensor_is_refused(edit, tensor, needle, pair, tmp_path):
