@@ -182,6 +182,26 @@ class GridParams:
     def permute_rows(self, perm: torch.Tensor) -> "GridParams":
         return self._take_rows(perm)
 
+    def whole_group_order(self, columns: torch.Tensor) -> torch.Tensor | None:
+        """The group order that a permutation of the input columns (new column j = old column columns[j]) is,
+        when it moves whole groups in order within each (a layout's head reorder whose head width is a multiple
+        of the group size): then the codes keep their groups and only the groups' parameters move. None when it
+        is not (or the grid is not plain contiguous groups along the input: an act-order index, axis-0 scales,
+        scales kept in two steps)."""
+        gs, n = self.group_size, int(columns.numel())
+        if self.axis != 1 or self.scale_steps is not None or gs <= 0 or n % gs or n // gs != self.n_groups \
+                or not self.contiguous_groups(n):
+            return None
+        order = columns[::gs] // gs
+        if not torch.equal(columns, (order[:, None] * gs + torch.arange(gs)).reshape(-1)):
+            return None
+        return order
+
+    def permute_groups(self, order: torch.Tensor) -> "GridParams":
+        """The parameters of the grid whose group g is this grid's group order[g] (see whole_group_order)."""
+        mins = None if self.mins is None else self.mins[:, order]
+        return replace(self, scales=self.scales[:, order], zeros=self.zeros[:, order], mins=mins, g_idx=None)
+
     def to(self, device) -> "GridParams":
         """The same parameters with every tensor on `device` (values unchanged)."""
         moved = {}
@@ -258,6 +278,12 @@ class Grid:
 
     def permute_rows(self, perm: torch.Tensor) -> "Grid":
         return self._take_rows(perm, self.params.permute_rows(perm))
+
+    def permute_columns(self, columns: torch.Tensor, order: torch.Tensor) -> "Grid":
+        """The grid with its input columns permuted (new column j = old column columns[j]), a permutation of
+        whole groups (`order`, from GridParams.whole_group_order): the codes move, unpacked, and each group keeps
+        its scale and zero, so the values are the same values moved."""
+        return Grid(self.params.permute_groups(order), self.codes[:, columns].contiguous())
 
     def to(self, device) -> "Grid":
         """The same grid on `device` (what `--device` moves, one tensor at a time)."""

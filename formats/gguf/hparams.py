@@ -39,8 +39,11 @@ def rope_parameters(config: Mapping, layer_type: str = "full_attention") -> dict
     params = config.get("rope_parameters")
     if isinstance(params, Mapping):
         # transformers 5: one dict (a dict of dicts keyed by layer type for hybrid models)
-        if params and all(isinstance(v, Mapping) for v in params.values()):
-            params = params.get(layer_type) or params.get("full_attention") or next(iter(params.values()))
+        # (gptqmodel's save of Gemma 4 leaves stray top-level rope_theta / rope_type beside the layer types' dicts:
+        # transformers reads only the layer type's dict, so the dicts decide whenever there are any)
+        nested = {k: v for k, v in params.items() if isinstance(v, Mapping)}
+        if nested:
+            params = nested.get(layer_type) or nested.get("full_attention") or next(iter(nested.values()))
         out.update(params)
     if layer_type == "sliding_attention" and "rope_theta" not in out and config.get("rope_local_base_freq"):
         out["rope_theta"] = config["rope_local_base_freq"]

@@ -609,7 +609,8 @@ class GgufWriter(Writer):
                            f"{found}", path=config_json_path(source))
         check_writer_config(model_config(source), arch, shapes,
                             config_json_path(source), names={p.out_name: p.name for p in kept},
-                            unmapped=[p.name for p in plans if not p.out_name and not p.action.drop],
+                            unmapped=[p.name for p in plans
+                                      if not p.out_name and (p.action is None or not p.action.drop)],
                             mtp_blocks=found)
         # the tokenizer is built (and checked) here, once, so that dry runs see it too; the session writes it
         self._tokenizer_keys(source, plans)

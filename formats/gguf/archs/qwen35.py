@@ -150,8 +150,9 @@ def _to_gguf(tiled: bool):
 
     def to_gguf(rec: TensorRecord, config: Mapping, where: object = None) -> list[TensorRecord]:
         """A record as llama.cpp's converter stores it: the conv1d kernel squeezed, the value heads tiled
-        (A_log's -exp is the session's: a_log_values), in_proj_qkvz split. A quantized record is dequantized
-        first (its grid does not survive a column reorder); records outside the linear attention pass."""
+        (A_log's -exp is the session's: a_log_values), in_proj_qkvz split. A quantized record keeps its grid
+        where its rows move, or its columns move by whole groups (out_proj); otherwise it is dequantized
+        first; records outside the linear attention pass."""
         kind = _linear_kind(rec.name)
         if kind is None or kind == "norm":
             return [rec]
@@ -169,6 +170,16 @@ def _to_gguf(tiled: bool):
             # rows only: a quantized source's grid keeps its codes (whole rows move)
             rows = _reorder(kind, torch.arange(rec.shape[0]), d, to_gguf=True)
             return [_rows_of(rec, rows, rec.name, "value heads tiled")]
+        if tiled and d.reorders and kind == "out_proj" and rec.is_grid and len(rec.shape) == 2:
+            # out_proj's columns are the value heads: when a head's head_v_dim columns are whole groups (no
+            # act-order), the reorder is a permutation of groups, so the codes keep their scales and a block
+            # target (Q4_0 from a 4-bit g32 GPTQ) keeps them; otherwise it is dequantized below
+            columns = _reorder(kind, torch.arange(rec.shape[1])[None], d, to_gguf=True)[0]
+            order = rec.params.whole_group_order(columns)
+            if order is not None:
+                return [replace(rec, params=rec.params.permute_groups(order),
+                                load=lambda: rec.load().permute_columns(columns, order),
+                                source_name=f"{rec.source_name or rec.name} (value-head columns tiled)")]
         shape = tuple(rec.shape)
         if kind == "conv1d":
             if len(shape) != 3 or shape[1] != 1:

@@ -1,0 +1,173 @@
+"""Remake tests/producer_fixtures/ct_<family>/: llm-compressor 0.14's own GPTQ (W4A16, symmetric, groups of 32) of
+the tiny models of the issue-26 families gptqmodel 7.6 cannot quantize (scripts/producers/gptqmodel_archs.py says
+why), as compressed-tensors pack-quantized checkpoints.
+
+    .venv/bin/python scripts/producers/llmcompressor_archs.py               # every family in FAMILIES
+    QCONVERT_LLMCOMPRESSOR_VENV=/path/to/venv .venv/bin/python scripts/producers/llmcompressor_archs.py
+
+Two pythons: the base model is built here (the .venv's transformers 5.24: tests/support/fixtures_archs.py, the
+builder the architecture tests use), then this script re-runs itself in llm-compressor's venv (transformers 5.17,
+compressed-tensors 0.19; see compressed_tensors.py) to quantize. llm-compressor loads the model with its experts
+linearized (llmcompressor.modeling.moe.linearize.load_quantizable_moe: one Linear per expert, so that every expert
+is quantized) and runs GPTQModifier on seeded random calibration ids (every Linear but lm_head and the router).
+
+Beside each folder, the producer's oracle: reference.safetensors = the weights its runtime computes with
+(transformers 5.17 + compressed-tensors loading the checkpoint decompressed, CompressedTensorsConfig(
+run_compressed=False), under load_quantizable_moe so that each expert is its own decompressed Linear), float16
+[out, in] "<module>.weight" for every quantized Linear; logits.safetensors = that model's logits on the
+architecture tests' prompt; versions.json.
+
+Families not made: llama4 (llm-compressor 0.14's Llama4 linearizer, modeling/moe/llama4.py, reads
+config.text_config and fails on the text model's config: "AttributeError: 'Llama4TextConfig' object has no
+attribute 'text_config'", for Llama4ForCausalLM and Llama4ForConditionalGeneration alike); minimax_m2 (quantized,
+but saved with its experts as block_sparse_moe.experts.E.gate_proj/up_proj/down_proj, neither the release's
+w1/w3/w2 nor transformers' names: qconvert refuses it, "blk.0.ffn_gate_exps.weight: required tensor is missing").
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+# _common.py, beside this file, holds the scaffolding the producers share (see its docstring)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+_common.leave_import_path()
+VENV = Path(os.environ.get("QCONVERT_LLMCOMPRESSOR_VENV") or _common.REPO / ".venvs" / "llmcompressor")
+PINS = ("torch==2.13.0", "llmcompressor==0.14.0.1", "compressed-tensors==0.19.0")
+PACKAGES = ("llmcompressor", "compressed-tensors", "transformers", "torch")
+# family (a fixtures_archs kind) -> the fixture folder's name
+FAMILIES = {"ernie4_5_moe": "ct_ernie45moe"}
+WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
+# what stays float: the head and the routers (ERNIE's mlp.gate)
+IGNORE = ["lm_head", "re:.*\\.mlp\\.gate$"]
+
+
+def _support():
+    sys.path.insert(0, str(_common.REPO / "tests" / "support"))
+
+
+def build_base(kind: str, out: Path) -> None:
+    """In the .venv: the family's tiny model, as the architecture tests build it."""
+    _support()
+    import fixtures_archs  # noqa: E402
+
+    fixtures_archs.build_arch_model(out, kind)
+
+
+def calibration(n: int = 16, length: int = 64, seed: int = 2024):
+    import torch
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 512, (n, length), generator=g)
+    return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": [[1] * length] * n})
+
+
+def _fixtures_tokenizer():
+    """A tokenizer object for oneshot (which wants one beside a dataset; the ids above are already tokens): the
+    fixtures' tokenizer.json, built in a temporary folder (the SentencePiece families ship no tokenizer.json)."""
+    from transformers import PreTrainedTokenizerFast
+
+    _support()
+    import fixtures  # noqa: E402
+
+    folder = Path(tempfile.mkdtemp(prefix="qconvert-lc-tok-"))
+    fixtures.build_tokenizer(folder)
+    return PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+
+
+def produce(base: Path, out: Path) -> None:
+    """In llm-compressor's venv: GPTQ W4A16 g32 of `base` (experts linearized) saved compressed into `out`."""
+    import torch
+    from llmcompressor import oneshot
+    from llmcompressor.modeling.moe.linearize import load_quantizable_moe
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with load_quantizable_moe():
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float16)
+    recipe = GPTQModifier(ignore=IGNORE, config_groups={"group_0": {"targets": ["Linear"], "weights": WEIGHTS}})
+    oneshot(model=model, processor=_fixtures_tokenizer(), dataset=calibration(), recipe=recipe,
+            num_calibration_samples=16, max_seq_length=64, pipeline="basic")
+    model.save_pretrained(str(out), save_compressed=True)
+    _common.copy_side_files(base, out, names=_common.SIDE_FILES + ("tokenizer.model",))
+    (out / "recipe.yaml").unlink(missing_ok=True)
+
+
+def oracle(ckpt: Path, prompt) -> tuple[dict, dict]:
+    """In llm-compressor's venv: the runtime's decompressed weights and its logits on `prompt`."""
+    import torch
+    from llmcompressor.modeling.moe.linearize import load_quantizable_moe
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    with load_quantizable_moe():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(ckpt), quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
+    weights = {f"{name}.weight": mod.weight.detach().to(torch.float16).contiguous()
+               for name, mod in model.named_modules()
+               if isinstance(mod, torch.nn.Linear) and ".layers." in name}
+    ids = torch.tensor([list(prompt)], dtype=torch.long)
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[0].float().contiguous()
+    return weights, {"logits": logits, "prompt": ids[0].contiguous()}
+
+
+def in_venv_main(kind: str, base: Path, prompt: list) -> None:
+    from safetensors.torch import save_file
+
+    out = _common.PRODUCER_FIXTURES / FAMILIES[kind]
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    produce(base, out / "model")
+    weights, logits = oracle(out / "model", prompt)
+    save_file(weights, str(out / "reference.safetensors"))
+    save_file(logits, str(out / "logits.safetensors"))
+    _common.write_versions(out, "llmcompressor", list(PACKAGES),
+                           base=f"tests/support/fixtures_archs.py {kind} (seed 0)", **WEIGHTS)
+    print(out)
+
+
+def main() -> int:
+    ap = _common.parser(__doc__)
+    ap.add_argument("families", nargs="*", metavar="FAMILY", help=f"of {', '.join(FAMILIES)} (default: all)")
+    ap.add_argument("--in-venv", nargs=3, metavar=("FAMILY", "BASE", "PROMPT"), help=argparse_hidden())
+    args = ap.parse_args()
+    unknown = [f for f in args.families if f not in FAMILIES]
+    if unknown:
+        ap.error(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
+    _common.offline_defaults(HF_DATASETS_OFFLINE="1")
+    if args.in_venv:
+        kind, base, prompt = args.in_venv
+        in_venv_main(kind, Path(base), [int(t) for t in prompt.split(",")])
+        return 0
+    _support()
+    import fixtures_archs  # noqa: E402
+
+    prompt = ",".join(map(str, fixtures_archs.arch_prompt()))
+    py = _common.ensure_venv(VENV, PINS[0], list(PINS[1:]))
+    failed = 0
+    for kind in args.families or list(FAMILIES):
+        with tempfile.TemporaryDirectory(prefix=f"qconvert-lc-{kind}-") as tmp:
+            build_base(kind, Path(tmp) / "base")
+            rc = _common.rerun(py, __file__, ["--in-venv", kind, str(Path(tmp) / "base"), prompt],
+                               HF_DATASETS_OFFLINE="1")
+            print(f"{kind}: {'ok' if rc == 0 else f'FAILED (exit {rc})'}")
+            failed += rc != 0
+    return 1 if failed else 0
+
+
+def argparse_hidden() -> str:
+    import argparse
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Issue 26 item 2: the quantized forms of the new families keep their codes in GGUF. Each fixture is a real
+producer's own 4-bit group-32 symmetric checkpoint of a family's tiny model, made on CPU: gptqmodel's GPTQ
+(scripts/producers/gptqmodel_archs.py -> tests/producer_fixtures/gptq_<family>/) or, for a family gptqmodel cannot
+quantize, llm-compressor's GPTQ as compressed-tensors (scripts/producers/llmcompressor_archs.py -> ct_<family>/),
+with the producer's own dequantization of every quantized module beside it (reference.safetensors) and its
+runtime's logits (logits.safetensors). For each, `gptq->gguf` / `ct->gguf` with `--report`:
+
+- every module the producer quantized (every routed and shared expert, every linear-attention projection, the
+  attention, the dense MLPs) is in the report with target Q4_0, verdict exact and error 0 (the grid is Q4_0's:
+  4 bits, symmetric, 32 wide), and every projection the checkpoint holds outside the MTP block is one of them
+  (so the check covers every expert and linear-attention projection, not only those the producer happened to take);
+- read back (`gguf->hf --type f32`), every quantized module equals the producer's own dequantization (rounded to
+  fp16, as both compute it);
+- llama.cpp runs the Q4_0 file within the usual tolerance of the producer's runtime (gptqmodel's own forward on the
+  checkpoint in float16 with its torch kernel; transformers 5.17 + compressed-tensors decompressed), stored by the
+  producer for the architecture tests' prompt. llama.cpp quantizes the activations to Q8_0 against Q4_0 weights,
+  whose noise can flip a top-k routing choice, so it is judged on the mean and on top-1 agreement, as the MoE GPTQ
+  test of test_gguf_archs.py does.
+
+Qwen3.5's out_proj, whose input columns llama.cpp's converter reorders by value head, keeps its codes too: a
+value head's columns (head_v_dim 32) are whole groups, so the reorder moves groups with their scales
+(GridParams.whole_group_order; test_out_proj_reorder_keeps_groups_only_when_whole for the case where it cannot).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import fixtures_archs
+from helpers import llama_logits, run_cli
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+PRODUCER_FIXTURES = Path(__file__).parents[2] / "producer_fixtures"
+# family (the fixtures_archs kind) -> its fixture folder: gptqmodel's (scripts/producers/gptqmodel_archs.py
+# FAMILIES) and, for a family gptqmodel cannot quantize, llm-compressor's compressed-tensors checkpoint
+# (scripts/producers/llmcompressor_archs.py FAMILIES)
+FIXTURES = {
+    "qwen3_5": "gptq_qwen35",
+    "qwen3_5_moe": "gptq_qwen35moe",
+    "qwen3_next": "gptq_qwen3next",
+    "glm4_moe": "gptq_glm4moe",
+    "gemma4_moe": "gptq_gemma4moe",
+    "mistral3": "gptq_mistral3",
+    "smollm3": "gptq_smollm3",
+    "olmo3": "gptq_olmo3",
+    "exaone4": "gptq_exaone4",
+    "glm_moe_dsa": "gptq_glm_dsa",
+    "ernie4_5_moe": "ct_ernie45moe",
+}
+# the conversion and the packed-codes suffix of each producer's checkpoint
+PAIRS = {"gptq": ("gptq->gguf", ".qweight"), "ct": ("ct->gguf", ".weight_packed")}
+PROMPT = fixtures_archs.arch_prompt()
+# a module whose GGUF form is two tensors (Qwen3-Next's fused linear-attention input, split by llama.cpp's
+# converter into attn_qkv and attn_gate; GLM-5's MLA kv_b_proj, split per head into attn_k_b and attn_v_b as
+# DeepSeek's): the report names each piece
+SPLITS = {"linear_attn.in_proj_qkvz": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
+          "self_attn.kv_b_proj": ("self_attn.k_b_proj", "self_attn.v_b_proj")}
+# the pieces written as their exact float32 dequantization rather than Q4_0: k_b is kv_b's key rows transposed per
+# head (its groups would run along the output), and v_b goes with it (formats/gguf: the DeepSeek kv_b split)
+DEQUANTIZED = ("self_attn.k_b_proj", "self_attn.v_b_proj")
+# Gemma 4's router (softmax over 4 experts, top 2, per-expert scales) sits near a tie at one position of the prompt
+# with these quantized weights: llama.cpp's F32 run of the read-back weights is already 0.017 mean (0.71 max, top-1
+# 16 of 16) from transformers' float32 run of the same folder, and the Q4_0 file 0.059 from gptqmodel (top-1 15/16)
+MEAN_TOLERANCE = {"gemma4_moe": 0.08}
+# the weights a GPTQ producer should quantize: every projection of the decoder layers, per-expert or fused
+# (in_proj_a/b/ba, routers, conv kernels, embeddings and the MTP block, which gptqmodel leaves in float16, are not)
+PROJECTION = re.compile(r"^model\.layers\.\d+\..*_proj(?:\.weight|\.qweight|\.weight_packed)?$")
+NOT_QUANTIZED = re.compile(r"\.in_proj_(?:a|b|ba)\.")
+# what the producer itself leaves in float where it should not: gptqmodel 7.6's Gemma 4 module tree has no
+# entry for transformers 5.24's fused Gemma4TextExperts, so every routed expert stays float16 (written F16, exact);
+# its GLM-5 tree leaves the DSA indexer's per-head weights_proj (a [heads, hidden] scoring weight) in float16
+LEFT_IN_FLOAT_BY_PRODUCER = {"gemma4_moe": re.compile(r"\.experts\.(?:gate_up_proj|down_proj)$"),
+                             "glm_moe_dsa": re.compile(r"\.indexer\.weights_proj\.weight$")}
+
+
+def _pieces(name: str) -> list:
+    for fused, parts in SPLITS.items():
+        if f".{fused}." in name:
+            return [name.replace(fused, part) for part in parts]
+    return [name]
+
+
+@pytest.mark.parametrize("kind", list(FIXTURES))
+def test_quantized_checkpoint_keeps_its_codes(kind, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    fixture = PRODUCER_FIXTURES / FIXTURES[kind]
+    reference = load_file(str(fixture / "reference.safetensors"))
+    with safe_open(str(fixture / "model" / "model.safetensors"), "pt") as f:
+        stored = list(f.keys())
+    pair, packed = PAIRS[FIXTURES[kind].split("_")[0]]
+    quantized = {n[: -len(packed)] + ".weight" for n in stored if n.endswith(packed)}
+    assert set(reference) == quantized
+    projections = {n[: -len(packed)] + ".weight" if n.endswith(packed) else n for n in stored if PROJECTION.match(n)}
+    excused = LEFT_IN_FLOAT_BY_PRODUCER.get(kind, re.compile(r"(?!)"))
+    assert projections - quantized == {n for n in projections if NOT_QUANTIZED.search(n) or excused.search(n)}
+
+    out = tmp_path / "q4_0.gguf"
+    report = tmp_path / "report.json"
+    run_cli(pair, fixture / "model", out, "--report", report)
+    results = {t["name"]: t for t in json.loads(report.read_text())["tensors"]}
+    for name in reference:
+        for piece in _pieces(name):
+            t = results[piece]
+            want = "F32" if any(f".{d}." in piece for d in DEQUANTIZED) else "Q4_0"
+            assert (t["target"], t["verdict"], t["max_abs_err"]) == (want, "exact", 0), t
+    for name in projections - quantized:  # what the producer left in float is written as it is
+        assert results[name]["verdict"] == "exact", results[name]
+
+    hf = tmp_path / "hf"
+    run_cli("gguf->hf", out, hf, "--type", "f32")
+    back = load_file(str(hf / "model.safetensors"))
+    for name, want in reference.items():
+        # the producers multiply in fp16: equal once the exact fp32 product is rounded to fp16
+        assert torch.equal(back[name].to(torch.float16), want), name
+
+    # the producer's runtime on its checkpoint, stored by the producer for the architecture tests' prompt
+    produced = load_file(str(fixture / "logits.safetensors"))
+    assert produced["prompt"].tolist() == PROMPT
+    want = produced["logits"].numpy()
+    got = llama_logits(out, PROMPT)
+    assert np.abs(got - want).mean() < MEAN_TOLERANCE.get(kind, 0.05), float(np.abs(got - want).mean())
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.75
+
+
+def test_out_proj_reorder_keeps_groups_only_when_whole():
+    """The value-head column reorder keeps a grid only when it moves whole groups in order: heads of 32 columns
+    over groups of 32 do (the groups' scales follow); heads of 16 columns over groups of 32 split groups, and an
+    act-order index scatters them, so those are dequantized (formats/gguf/archs/qwen35.py)."""
+    from qconvert.converters.records import Grid, GridParams
+    from qconvert.formats.gguf.archs.qwen35 import _swap_heads
+
+    gen = torch.Generator().manual_seed(0)
+    rows, heads_k, per_k = 3, 2, 2
+
+    def grid(head: int, g_idx=None) -> Grid:
+        cols = heads_k * per_k * head
+        params = GridParams(bits=4, group_size=32, scales=torch.rand(rows, cols // 32, generator=gen) + 0.1,
+                            zeros=torch.full((rows, cols // 32), 8, dtype=torch.int32), g_idx=g_idx)
+        return Grid(params, torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8))
+
+    whole = grid(32)
+    columns = _swap_heads(torch.arange(128)[None], 1, heads_k, per_k, 32)[0]
+    order = whole.params.whole_group_order(columns)
+    assert order.tolist() == [0, 2, 1, 3]
+    moved = whole.permute_columns(columns, order)
+    assert torch.equal(moved.dequantize(), whole.dequantize()[:, columns])
+
+    split = grid(16)
+    assert split.params.whole_group_order(_swap_heads(torch.arange(64)[None], 1, heads_k, per_k, 16)[0]) is None
+    act_order = grid(32, g_idx=torch.randperm(128, generator=gen) // 32)
+    assert act_order.params.whole_group_order(columns) is None
