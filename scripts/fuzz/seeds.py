@@ -134,8 +134,8 @@ class ReaderSeeds:
 
 
 READER_SEEDS: dict[str, ReaderSeeds] = {
-    # gptqmodel's GPTQ checkpoints of the test models, and its Qwen3.5 (hybrid linear attention) checkpoint
-    "gptq": ReaderSeeds("gptq", lambda work: _fixture_seeds("gptq") + producer("gptq_qwen35/model")(work)),
+    # gptqmodel's GPTQ checkpoints of the test models, and of the 2026 families (scripts/producers/gptqmodel_archs.py)
+    "gptq": ReaderSeeds("gptq", lambda work: _fixture_seeds("gptq") + producer("gptq_*/model")(work)),
     "gptq-v2": ReaderSeeds("gptq-v2", lambda work: _fixture_seeds("gptq-v2")),
     "qqq": ReaderSeeds("qqq", lambda work: _fixture_seeds("qqq")),
     "hqq": ReaderSeeds("hqq", lambda work: _fixture_seeds("hqq")),
@@ -149,7 +149,8 @@ READER_SEEDS: dict[str, ReaderSeeds] = {
     # (nf4_cpu_forward_transposed_absmax is a file the reader refuses by design: not a seed)
     "bitsandbytes": ReaderSeeds("bitsandbytes", producer("bitsandbytes/fp4*", "bitsandbytes/int8",
                                                          "bitsandbytes/nf4_dq*")),
-    "compressed-tensors": ReaderSeeds("compressed-tensors", producer("compressed_tensors/*")),
+    # llm-compressor's checkpoints (and its ERNIE 4.5-MoE, scripts/producers/llmcompressor_archs.py)
+    "compressed-tensors": ReaderSeeds("compressed-tensors", producer("compressed_tensors/*", "ct_*/model")),
     # mlx-lm's affine checkpoint (mlx/model) and its mxfp4 / mxfp8 ones (mlx/<mode>/model)
     "mlx": ReaderSeeds("mlx", producer("mlx/*", "mlx/*/model")),
     "modelopt": ReaderSeeds("modelopt", producer("modelopt/*")),
