@@ -62,24 +62,22 @@ class _KeysRead(dict):
         self.read.append(key)
         return super().get(key, default)
 
-    def culprit(self, unsigned: bool = False) -> str | None:
-        """The most recently read key holding a number no count, width or factor can be (an int beyond 64 bits,
-        or with `unsigned`, for gguf's packing errors, outside [0, 2**32); a float that is not finite), else the
-        most recently read key holding something other than a number, bool, string or null; None when neither
-        was read (the error is then ours, and stays a crash to report)."""
-        def bad_number(v) -> bool:
+    def culprit(self, packing: bool = False) -> str | None:
+        """The key to name. A conversion in a hook (int(config[k])) fails on the key it has just read: the most
+        recently read key whose value is not a number (a list, a string, null, inf). gguf-py's packing fails
+        later, on any key: with `packing`, the most recently read key holding an int outside [0, 2**32) or a
+        float that is not finite. None when no such key was read (the error is then ours, and stays a crash)."""
+        def number(v) -> bool:
             if isinstance(v, bool):
                 return False
             if isinstance(v, int):
-                return not (0 <= v < 1 << 32 if unsigned else abs(v) < 1 << 63)
-            return isinstance(v, float) and not math.isfinite(v)
+                return 0 <= v < 1 << 32 if packing else abs(v) < 1 << 63
+            return isinstance(v, float) and math.isfinite(v)
 
-        def not_scalar(v) -> bool:
-            return not (v is None or isinstance(v, (bool, str, int, float)))
-
-        for test in (bad_number, not_scalar):
-            for key in reversed(self.read):
-                if key in self and test(dict.__getitem__(self, key)):
+        for key in reversed(self.read):
+            if key in self:
+                v = dict.__getitem__(self, key)
+                if not number(v) and (not packing or (isinstance(v, (int, float)) and not isinstance(v, bool))):
                     return key
         return None
 
@@ -93,7 +91,7 @@ def add_model_metadata(writer: gguf.GGUFWriter, config: Mapping, arch: str, *, f
         add_model_metadata_unchecked(writer, config, arch, file_type=file_type, name=name, mtp_blocks=mtp_blocks)
         _check_packable(writer)  # gguf-py packs the values only when the header is written
     except (TypeError, ValueError, OverflowError, struct.error) as e:
-        key = config.culprit(unsigned=isinstance(e, struct.error))
+        key = config.culprit(packing=isinstance(e, struct.error))
         if key is None:
             raise
         value = repr(dict.get(config, key))
