@@ -38,22 +38,21 @@ from helpers import llama_logits, run_cli
 llama_cpp = pytest.importorskip("llama_cpp")
 
 PRODUCER_FIXTURES = Path(__file__).parents[2] / "producer_fixtures"
-# family (the fixtures_archs kind) -> its fixture folder: gptqmodel's (scripts/producers/gptqmodel_archs.py
-# FAMILIES) and, for a family gptqmodel cannot quantize, llm-compressor's compressed-tensors checkpoint
-# (scripts/producers/llmcompressor_archs.py FAMILIES)
-FIXTURES = {
-    "qwen3_5": "gptq_qwen35",
-    "qwen3_5_moe": "gptq_qwen35moe",
-    "qwen3_next": "gptq_qwen3next",
-    "glm4_moe": "gptq_glm4moe",
-    "gemma4_moe": "gptq_gemma4moe",
-    "mistral3": "gptq_mistral3",
-    "smollm3": "gptq_smollm3",
-    "olmo3": "gptq_olmo3",
-    "exaone4": "gptq_exaone4",
-    "glm_moe_dsa": "gptq_glm_dsa",
-    "ernie4_5_moe": "ct_ernie45moe",
-}
+
+
+def _fixtures() -> dict[str, str]:
+    """family (the fixtures_archs kind) -> its fixture folder: every gptqmodel checkpoint
+    (scripts/producers/gptqmodel_archs.py) and, for a family gptqmodel cannot quantize, llm-compressor's
+    (scripts/producers/llmcompressor_archs.py), read from the `base` their versions.json records."""
+    found = {}
+    for folder in sorted([*PRODUCER_FIXTURES.glob("gptq_*"), *PRODUCER_FIXTURES.glob("ct_*")]):
+        # "tests/support/fixtures_archs.py KIND (seed 0)"
+        base = json.loads((folder / "versions.json").read_text())["base"]
+        found[base.split()[1]] = folder.name
+    return found
+
+
+FIXTURES = _fixtures()
 # the conversion and the packed-codes suffix of each producer's checkpoint
 PAIRS = {"gptq": ("gptq->gguf", ".qweight"), "ct": ("ct->gguf", ".weight_packed")}
 PROMPT = fixtures_archs.arch_prompt()
