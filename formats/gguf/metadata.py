@@ -65,14 +65,14 @@ class _KeysRead(dict):
     def culprit(self, packing: bool = False) -> str | None:
         """The key to name. A conversion in a hook (int(config[k])) fails on the key it has just read: the most
         recently read key whose value is not a number (a list, a string, null, inf). gguf-py's packing fails
-        later, on any key: with `packing`, the most recently read key holding an int outside [0, 2**32) or a
-        float that is not finite. None when no such key was read (the error is then ours, and stays a crash)."""
+        later, on any key: with `packing`, the most recently read key holding a number outside [0, 2**32). None
+        when no such key was read (the error is then ours, and stays a crash)."""
         def number(v) -> bool:
-            if isinstance(v, bool):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
                 return False
-            if isinstance(v, int):
-                return 0 <= v < 1 << 32 if packing else abs(v) < 1 << 63
-            return isinstance(v, float) and math.isfinite(v)
+            if packing:  # a hook may have turned a float into the count packed (sliding_window: -1e300)
+                return 0 <= v < 1 << 32
+            return abs(v) < 1 << 63 if isinstance(v, int) else math.isfinite(v)
 
         for key in reversed(self.read):
             if key in self:

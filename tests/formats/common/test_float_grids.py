@@ -506,13 +506,15 @@ def test_gpt_oss_mxfp4_to_hf_is_refused_naming_the_route(tmp_path):
                                            ("experts_used_list", ("config.json", "num_experts_per_tok is [1, 2]")),
                                            ("experts_used_negative", ("config.json", "num_experts_per_tok is -1")),
                                            ("window_infinite", ("config.json", "sliding_window is -inf")),
-                                           ("window_empty", ("config.json", "sliding_window is ''"))])
+                                           ("window_empty", ("config.json", "sliding_window is ''")),
+                                           ("window_huge", ("config.json", "sliding_window is -1e+300"))])
 def test_bad_gpt_oss_mxfp4_input_is_one_line(case, needles, tmp_path):
     src = _copy(_gpt_oss_mxfp4(), tmp_path / "model")
     # scripts/fuzz seed 2029: config values the GGUF metadata hooks cannot convert raised a TypeError (int() of a
     # list), an OverflowError (int() of inf) or a struct.error when the header was packed (a negative count)
     edits = {"experts_used_list": '"num_experts_per_tok": [1, 2]', "experts_used_negative": '"num_experts_per_tok": -1',
-             "window_infinite": '"sliding_window": -1e400', "window_empty": '"sliding_window": ""'}
+             "window_infinite": '"sliding_window": -1e400', "window_empty": '"sliding_window": ""',
+             "window_huge": '"sliding_window": -1e300'}
     if case in edits:
         key = edits[case].split(":")[0].strip('"')
         cfg = json.loads((src / "config.json").read_text())
