@@ -131,10 +131,14 @@ def check_model_identity(source) -> None:
     config = source.config
     if not isinstance(config, dict):
         return
-    path = Path(source.path or ".")
-    view = ConfigView(config, path / "config.json" if path.is_dir() and (path / "config.json").exists() else path)
+    view = ConfigView(config, _config_file(Path(source.path or ".")))
     view.str_list("architectures", default=None)
     view.str("model_type", default=None)
+
+
+def _config_file(path: Path) -> Path:
+    """The file a config refusal names: the folder's config.json, else the source itself (a GGUF file)."""
+    return path / "config.json" if path.is_dir() and (path / "config.json").exists() else path
 
 
 def check_required_tensors(source, names: list[str], files: dict[str, str] | None = None,
@@ -165,7 +169,7 @@ def check_required_tensors(source, names: list[str], files: dict[str, str] | Non
     config = source.config
     if not isinstance(config, dict):
         return
-    where = path / "config.json" if path.is_dir() and (path / "config.json").exists() else path
+    where = _config_file(path)
     view = ConfigView(config, where)
     present = set(names)
 

@@ -67,18 +67,17 @@ class _KeysRead(dict):
         recently read key whose value is not a number (a list, a string, null, inf). gguf-py's packing fails
         later, on any key: with `packing`, the most recently read key holding a number outside [0, 2**32). None
         when no such key was read (the error is then ours, and stays a crash)."""
-        def number(v) -> bool:
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                return False
+        def suspect(v) -> bool:
+            numeric = isinstance(v, (int, float)) and not isinstance(v, bool)
             if packing:  # a hook may have turned a float into the count packed (sliding_window: -1e300)
-                return 0 <= v < 1 << 32
-            return abs(v) < 1 << 63 if isinstance(v, int) else math.isfinite(v)
+                return numeric and not 0 <= v < 1 << 32
+            if not numeric:
+                return True
+            return abs(v) >= 1 << 63 if isinstance(v, int) else not math.isfinite(v)
 
         for key in reversed(self.read):
-            if key in self:
-                v = dict.__getitem__(self, key)
-                if not number(v) and (not packing or (isinstance(v, (int, float)) and not isinstance(v, bool))):
-                    return key
+            if key in self and suspect(dict.__getitem__(self, key)):
+                return key
         return None
 
 

@@ -92,9 +92,10 @@ def _check_local_headers(path: Path, members: list[zipfile.ZipInfo], directory_s
     next_start = dict(zip(sorted(m.header_offset for m in members), ends))
     with open(path, "rb") as f:
         for m in members:
+            local = b""
             if m.header_offset >= 0:  # a damaged directory can give a negative offset, which seek refuses
                 f.seek(m.header_offset)
-            local = f.read(_LOCAL_HEADER.size) if m.header_offset >= 0 else b""
+                local = f.read(_LOCAL_HEADER.size)
             if len(local) != _LOCAL_HEADER.size or local[:4] != b"PK\x03\x04":
                 raise BadInput(f"zip member {m.filename[:80]!r}: no local file header at byte {m.header_offset}, "
                                "where the zip's directory puts it", path=path)
