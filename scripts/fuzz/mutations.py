@@ -839,6 +839,12 @@ def m_cfg(rng, ctx):
     else:
         raw = rng.choice(["NaN", "Infinity", "-Infinity"])
         desc = f"-> bare {raw}"
+    if path[-1] == "rotation" and (op == "delete" or (op == "value" and new in (None, ""))):
+        # gptqmodel's `rotation` removed (or null / empty, which its loader reads as none): a valid unrotated GPTQ
+        # checkpoint, read unrotated by gptqmodel's own loader too (its online Hadamard is keyed on
+        # qcfg.rotation alone, models/loader.py _setup_rotation_online_had). No file can reveal it, like an
+        # F16 <-> BF16 relabel (fuzz seed 2029, gptq case 6759)
+        ctx.structural = False
     if raw is not None:
         parent[path[-1]] = _RAW
     text = json.dumps(obj, indent=2)
