@@ -775,6 +775,16 @@ def m_pt_unsafe_pickle(rng, ctx):
 
 CFG_VALUES = [None, "", "x", "4", [], [1, 2], {}, -1, 0, 2**31, 2**63, 1e300, -1e300, "NaN", "Infinity", "-inf", 1.5]
 _RAW = "@@FUZZ_RAW@@"
+# quantization_config keys whose deletion (or these values) leaves a valid checkpoint of another setting, which
+# the producer's own loader reads as qconvert reads it, and which no byte of the file can reveal: counted with
+# the F16 <-> BF16 relabels (`changed`), not as silent. Each was found by a long run (seed 2029):
+# - gptqmodel's `rotation` (gptq case 6759): without it the checkpoint is unrotated GPTQ; gptqmodel keys its
+#   online Hadamard on qcfg.rotation alone (models/loader.py _setup_rotation_online_had), and null / "" are none;
+# - auto-round's `packing_format` (auto-round case 8106): transformers' AutoRoundConfig defaults it to
+#   "auto_round:gptq", which auto-round's loader reads as auto_gptq (zero points stored minus one); a raw-zero
+#   "auto_round" file whose zeros never reach the field's maximum is a valid file of that packing (one that does
+#   is refused: a stored maximum would read 2**bits)
+_SILENT_DEFAULTS = {"rotation": (None, ""), "packing_format": ()}
 
 
 def _pick_json(rng, ctx) -> Path:
@@ -839,12 +849,8 @@ def m_cfg(rng, ctx):
     else:
         raw = rng.choice(["NaN", "Infinity", "-Infinity"])
         desc = f"-> bare {raw}"
-    if path[-1] == "rotation" and (op == "delete" or (op == "value" and new in (None, ""))):
-        # gptqmodel's `rotation` removed (or null / empty, which its loader reads as none): a valid unrotated GPTQ
-        # checkpoint, read unrotated by gptqmodel's own loader too (its online Hadamard is keyed on
-        # qcfg.rotation alone, models/loader.py _setup_rotation_online_had). No file can reveal it, like an
-        # F16 <-> BF16 relabel (fuzz seed 2029, gptq case 6759)
-        ctx.structural = False
+    if path[-1] in _SILENT_DEFAULTS and (op == "delete" or (op == "value" and new in _SILENT_DEFAULTS[path[-1]])):
+        ctx.structural = False  # the producer's own loader reads the file as qconvert does: see _SILENT_DEFAULTS
     if raw is not None:
         parent[path[-1]] = _RAW
     text = json.dumps(obj, indent=2)
