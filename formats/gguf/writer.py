@@ -54,6 +54,7 @@ from .checks import check_writer_config, config_json_path, layer_count
 from .metadata import add_model_metadata, rope_tensors
 from .archs import (EXPERT_COUNT_KEYS, arch_by_name, expert_count_key, gpt_oss_expert_part, kv_b_parts,
                     split_gpt_oss_experts, split_kv_b)
+from .archs import kv_b_value_rows
 from .archs import llama4_expert_part, split_llama4_experts
 from .archs.base import text_model_config
 from .names import expert_of, gguf_arch, layer_index, gguf_tensor_name, inverse_permutation, qk_row_permutation
@@ -217,8 +218,11 @@ def model_config(source) -> Mapping:
 
 def _kv_b_records(rec: TensorRecord, parts: tuple[str, str], config, where) -> list[TensorRecord]:
     """The two records a DeepSeek kv_b_proj becomes: k_b [heads, kv_lora, nope] and v_b [heads, v, kv_lora],
-    each loading the source tensor and splitting it (a grid is dequantized first: a transpose keeps no
-    grid, so these halves are dense, measured against the source's dequantization)."""
+    each loading the source tensor and taking its half. A grid's v_b stays a grid (archs.kv_b_value_rows: whole
+    output rows, the input axis untouched; its rows flattened as ggml lays out [heads, v, kv_lora]), so the
+    planner keeps its codes wherever the target's blocks fit its groups, as for any other grid. k_b is kv_b's
+    key rows transposed: a GGUF block would run across output rows, each with its own scale, so a grid is
+    dequantized for it and k_b is dense, measured against the source's dequantization."""
     try:
         n_head, nope, v = (int(config[k]) for k in ("num_attention_heads", "qk_nope_head_dim", "v_head_dim"))
     except (KeyError, TypeError, ValueError):
@@ -228,19 +232,28 @@ def _kv_b_records(rec: TensorRecord, parts: tuple[str, str], config, where) -> l
     if rows != n_head * (nope + v):
         raise BadInput(f"shape {list(rec.shape)} contradicts the config (num_attention_heads {n_head} x "
                        f"(qk_nope_head_dim {nope} + v_head_dim {v}) rows)", path=where, tensor=rec.name)
-    dtype = rec.dtype if not rec.is_grid else "float32"
+    value_rows = kv_b_value_rows(config)
+    source_name = rec.source_name or rec.name
 
-    def half(i: int):
-        def load() -> Dense:
-            item = rec.load()
-            tensor = item.tensor if isinstance(item, Dense) else item.dequantize(torch.float32)
-            return Dense(split_kv_b(tensor, config)[i])
-        return load
+    def key_half() -> Dense:
+        item = rec.load()
+        tensor = item.tensor if isinstance(item, Dense) else item.dequantize(torch.float32)
+        return Dense(split_kv_b(tensor, config)[0])
 
-    shapes = ((n_head, kv_lora, nope), (n_head, v, kv_lora))
-    return [replace(rec, name=name, shape=shape, dtype=dtype, load=half(i), params=None, native_type=None,
-                    source_name=f"{rec.source_name or rec.name} ({'k' if i == 0 else 'v'} half)")
-            for i, (name, shape) in enumerate(zip(parts, shapes))]
+    def value_half() -> Dense | Grid:
+        item = rec.load()
+        if isinstance(item, Grid):  # the same grid, its value rows taken (packed codes move as they are)
+            return item.permute_rows(value_rows)
+        return Dense(split_kv_b(item.tensor, config)[1])
+
+    key_dtype = rec.dtype if not rec.is_grid else "float32"
+    key = replace(rec, name=parts[0], shape=(n_head, kv_lora, nope), dtype=key_dtype, load=key_half, params=None,
+                  native_type=None, native_forms=(), source_name=f"{source_name} (k half)")
+    value_params = rec.params.permute_rows(value_rows) if rec.is_grid else None
+    rec.release_params()  # the halves hold what they need; a giant's kv_b scales are read again on load
+    value = replace(rec, name=parts[1], shape=(n_head, v, kv_lora), load=value_half, params=value_params,
+                    native_type=None, native_forms=(), source_name=f"{source_name} (v half)")
+    return [key, value]
 
 
 def best_aligned_type(p, shape) -> tuple[str, str] | None:
@@ -408,6 +421,9 @@ class GgufWriter(Writer):
         self._keep_mtp = keep_mtp
         self._facts: ModelFacts | None = None  # llama-quantize's view of the model, when --type names a mix
         self._tokenizer: dict | None = None  # the tokenizer keys, built once (check_model) for the session
+        # grid records written as their codes only where the target holds them exactly, else as the float32 values
+        # they were written as before (DeepSeek's v_b: _kv_b_records), planned as that dense tensor would be
+        self._codes_only_if_exact: set[str] = set()
 
     def for_conversion(self, source, options: Options) -> "GgufWriter":
         """The writer for one conversion, holding the model's architecture (read once from config.json)."""
@@ -477,7 +493,10 @@ class GgufWriter(Writer):
                     rec = replace(rec, name=named, source_name=rec.source_name or rec.name)
             parts = kv_b_parts(rec.name) if spec.mla else None
             if parts is not None:
-                yield from _kv_b_records(rec, parts, model_config(source), config_json_path(source))
+                key, value = _kv_b_records(rec, parts, model_config(source), config_json_path(source))
+                if value.is_grid:
+                    self._codes_only_if_exact.add(value.name)
+                yield from (key, value)
             elif arch == "gpt-oss" and gpt_oss_expert_part(rec.name):
                 yield from _gpt_oss_expert_records(rec, config_json_path(source))
             elif arch_by_name(arch).experts_in_out and llama4_expert_part(rec.name):
@@ -547,9 +566,19 @@ class GgufWriter(Writer):
                 target, rule_note = rec.native_type or default_grid_type(p), f"kept as {arch}'s converter keeps it; "
             asked = _parse_type(target)
             target, fallback_note = k_fallback(asked, rule_shape, p)
-            v = decide(p, rec.shape, GGUF_SCHEMES[target], ALIGNED_CANDIDATES, native=rec.native_type,
+            # a grid is [rows, in]; a record of more dims holds its leading dims flattened into the rows, as ggml
+            # lays out a 3-D tensor (DeepSeek's v_b [heads, v, kv_lora]: _kv_b_records)
+            grid_shape = (int(np.prod(rec.shape[:-1])), int(rec.shape[-1]))
+            v = decide(p, grid_shape, GGUF_SCHEMES[target], ALIGNED_CANDIDATES, native=rec.native_type,
                        fallback=target if target != asked else "")
-            src = describe_grid(p, rec.shape[1])
+            src = describe_grid(p, rec.shape[-1])
+            if rec.name in self._codes_only_if_exact and v.verdict != EXACT:
+                # its codes cannot stay in this target: it is planned as its float32 values (the runner still hands
+                # the writer the grid, which every dense target's encoder dequantizes)
+                plan = self.plan_tensor(replace(rec, dtype="float32", params=None), options, source)
+                plan.source = src
+                plan.reason = f"dequantized, as {target} would not hold its grid exactly ({v.reason}); {plan.reason}"
+                return plan
         else:
             src = rec.dtype
             keep_float = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(rec.dtype, "F32")

@@ -45,6 +45,7 @@ FAMILIES = {
     "olmo3": "gptq_olmo3",
     "exaone4": "gptq_exaone4",
     "glm_moe_dsa": "gptq_glm_dsa",
+    "deepseek_v3": "gptq_deepseek_v3",  # not a 2026 family: the other user of the GGUF MLA split (attn_v_b's codes)
 }
 # the families gptqmodel 7.6 cannot quantize with the .venv's transformers 5.24 (the error, as it fails):
 # - minimax_m2: its definition names the experts block_sparse_moe.experts.#.w1/w3/w2, transformers 5.24 fuses them

@@ -116,9 +116,6 @@ register_arch(GgufArch("deepseek2", ("DeepseekV3ForCausalLM",), ("deepseek_v3", 
 # --------------------------------------------------------------------------------------------------
 # DeepSeek's kv_b_proj: one HF tensor, two GGUF tensors
 # --------------------------------------------------------------------------------------------------
-# --------------------------------------------------------------------------------------------------
-# DeepSeek's kv_b_proj: one HF tensor, two GGUF tensors
-# --------------------------------------------------------------------------------------------------
 _KV_B = re.compile(r"^(?P<head>.*\.self_attn\.)kv_b_proj\.weight$")
 
 
@@ -133,6 +130,16 @@ def split_kv_b(kv_b, config: Mapping):
     n_head, nope, v = _mla_sizes(config)
     per_head = kv_b.reshape(n_head, nope + v, kv_b.shape[-1])
     return per_head[:, :nope].transpose(1, 2).contiguous(), per_head[:, nope:].contiguous()
+
+
+def kv_b_value_rows(config: Mapping) -> torch.Tensor:
+    """The output rows of kv_b_proj that v_b is made of, head by head: v_b = kv_b[rows] viewed as
+    [heads, v, kv_lora]. v_b takes whole rows and leaves the input axis (kv_lora) as it is, so a grid whose
+    groups run along the input is still that grid row-selected: its codes and scales can stay (the writer
+    keeps v_b a grid). k_b cannot: its transpose puts kv_b's output rows along ggml's rows, and a GGUF block
+    of 32 of them would need one scale where GPTQ-style grids have one per output row (k_b is dequantized)."""
+    n_head, nope, v = _mla_sizes(config)
+    return (torch.arange(n_head)[:, None] * (nope + v) + nope + torch.arange(v)).reshape(-1)
 
 
 def merge_kv_b(k_b, v_b):

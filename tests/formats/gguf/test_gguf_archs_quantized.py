@@ -62,8 +62,9 @@ PROMPT = fixtures_archs.arch_prompt()
 SPLITS = {"linear_attn.in_proj_qkvz": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
           "self_attn.kv_b_proj": ("self_attn.k_b_proj", "self_attn.v_b_proj")}
 # the pieces written as their exact float32 dequantization rather than Q4_0: k_b is kv_b's key rows transposed per
-# head (its groups would run along the output), and v_b goes with it (formats/gguf: the DeepSeek kv_b split)
-DEQUANTIZED = ("self_attn.k_b_proj", "self_attn.v_b_proj")
+# head, so a Q4_0 block would run across 32 output rows, each with its own GPTQ scale. v_b is kv_b's value rows
+# as they are (its groups still run along kv_lora): it keeps its codes (formats/gguf: the DeepSeek kv_b split)
+DEQUANTIZED = ("self_attn.k_b_proj",)
 # Gemma 4's router (softmax over 4 experts, top 2, per-expert scales) sits near a tie at one position of the prompt
 # with these quantized weights: llama.cpp's F32 run of the read-back weights is already 0.017 mean (0.71 max, top-1
 # 16 of 16) from transformers' float32 run of the same folder, and the Q4_0 file 0.059 from gptqmodel (top-1 15/16)
@@ -114,6 +115,10 @@ def test_quantized_checkpoint_keeps_its_codes(kind, tmp_path):
     for name in projections - quantized:  # what the producer left in float is written as it is
         assert results[name]["verdict"] == "exact", results[name]
 
+    config = json.loads((fixture / "model" / "config.json").read_text())
+    if "kv_lora_rank" in config:
+        _check_mla_halves(out, config)
+
     hf = tmp_path / "hf"
     run_cli("gguf->hf", out, hf, "--type", "f32")
     back = load_file(str(hf / "model.safetensors"))
@@ -128,6 +133,40 @@ def test_quantized_checkpoint_keeps_its_codes(kind, tmp_path):
     got = llama_logits(out, PROMPT)
     assert np.abs(got - want).mean() < MEAN_TOLERANCE.get(kind, 0.05), float(np.abs(got - want).mean())
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.75
+
+
+def _check_mla_halves(path: Path, config: dict) -> None:
+    """kv_b_proj's halves in the file as llama.cpp's deepseek2 / glm-dsa loaders create them (ggml order):
+    attn_k_b {nope, kv_lora, heads} as F32, attn_v_b {kv_lora, v, heads} as Q4_0 (its rows are whole blocks of
+    the grid's groups), in every layer the file holds."""
+    import gguf
+
+    heads, nope, v, rank = (config[k] for k in ("num_attention_heads", "qk_nope_head_dim", "v_head_dim",
+                                                "kv_lora_rank"))
+    want = {"attn_k_b": ("F32", [nope, rank, heads]), "attn_v_b": ("Q4_0", [rank, v, heads])}
+    found = {"attn_k_b": 0, "attn_v_b": 0}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        half = t.name.split(".")[2] if t.name.startswith("blk.") else None
+        if half in want:
+            assert (t.tensor_type.name, [int(d) for d in t.shape]) == want[half], t.name
+            found[half] += 1
+    assert found["attn_k_b"] == found["attn_v_b"] >= config["num_hidden_layers"], found
+
+
+def test_value_half_is_dequantized_where_its_target_would_not_hold_the_grid(tmp_path):
+    """v_b keeps its codes only where the target holds the grid exactly; elsewhere (here F16, whose rounding is
+    near-exact) it is written as the exact float32 dequantization every split half was before, while the
+    model's other grids take the type asked for."""
+    fixture = PRODUCER_FIXTURES / FIXTURES["deepseek_v3"] / "model"
+    report = tmp_path / "report.json"
+    run_cli("gptq->gguf", fixture, tmp_path / "f16.gguf", "--type", "f16", "--report", report)
+    results = {t["name"]: t for t in json.loads(report.read_text())["tensors"]}
+    halves = [t for name, t in results.items() if name.endswith(".self_attn.v_b_proj.weight")]
+    assert len(halves) == 2
+    for t in halves:
+        assert (t["source"], t["target"], t["verdict"], t["max_abs_err"]) == ("4-bit g32 sym", "F32", "exact", 0), t
+        assert "as F16 would not hold its grid exactly" in t["reason"], t
+    assert results["model.layers.0.self_attn.q_b_proj.weight"]["target"] == "F16"
 
 
 def test_out_proj_reorder_keeps_groups_only_when_whole():
