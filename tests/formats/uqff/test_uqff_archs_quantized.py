@@ -15,7 +15,7 @@ experts stacked per projection, as mistral.rs writes them). One mistral.rs proce
   activations to Q8) of transformers (float32) on the PRODUCER's model (tests/support/producer_archs.py: its
   reference weights, not ours read back), fed mistral.rs' prompt and chosen tokens. Not the producer's stored
   logits: those are for the architecture prompt's token ids, and mistral.rs' Python API takes text only (the
-  byte-level ids do not decode to a text that encodes back to them); the producer's runtime is within 0.0013-0.0032
+  byte-level ids do not decode to a text that encodes back to them); the producer's runtime is within 0.0007-0.0032
   of the logit range of transformers on those weights (gptqmodel float16 against float32, measured).
 
 Not run: the other families of the fixtures, which mistral.rs 0.9.5 does not load (docs/formats.md's table:
