@@ -94,7 +94,11 @@ class MlxWriter(Writer):
         self.store = store
 
     def for_conversion(self, source, options: Options) -> "MlxWriter":
-        return MlxWriter(model_dtype(source.config or {}))
+        # --scale-dtype: scales and biases in another dtype than the model's. float32 keeps a float16 integer-zero
+        # grid (GPTQ, AWQ) exact: mlx decodes s*q + b in the scales' dtype, and in float32 that is s*(q - z) with
+        # no rounding (schemes.check_mlx), where float16 rounds s*q and the sum (near-exact)
+        chosen = options.extra.get("scale_dtype")
+        return MlxWriter(_DTYPES[chosen] if chosen else model_dtype(source.config or {}))
 
     def alternative_hint(self, scheme: str, verdict: str) -> str:
         return f"no --type (the source grid as {scheme}: {verdict})"
