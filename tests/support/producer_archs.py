@@ -1,7 +1,8 @@
 """What the tests of issue 26's quantized producer fixtures share beyond GGUF (tests/formats/mlx/
 test_mlx_archs_quantized.py, tests/formats/uqff/test_uqff_archs_quantized.py): the fixtures themselves and their
 helpers are tests/formats/gguf/test_gguf_archs_quantized.py's (FIXTURES, PAIRS, PROMPT), loaded from that file by
-`gguf_quantized_test()`; this module adds the producer's own model as transformers runs it.
+`gguf_quantized_test()` (`test_module`: any test file's helpers); this module adds the producer's own model as
+transformers runs it.
 
 `producer_folder` is a Hugging Face folder of the producer's dequantization: every module the producer quantized
 replaced by its reference.safetensors weight (what gptqmodel's torch kernel / compressed-tensors' decompression
@@ -28,18 +29,26 @@ _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "sp
                "generation_config.json", "chat_template.jinja")
 
 
-def gguf_quantized_test():
-    """tests/formats/gguf/test_gguf_archs_quantized.py as a module (its FIXTURES, PAIRS, PROMPT), loaded once."""
+def test_module(path: Path):
+    """The test file at `path` as a module, to use its helpers: the one pytest imported when it collected that file
+    (so its module-level work, such as an environment probe, is not done twice), else loaded here once."""
     import sys
 
-    name = "qconvert_tests_gguf_archs_quantized"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, TESTS / "formats" / "gguf" / "test_gguf_archs_quantized.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules[name] = module
-    return sys.modules[name]
+    path = Path(path).resolve()
+    for module in list(sys.modules.values()):
+        if getattr(module, "__file__", None) and Path(module.__file__).resolve() == path:
+            return module
+    name = f"qconvert_tests_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def gguf_quantized_test():
+    """tests/formats/gguf/test_gguf_archs_quantized.py as a module (its FIXTURES, PAIRS, PROMPT)."""
+    return test_module(TESTS / "formats" / "gguf" / "test_gguf_archs_quantized.py")
 
 
 def producer_folder(fixture: Path, dest: Path, zeroed: str | None = None) -> Path:

@@ -32,7 +32,6 @@ transformers') and GLM-5, whose 3-layer fixture ends with a `shared` indexer lay
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -47,15 +46,9 @@ import producer_archs as PA
 G = PA.gguf_quantized_test()  # FIXTURES (family -> producer fixture folder), PROMPT
 
 
-def _sibling(name: str):
-    spec = importlib.util.spec_from_file_location(f"qconvert_tests_{name}", Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-MA = _sibling("test_mlx_archs")  # MLX_PY, DRIVER, LOGIT_TOLERANCE, ROUTING_IGNORED, _convert, _mlx_ready
-MT = _sibling("test_mlx")  # _assert_kept_grid
+# MLX_PY, DRIVER, LOGIT_TOLERANCE, ROUTING_IGNORED, _convert, fixtures_archs, pytestmark (whether .venvs/mlx runs)
+MA = PA.test_module(Path(__file__).with_name("test_mlx_archs.py"))
+MT = PA.test_module(Path(__file__).with_name("test_mlx.py"))  # _assert_kept_grid
 
 # the families mlx-lm 0.32 does not load (module docstring)
 NOT_RUN = ("gemma4_moe", "glm_moe_dsa")
@@ -65,12 +58,12 @@ CASES = [f"{kind}-{dtype}" for kind in G.FIXTURES if kind not in NOT_RUN for dty
 # a family whose float16 mlx-lm run flips a near-tied routing choice: judged on the mean and top-1 (docstring)
 ROUTING_TIE = {"qwen3_next-float16"}
 
-pytestmark = pytest.mark.skipif(not MA._mlx_ready(), reason="mlx environment missing: bash scripts/test_env.d/40-mlx.sh")
+pytestmark = MA.pytestmark  # skipped (a failure with QCONVERT_REQUIRE_ORACLES=1) without the mlx environment
 
 
 @pytest.fixture(scope="module")
 def mlx_runs(tmp_path_factory):
-    """{kind: (mlx folder, conversion report, mlx-lm's tensors, its summary)}: every case converted (codes kept),
+    """{case: (mlx folder, conversion report, mlx-lm's tensors, its summary)}: every case converted (codes kept),
     then loaded by one mlx process."""
     from safetensors.numpy import load_file
 
@@ -135,7 +128,8 @@ def test_quantized_checkpoint_keeps_its_codes_in_mlx(mlx_runs, unbiased_producer
     for name in reference:  # every module the producer quantized: codes kept (float16: the error fp16 rounding)
         r = results[name]
         if dtype == "float32":
-            assert (r.plan.target, r.plan.verdict, r.max_abs_err) == ("mlx 4-bit g32", "exact", 0), (name, r.plan.reason)
+            assert (r.plan.target, r.plan.verdict, r.max_abs_err) == ("mlx 4-bit g32", "exact", 0), \
+                (name, r.plan.reason)
         else:
             assert (r.plan.target, r.plan.verdict) == ("mlx 4-bit g32", "near-exact"), (name, r.plan.reason)
             assert r.max_abs_err < 2.0 ** -10, (name, r.max_abs_err)

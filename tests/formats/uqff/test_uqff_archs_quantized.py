@@ -24,7 +24,6 @@ Not run: the other families of the fixtures, which mistral.rs 0.9.5 does not loa
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -35,9 +34,8 @@ import producer_archs as PA
 
 G = PA.gguf_quantized_test()  # FIXTURES (family -> producer fixture folder)
 
-_spec = importlib.util.spec_from_file_location("qconvert_tests_uqff_archs", Path(__file__).with_name("test_uqff_archs.py"))
-UA = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(UA)  # CASES (mistral.rs' architecture), GGUF_TOL, _convert, widen_context_for_mistralrs
+# CASES (mistral.rs' architecture), GGUF_TOL, _convert, widen_context_for_mistralrs
+UA = PA.test_module(Path(__file__).with_name("test_uqff_archs.py"))
 
 CASES = [kind for kind in UA.CASES if kind in G.FIXTURES]
 
