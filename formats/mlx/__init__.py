@@ -18,7 +18,7 @@ register_format(FormatEntry("mlx", aliases=("mlx-lm", "mlx_lm"),
                             options=(OptionSpec("--scale-dtype", "scale_dtype", "choice",
                                                 choices=("float16", "bfloat16", "float32"),
                                                 help="mlx: the dtype of scales and biases (default the model's); "
-                                                     "float32 keeps a float16 GPTQ/AWQ grid exact (mlx then "
+                                                     "float32 keeps a float16 GPTQ grid exact (mlx then "
                                                      "decodes s*q + b in float32: s*(q - z) unrounded)"),),
                             examples=("qconvert 'gptq->mlx' model-gptq/ model-mlx/",
                                       "qconvert 'hf->mlx' model/ model-mlx/ --type mlx4g64 --allow-requant")))
