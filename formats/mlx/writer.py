@@ -8,7 +8,10 @@ stays inside mlx groups takes each group's scale from its index. Other grids, an
 --type, are quantized with mlx's own affine rule (packing.mlx_affine_quantize = mx.quantize bit for bit).
 
 What each tensor decodes to is returned as mlx computes it (fp(fp(s*q) + b) in the model dtype), so the
-runner's measured error is the error mlx-lm sees.
+runner's measured error is the error mlx-lm sees. `--scale-dtype` stores scales and biases (and so mlx's decoding)
+in another dtype than the model's: float32 makes a float16 grid with integer zeros that its source decodes in
+float32 (GPTQ, compressed-tensors) exact, s*q + b being s*(q - z) unrounded there; the model's other tensors stay
+as they are.
 
 An E2M1 float grid whose scales are E8M0 exponents per 32 (any MXFP4 source: gpt-oss, Quark, compressed-tensors,
 GGUF MXFP4, mlx's own mxfp4) is written in mlx's `mxfp4` mode instead, codes and exponents kept: `weight` uint32
@@ -94,7 +97,11 @@ class MlxWriter(Writer):
         self.store = store
 
     def for_conversion(self, source, options: Options) -> "MlxWriter":
-        return MlxWriter(model_dtype(source.config or {}))
+        # --scale-dtype: scales and biases in another dtype than the model's. float32 keeps a float16 integer-zero
+        # grid (GPTQ, compressed-tensors) exact: mlx decodes s*q + b in the scales' dtype, and in float32 that is
+        # s*(q - z) with no rounding (schemes.check_mlx), where float16 rounds s*q and the sum (near-exact)
+        chosen = options.extra.get("scale_dtype")
+        return MlxWriter(_DTYPES[chosen] if chosen else model_dtype(source.config or {}))
 
     def alternative_hint(self, scheme: str, verdict: str) -> str:
         return f"no --type (the source grid as {scheme}: {verdict})"

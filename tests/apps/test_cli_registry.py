@@ -45,7 +45,8 @@ def _gptq(fx) -> Path:
 def test_the_registry_declares_the_gguf_options_and_every_target_a_type_vocabulary():
     declared = declared_options()
     assert {flag: owners for flag, (_, owners) in declared.items()} == {
-        "--split-max-size": ("gguf",), "--imatrix": ("gguf",), "--quantizer": ("gguf",), "--no-mtp": ("gguf",)}
+        "--split-max-size": ("gguf",), "--imatrix": ("gguf",), "--quantizer": ("gguf",), "--no-mtp": ("gguf",),
+        "--scale-dtype": ("mlx",)}
     assert declared["--quantizer"][0].choices == ("qconvert", "llama.cpp")
     for entry in all_formats():
         if entry.can_write:
@@ -72,7 +73,7 @@ def test_an_option_the_target_does_not_declare_is_one_line_with_exit_2(fx, tmp_p
     entry = get_format(target)
     refused = [(flag, spec, owners) for flag, (spec, owners) in declared_options().items() if target not in owners]
     if target == "gguf":
-        assert refused == []  # it declares every option there is today
+        assert [flag for flag, _, _ in refused] == ["--scale-dtype"]  # it declares every option but mlx's
     for flag, spec, owners in refused:
         out = tmp_path / f"out-{flag.strip('-')}"
         want = f"qconvert: error: {flag} applies to {' or '.join(owners)} output only (the target is {entry.name})"

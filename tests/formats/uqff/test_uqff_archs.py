@@ -62,6 +62,16 @@ def _convert(src_fmt, src, dst_fmt, out, **kw):
 _raw = FU.raw_tensors  # every tensor of a UQFF set, read with safetensors only
 
 
+def widen_context_for_mistralrs(kind: str, out: Path) -> None:
+    """mistral.rs 0.9.5's Qwen3-Next and Qwen3.5 ask for a cache of 522 positions at load and refuse a model whose
+    max_position_embeddings is below it ("kv-cache: requested capacity (522) above max seq len (256)"): the tiny
+    model's 256, not a released one's (262144). No rope scaling here, so the length changes nothing else."""
+    if kind in ("qwen3_next", "qwen3_5"):
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["max_position_embeddings"] = 4096
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
 @pytest.fixture(scope="module")
 def mistral_runs(tmp_path_factory):
     """{kind: (UQFF folder, conversion report, mistral.rs' greedy top-3 log-probabilities)}: every case converted,
@@ -72,14 +82,7 @@ def mistral_runs(tmp_path_factory):
     for kind, (_, arch, _) in CASES.items():
         out = outs[kind] = tmp / kind
         reports[kind] = _convert("hf", source_dir(kind), "uqff", out, type="q4_0", allow_requant=True)
-        if kind in ("qwen3_next", "qwen3_5"):
-            # mistral.rs 0.9.5's Qwen3-Next and Qwen3.5 ask for a cache of 522 positions at load and refuse a
-            # model whose max_position_embeddings is below it ("kv-cache: requested capacity (522) above max seq
-            # len (256)"): the tiny model's 256, not a released one's (262144). No rope scaling here, so the
-            # length changes nothing else.
-            cfg = json.loads((out / "config.json").read_text())
-            cfg["max_position_embeddings"] = 4096
-            (out / "config.json").write_text(json.dumps(cfg, indent=2))
+        widen_context_for_mistralrs(kind, out)
         jobs.append({"model_dir": out, "out_json": tmp / f"{kind}.json", "from_uqff": "q4_0-0.uqff", "jinja": jinja,
                      "arch": arch})
     results = FU.mistralrs_logprobs_many(jobs)
