@@ -49,7 +49,8 @@ FAMILIES = {
 # the families gptqmodel 7.6 cannot quantize with the .venv's transformers 5.24 (the error, as it fails):
 # - minimax_m2: its definition names the experts block_sparse_moe.experts.#.w1/w3/w2, transformers 5.24 fuses them
 #   under mlp.experts: nothing of the experts is quantized and the save keeps expert 0 alone, in float16 (the
-#   converter refuses the folder: "expert 1 of 4 (and 2 more)" missing);
+#   converter refuses the folder: "expert 1 of 4 (and 2 more)" missing); llm-compressor makes it
+#   (scripts/producers/llmcompressor_archs.py, ct_minimax_m2);
 # - ernie4_5_moe: "AttributeError: 'Ernie4_5_MoeModel' object has no attribute '_update_causal_mask'" (its
 #   definition calls transformers 4's mask helper);
 # - llama4: "ValueError: layer module item `feed_forward.experts.0.gate_proj` not found in model" (its definition
