@@ -26,7 +26,8 @@ w1/w3/w2). The oracle's reference is keyed as the checkpoint names the modules.
 
 Family not made: llama4 (llm-compressor 0.14's Llama4 linearizer, modeling/moe/llama4.py, reads
 config.text_config and fails on the text model's config: "AttributeError: 'Llama4TextConfig' object has no
-attribute 'text_config'", for Llama4ForCausalLM and Llama4ForConditionalGeneration alike).
+attribute 'text_config'", for Llama4ForCausalLM and Llama4ForConditionalGeneration alike); gptqmodel makes it
+(scripts/producers/gptqmodel_archs.py, gptq_llama4).
 """
 
 from __future__ import annotations
