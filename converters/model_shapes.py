@@ -298,3 +298,16 @@ register_architecture(HfArchitecture("MixtralForCausalLM", renames=(
     (r"\.mlp\.experts\.(\d+)\.down_proj\.", r".block_sparse_moe.experts.\1.w2."),
     (r"\.mlp\.gate\.", ".block_sparse_moe.gate."),
 )))
+
+# llm-compressor 0.14 quantizes MiniMax-M2 with its experts linearized (one Linear per expert, named as its generic
+# expert MLP: gate_proj / up_proj / down_proj) and saves them under the release's block_sparse_moe prefix:
+# block_sparse_moe.experts.E.gate_proj, neither the release's w1 / w3 / w2 (which transformers' Mixtral mapping
+# fuses on load) nor transformers' fused mlp.experts.gate_up_proj. Only llm-compressor's own loader reads them
+# back (patch_moe_mappings, scripts/producers/llmcompressor_archs.py); transformers 5.17 / 5.24 leave every expert
+# at its initial weights (measured). Named as the release names them, every writer's output loads, and GGUF's
+# name map (gguf-py knows w1 / w3 / w2) finds them.
+register_architecture(HfArchitecture("MiniMaxM2ForCausalLM", renames=(
+    (r"\.block_sparse_moe\.experts\.(\d+)\.gate_proj\.", r".block_sparse_moe.experts.\1.w1."),
+    (r"\.block_sparse_moe\.experts\.(\d+)\.up_proj\.", r".block_sparse_moe.experts.\1.w3."),
+    (r"\.block_sparse_moe\.experts\.(\d+)\.down_proj\.", r".block_sparse_moe.experts.\1.w2."),
+)))

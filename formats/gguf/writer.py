@@ -44,6 +44,7 @@ import torch
 
 from ...converters.checker import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, best_aligned, check, decide, describe_grid
 from ...converters.errors import BadInput, QConvertError
+from ...converters.model_shapes import canonical_name
 from ...converters.validate import ConfigView
 from ...converters.plan import BitIdentical, Options, TensorPlan, Writer, WriterSession, unknown_type
 from ...converters.records import Dense, Grid, TensorRecord
@@ -270,9 +271,12 @@ def _parse_type(text: str) -> str:
     return key
 
 
-def _gguf_name(hf_name: str, spec, n_layers: int, keep_mtp: bool) -> str | None:
+def _gguf_name(hf_name: str, spec, n_layers: int, keep_mtp: bool, config: Mapping) -> str | None:
     """The GGUF name of a record: a kept MTP block's (named as the layers after the trunk by adapt_records) as
-    block num_hidden_layers + i, every other as gguf_tensor_name maps it within the trunk."""
+    block num_hidden_layers + i, every other as gguf_tensor_name maps it within the trunk. A name a producer
+    saves in place of the one the model's class loads (model_shapes.canonical_name: llm-compressor's per-expert
+    MiniMax-M2 projections) is mapped as the name it stands for; the record keeps the source's name."""
+    hf_name = canonical_name(hf_name, config)
     if keep_mtp and spec.mtp.is_mtp(hf_name, n_layers):
         return gguf_tensor_name(hf_name, spec.name, (layer_index(hf_name) or 0) + 1)
     return gguf_tensor_name(hf_name, spec.name, n_layers)
@@ -298,7 +302,7 @@ def preset_facts(records, source, arch: str, n_layers: int, options: Options, ke
     for rec in records:
         if spec.tied_output_dropped and rec.name == "lm_head.weight":
             continue
-        name = _gguf_name(rec.name, spec, n_layers, keep_mtp)
+        name = _gguf_name(rec.name, spec, n_layers, keep_mtp, model_config(source))
         if name is None or _DROPPED.search(rec.name):
             continue
         # a stacked tensor's shape; a config without an expert count is refused by _expert_count
@@ -532,7 +536,7 @@ class GgufWriter(Writer):
         dropped = spec.dropped_tensor(rec.name, source.config)
         if dropped is not None:
             return TensorPlan(rec.name, rec.shape, rec.dtype, "dropped", EXACT, dropped, action=GgufAction(drop=True))
-        out_name = _gguf_name(rec.name, spec, n_layers, self._keeps_mtp(source))
+        out_name = _gguf_name(rec.name, spec, n_layers, self._keeps_mtp(source), model_config(source))
         if out_name is None:
             return TensorPlan(rec.name, rec.shape, rec.dtype, "?", REFUSED,
                               f"no GGUF tensor for it in arch {arch}; llama.cpp refuses extra tensors")

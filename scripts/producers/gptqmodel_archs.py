@@ -46,15 +46,19 @@ FAMILIES = {
     "exaone4": "gptq_exaone4",
     "glm_moe_dsa": "gptq_glm_dsa",
     "deepseek_v3": "gptq_deepseek_v3",  # not a 2026 family: the other user of the GGUF MLA split (attn_v_b's codes)
+    # Llama 4 with every layer routed, as Scout is released (fixtures_archs.llama4_scout): gptqmodel's Llama 4
+    # module tree has experts in every layer, and on the architecture tests' Maverick-style model (dense layers
+    # 0 and 2) it stops at layer 0: "ValueError: layer module item `feed_forward.experts.0.gate_proj` not found
+    # in model"; its defuser needs the experts' layout told (_llama4_experts_in_out)
+    "llama4_scout": "gptq_llama4",
 }
 # the families gptqmodel 7.6 cannot quantize with the .venv's transformers 5.24 (the error, as it fails):
 # - minimax_m2: its definition names the experts block_sparse_moe.experts.#.w1/w3/w2, transformers 5.24 fuses them
 #   under mlp.experts: nothing of the experts is quantized and the save keeps expert 0 alone, in float16 (the
-#   converter refuses the folder: "expert 1 of 4 (and 2 more)" missing);
+#   converter refuses the folder: "expert 1 of 4 (and 2 more)" missing); llm-compressor makes it
+#   (scripts/producers/llmcompressor_archs.py, ct_minimax_m2);
 # - ernie4_5_moe: "AttributeError: 'Ernie4_5_MoeModel' object has no attribute '_update_causal_mask'" (its
 #   definition calls transformers 4's mask helper);
-# - llama4: "ValueError: layer module item `feed_forward.experts.0.gate_proj` not found in model" (its definition
-#   expects per-expert linears, transformers 5.24's Llama4TextExperts are fused);
 # - deepseek_v4: the release layout (FP8 blocks, MXFP4 experts, release names) is no model gptqmodel loads; its
 #   dequantized form (fixtures_archs.deepseek_v4_dequantized, which transformers loads) loads, but the calibration
 #   forward fails in transformers' DeepseekV4 attention: "RuntimeError: expected m1 and m2 to have the same dtype,
@@ -83,9 +87,22 @@ def _glm4_moe_router_tuple() -> None:
     glm4_moe.LinearGlm4MoeMoE.route_tokens_to_experts = route_tokens_to_experts
 
 
+def _llama4_experts_in_out() -> None:
+    """gptqmodel unfuses Llama 4's experts with defuser 0.0.28, which reads a fused expert tensor's layout from the
+    module's is_transposed and, where the module has none (transformers 5.24's Llama4TextExperts has none: its own
+    forward multiplies hidden @ gate_up_proj), guesses it from the shape, [E, in, out] when in < out. The tiny
+    model's gate_up_proj is [E, 128, 2 * 64], square per expert, so the guess is [E, out, in]: down_proj becomes a
+    Linear(128 -> 64) and the calibration forward fails with "mat1 and mat2 shapes cannot be multiplied (64x64 and
+    128x64)" (the released Scout, 5120 wide with 8192-wide experts, is guessed right). Llama4TextExperts stores
+    [E, in, out]; saying so is the layout the guess gets for the released sizes."""
+    from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
+
+    Llama4TextExperts.is_transposed = True
+
+
 # what a family needs before gptqmodel can run it with the .venv's transformers (a version mismatch, not a
 # change of what is quantized)
-BEFORE_QUANTIZING = {"glm4_moe": _glm4_moe_router_tuple}
+BEFORE_QUANTIZING = {"glm4_moe": _glm4_moe_router_tuple, "llama4_scout": _llama4_experts_in_out}
 
 
 def produce(kind: str) -> Path:

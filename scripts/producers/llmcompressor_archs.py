@@ -17,11 +17,17 @@ run_compressed=False), under load_quantizable_moe so that each expert is its own
 [out, in] "<module>.weight" for every quantized Linear; logits.safetensors = that model's logits on the
 architecture tests' prompt; versions.json.
 
-Families not made: llama4 (llm-compressor 0.14's Llama4 linearizer, modeling/moe/llama4.py, reads
+MiniMax-M2 (minimax_m2) is saved with its experts as llm-compressor linearized them,
+block_sparse_moe.experts.E.gate_proj/up_proj/down_proj: neither the release's w1/w3/w2 nor transformers' fused
+names. transformers 5.17 and 5.24 (with compressed-tensors) do not read that layout (every expert is reported
+missing and left at its initial weights); llm-compressor's own loader does, told the layout with its
+patch_moe_mappings (the oracle below), and so does qconvert (converters/model_shapes.py names them as the release's
+w1/w3/w2). The oracle's reference is keyed as the checkpoint names the modules.
+
+Family not made: llama4 (llm-compressor 0.14's Llama4 linearizer, modeling/moe/llama4.py, reads
 config.text_config and fails on the text model's config: "AttributeError: 'Llama4TextConfig' object has no
-attribute 'text_config'", for Llama4ForCausalLM and Llama4ForConditionalGeneration alike); minimax_m2 (quantized,
-but saved with its experts as block_sparse_moe.experts.E.gate_proj/up_proj/down_proj, neither the release's
-w1/w3/w2 nor transformers' names: qconvert refuses it, "blk.0.ffn_gate_exps.weight: required tensor is missing").
+attribute 'text_config'", for Llama4ForCausalLM and Llama4ForConditionalGeneration alike); gptqmodel makes it
+(scripts/producers/gptqmodel_archs.py, gptq_llama4).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ VENV = Path(os.environ.get("QCONVERT_LLMCOMPRESSOR_VENV") or _common.REPO / ".ve
 PINS = ("torch==2.13.0", "llmcompressor==0.14.0.1", "compressed-tensors==0.19.0")
 PACKAGES = ("llmcompressor", "compressed-tensors", "transformers", "torch")
 # family (a fixtures_archs kind) -> the fixture folder's name
-FAMILIES = {"ernie4_5_moe": "ct_ernie45moe"}
+FAMILIES = {"ernie4_5_moe": "ct_ernie45moe", "minimax_m2": "ct_minimax_m2"}
 WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
 # what stays float: the head and the routers (ERNIE's mlp.gate)
 IGNORE = ["lm_head", "re:.*\\.mlp\\.gate$"]
@@ -100,19 +106,71 @@ def produce(base: Path, out: Path) -> None:
     (out / "recipe.yaml").unlink(missing_ok=True)
 
 
-def oracle(ckpt: Path, prompt) -> tuple[dict, dict]:
-    """In llm-compressor's venv: the runtime's decompressed weights and its logits on `prompt`."""
+def _image_aliases_listable() -> None:
+    """Loading into linearized experts swaps the experts class by transformers' apply_patches, which lists every
+    transformers module with dir(): transformers 5.17's lazy aliases of the image processors
+    (transformers.models.X.image_processing_X) import their target to be listed, and those import torchvision,
+    which this CPU venv lacks (no CPU build of torchvision 0.28 is on the package indexes here; the CUDA one does
+    not load against torch 2.13+cpu). The listing fails with "No module named 'torchvision'" before any weight
+    is read. An alias whose target cannot be imported is listed as empty: it holds no class of a text model."""
+    import sys
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("transformers.") or getattr(module, "__file__", "") is not None:
+            continue  # a real module (aliases have __file__ None)
+        try:
+            dir(module)
+        except ImportError:
+            module.__dir__ = lambda: []
+
+
+def _minimax_m2_per_expert_layout():
+    """llm-compressor's own declaration of a checkpoint whose experts are stored one Linear each
+    (llmcompressor.modeling.patch_moe_mappings, the API its docs give for such a checkpoint): the saved
+    block_sparse_moe.experts.E.gate_proj/up_proj/down_proj load as they are into the linearized experts, in
+    place of transformers' Mixtral mapping, which only fuses the release's w1/w3/w2 (with it, the per-expert
+    names load as nothing: every expert would keep its initial weights)."""
+    from llmcompressor.modeling.moe.conversion_mappings import patch_moe_mappings
+    from transformers.core_model_loading import WeightRenaming
+
+    _image_aliases_listable()
+    same = [WeightRenaming(rf"\.experts\.(\d+)\.{p}\.", rf".experts.\1.{p}.")
+            for p in ("gate_proj", "up_proj", "down_proj")]
+    return patch_moe_mappings("minimax_m2", same, remove_targets=[".experts.gate_up_proj", ".experts.down_proj"])
+
+
+# how a family's checkpoint, as llm-compressor saved it, is loaded back by llm-compressor (a context manager
+# around load_quantizable_moe), where its default (the architecture's transformers mapping) does not read it
+CHECKPOINT_LAYOUT = {"minimax_m2": _minimax_m2_per_expert_layout}
+# the loaded model's module names -> the checkpoint's, where transformers' mapping renames modules on load
+# (MiniMax-M2's block_sparse_moe is the class's mlp): the reference is keyed as the checkpoint names the modules
+CHECKPOINT_NAMES = {"minimax_m2": (r"\.mlp\.(experts|gate)\.", r".block_sparse_moe.\1.")}
+
+
+def oracle(kind: str, ckpt: Path, prompt) -> tuple[dict, dict]:
+    """In llm-compressor's venv: the runtime's decompressed weights (every quantized Linear, named as the
+    checkpoint names it) and its logits on `prompt`."""
+    import contextlib
+    import re
+
     import torch
     from llmcompressor.modeling.moe.linearize import load_quantizable_moe
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
-    with load_quantizable_moe():
+    with CHECKPOINT_LAYOUT.get(kind, contextlib.nullcontext)(), load_quantizable_moe():
         model = AutoModelForCausalLM.from_pretrained(
             str(ckpt), quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
-    weights = {f"{name}.weight": mod.weight.detach().to(torch.float16).contiguous()
+    rename = CHECKPOINT_NAMES.get(kind)
+    weights = {(re.sub(*rename, name) if rename else name) + ".weight": mod.weight.detach().to(torch.float16).contiguous()
                for name, mod in model.named_modules()
                if isinstance(mod, torch.nn.Linear) and ".layers." in name}
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        packed = {n[: -len("_packed")] for n in f.keys() if n.endswith(".weight_packed")}
+    if packed != set(weights):  # a module the runtime did not load from the checkpoint, or named otherwise
+        raise SystemExit(f"{kind}: the runtime's Linears are not the checkpoint's quantized modules: "
+                         f"{sorted(packed ^ set(weights))[:4]}")
     ids = torch.tensor([list(prompt)], dtype=torch.long)
     with torch.inference_mode():
         logits = model(input_ids=ids).logits[0].float().contiguous()
@@ -127,7 +185,7 @@ def in_venv_main(kind: str, base: Path, prompt: list) -> None:
         shutil.rmtree(out)
     out.mkdir(parents=True)
     produce(base, out / "model")
-    weights, logits = oracle(out / "model", prompt)
+    weights, logits = oracle(kind, out / "model", prompt)
     save_file(weights, str(out / "reference.safetensors"))
     save_file(logits, str(out / "logits.safetensors"))
     _common.write_versions(out, "llmcompressor", list(PACKAGES),

@@ -722,6 +722,19 @@ def _llama4_vl(layers: int, wide: bool):
 
 BUILDERS.update({"mistral3": _mistral3, "smollm3": _smollm3, "olmo3": _olmo3, "olmo2": _olmo2, "exaone4": _exaone4,
                  "llama4": _llama4, "glm4_moe": _glm4_moe, "llama4_vl": _llama4_vl})
+
+
+def _llama4_scout(layers: int, wide: bool):
+    # _llama4 with every layer routed (interleave_moe_layer_step 1, as Llama-4-Scout-17B-16E is released; _llama4
+    # interleaves dense layers as Maverick): the base of gptqmodel's GPTQ (scripts/producers/gptqmodel_archs.py),
+    # whose Llama 4 module tree has experts in every layer and stops at a dense one
+    cfg, cls, extra = _llama4(layers, wide)
+    cfg.interleave_moe_layer_step = 1
+    cfg.moe_layers = list(range(cfg.num_hidden_layers))
+    return cfg, cls, extra
+
+
+BUILDERS["llama4_scout"] = _llama4_scout
 TOKENIZER_EXTRAS["glm4_moe"] = glm_tokenizer
 
 

@@ -8,6 +8,10 @@ The experts' width is config.json's intermediate_size, written both as feed_forw
 expert_feed_forward_length (as the converter writes them). transformers' MiniMax-M2 always routes by sigmoid:
 expert_gating_func is written sigmoid (the converter takes it from the config's scoring_func, which the released
 config sets to "sigmoid").
+
+llm-compressor saves its quantized MiniMax-M2 with each expert as its own Linear, block_sparse_moe.experts.E.
+gate_proj / up_proj / down_proj: converters/model_shapes.py names them as the release's w1 / w3 / w2 for every
+writer (HfArchitecture renames), so this entry and gguf-py's name map see the release's names only.
 """
 
 from __future__ import annotations

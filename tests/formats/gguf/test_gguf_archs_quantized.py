@@ -34,6 +34,7 @@ import torch
 
 import fixtures_archs
 from helpers import llama_logits, run_cli
+from qconvert.converters.model_shapes import canonical_name
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -87,6 +88,27 @@ def _pieces(name: str) -> list:
     return [name]
 
 
+# one expert's projection of a per-expert checkpoint (gptqmodel's unfused Llama 4 experts)
+_PER_EXPERT = re.compile(r"^(?P<head>.*\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _read_back(back: dict, name: str) -> torch.Tensor:
+    """The read-back weight of a quantized module: its own tensor, or, for an expert of a family whose transformers
+    class holds its experts fused and transposed (Llama 4: gate_up_proj [E, in, 2 * ffn] with the gate columns
+    first, down_proj [E, ffn, hidden]: what gguf->hf writes), the expert's [out, in] slice of the fused tensor."""
+    if name in back:
+        return back[name]
+    m = _PER_EXPERT.match(name)
+    if m is None or f"{m['head']}.down_proj" not in back:
+        raise KeyError(name)
+    e = int(m["index"])
+    if m["proj"] == "down_proj":
+        return back[f"{m['head']}.down_proj"][e].T
+    fused = back[f"{m['head']}.gate_up_proj"][e]
+    ffn = fused.shape[1] // 2
+    return (fused[:, :ffn] if m["proj"] == "gate_proj" else fused[:, ffn:]).T
+
+
 @pytest.mark.parametrize("kind", list(FIXTURES))
 def test_quantized_checkpoint_keeps_its_codes(kind, tmp_path):
     from safetensors import safe_open
@@ -122,9 +144,12 @@ def test_quantized_checkpoint_keeps_its_codes(kind, tmp_path):
     hf = tmp_path / "hf"
     run_cli("gguf->hf", out, hf, "--type", "f32")
     back = load_file(str(hf / "model.safetensors"))
+    config = json.loads((fixture / "model" / "config.json").read_text())
     for name, want in reference.items():
-        # the producers multiply in fp16: equal once the exact fp32 product is rounded to fp16
-        assert torch.equal(back[name].to(torch.float16), want), name
+        # read back under the name the model's class loads (llm-compressor's MiniMax-M2 experts.E.gate_proj is
+        # the release's experts.E.w1: model_shapes.canonical_name); the producers multiply in fp16: equal once the
+        # exact fp32 product is rounded to fp16
+        assert torch.equal(_read_back(back, canonical_name(name, config)).to(torch.float16), want), name
 
     # the producer's runtime on its checkpoint, stored by the producer for the architecture tests' prompt
     produced = load_file(str(fixture / "logits.safetensors"))
