@@ -40,6 +40,7 @@ import torch
 
 from ...converters.checker import EXACT, NEAR_EXACT, REFUSED, REQUANTIZE, decide
 from ...converters.errors import BadInput, RefusedPlan
+from ...converters.model_shapes import canonical_name
 from ...converters.plan import Options, TensorPlan, Writer, WriterSession
 from ...converters.records import Dense, Grid, TensorRecord, describe_record
 from ...kernels.dequant import dequantize_grid_torch
@@ -114,7 +115,7 @@ class MlxWriter(Writer):
             return TensorPlan(rec.name, rec.shape, describe_record(rec), "dropped", EXACT,
                               "dropped: mlx-lm does not run it (its sanitize drops it)", action=MlxDrop())
         plan = self._plan_tensor(rec, options, source)
-        slot = layout.stacked_slot(plan.name) if layout is not None else None
+        slot = _stacked_slot(layout, plan.name, source.config)
         if slot is not None:  # an expert: written into its layer's switch layer (experts.py)
             plan.out_name = f"{slot[0]}[{slot[1]}]"
         if sanitized is not None and plan.action is None and len(rec.shape) == 1 and \
@@ -131,7 +132,7 @@ class MlxWriter(Writer):
             return
         stacks: dict[str, dict[int, TensorPlan]] = {}
         for p in plans:
-            slot = layout.stacked_slot(p.name) if not isinstance(p.action, MlxDrop) else None
+            slot = _stacked_slot(layout, p.name, source.config) if not isinstance(p.action, MlxDrop) else None
             if slot is not None:
                 stacks.setdefault(slot[0], {})[slot[1]] = p
         count = layout.expert_count(source.config)
@@ -194,9 +195,15 @@ class MlxWriter(Writer):
 def _mlx_name(name: str, source) -> str:
     """The name mlx-lm's model gives a tensor: an expert's is its switch layer's (Mixtral's `experts.E.w1` is
     `switch_mlp.gate_proj`, a linear mlx-lm quantizes)."""
-    layout = layout_for(source.config)
-    slot = layout.stacked_slot(name) if layout is not None else None
+    slot = _stacked_slot(layout_for(source.config), name, source.config)
     return name if slot is None else slot[0]
+
+
+def _stacked_slot(layout, name: str, config: dict | None) -> tuple[str, int] | None:
+    """An expert tensor's switch-layer name and index, found under the name the release gives it: a producer's
+    own per-expert names (llm-compressor's MiniMax-M2 `experts.E.gate_proj`) are renamed as every writer renames
+    them first (converters.model_shapes, `canonical_name`)."""
+    return layout.stacked_slot(canonical_name(name, config or {})) if layout is not None else None
 
 
 def _stack_form(action: MlxAction | None) -> tuple:
@@ -244,7 +251,7 @@ class MlxSession(WriterSession):
 
     def _module(self, plan: TensorPlan) -> tuple[str, tuple[str, int] | None]:
         """The module path the tensor is written under (an expert's switch layer) and the expert slot, if any."""
-        slot = self.layout.stacked_slot(plan.name) if self.layout is not None else None
+        slot = _stacked_slot(self.layout, plan.name, self.source.config)
         name = slot[0] if slot is not None else plan.name
         return name[: -len(".weight")] if name.endswith(".weight") else name, slot
 
