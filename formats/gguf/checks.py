@@ -13,27 +13,48 @@ from typing import Iterable, Mapping
 from ...converters.errors import BadInput
 from ...converters.validate import ConfigView
 from .archs import EXPERT_COUNT_KEYS, arch_by_name
-from .names import layer_index
+from .names import hf_tensor_name, layer_index
 from .hparams import FLOAT32_MAX, MAX_HEADS, MAX_VOCAB, MAX_WIDTH, phi3_rope_dims, rope_parameters
 
 
 _BLOCK_RE = re.compile(r"^blk\.(0|[1-9][0-9]*)\.")
 # per layer of a MoE model, the routed FFN llama.cpp's loaders require in place of the dense one
 _MOE_BLOCK = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+# GGUF tensors gguf-py names with no `.weight` / `.bias` suffix (llama.cpp's tn(LLM_TENSOR_SSM_A_NOSCAN, il))
+_BARE = frozenset({"ssm_a"})
 
 
-def _required_block(arch: str, layer_names: set[str]) -> tuple[str, ...]:
-    """The tensors llama.cpp's loader for `arch` requires in a layer (biases are optional). A MoE model's
-    layer is routed when it holds any routed tensor (DeepSeek and Qwen-MoE may keep dense layers)."""
+def _tensor_name(base: str) -> str:
+    """A required entry as the tensor's name within its block: `.weight` unless the entry says `.bias` (the
+    tables list `ssm_dt.bias`, `exp_probs_b.bias`) or gguf-py writes it bare (`ssm_a`)."""
+    return base if base.endswith((".weight", ".bias")) or base in _BARE else f"{base}.weight"
+
+
+def _required_block(arch: str, layer_names: set[str], config: Mapping | None = None,
+                    mtp: bool = False) -> tuple[str, ...]:
+    """The tensors llama.cpp's loader for `arch` requires in a layer (biases are optional), each as its name
+    within the block (_tensor_name). A MoE model's layer is routed when it holds any routed tensor (DeepSeek and
+    Qwen-MoE may keep dense layers); a hybrid model's layer is a linear-attention one when it holds any of those
+    tensors. With `config` (the writer's config.json) also a routed layer's shared expert and router bias
+    (GgufArch.routed_extra) and, for a kept MTP block (`mtp`), the block's own tensors (MtpBlock.required)."""
     spec = arch_by_name(arch)
     has_routed = any(n in layer_names for n in _MOE_BLOCK)
     has_dense = any(n in layer_names for n in spec.dense_ffn)
     routed = has_routed or (spec.moe and not has_dense)
-    linear = bool(spec.linear_attention) and any(n in layer_names for n in spec.linear_attention)
+    linear = bool(spec.linear_attention) and any(n.removesuffix(".bias") in layer_names
+                                                 for n in spec.linear_attention)
     attention = spec.linear_attention if linear else spec.attention
     if routed and spec.routed_beside_dense:
-        return spec.norms + attention + spec.block_extra + spec.dense_ffn + spec.routed_beside_dense
-    return spec.norms + attention + spec.block_extra + (_MOE_BLOCK if routed else spec.dense_ffn)
+        need = spec.norms + attention + spec.block_extra + spec.dense_ffn + spec.routed_beside_dense
+    else:
+        need = spec.norms + attention + spec.block_extra + (_MOE_BLOCK if routed else spec.dense_ffn)
+    if config is not None and routed:
+        count = config.get(spec.shared_experts_key) if spec.shared_experts_key else 1
+        shared = isinstance(count, int) and count > 0
+        need += tuple(n for n in spec.routed_extra if shared or "_shexp" not in n)
+    if mtp and spec.mtp is not None:
+        need += spec.mtp.required
+    return tuple(_tensor_name(n) for n in need)
 
 
 def _expected_shapes(cfg: Mapping, keys: Mapping[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -157,9 +178,12 @@ def _layers_present(names: Iterable[str], path_of, label) -> int:
 
 
 def _check_against(cfg: Mapping, shapes: Mapping[str, tuple[int, ...]], keys: Mapping[str, str], arch: str,
-                   path_of, label, layers_key: str, what: str) -> None:
+                   path_of, label, layers_key: str, what: str, config: Mapping | None = None, trunk: int | None = None,
+                   missing=None) -> None:
     """``shapes``: GGUF name -> HF-order shape of every tensor present; ``path_of(name)`` the file to
-    name (name None: the file of the metadata), ``label(name)`` the tensor name to show."""
+    name (name None: the file of the metadata), ``label(name)`` the tensor name to show. The writer also gives
+    its ``config`` (config.json, for the rules that read it), the ``trunk`` layers (the blocks after them are a
+    kept MTP block's) and ``missing(name) -> (file, tensor)`` to name a missing tensor by."""
     n_layers = cfg["num_hidden_layers"]
     present = _layers_present(shapes, path_of, label)
     if present != n_layers:
@@ -172,13 +196,20 @@ def _check_against(cfg: Mapping, shapes: Mapping[str, tuple[int, ...]], keys: Ma
         m = _BLOCK_RE.match(name)
         if m:
             in_layer.setdefault(int(m.group(1)), set()).add(name[m.end():].rsplit(".", 1)[0])
+    trunk = n_layers if trunk is None else trunk
     for i in range(n_layers):  # bounded: n_layers equals the layers the tensors name
-        required += [f"blk.{i}.{b}.weight" for b in _required_block(arch, in_layer.get(i, set()))]
+        required += [f"blk.{i}.{b}" for b in _required_block(arch, in_layer.get(i, set()), config, mtp=i >= trunk)]
     for name in required:
         if name not in shapes:
-            raise BadInput("required tensor is missing (" + (f"{arch} needs it in each of the {n_layers} layers)"
-                           if name.startswith("blk.") else f"every {arch} model has it)"),
-                           path=path_of(None), tensor=label(name))
+            layer = _BLOCK_RE.match(name)
+            if layer is None:
+                why = f"every {arch} model has it"
+            elif int(layer[1]) >= trunk:
+                why = f"the multi-token-prediction block after the {trunk} layers needs it"
+            else:
+                why = f"{arch} needs it in each of the {trunk} layers"
+            where, tensor = missing(name) if missing else (path_of(None), label(name))
+            raise BadInput(f"required tensor is missing ({why})", path=where, tensor=tensor)
     expected = _expected_shapes(cfg, keys)
     order = {base: i for i, base in enumerate(expected)}
     varying = set(arch_by_name(arch).varying_shapes)
@@ -279,12 +310,20 @@ def _check_rope(config: Mapping, path: object, arch: str = "") -> None:
 
 
 def check_writer_config(config: Mapping, arch: str, shapes: Mapping[str, tuple[int, ...]], path: object,
-                        names: Mapping[str, str] | None = None, unmapped: Iterable[str] = (), mtp_blocks: int = 0) -> None:
+                        names: Mapping[str, str] | None = None, unmapped: Iterable[str] = (), mtp_blocks: int = 0,
+                        source_path: object = None) -> None:
     """The hyper-parameters a GGUF is written with (config.json's), type- and range-checked and compared
     with the tensors being written (``shapes``: GGUF name -> HF-order shape; ``names``: GGUF name ->
     the source's name, for the messages); BadInput naming ``path`` and the key. Run before anything
     is written, so a bad config stops the conversion. ``mtp_blocks``: the multi-token-prediction blocks written
-    after the trunk (archs/mtp.py), layers the tensors hold beyond num_hidden_layers."""
+    after the trunk (archs/mtp.py), layers the tensors hold beyond num_hidden_layers.
+
+    Every layer must hold what llama.cpp's loader requires of its kind (_required_block: full or linear attention,
+    dense or routed FFN with its shared expert, the MTP block's own tensors), read from the architecture's entry
+    alone: this is the completeness check that holds without transformers installed (class_tensors.py compares
+    with the transformers class only where it is). A missing tensor is named by its checkpoint (HF) name where
+    the name map gives one, its GGUF name beside it, and the refusal names ``source_path`` (the checkpoint's
+    weights file or folder; default ``path``)."""
     cv = ConfigView(config, path)
     n_embd = cv.int("hidden_size", lo=1, hi=MAX_WIDTH)
     n_head = cv.int("num_attention_heads", lo=1, hi=MAX_HEADS)
@@ -338,5 +377,21 @@ def check_writer_config(config: Mapping, arch: str, shapes: Mapping[str, tuple[i
     keys = {k: k for k in cfg}
     keys.update(names_of_keys)
     names = names or {}
+    trunk = cfg["num_hidden_layers"] - int(mtp_blocks)
+
+    def missing(gguf_name: str) -> tuple[object, str]:
+        hf = checkpoint_name(gguf_name, arch, trunk, cfg["num_hidden_layers"])
+        return (path if source_path is None else source_path), (f"{hf} ({gguf_name})" if hf else gguf_name)
+
     _check_against(cfg, shapes, keys, arch, lambda n: path, lambda n: names.get(n, n), "num_hidden_layers",
-                   "checkpoint's tensors")
+                   "checkpoint's tensors", config=config, trunk=trunk, missing=missing)
+
+
+def checkpoint_name(gguf_name: str, arch: str, trunk: int, n_blocks: int) -> str | None:
+    """The checkpoint's (HF) name of a GGUF tensor the writer would make, a kept MTP block's as the checkpoint keeps
+    it (Qwen's mtp.fc.weight for blk.<trunk>.nextn.eh_proj.weight); None where the name map has none."""
+    hf = hf_tensor_name(gguf_name, arch, n_blocks)
+    spec = arch_by_name(arch)
+    if hf is None or spec is None or spec.mtp is None:
+        return hf
+    return spec.mtp.from_layer(hf, trunk)

@@ -290,6 +290,13 @@ def _mtp_layers(plans: list[TensorPlan], n_layers: int) -> int:
     return len({int(m[1]) for p in plans if (m := _BLOCK_INDEX.match(p.out_name or "")) and int(m[1]) >= n_layers})
 
 
+def _weights_path(source) -> Path:
+    """What a refusal about the checkpoint's tensors names: its one weights file, else its folder."""
+    folder = Path(source.path or ".")
+    shards = source.weight_files()
+    return folder / shards[0] if len(shards) == 1 else folder
+
+
 def preset_facts(records, source, arch: str, n_layers: int, options: Options, keep_mtp: bool = False) -> ModelFacts:
     """What llama-quantize's rules look at (presets.model_facts_from_gguf_names), from the GGUF tensors
     these records will make: their names and shapes (experts stacked), the head counts as the GGUF
@@ -644,7 +651,7 @@ class GgufWriter(Writer):
                             config_json_path(source), names={p.out_name: p.name for p in kept},
                             unmapped=[p.name for p in plans
                                       if not p.out_name and (p.action is None or not p.action.drop)],
-                            mtp_blocks=found)
+                            mtp_blocks=found, source_path=_weights_path(source))
         # the tokenizer is built (and checked) here, once, so that dry runs see it too; the session writes it
         self._tokenizer_keys(source, plans)
 

@@ -19,7 +19,7 @@ from .mtp import MtpBlock
 __all__ = ["GgufArch", "register_arch", "registered", "arch_by_name", "arch_for_config", "supported_classes",
            "expert_name", "EXPERT_COUNT_KEYS", "expert_count_key", "expert_count", "expert_keys", "moe_config",
            "HF_DENSE_BLOCK", "llama_converter_keys", "StoredValues", "TextOfMultimodal",
-           "text_model_config"]
+           "text_model_config", "SHARED_EXPERT"]
 
 MetadataHook = Callable[[gguf.GGUFWriter, Mapping], None]
 
@@ -74,6 +74,9 @@ HF_DENSE_BLOCK = (
 
 
 MetadataHook = Callable[[gguf.GGUFWriter, Mapping], None]
+
+# a shared expert's FFN as GGUF names it (GgufArch.routed_extra)
+SHARED_EXPERT = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 
 # an elementwise map llama.cpp's converter applies to a tensor's values (Qwen3.5's A = -exp(A_log)): the
 # values as stored, the inverse (the writer measures the error after it, against the source's values), and
@@ -141,6 +144,13 @@ class GgufArch:
     # a layer holding any of them is checked for these instead (llama.cpp's loader reads the layer's kind
     # from its recurrent_layers key)
     linear_attention: tuple[str, ...] = ()
+    # a routed layer's tensors (within blk.N.) llama.cpp's loader requires beside the router and the expert stacks:
+    # the shared expert (and its gate, Qwen3.5-MoE / Qwen3-Next), the router's score bias (GLM-4.5:
+    # `exp_probs_b.bias`); checked before a GGUF is written (checks.py), with or without transformers
+    routed_extra: tuple[str, ...] = ()
+    # the config.json key counting the shared experts, where the loader requires the `_shexp` tensors of
+    # routed_extra only when it is above 0 (GLM-4.5's n_shared_experts); None: whenever a layer is routed
+    shared_experts_key: str | None = None
     # GGUF norms `norm_shift` leaves alone: Qwen3.5's gated RMSNorm of the linear attention (ssm_norm)
     # multiplies by w where every other norm of the model multiplies by 1 + w
     unshifted_norms: tuple[str, ...] = ()

@@ -10,7 +10,7 @@ import gguf
 
 import torch
 
-from .base import GgufArch, register_arch
+from .base import SHARED_EXPERT, GgufArch, register_arch
 from .mtp import layers_after_trunk
 from ..hparams import MAX_WIDTH, rope_parameters
 
@@ -110,6 +110,9 @@ def _deepseek2_config(cfg: dict, get, names, cv) -> None:
 register_arch(GgufArch("deepseek2", ("DeepseekV3ForCausalLM",), ("deepseek_v3", "kimi_k2"), "DeepseekV3ForCausalLM",
                        "deepseek_v3", moe=True, mla=True, extra_metadata=_deepseek2_extra, mtp=DEEPSEEK_V3_MTP,
                        attention=("attn_kv_a_mqa", "attn_kv_a_norm", "attn_k_b", "attn_v_b", "attn_output"),
+                       # llama.cpp's deepseek2 loader: the shared expert in every routed layer (its router bias is
+                       # TENSOR_NOT_REQUIRED; V2-Lite's query has no low-rank pair)
+                       routed_extra=SHARED_EXPERT, shared_experts_key="n_shared_experts",
                        hf_block=DEEPSEEK_BLOCK, config_from_gguf=_deepseek2_config))
 
 

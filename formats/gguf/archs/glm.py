@@ -19,7 +19,7 @@ from typing import Mapping
 
 import gguf
 
-from .base import GgufArch, register_arch
+from .base import SHARED_EXPERT, GgufArch, register_arch
 from .mtp import layers_after_trunk
 from ..hparams import MAX_WIDTH, head_dim, rope_parameters
 
@@ -99,4 +99,7 @@ def _glm4moe_config(cfg: dict, get, names, cv) -> None:
 register_arch(GgufArch("glm4moe", ("Glm4MoeForCausalLM",), ("glm4_moe",), "Glm4MoeForCausalLM", "glm4_moe", moe=True,
                        extra_metadata=_glm4moe_extra, caveats=_glm4moe_caveats, mtp=GLM_MTP,
                        norms=("attn_norm", "post_attention_norm"), hf_block=GLM4_MOE_BLOCK,
+                       # llama.cpp's glm4-moe loader: the router's score bias in every routed layer, the shared
+                       # expert where the config has one
+                       routed_extra=("exp_probs_b.bias",) + SHARED_EXPERT, shared_experts_key="n_shared_experts",
                        config_from_gguf=_glm4moe_config))

@@ -11,7 +11,7 @@ import gguf
 
 from ....converters.errors import BadInput
 from ..hparams import MAX_WIDTH, rope_parameters
-from .base import GgufArch, register_arch
+from .base import SHARED_EXPERT, GgufArch, register_arch
 from .deepseek2 import DEEPSEEK_BLOCK, _deepseek2_config, _deepseek2_extra
 from .glm import GLM_MTP  # GLM-5 keeps its MTP block as GLM-4.5 does (GlmMoeDsaModel)
 
@@ -87,5 +87,9 @@ def _glm_dsa_config(cfg: dict, get, names, cv) -> None:
 register_arch(GgufArch("glm-dsa", ("GlmMoeDsaForCausalLM",), ("glm_moe_dsa",), "GlmMoeDsaForCausalLM",
                        "glm_moe_dsa", moe=True, mla=True, extra_metadata=_glm_dsa_extra, mtp=GLM_MTP,
                        attention=("attn_kv_a_mqa", "attn_kv_a_norm", "attn_k_b", "attn_v_b", "attn_output"),
+                       # llama.cpp's glm-dsa loader: the query's low-rank pair in every layer (GLM-5 always has
+                       # q_lora_rank), the shared expert in every routed one (the router bias and the indexer's
+                       # tensors are TENSOR_NOT_REQUIRED there)
+                       block_extra=("attn_q_a_norm", "attn_q_a", "attn_q_b"), routed_extra=SHARED_EXPERT,
                        hf_block=GLM_DSA_BLOCK, config_from_gguf=_glm_dsa_config,
                        named_special_tokens=GLM_SPECIAL_TOKENS))

@@ -23,7 +23,7 @@ from typing import Mapping
 import gguf
 import torch
 
-from .base import GgufArch, TextOfMultimodal, expert_keys, moe_config, register_arch, llama_converter_keys
+from .base import SHARED_EXPERT, GgufArch, TextOfMultimodal, expert_keys, moe_config, register_arch, llama_converter_keys
 
 LLAMA4_BLOCK = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
                 "self_attn.v_proj", "self_attn.o_proj", "feed_forward.gate_proj", "feed_forward.up_proj",
@@ -117,4 +117,5 @@ LLAMA4_MULTIMODAL = TextOfMultimodal(("Llama4ForConditionalGeneration",))
 
 register_arch(GgufArch("llama4", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"), ("llama4_text",),
                        "Llama4ForCausalLM", "llama4_text", moe=True, multimodal=LLAMA4_MULTIMODAL, extra_metadata=_llama4_extra, caveats=_llama4_caveats, hf_block=LLAMA4_BLOCK,
-                       config_from_gguf=_llama4_config, experts_in_out=True, dense_ffn_key="intermediate_size_mlp"))
+                       config_from_gguf=_llama4_config, experts_in_out=True, dense_ffn_key="intermediate_size_mlp",
+                       routed_extra=SHARED_EXPERT))  # llama.cpp's llama4 loader: every MoE layer's shared expert

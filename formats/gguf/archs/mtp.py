@@ -88,6 +88,12 @@ class MtpBlock:
     counted_from_tensors: bool = False
     # the config.json key gguf->hf writes the count back to (None: the source's configs carry none)
     config_key: str | None = None
+    # the block's own GGUF tensors (within blk.N.) a kept block must hold, beside the tensors of a trunk layer of
+    # its kind: what llama.cpp's loaders create without TENSOR_NOT_REQUIRED when the MTP context loads the block
+    # (src/models/{qwen35,qwen35moe,qwen3next,glm4-moe,glm-dsa}.cpp: eh_proj, enorm, hnorm). Without them the file
+    # loads for plain decoding but the draft context refuses it, so a checkpoint missing one is refused before
+    # anything is written (checks.py), whether or not transformers is installed to compare the class
+    required: tuple[str, ...] = ("nextn.eh_proj", "nextn.enorm", "nextn.hnorm")
 
     def count(self, config: Mapping, found: int) -> int | None:
         """The blocks block_count adds and nextn_predict_layers states when the block is kept (`found`: the MTP
@@ -147,7 +153,15 @@ def qwen_mtp(config_key: str | None) -> MtpBlock:
 
     return MtpBlock(is_mtp=lambda name, n: name.startswith(("mtp.", "model.mtp.")) or (_layer_of(name) or 0) >= n,
                     kept=True, dropped_because="", as_layer=_qwen_as_layer, from_layer=_qwen_from_layer,
-                    declared=declared, counted_from_tensors=config_key is None, config_key=config_key)
+                    declared=declared, counted_from_tensors=config_key is None, config_key=config_key,
+                    required=_QWEN_REQUIRED)
+
+
+# Qwen's block also needs its final norm (mtp.norm, shared_head_norm): llama.cpp's loader would fall back on the
+# trunk's output_norm for a file without it, but every Qwen3.5 / Qwen3-Next block holds its own, so a block
+# without it is damaged, not a variant, and drafting with the trunk's norm would be silently wrong (transformers'
+# side of the check, class_tensors._compare_mtp_block, refuses it as well)
+_QWEN_REQUIRED = ("nextn.eh_proj", "nextn.enorm", "nextn.hnorm", "nextn.shared_head_norm")
 
 
 def skipped(pattern: re.Pattern, why: str) -> MtpBlock:

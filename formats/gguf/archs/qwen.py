@@ -6,13 +6,16 @@ from typing import Mapping
 
 import gguf
 
-from .base import HF_DENSE_BLOCK, GgufArch, expert_keys, moe_config, register_arch
+from .base import HF_DENSE_BLOCK, SHARED_EXPERT, GgufArch, expert_keys, moe_config, register_arch
 from ..hparams import MAX_WIDTH
 
 
 QWEN_MOE_BLOCK = ("mlp.gate", "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj",
                 "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj",
                 "mlp.shared_expert_gate")
+# every routed layer's shared expert and its sigmoid gate, which llama.cpp's qwen2moe, qwen35moe and qwen3next loaders
+# require (GgufArch.routed_extra)
+QWEN_SHARED_EXPERT = ("ffn_gate_inp_shexp",) + SHARED_EXPERT
 
 
 def qwen_moe_extra(writer: gguf.GGUFWriter, config: Mapping) -> None:
@@ -50,7 +53,7 @@ register_arch(GgufArch("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), "Qwen3ForCaus
                        block_extra=("attn_q_norm", "attn_k_norm")))
 register_arch(GgufArch("qwen2moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), "Qwen2MoeForCausalLM", "qwen2_moe",
                        moe=True, extra_metadata=qwen_moe_extra, hf_block=HF_DENSE_BLOCK + QWEN_MOE_BLOCK,
-                       config_from_gguf=_qwen2moe_config))
+                       routed_extra=QWEN_SHARED_EXPERT, config_from_gguf=_qwen2moe_config))
 register_arch(GgufArch("qwen3moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "Qwen3MoeForCausalLM", "qwen3_moe",
                        moe=True, extra_metadata=qwen_moe_extra, block_extra=("attn_q_norm", "attn_k_norm"),
                        caveats=_qwen3moe_caveats, hf_block=HF_DENSE_BLOCK + QWEN_MOE_BLOCK,

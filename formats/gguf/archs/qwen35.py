@@ -30,7 +30,7 @@ from ....converters.errors import BadInput
 from ....converters.records import Dense, TensorRecord
 from .base import HF_DENSE_BLOCK, GgufArch, StoredValues, moe_config, register_arch
 from .mtp import qwen_mtp
-from .qwen import QWEN_MOE_BLOCK, qwen_moe_extra
+from .qwen import QWEN_MOE_BLOCK, QWEN_SHARED_EXPERT, qwen_moe_extra
 from ..hparams import MAX_HEADS, MAX_WIDTH, rope_parameters
 
 
@@ -38,7 +38,8 @@ LINEAR_ATTENTION_BLOCK = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "l
                           "linear_attn.in_proj_a", "linear_attn.conv1d", "linear_attn.dt_proj",
                           "linear_attn.A_log", "linear_attn.norm", "linear_attn.out_proj")
 # what llama.cpp's qwen35 loader requires of a linear-attention layer (ssm_a and ssm_dt.bias have no .weight)
-_LINEAR_REQUIRED = ("attn_qkv", "attn_gate", "ssm_conv1d", "ssm_alpha", "ssm_beta", "ssm_norm", "ssm_out")
+_LINEAR_REQUIRED = ("attn_qkv", "attn_gate", "ssm_conv1d", "ssm_alpha", "ssm_beta", "ssm_norm", "ssm_out", "ssm_a",
+                    "ssm_dt.bias")
 # Qwen3.5's default MRoPE sections (time, height, width, extra), which llama.cpp's loader requires: its
 # converter writes them when a config has none (_Qwen35MRopeMixin)
 DEFAULT_MROPE_SECTION = [11, 11, 10, 0]
@@ -400,7 +401,8 @@ register_arch(GgufArch("qwen35moe", ("Qwen3_5MoeForCausalLM",), ("qwen3_5_moe_te
                        attention=("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm"),
                        linear_attention=_LINEAR_REQUIRED, gated_query=True, mtp=qwen_mtp("mtp_num_hidden_layers"),
                        hf_block=HF_DENSE_BLOCK + LINEAR_ATTENTION_BLOCK + QWEN_MOE_BLOCK,
-                       config_from_gguf=_qwen35moe_config, to_gguf_record=_to_gguf(tiled=True),
+                       routed_extra=QWEN_SHARED_EXPERT, config_from_gguf=_qwen35moe_config,
+                       to_gguf_record=_to_gguf(tiled=True),
                        from_gguf_record=_from_gguf(tiled=True, fused=False), stored_values=a_log_values))
 # Qwen3-Next: its linear attention's projections fused per key head (in_proj_qkvz, split into attn_qkv and
 # attn_gate; in_proj_ba kept as ssm_ba), value heads left grouped (its converter does not tile them)
@@ -408,7 +410,8 @@ register_arch(GgufArch("qwen3next", ("Qwen3NextForCausalLM",), ("qwen3_next",), 
                        moe=True, norm_shift=1.0, unshifted_norms=("ssm_norm",), extra_metadata=_qwen3next_extra,
                        norms=("attn_norm", "post_attention_norm"),
                        attention=("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm"),
-                       linear_attention=("attn_qkv", "attn_gate", "ssm_conv1d", "ssm_ba", "ssm_norm", "ssm_out"),
+                       linear_attention=("attn_qkv", "attn_gate", "ssm_conv1d", "ssm_ba", "ssm_norm", "ssm_out",
+                                         "ssm_a", "ssm_dt.bias"), routed_extra=QWEN_SHARED_EXPERT,
                        gated_query=True, mtp=qwen_mtp(None), caveats=_qwen3next_caveats,
                        hf_block=HF_DENSE_BLOCK + LINEAR_ATTENTION_BLOCK + ("linear_attn.in_proj_ba",) + QWEN_MOE_BLOCK,
                        config_from_gguf=_qwen3next_config, to_gguf_record=_to_gguf(tiled=False),
