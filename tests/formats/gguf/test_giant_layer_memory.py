@@ -106,6 +106,14 @@ def test_lazy_record_parameters_read_on_use_and_not_inherited():
     eager = TensorRecord("d", (4, 64), "grid", lambda: None, params=loader())
     eager.release_params()  # nothing to read it again with: kept
     assert eager.params is not None and eager.params_loader is None
+    # a renamed record (`renamed`, not `replace`) keeps the loader and reads nothing until used
+    from qconvert.converters.records import renamed
+
+    reads.clear()
+    lazy = renamed(rec, name="w2")
+    assert lazy.name == "w2" and lazy.params_loader is loader and lazy._params is None and not reads
+    assert lazy.params.n_groups == 2 and len(reads) == 1
+    assert renamed(eager, name="d2").params is eager.params  # an eager one keeps its own
 
 
 # -- the DeepSeek-V4 release layout (formats/hf/deepseek_v4.py): int8-packed MXFP4 experts beside E8M0 `.scale` --
@@ -247,6 +255,14 @@ def _fp8_blocks_fixture(tmp):
     return fixtures_float.write_random_fp8_model(tmp / "fp8", cfg, tensors, max_shard_bytes=1 << 20)
 
 
+def _kimi_k3_fixture():
+    """test_gguf_archs_kimik3.py's tiny Kimi-K3 (compressed-tensors MXFP4 experts), the same cache entry."""
+    import fixtures_archs
+    from gguf_arch_files import cached
+
+    return cached(layer.REPO / "tests" / "_fixtures" / "archs" / "kimi_k3-src", fixtures_archs.build_kimi_k3)
+
+
 _PRODUCED = layer.REPO / "tests" / "producer_fixtures"
 _LAZY_READERS = {  # reader: (its source, the target planned, its options)
     "hf-deepseek4-mxfp4": ("hf", lambda tmp: _dsv4_wide_fixture(), "gguf", {"type": "f32"}),
@@ -260,6 +276,10 @@ _LAZY_READERS = {  # reader: (its source, the target planned, its options)
                    {"type": "q4_1", "allow_requant": True}),
     "mlx-moe": ("mlx", lambda tmp: _PRODUCED / "mlx" / "moe" / "model", "gguf",
                 {"type": "q8_0", "allow_requant": True}),
+    # records the GGUF writer renames (`renamed`): Kimi-K3's out of `language_model.`, GLM's kept MTP block
+    "ct-kimi-k3": ("compressed-tensors", lambda tmp: _kimi_k3_fixture(), "gguf", {"type": "mxfp4"}),
+    "gptq-glm4moe-mtp": ("gptq", lambda tmp: _PRODUCED / "gptq_glm4moe" / "model", "gguf",
+                         {"type": "q4_0", "allow_requant": True}),
 }
 
 
