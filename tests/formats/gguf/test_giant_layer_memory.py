@@ -40,10 +40,11 @@ _CHILD = textwrap.dedent("""
         return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
 
     small, big, out = map(Path, sys.argv[1:4])
-    convert("compressed-tensors", small, "gguf", out.with_name("small.gguf"), Options(type="mxfp4"), progress=False)
+    fmt, gguf_type = sys.argv[4:6] if len(sys.argv) > 4 else ("compressed-tensors", "mxfp4")
+    convert(fmt, small, "gguf", out.with_name("small.gguf"), Options(type=gguf_type), progress=False)
     open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
     before = status("VmRSS")
-    report = convert("compressed-tensors", big, "gguf", out, Options(type="mxfp4"), progress=False)
+    report = convert(fmt, big, "gguf", out, Options(type=gguf_type), progress=False)
     print(json.dumps({"grown": status("VmHWM") - before, "verdicts": report.summary()["verdicts"]}))
 """)
 
@@ -186,21 +187,18 @@ def build_deepseek4_layers(out, experts: int, ffn: int):
     return out
 
 
-_CHILD_HF = _CHILD.replace('"compressed-tensors"', '"hf"').replace('type="mxfp4"', 'type="f32"')
-
-
 def test_deepseek4_release_experts_memory_bounded_by_one_expert(tmp_path):
     """DeepSeek-V4's own files (hf reader, release layout) into GGUF with the experts kept MXFP4 (`--type f32`:
     the dense tensors F32): the peak RSS grows by less than 8 float32 copies of one expert tensor over a 4-expert
-    copy's, for 384 expert tensors (the records read their E8M0 `.scale` on use and drop them once planned), and
+    copy's, for 288 expert tensors (the records read their E8M0 `.scale` on use and drop them once planned), and
     every expert is llama.cpp's repack of its source bytes."""
     import gguf
 
     small = build_deepseek4_layers(tmp_path / "small", 4, 256)
     big = build_deepseek4_layers(tmp_path / "big", DSV4_EXPERTS, DSV4_FFN)
     out = tmp_path / "layers.gguf"
-    proc = subprocess.run([sys.executable, "-c", _CHILD_HF, str(small), str(big), str(out)], capture_output=True,
-                          text=True, cwd=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(small), str(big), str(out), "hf", "f32"],
+                          capture_output=True, text=True, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["verdicts"]["exact"] > 6 * DSV4_EXPERTS and got["verdicts"]["requantize"] == 0
