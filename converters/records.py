@@ -60,7 +60,7 @@ import torch
 from ..kernels.packings import packing
 
 __all__ = ["unused_zeros", "GridParams", "PackedCodes", "Grid", "Dense", "TensorRecord", "NativeForm", "ModelSource", "describe_record",
-           "describe_grid", "float_element", "describe_float_grid", "register_codebook", "codebook_name"]
+           "describe_grid", "float_element", "describe_float_grid", "register_codebook", "codebook_name", "renamed"]
 
 
 def unused_zeros(shape) -> torch.Tensor:
@@ -416,6 +416,16 @@ def _post_init(rec: TensorRecord) -> None:
 # `params` is a dataclass field (the readers pass it by name) held in `_params`, read through `params_loader`
 # when the record has one and the parameters are not held
 TensorRecord.params = property(_get_params, _set_params)  # type: ignore[assignment]
+
+
+def renamed(rec: TensorRecord, **changes) -> TensorRecord:
+    """`dataclasses.replace` for a change that leaves the record's values and parameters as they are (its name,
+    source name, shape label): a record that reads its parameters on use keeps its loader and reads nothing, where
+    `replace` would read them and give them to the new record as its own, held from planning to writing (every
+    expert of a Kimi-K3 renamed out of `language_model.`)."""
+    if rec.params_loader is None or "params" in changes:
+        return replace(rec, **changes)
+    return replace(rec, params=_UNSET, **changes)
 
 
 def describe_grid(p: GridParams, in_features: int) -> str:

@@ -340,8 +340,11 @@ class AutoRoundSource(CheckpointSource):
 
     def _module_record(self, prefix: str, shard: str) -> TensorRecord:
         params, shape = self._params(prefix)
-        return TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p), params=params,
-                            source_file=shard)
+        # held until planned, then read again where used (`params_loader`), as the AWQ and GPTQ readers' records
+        rec = TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p), source_file=shard,
+                           params_loader=lambda p=prefix: self._params(p)[0])
+        rec.params = params  # already parsed for the shape: the first use takes them
+        return rec
 
     def describe(self) -> dict:
         qc = self.quant_config

@@ -271,8 +271,12 @@ class AwqSource(CheckpointSource):
 
     def _module_record(self, prefix: str, shard: str) -> TensorRecord:
         params, shape, _ = self._params(prefix)
-        return TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p), params=params,
-                            source_file=shard)
+        # held until planned, then read again where used (`params_loader`): a giant model's scales and zero points
+        # (1/16-1/64 of its code bytes) are not all held from planning to writing
+        rec = TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p), source_file=shard,
+                           params_loader=lambda p=prefix: self._params(p)[0])
+        rec.params = params  # already parsed for the shape: the first use takes them
+        return rec
 
     def describe(self) -> dict:
         return {"format": "awq", "version": self.version, "bits": self.bits, "group_size": self.group_size,

@@ -101,6 +101,11 @@ class FloatModuleSource(RuntimeScales, CheckpointSource):
                 yield rec
 
     def _record(self, prefix: str, shard: str) -> TensorRecord:
+        # the parameters are parsed here for the shape and the module's checks, held until the record is
+        # planned, then read again where used (`params_loader`): a giant FP8 model's block scales are not all
+        # held from planning to writing
         params, shape = self._params(prefix)
-        return TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load(p), params=params,
-                            source_file=shard)
+        rec = TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load(p), source_file=shard,
+                           params_loader=lambda p=prefix: self._params(p)[0])
+        rec.params = params  # already read: the first use takes them (release_params drops them)
+        return rec

@@ -47,7 +47,7 @@ from ...converters.errors import BadInput, QConvertError
 from ...converters.model_shapes import canonical_name
 from ...converters.validate import ConfigView
 from ...converters.plan import BitIdentical, Options, TensorPlan, Writer, WriterSession, unknown_type
-from ...converters.records import Dense, Grid, TensorRecord
+from ...converters.records import Dense, Grid, TensorRecord, renamed
 from ...kernels.ggml.layouts import CODEBOOK_LAYOUTS, GGUF_PY_UNKNOWN, TARGET_LAYOUTS  # grid, codebook (IQ4_*) types
 from ...kernels.ggml.layouts import BlockLayout
 from ..common.ggml_codec import QUANTIZERS, QuantHow
@@ -495,13 +495,13 @@ class GgufWriter(Writer):
         prefix = spec.multimodal.prefix if isinstance(source, _TextModel) else None
         for rec in records:
             if prefix and rec.name.startswith(prefix):  # the text model's tensors, named as its own class names them
-                rec = replace(rec, name=spec.multimodal.renamed + rec.name[len(prefix):],
+                rec = renamed(rec, name=spec.multimodal.renamed + rec.name[len(prefix):],  # lazy stays lazy
                               source_name=rec.source_name or rec.name)
             if self._keeps_mtp(source) and spec.mtp.is_mtp(rec.name, n_layers):
                 # a kept MTP block is named as the layers after the trunk (Qwen3.5's mtp.* too: archs/mtp.py)
                 named = spec.mtp.as_layer(rec.name, n_layers)
                 if named != rec.name:
-                    rec = replace(rec, name=named, source_name=rec.source_name or rec.name)
+                    rec = renamed(rec, name=named, source_name=rec.source_name or rec.name)
             parts = kv_b_parts(rec.name) if spec.mla else None
             if parts is not None:
                 key, value = _kv_b_records(rec, parts, model_config(source), config_json_path(source))

@@ -255,8 +255,8 @@ class GptqSource(CheckpointSource):
                            path=where, tensor=tensor)
 
     def _load_grid(self, prefix: str, parsed: tuple | None = None) -> Grid:
-        """The module's grid: its parameters as `_params` parsed them for its record (`parsed`, so that they
-        are read once per conversion), its codes read now."""
+        """The module's grid: its parameters parsed now, or as `_params` parsed them for its record (`parsed`: a
+        rotated down_proj's native form), its codes read now."""
         params, _, qweight_name = parsed or self._params(prefix)
         qweight = self.ckpt.get(qweight_name)
         if qweight.dtype != torch.int32:
@@ -295,10 +295,14 @@ class GptqSource(CheckpointSource):
     def _module_record(self, prefix: str, shard: str) -> TensorRecord:
         if self.rotation and _ONLINE_HADAMARD.search(prefix):
             return self._folded_record(prefix, shard)
-        parsed = self._params(prefix)
-        params, shape, _ = parsed
-        return TensorRecord(f"{prefix}.weight", shape, "grid", lambda: self._load_grid(prefix, parsed),
-                            params=params, source_file=shard)
+        params, shape, _ = self._params(prefix)
+        # held until planned, then parsed again where used (`params_loader`, and `_load_grid` with the codes): a
+        # giant model's scales and zero points (1/16-1/64 of its code bytes) are not all held from planning to
+        # writing, at the cost of parsing them again
+        rec = TensorRecord(f"{prefix}.weight", shape, "grid", lambda p=prefix: self._load_grid(p), source_file=shard,
+                           params_loader=lambda p=prefix: self._params(p)[0])
+        rec.params = params  # already parsed for the shape: the first use takes them
+        return rec
 
     def describe(self) -> dict:
         qc = self.quant_config

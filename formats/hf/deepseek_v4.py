@@ -105,7 +105,9 @@ def packed_fp4_record(ckpt: CheckpointDir, weight: str, scale: str, shard: str) 
     def load() -> Grid:
         return Grid(params(), codes=unpack_fp4(ckpt.get(weight).contiguous().view(torch.uint8)))
 
-    return TensorRecord(release_name_to_hf(weight), (rows, 2 * half), "grid", load, params=params(),
+    # the exponents are read on use (planning, writing), not held from planning to writing: a giant release's
+    # E8M0 bytes (one per 32 weights, 1/16 of its expert bytes) would otherwise all be held at once
+    return TensorRecord(release_name_to_hf(weight), (rows, 2 * half), "grid", load, params_loader=params,
                         source_file=shard, source_name=f"{weight} + {scale}")
 
 
@@ -153,5 +155,5 @@ def fp8_block_record(ckpt: CheckpointDir, weight: str, scale: str, shard: str) -
     def load() -> Grid:
         return Grid(params(), codes=ckpt.get(weight).contiguous().view(torch.uint8))
 
-    return TensorRecord(release_name_to_hf(weight), (out_f, in_f), "grid", load, params=params(), source_file=shard,
-                        source_name=f"{weight} + {scale}")
+    return TensorRecord(release_name_to_hf(weight), (out_f, in_f), "grid", load, params_loader=params,
+                        source_file=shard, source_name=f"{weight} + {scale}")  # read on use, as packed_fp4_record's

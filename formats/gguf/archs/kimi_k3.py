@@ -28,7 +28,7 @@ import gguf
 import torch
 
 from ....converters.errors import BadInput
-from ....converters.records import Dense, TensorRecord
+from ....converters.records import Dense, TensorRecord, renamed
 from .base import GgufArch, register_arch
 from .qwen35 import a_log_values
 
@@ -249,7 +249,7 @@ def _adapt_stream(records: Iterable[TensorRecord], config: Mapping, where=None) 
     for rec in records:
         name = rec.name[len(_PREFIX):] if rec.name.startswith(_PREFIX) else rec.name
         if name != rec.name:
-            rec = replace(rec, name=name, source_name=rec.source_name or rec.name)
+            rec = renamed(rec, name=name, source_name=rec.source_name or rec.name)  # a lazy record stays lazy
         m = _RES.match(name)
         if m is not None:
             other = waiting.pop(m["head"], None)
@@ -264,9 +264,9 @@ def _adapt_stream(records: Iterable[TensorRecord], config: Mapping, where=None) 
         if _CONV.search(name):
             rec = _conv(rec, where)
         elif name.endswith(".self_attn.dt_bias"):
-            rec = replace(rec, name=name[: -len("dt_bias")] + "dt_proj.bias")
+            rec = renamed(rec, name=name[: -len("dt_bias")] + "dt_proj.bias")
         elif (g := _G_PROJ.match(name)) is not None and int(g["layer"]) not in full:
-            rec = replace(rec, name=name.replace(".g_proj.", ".kda_g_proj."))  # the KDA layer's gate: ssm_g
+            rec = renamed(rec, name=name.replace(".g_proj.", ".kda_g_proj."))  # the KDA layer's gate: ssm_g
         yield rec
     if waiting:
         head = sorted(waiting)[0]
