@@ -13,8 +13,11 @@ What is compared is deliberately narrow, so that no checkpoint transformers load
   are not already the class's own go through the class's own load-time renames first (transformers 5's
   conversion mapping: Mixtral's block_sparse_moe -> mlp, ...), and a tensor a load-time converter rebuilds
   (fused, split) is checked for presence only, not shape;
-- routed experts are left out (transformers 5 fuses them into 3-D parameters that checkpoints store per
-  expert; run.py checks their completeness itself);
+- routed experts stored one tensor per expert (`experts.E.*`) are left out (transformers 5 fuses them into 3-D
+  parameters on load; run.py checks their completeness itself); a checkpoint that stores them fused as the class
+  holds them (Gemma 4's `experts.gate_up_proj`, which gptqmodel leaves in float) is compared like the rest, since
+  a fused stack removed or reshaped converted with exit 0 (found by scripts/fuzz, seed 2029, gptq cases 6674 and
+  7092);
 - tied weights and the class's `_keys_to_ignore_on_load_missing` are not required, and what its
   `_keys_to_ignore_on_load_unexpected` names is not compared with the class; Qwen3.5's and Qwen3-Next's `mtp.*`
   block, which it names, is compared with one of the class's own full-attention layers (_compare_mtp_block);
@@ -86,6 +89,14 @@ def _is_expert(name: str) -> bool:
     return ".experts." in name
 
 
+_PER_EXPERT = re.compile(r"\.experts\.(0|[1-9][0-9]*)\.")
+
+
+def _is_per_expert(name: str) -> bool:
+    """One routed expert's own tensor (`...experts.3.w1.weight`), not a fused stack (`...experts.gate_up_proj`)."""
+    return _PER_EXPERT.search(name) is not None
+
+
 def class_tensors(config: dict):
     """(class name, {tensor name: shape}, rename) for the class this config.json names: the tensors it loads
     (routed experts, tied and ignorable tensors left out) and `rename(checkpoint name) -> (model name, rebuilt)`,
@@ -119,7 +130,7 @@ def class_tensors(config: dict):
     except Exception:  # noqa: BLE001 - a config the class cannot build is judged by the other checks
         return None
     meta = model.state_dict()  # every name the class loads (meta tensors: names and shapes only)
-    shapes = {name: tuple(t.shape) for name, t in meta.items() if not _is_expert(name)}
+    shapes = {name: tuple(t.shape) for name, t in meta.items() if not _is_per_expert(name)}
     tied = getattr(model, "_tied_weights_keys", None) or ()
     if getattr(hf_config, "tie_word_embeddings", False):
         for name in (tied.keys() if isinstance(tied, dict) else tied):
@@ -167,12 +178,18 @@ def compare(config: dict, shapes: dict[str, tuple[int, ...]]):
     class_name, expected, rename = wanted
     loaded: dict[str, tuple[str, tuple[int, ...], bool]] = {}  # model name -> (checkpoint name, shape, rebuilt)
     for name, shape in shapes.items():
-        if not _is_expert(name):
+        if not _is_per_expert(name):
             renamed = rename(name)
             if renamed is None:
                 continue
             model_name, rebuilt = renamed
             loaded.setdefault(model_name, (name, tuple(shape), rebuilt))
+    # the class's fused expert stacks are required only as the checkpoint stores them: a stack it holds under the
+    # class's name in one layer (Gemma 4's experts.gate_up_proj) is required in every layer; a checkpoint that
+    # stores experts per expert, or in another form (gpt-oss's MXFP4 gate_up_proj_blocks / _scales beside the
+    # class's gate_up_proj_bias), is not asked for the class's fused names it never uses
+    held = {n.rpartition(".")[2] for n in loaded if _is_expert(n) and n in expected}
+    expected = {n: s for n, s in expected.items() if not _is_expert(n) or n.rpartition(".")[2] in held}
     if not loaded or sum(n in expected for n in loaded) < _MIN_SHARED * len(loaded):
         return None
     for model_name in expected:

@@ -629,3 +629,24 @@ def test_a_parameter_no_module_of_the_class_has_is_refused(tmp_path):
     edit_safetensors(next(folder.glob("*.safetensors")), lambda t: t.__setitem__(name + "x", t.pop(name)))
     expect_user_error("gptq->hf", folder, tmp_path, f"tensor {name}x", "not a tensor of Qwen3_5ForCausalLM",
                       "has no 'g_idxx'", out_name="out")
+
+
+GEMMA4_GPTQ = Path(__file__).parents[1] / "producer_fixtures" / "gptq_gemma4moe" / "model"  # fused float experts
+
+
+@pytest.mark.parametrize("edit, needles", [
+    (lambda t: t.pop("model.layers.3.experts.gate_up_proj"),
+     ("tensor model.layers.3.experts.gate_up_proj", "missing: Gemma4ForCausalLM has it")),
+    (lambda t: t.__setitem__("model.layers.4.experts.down_proj", t["model.layers.4.experts.down_proj"][..., None]),
+     ("tensor model.layers.4.experts.down_proj", "shape (4, 128, 64, 1) is not the (4, 128, 64)")),
+], ids=["stack-removed", "stack-reshaped"])
+def test_fused_expert_stacks_are_checked_like_the_class(tmp_path, edit, needles):
+    """gptqmodel leaves Gemma 4's fused experts (`experts.gate_up_proj` [E, 2I, H]) in float, stored as the class
+    holds them: one layer's stack removed, or reshaped with a trailing 1, converted with exit 0 (scripts/fuzz, seed
+    2029, gptq cases 6674 and 7092). A stack the checkpoint holds under the class's name is now required in every
+    layer and compared in shape; per-expert checkpoints and other stored forms (gpt-oss MXFP4) are not asked for
+    the class's fused names (class_tensors.compare)."""
+    folder = tmp_path / "in"
+    shutil.copytree(GEMMA4_GPTQ, folder)
+    edit_safetensors(next(folder.glob("*.safetensors")), edit)
+    expect_user_error("gptq->hf", folder, tmp_path, *needles, out_name="out")
