@@ -89,6 +89,7 @@ def _is_expert(name: str) -> bool:
     return ".experts." in name
 
 
+_INTEGER_DTYPE = re.compile(r"^(u?int\d+|bool)$")  # a dense record's torch dtype name
 _PER_EXPERT = re.compile(r"\.experts\.(0|[1-9][0-9]*)\.")
 
 
@@ -166,16 +167,17 @@ def class_tensors(config: dict):
             return None
         return rename(name)
 
-    return cls.__name__, shapes, rename_loaded
+    floats = frozenset(name for name, t in meta.items() if t.is_floating_point())
+    return cls.__name__, shapes, rename_loaded, floats
 
 
-def compare(config: dict, shapes: dict[str, tuple[int, ...]]):
+def compare(config: dict, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str] | None = None):
     """The first tensor the checkpoint (its records' names and shapes) lacks or holds in another shape than the
     class loads: (name, message), or None. Experts are not compared (run.py checks them)."""
     wanted = class_tensors(config)
     if wanted is None:
         return None
-    class_name, expected, rename = wanted
+    class_name, expected, rename, floats = wanted
     loaded: dict[str, tuple[str, tuple[int, ...], bool]] = {}  # model name -> (checkpoint name, shape, rebuilt)
     for name, shape in shapes.items():
         if not _is_per_expert(name):
@@ -200,6 +202,12 @@ def compare(config: dict, shapes: dict[str, tuple[int, ...]]):
         want = expected.get(model_name)
         if want is not None and not rebuilt and shape != want:
             return name, f"shape {shape} is not the {want} {class_name} has for this config.json"
+        # a float parameter of the class read as integers (a dense tensor's dtype relabelled F32 -> I32: GLM-4.5's
+        # router converted as integers near 1e9 with exit 0, scripts/fuzz seed 2029 gptq case 9961)
+        dtype = (dtypes or {}).get(name, "")
+        if want is not None and not rebuilt and model_name in floats and _INTEGER_DTYPE.match(dtype):
+            return name, (f"dtype {dtype} is an integer type, but {class_name} holds this as a float parameter "
+                          "(F16, BF16 or F32 in a dense checkpoint)")
     # a tensor under one of the class's modules with a parameter name no module of the class has (`g_idxx`,
     # `weightx`: a damaged or foreign partner) is refused; other names the class does not have (extra modules,
     # a release's own buffers) are carried, as transformers loads such checkpoints and ignores them

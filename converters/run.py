@@ -54,10 +54,12 @@ def plan_conversion(source: ModelSource, writer: Writer, options: Options,
     # the reader's own names and shapes, before the writer adapts them (GGUF splits DeepSeek's kv_b_proj):
     # what transformers' class is asked about (check_required_tensors' `shapes`)
     read_shapes: dict[str, tuple[int, ...]] = {}
+    read_dtypes: dict[str, str] = {}  # and the dtype each was read as ("grid" for a quantized one)
 
     def noted(records: Iterable[TensorRecord]) -> Iterator[TensorRecord]:
         for rec in records:
             read_shapes.setdefault(rec.name, tuple(rec.shape))
+            read_dtypes.setdefault(rec.name, str(rec.dtype))
             yield rec
 
     records = writer.adapt_records(noted(finite_params(source.records(), source.path)), source)
@@ -69,7 +71,7 @@ def plan_conversion(source: ModelSource, writer: Writer, options: Options,
         rec.release_params()  # the plan holds what it needs; the write reads the parameters with the codes
     plans = [plan for _, plan in pairs]
     check_required_tensors(source, [rec.name for rec, _ in pairs], {rec.name: rec.source_file for rec, _ in pairs},
-                           read_shapes)
+                           read_shapes, read_dtypes)
     writer.check_model(source, plans, options)
     return pairs
 
@@ -142,7 +144,8 @@ def _config_file(path: Path) -> Path:
 
 
 def check_required_tensors(source, names: list[str], files: dict[str, str] | None = None,
-                           shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+                           shapes: dict[str, tuple[int, ...]] | None = None,
+                           dtypes: dict[str, str] | None = None) -> None:
     """What every model needs whatever its format, checked on the records' (Hugging Face) names, which
     every reader yields alike (one `<module>.weight` per quantized linear): some tensors at all;
     `lm_head.weight` when config.json unties it from the embedding (transformers would otherwise start
@@ -205,7 +208,7 @@ def check_required_tensors(source, names: list[str], files: dict[str, str] | Non
         _check_any_architecture(names, present, config, where, file_of, one_file)
         if shapes:
             _check_expert_shapes(shapes, file_of)
-            _check_class_tensors(config, shapes, layer_files, file_of, one_file)
+            _check_class_tensors(config, shapes, layer_files, file_of, one_file, dtypes)
         return
     for name in layout.top_required:
         if name not in present:
@@ -294,11 +297,11 @@ def _check_expert_shapes(shapes: dict[str, tuple[int, ...]], file_of) -> None:
 
 
 def _check_class_tensors(config: dict, shapes: dict[str, tuple[int, ...]], layer_files: dict[int, Path], file_of,
-                         one_file: Path) -> None:
+                         one_file: Path, dtypes: dict[str, str] | None = None) -> None:
     """Every tensor transformers' class for this config.json loads is present, in its shape (class_tensors.py
     says what is compared and why). Found by scripts/fuzz: a DeepSeek-V3 FP8 checkpoint missing one layer's
     q_a_layernorm or router, or with the router's bias reshaped [4] -> [1, 4], converted with exit 0."""
-    found = compare_with_class(config, shapes)
+    found = compare_with_class(config, shapes, dtypes)
     if found is None:
         return
     name, why = found

@@ -650,3 +650,15 @@ def test_fused_expert_stacks_are_checked_like_the_class(tmp_path, edit, needles)
     shutil.copytree(GEMMA4_GPTQ, folder)
     edit_safetensors(next(folder.glob("*.safetensors")), edit)
     expect_user_error("gptq->hf", folder, tmp_path, *needles, out_name="out")
+
+
+def test_a_float_parameter_read_as_integers_is_refused(tmp_path):
+    """GLM-4.5's router (`mlp.gate.weight`, F32) relabelled I32 in the header was converted as integers near 1e9 with
+    exit 0 (scripts/fuzz, seed 2029, gptq case 9961): the role rules name linears and norms, not routers. The class
+    check now refuses an integer dtype for any float parameter transformers' class holds."""
+    folder = tmp_path / "in"
+    shutil.copytree(GEMMA4_GPTQ.parents[1] / "gptq_glm4moe" / "model", folder)
+    name = "model.layers.1.mlp.gate.weight"
+    edit_safetensors(next(folder.glob("*.safetensors")), lambda t: t.__setitem__(name, t[name].view(torch.int32)))
+    expect_user_error("gptq->hf", folder, tmp_path, f"tensor {name}", "dtype int32 is an integer type",
+                      "Glm4MoeForCausalLM holds this as a float parameter", out_name="out")
