@@ -49,6 +49,18 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+def _convert_within_bound(tmp_path, small, big, out, how: list[str], min_exact: int, one_expert: int) -> None:
+    """_CHILD's conversion of `big` (`how`: source format and GGUF type) after `small`: more than `min_exact` exact
+    tensors, none requantized, and peak RSS grown by less than 8 float32 expert tensors of `one_expert` bytes."""
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(small), str(big), str(out), *how],
+                          capture_output=True, text=True, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["verdicts"]["exact"] > min_exact and got["verdicts"]["requantize"] == 0
+    assert got["grown"] < 8 * one_expert, (f"peak RSS grew {got['grown'] / 1e6:.1f} MB = "
+                                           f"{got['grown'] / one_expert:.1f} float32 expert tensors")
+
+
 def _ggml_mxfp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """ggml's block_mxfp4 rows from compressed-tensors' bytes: per 32 weights the E8M0 byte, then 16 bytes whose
     low nibbles are weights 0..15 and high nibbles 16..31 (the source packs weights 2i, 2i+1 in a byte)."""
@@ -64,13 +76,7 @@ def test_many_expert_mxfp4_layer_memory_bounded_by_one_expert(tmp_path):
     small = layer.build_source(tmp_path / "small", 4, 256, 128)
     big = layer.build_source(tmp_path / "big", EXPERTS, HIDDEN, FFN)
     out = tmp_path / "layer.gguf"
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(small), str(big), str(out)], capture_output=True,
-                          text=True, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["verdicts"]["exact"] > 3 * EXPERTS and got["verdicts"]["requantize"] == 0
-    assert got["grown"] < 8 * ONE_EXPERT_F32, (f"peak RSS grew {got['grown'] / 1e6:.1f} MB = "
-                                               f"{got['grown'] / ONE_EXPERT_F32:.1f} float32 expert tensors")
+    _convert_within_bound(tmp_path, small, big, out, ["compressed-tensors", "mxfp4"], 3 * EXPERTS, ONE_EXPERT_F32)
     tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
     for proj in layer.PROJECTIONS:
         stack = tensors[layer.GGUF_STACK[proj]]
@@ -197,13 +203,7 @@ def test_deepseek4_release_experts_memory_bounded_by_one_expert(tmp_path):
     small = build_deepseek4_layers(tmp_path / "small", 4, 256)
     big = build_deepseek4_layers(tmp_path / "big", DSV4_EXPERTS, DSV4_FFN)
     out = tmp_path / "layers.gguf"
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(small), str(big), str(out), "hf", "f32"],
-                          capture_output=True, text=True, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["verdicts"]["exact"] > 6 * DSV4_EXPERTS and got["verdicts"]["requantize"] == 0
-    assert got["grown"] < 8 * DSV4_EXPERT_F32, (f"peak RSS grew {got['grown'] / 1e6:.1f} MB = "
-                                                f"{got['grown'] / DSV4_EXPERT_F32:.1f} float32 expert tensors")
+    _convert_within_bound(tmp_path, small, big, out, ["hf", "f32"], 6 * DSV4_EXPERTS, DSV4_EXPERT_F32)
     tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
     for i in range(2):
         for proj in layer.PROJECTIONS:
