@@ -303,13 +303,14 @@ def preset_facts(records, source, arch: str, n_layers: int, options: Options, ke
     states them (MLA: one KV head) and the tensors --tensor-type fixes (left out of llama.cpp's counters).
     Reads headers only: the records are not loaded."""
     spec = arch_by_name(arch)
-    n_expert = _expert_count(source) if expert_count_key(model_config(source)) is not None else 0
+    config = model_config(source)  # built once, not per record
+    n_expert = _expert_count(source) if expert_count_key(config) is not None else 0
     shapes: dict[str, tuple[int, ...]] = {}
     manual = []
     for rec in records:
         if spec.tied_output_dropped and rec.name == "lm_head.weight":
             continue
-        name = _gguf_name(rec.name, spec, n_layers, keep_mtp, model_config(source))
+        name = _gguf_name(rec.name, spec, n_layers, keep_mtp, config)
         if name is None or _DROPPED.search(rec.name):
             continue
         # a stacked tensor's shape; a config without an expert count is refused by _expert_count
