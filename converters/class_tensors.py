@@ -114,8 +114,11 @@ def class_tensors(config: dict):
     found = _transformers()
     if found is None:
         # said, not silent: without transformers the checkpoint's tensors are not checked against the class
+        # GGUF output still refuses a missing tensor (its writer's completeness check, formats/gguf/checks.py
+        # needs no transformers), so the warning says which check is gone rather than "nothing is caught"
         warnings.warn(f"transformers is not installed, so the checkpoint's tensors were not checked against "
-                      f"{classes[0]}'s (a missing or misshapen one is not caught): pip install transformers")
+                      f"{classes[0]}'s: a misshapen tensor is not caught, nor a missing one except by the GGUF "
+                      f"writer's own completeness check: pip install transformers")
         return None
     transformers, config_mapping = found
     cls = getattr(transformers, classes[0], None)
