@@ -245,19 +245,35 @@ def _compare_mtp_block(config: dict, expected: dict[str, tuple[int, ...]], found
     prefix = f"model.layers.{full[0]}."
     layer = {n[len(prefix):]: s for n, s in expected.items() if n.startswith(prefix)}
     declared = config.get("mtp_num_hidden_layers")  # Qwen3.5 states it; Qwen3-Next's block is counted
+    held = 1 + max((int(m[1]) for m in map(_MTP_LAYER.match, found) if m), default=-1)
     if isinstance(declared, int) and not isinstance(declared, bool) and declared > 0:
-        n_layers = declared
+        # listed up to one layer past those the tensors hold: a config that declares more (even 2**31) is refused
+        # by that first missing layer, without building names for every declared one
+        n_layers = min(declared, held + 1)
     else:
-        n_layers = 1 + max((int(m[1]) for m in map(_MTP_LAYER.match, found) if m), default=-1)
-    want = {name: shape(hidden) for name, shape in _MTP_OWN.items()}
-    want.update({f"mtp.layers.{i}.{tail}": s for i in range(n_layers) for tail, s in layer.items()})
-    for name in want:
+        n_layers = held
+    own = {name: shape(hidden) for name, shape in _MTP_OWN.items()}
+
+    def wanted(name: str):
+        """The shape the block holds `name` in, or None where it holds no such tensor."""
+        if name in own:
+            return own[name]
+        m = _MTP_LAYER.match(name)
+        return layer.get(name[m.end():]) if m and int(m[1]) < n_layers else None
+
+    # names are generated layer by layer and the first missing one returns, so the work is bounded by the tensors
+    # the file holds, not by a layer count (a tensor renamed to mtp.layers.999999.* makes layer 1 the missing one)
+    for name in (*own, *(f"mtp.layers.{i}.{tail}" for i in range(n_layers) for tail in layer)):
         if name not in found:
+            if n_layers > held and name.startswith(f"mtp.layers.{held}."):
+                return name, (f"missing: config.json's mtp_num_hidden_layers declares {declared} "
+                              f"multi-token-prediction layers, the checkpoint holds {held}")
             return name, ("missing: the multi-token-prediction block beside the model has it (its layers are "
                           f"full-attention layers such as model.layers.{full[0]})")
     for name, shape in found.items():
-        if name not in want:
+        want = wanted(name)
+        if want is None:
             return name, "not a tensor of the multi-token-prediction block (mtp.*) this config.json describes"
-        if shape != want[name]:
-            return name, f"shape {shape} is not the {want[name]} of the multi-token-prediction block"
+        if shape != want:
+            return name, f"shape {shape} is not the {want} of the multi-token-prediction block"
     return None

@@ -608,7 +608,9 @@ QWEN35_GPTQ = Path(__file__).parents[1] / "producer_fixtures" / "gptq_qwen35" / 
      ("tensor mtp.norm.weight", "shape (64,) is not the (128,)")),
     (lambda t: t.__setitem__("", t.pop("mtp.pre_fc_norm_embedding.weight")),  # refused by the header reader
      ("model.safetensors", "a tensor has an empty name")),
-], ids=["removed", "renamed", "extra-layer", "misshapen", "empty-name"])
+    (lambda t: t.__setitem__("mtp.layers.999999.input_layernorm.weight", t.pop("mtp.layers.0.input_layernorm.weight")),
+     ("tensor mtp.layers.0.input_layernorm.weight", "missing: the multi-token-prediction block")),
+], ids=["removed", "renamed", "extra-layer", "misshapen", "empty-name", "far-layer"])
 def test_qwen_mtp_block_is_checked_like_the_trunk(tmp_path, edit, needles):
     """Qwen3.5's `mtp.*` block, which transformers ignores on load but llama.cpp's converter keeps and vLLM's MTP
     drafter loads, must hold its own modules and one full-attention layer's tensors per declared layer, in their
@@ -618,6 +620,21 @@ def test_qwen_mtp_block_is_checked_like_the_trunk(tmp_path, edit, needles):
     shutil.copytree(QWEN35_GPTQ, folder)
     edit_safetensors(next(folder.glob("*.safetensors")), edit)
     expect_user_error("gptq->hf", folder, tmp_path, *needles, out_name="out")
+
+
+@pytest.mark.parametrize("declared", [2, 2 ** 31])
+def test_qwen_mtp_layers_declared_beyond_the_tensors(tmp_path, declared):
+    """config.json's `mtp_num_hidden_layers` set to 2**31 made the check list 2**31 layers' names and die of a
+    MemoryError (scripts/fuzz, seed 2029, gptq case 768 at 1f4511e). Names are now listed one layer past those the
+    tensors hold, so any count above them is refused by its first missing layer, in one line that names the key."""
+    folder = tmp_path / "in"
+    shutil.copytree(QWEN35_GPTQ, folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["mtp_num_hidden_layers"] == 1
+    config["mtp_num_hidden_layers"] = declared
+    (folder / "config.json").write_text(json.dumps(config))
+    expect_user_error("gptq->hf", folder, tmp_path, "tensor mtp.layers.1.", "config.json's mtp_num_hidden_layers "
+                      f"declares {declared} multi-token-prediction layers, the checkpoint holds 1", out_name="out")
 
 
 def test_a_parameter_no_module_of_the_class_has_is_refused(tmp_path):
