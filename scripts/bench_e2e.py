@@ -24,11 +24,16 @@ start-up (importing the CLI; `qconvert formats`, which discovers the registry).
 busy by another process (a Python loop) for the whole timed part: on a 2-core machine that is what
 "other work running" means (--busy-cases: a subset for that load). The untimed checks (errors, bytes,
 disk bound) run once per case, on the first load's files: every load writes the same bytes. Both use --threads threads (qconvert: QCONVERT_THREADS / OMP_NUM_THREADS).
+An IQ target (iq1_s, iq2_xxs, ...) is quantized on both sides with one synthetic importance matrix per source
+(scripts/llama_quantize_route.py: uniform in [0.5, 1.5), one value per input column of every weight, made untimed
+from a Q4_0 probe file's tensor names): qconvert's `--imatrix`, llama-quantize's imatrix entries. The default
+IQ case is IQ1_S, whose llama-quantize mix qconvert's `--type iq1_s` writes too (the same bytes from a dense
+source); `--type iq2_xxs` is the plain type in qconvert and a mix in llama-quantize, so those files differ.
 --sizes 1b,3b,8b adds the scaling points (qconvert only, Q4_0 and Q4_K_M: seconds, seconds per GB of
 bf16-equivalent weights, peak RSS against the largest shard). Nothing is asserted on the timings.
 
     python scripts/bench_e2e.py [--work DIR] [--size 1b] [--rounds 2] [--load idle,busy]
-        [--cases gptq:q4_0,gptq:q8_0,gptq:q4_k_m,gptq:q6_k,hf:q4_k_m,hqq:q4_k_m] [--sizes 1b,3b,8b]
+        [--cases gptq:q4_0,gptq:q8_0,gptq:q4_k_m,gptq:q6_k,hf:q4_k_m,hqq:q4_k_m,hf:iq1_s,gptq:iq1_s] [--sizes 1b,3b,8b]
         [--scale-rounds 1] [--threads 2] [--json out.json]
     python scripts/bench_e2e.py --hidden 256 --intermediate 512 --layers 2 --rounds 1   # a smoke run
 """
@@ -49,6 +54,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from llama_quantize_route import QUANTIZE_SCRIPT, ftype, write_synthetic_imatrix  # noqa: E402
 from synthetic_gptq import make_synthetic_gptq  # noqa: E402
 
 MB = 1_000_000
@@ -59,23 +65,11 @@ PRESETS = {
     "3b": dict(hidden=3072, intermediate=8192, layers=28, heads=24, kv_heads=8),
     "8b": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8),
 }
-DEFAULT_CASES = "gptq:q4_0,gptq:q8_0,gptq:q4_k_m,gptq:q6_k,hf:q4_k_m,hqq:q4_k_m"
+DEFAULT_CASES = "gptq:q4_0,gptq:q8_0,gptq:q4_k_m,gptq:q6_k,hf:q4_k_m,hqq:q4_k_m,hf:iq1_s,gptq:iq1_s"
 REQUANT = {"q4_k_m", "q6_k", "q3_k", "q3_k_m", "q5_k_m", "q2_k", "q4_k", "q5_k"}  # lossy from any source
-_QUANTIZE = r"""
-import ctypes, sys
-import llama_cpp
-p = llama_cpp.llama_model_quantize_default_params()
-p.ftype = int(sys.argv[3])
-p.nthread = int(sys.argv[4])
-sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))
-"""
+# the lattice types, which both sides quantize with an importance matrix (llama-quantize requires one for most)
+IMATRIX = {"iq3_s", "iq3_xxs", "iq2_s", "iq2_xs", "iq2_xxs", "iq1_s", "iq1_m"}
 _SPIN = "while True: pass"
-
-
-def _ftype(name: str) -> int:
-    import llama_cpp
-
-    return int(getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name.upper()}"))
 
 
 @dataclass
@@ -251,6 +245,19 @@ def run_cases(cases: list[Case], paths: dict[str, Path], out: Path, rounds: int,
     from llama_cpp_reference import reference_command
 
     env = _env(threads)
+
+    def imatrix_for(source: str) -> Path:
+        """One synthetic importance matrix per source, made untimed from a Q4_0 probe file (its tensor names and
+        widths), the same file for qconvert and llama-quantize."""
+        path = out / f"synthetic-{source}.imatrix.dat"
+        if not path.exists():
+            probe = out / f"probe-{source}.gguf"
+            run_timed([*qconvert_cmd(), f"{source}->gguf", str(paths[source]), str(probe), "--type", "q4_0", "--force",
+                       "--quiet", "--allow-requant"], env)
+            print(f"  imatrix for {source}: {write_synthetic_imatrix(probe, path)} entries", flush=True)
+            probe.unlink()
+        return path
+
     for r in range(rounds):
         spinner = Spinner(busy)
         try:
@@ -273,8 +280,10 @@ def run_cases(cases: list[Case], paths: dict[str, Path], out: Path, rounds: int,
                 bf16, conv_s, conv_peak = converted[case.source]
                 dst = out / f"route-{case.name.replace('->', '-')}.gguf"
                 dst.unlink(missing_ok=True)
-                q = run_timed([sys.executable, "-c", _QUANTIZE, str(bf16), str(dst), str(_ftype(case.target)),
-                               str(threads)], env)
+                cmd = [sys.executable, "-c", QUANTIZE_SCRIPT, str(bf16), str(dst), str(ftype(case.target)), str(threads)]
+                if case.target in IMATRIX:
+                    cmd.append(str(imatrix_for(case.source)))
+                q = run_timed(cmd, env)
                 case.route.append(Run(conv_s + q.seconds, max(conv_peak, q.peak_mb)))
                 case.route_steps.append((conv_s, q.seconds))
 
@@ -283,8 +292,10 @@ def run_cases(cases: list[Case], paths: dict[str, Path], out: Path, rounds: int,
                 rep = out / f"ours-{case.name.replace('->', '-')}.json"
                 cmd = [*qconvert_cmd(), f"{case.source}->gguf", str(paths[case.source]), str(dst), "--type",
                        case.target, "--force", "--quiet", "--report", str(rep)]
-                if case.target in REQUANT or case.source == "hf":  # a dense source: every quantized type requantizes
+                if case.target in REQUANT | IMATRIX or case.source == "hf":  # a dense source: every type requantizes
                     cmd.append("--allow-requant")
+                if case.target in IMATRIX:
+                    cmd += ["--imatrix", str(imatrix_for(case.source))]
                 case.ours.append(run_timed(cmd, env))
 
             for case in cases:

@@ -40,20 +40,19 @@ import argparse
 import json
 import os
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import save_file
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from llama_cpp_reference import reference_command  # noqa: E402
+from llama_quantize_route import QUANTIZE_SCRIPT, ftype, write_synthetic_imatrix  # noqa: E402
 
 MB = 1_000_000
 HIDDEN, Q_LORA, KV_LORA, NOPE, ROPE, V_DIM, MOE_FFN = 7168, 1536, 512, 128, 64, 128, 2048
@@ -184,29 +183,6 @@ def _tokenizer(out: Path) -> None:
                                                            "tokenizer_class": "PreTrainedTokenizerFast"}))
 
 
-def write_imatrix(gguf_path: Path, out: Path, seed: int = 1) -> int:
-    """A legacy .dat importance matrix for every weight of ≥ 2 dims in `gguf_path`: one float per input column
-    (the same for every expert of a stacked tensor), in [0.5, 1.5)."""
-    from gguf import GGUFReader
-
-    rng = np.random.default_rng(seed)
-    entries = []
-    for t in GGUFReader(str(gguf_path)).tensors:
-        dims = [int(d) for d in t.shape]
-        if len(dims) < 2 or not t.name.endswith(".weight"):
-            continue
-        # one vector per input column, shared by the experts of a stacked tensor: llama-quantize also takes
-        # ne0 x experts values there, qconvert's --imatrix only ne0 (it refuses the per-expert form in one line)
-        n = dims[0]
-        entries.append((t.name, rng.uniform(0.5, 1.5, n).astype(np.float32)))
-    with open(out, "wb") as f:
-        f.write(struct.pack("<i", len(entries)))
-        for name, vals in entries:
-            f.write(struct.pack("<i", len(name)) + name.encode() + struct.pack("<ii", 1, vals.size))
-            f.write(vals.tobytes())
-    return len(entries)
-
-
 # ---- timing ---------------------------------------------------------------------------------------------
 def _children(pid: int) -> list[int]:
     out = []
@@ -258,35 +234,6 @@ def run_timed(cmd: list[str], env: dict) -> dict:
     os.unlink(rss_file)
     return {"seconds": round(seconds, 2), "peak_mb": round(peak[-1] * 1024 / MB, 1) if peak else None,
             "worker_peak_mb": round(child_peak, 1) or None}
-
-
-_QUANTIZE = r"""
-import ctypes, struct, sys
-import numpy as np
-import llama_cpp
-p = llama_cpp.llama_model_quantize_default_params()
-p.ftype = int(sys.argv[3]); p.nthread = int(sys.argv[4])
-keep = []
-if len(sys.argv) > 5:
-    data = open(sys.argv[5], "rb").read(); pos = 4; ents = []
-    for _ in range(struct.unpack_from("<i", data, 0)[0]):
-        n = struct.unpack_from("<i", data, pos)[0]; name = data[pos + 4:pos + 4 + n]; pos += 4 + n
-        ncall, nval = struct.unpack_from("<ii", data, pos); pos += 8
-        ents.append((name, np.frombuffer(data, np.float32, nval, pos) / ncall)); pos += 4 * nval
-    arr = (llama_cpp.llama_model_imatrix_data * (len(ents) + 1))()
-    for i, (name, v) in enumerate(ents):
-        v = np.ascontiguousarray(v, np.float32); keep.append(v)
-        arr[i].name = name; arr[i].data = v.ctypes.data_as(ctypes.POINTER(ctypes.c_float)); arr[i].size = v.size
-    arr[len(ents)].name = None
-    p.imatrix = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
-sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))
-"""
-
-
-def _ftype(name: str) -> int:
-    import llama_cpp
-
-    return int(getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}"))
 
 
 def qconvert(src: Path, out: Path, case: str, workers: int, imatrix: Path | None, env: dict,
@@ -359,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                     probe = work / "qc-mxfp4-w1.gguf"
                     if not probe.exists():
                         qconvert(src, probe, "mxfp4", 1, None, threads[1], args.part_size)
-                    print(f"imatrix: {write_imatrix(probe, imatrix)} entries", flush=True)
+                    print(f"imatrix: {write_synthetic_imatrix(probe, imatrix)} entries", flush=True)
                 r = qconvert(src, out, case, w, imatrix if case == "iq2_xxs" else None, threads[w], args.part_size,
                              args.iq_quantizer)
                 r["out_mb"] = round(out.stat().st_size / MB, 1) if out.exists() else None
@@ -378,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                 result["runs"]["route step1 convert_hf_to_gguf bf16"] = step1
                 print(f"route steps 0/1: {step0} {step1}", flush=True)
             out = work / f"route-{case}.gguf"
-            cmd = [sys.executable, "-c", _QUANTIZE, str(bf16_gguf), str(out), str(_ftype(FTYPES[case])),
+            cmd = [sys.executable, "-c", QUANTIZE_SCRIPT, str(bf16_gguf), str(out), str(ftype(FTYPES[case])),
                    str(args.workers)]
             if case == "iq2_xxs":
                 cmd.append(str(imatrix))

@@ -107,8 +107,8 @@ def test_kept_codes_of_packed_words():
 
 @pytest.mark.slow
 def test_smoke_run_against_llama_cpp(tmp_path):
-    """A tiny model through both routes: qconvert's Q4_0 is exact, and its hf->Q4_K_M file holds the bytes
-    of llama.cpp's converter + llama-quantize."""
+    """A tiny model through both routes: qconvert's Q4_0 is exact, and its hf->Q4_K_M file, and its IQ1_S file with
+    the benchmark's synthetic importance matrix, hold the bytes of llama.cpp's converter + llama-quantize."""
     if importlib.util.find_spec("llama_cpp") is None:
         pytest.skip("llama-cpp-python is not installed")
     from llama_cpp_reference import DEFAULT_SRC
@@ -118,10 +118,11 @@ def test_smoke_run_against_llama_cpp(tmp_path):
     out = tmp_path / "r.json"
     assert bench_e2e.main(["--work", str(tmp_path / "w"), "--hidden", "256", "--intermediate", "512",
                            "--layers", "2", "--heads", "4", "--kv-heads", "4", "--rounds", "1",
-                           "--cases", "gptq:q4_0,hf:q4_k_m", "--json", str(out)]) == 0
+                           "--cases", "gptq:q4_0,hf:q4_k_m,hf:iq1_s", "--json", str(out)]) == 0
     res = {r["case"]: r for r in json.loads(out.read_text())["results"]["idle"]}
     assert res["gptq->q4_0"]["err_ours"][1] == 0.0  # the exact repack
     assert res["hf->q4_k_m"]["same"] is True
+    assert res["hf->iq1_s"]["same"] is True  # both quantized with the same imatrix file
     for r in res.values():
         assert len(r["ours"]) == 1 and len(r["route"]) == 1 and r["ours"][0]["peak_mb"] > 0
 
