@@ -145,10 +145,47 @@ def _gptq_words_to_q4_0(item: Grid):
     return data.numpy(), BitIdentical("Q4_0 blocks decode back to the source's GPTQ words and fp16 scales")
 
 
+def _gptq_words_to_q8_0(item: Grid):
+    """The fast exact path to Q8_0: GPTQ 2/4/8-bit words straight into Q8_0 blocks (code - zero, the fp16 scale),
+    in C, proved by decoding the bytes back to the words, zero points and scales. The torch route (unpack the codes,
+    repack_grid, decode every block and measure it against the dequantized source) wrote the same bytes at several
+    times the cost: the slowest exact path of the GPTQ -> GGUF benchmark."""
+    from ...kernels import note_kernel
+    from ...kernels.ggml import kquant_c
+
+    p = item.params
+    block_group = p.group_of_column(item.shape[1])[::32]
+    d = p.scales[:, block_group].to(torch.float16)
+    z = p.zeros[:, block_group].to(torch.int32)
+    data, bad = kquant_c.gptq_to_q8_0(item.packed.words.numpy(), p.bits, z.numpy(), d.numpy(),
+                                      max(1, torch.get_num_threads()))
+    if bad:
+        raise AssertionError("Q8_0 bytes do not decode back to the GPTQ words")  # a bug, never user input
+    note_kernel("repack", "c")
+    return data, BitIdentical("Q8_0 blocks decode back to the source's GPTQ words, zero points and fp16 scales")
+
+
 def _fast_path_applies(lay: BlockLayout, verdict: str, item) -> bool:
     packed = getattr(item, "packed", None)
     return (lay.name == "Q4_0" and verdict == EXACT and packed is not None and packed.layout == "gptq-rows"
             and packed.bits == 4 and item.params.symmetric)
+
+
+def _q8_0_fast_path_applies(lay: BlockLayout, verdict: str, item) -> bool:
+    """An exact GPTQ grid of plain integer zero points and one scale per group, its words on the CPU (Triton has
+    its own repack), and the C kernels built."""
+    packed = getattr(item, "packed", None)
+    if not (lay.name == "Q8_0" and verdict == EXACT and isinstance(item, Grid) and packed is not None
+            and packed.layout == "gptq-rows" and packed.bits in (2, 4, 8) and len(item.shape) == 2):
+        return False
+    p = item.params
+    if not (p.integer_zeros and p.axis == 1 and p.scale_steps is None and p.global_scale is None
+            and not packed.words.is_cuda):
+        return False
+    from ...kernels import triton_device
+    from ...kernels.ggml import kquant_c
+
+    return triton_device(packed.words) is None and kquant_c.available()
 
 
 class SourceValues:
@@ -180,6 +217,8 @@ def encode_tensor(lay: BlockLayout, verdict: str, item: Dense | Grid,
         return packed.words.numpy(), BitIdentical(f"{lay.name} blocks copied from the source unchanged")
     if _fast_path_applies(lay, verdict, item):
         return _gptq_words_to_q4_0(item)
+    if _q8_0_fast_path_applies(lay, verdict, item):
+        return _gptq_words_to_q8_0(item)
     if lay.kind == "float":
         dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[lay.name]
         t = (source() if dtype == torch.float32 else item.dequantize(dtype)).contiguous()

@@ -840,6 +840,61 @@ int64_t qc_q4_0_check_gptq4(const uint8_t *data, const uint32_t *words, const ui
     return bad;
 }
 
+/* GPTQ 2/4/8-bit words (int32 [in * bits / 32, out], codes low bits first, "gptq-rows") with integer zero points
+ * and fp16 scales given per 32-block (z, d: [out, in / 32]) -> Q8_0 blocks (d, then the 32 int8 values code - z),
+ * the bytes legacy.repack_grid writes for an exact grid: no float is computed, codes move. Rows n_lo .. n_hi.
+ * Returns the number of values whose code - z does not fit an int8 (0 where the checker said exact). */
+int64_t qc_gptq_to_q8_0(const uint32_t *words, int bits, const int32_t *z, const uint16_t *d, uint8_t *out,
+                        int64_t out_f, int64_t in_f, int64_t n_lo, int64_t n_hi) {
+    const int64_t nb = in_f / 32, per_word = 32 / bits, words_per_block = 32 / per_word;
+    const uint32_t mask = (1u << bits) - 1u;
+    int64_t bad = 0;
+    for (int64_t n = n_lo; n < n_hi; n++) {
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = out + (n * nb + b) * 34;
+            const uint16_t dv = d[n * nb + b];
+            const int32_t zero = z[n * nb + b];
+            o[0] = (uint8_t)(dv & 0xff);
+            o[1] = (uint8_t)(dv >> 8);
+            for (int64_t k = 0; k < words_per_block; k++) {
+                const uint32_t w = words[(b * words_per_block + k) * out_f + n];
+                for (int64_t j = 0; j < per_word; j++) {
+                    const int32_t q = (int32_t)((w >> (bits * j)) & mask) - zero;
+                    bad += q < -128 || q > 127;
+                    o[2 + k * per_word + j] = (uint8_t)(int8_t)q;
+                }
+            }
+        }
+    }
+    return bad;
+}
+
+/* The proof, the other way: each source word rebuilt from the Q8_0 bytes (code = value + z) and the fp16 scales
+ * read back, counting those that differ from the source's (0: the bytes hold exactly the GPTQ codes and scales). */
+int64_t qc_q8_0_check_gptq(const uint8_t *data, const uint32_t *words, int bits, const int32_t *z,
+                           const uint16_t *d, int64_t out_f, int64_t in_f, int64_t n_lo, int64_t n_hi) {
+    const int64_t nb = in_f / 32, per_word = 32 / bits, words_per_block = 32 / per_word;
+    const int32_t top = (1 << bits) - 1;
+    int64_t bad = 0;
+    for (int64_t n = n_lo; n < n_hi; n++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *o = data + (n * nb + b) * 34;
+            const int32_t zero = z[n * nb + b];
+            bad += (uint16_t)(o[0] | (o[1] << 8)) != d[n * nb + b];
+            for (int64_t k = 0; k < words_per_block; k++) {
+                uint32_t w = 0;
+                for (int64_t j = 0; j < per_word; j++) {
+                    const int32_t code = (int32_t)(int8_t)o[2 + k * per_word + j] + zero;
+                    bad += code < 0 || code > top;
+                    w |= (uint32_t)(code & top) << (bits * j);
+                }
+                bad += w != words[(b * words_per_block + k) * out_f + n];
+            }
+        }
+    }
+    return bad;
+}
+
 /* --------------------------------------------------------------------------------------------------
  * ggml's legacy reference quantizers, quantize_row_q4_0_ref .. quantize_row_q8_0_ref (ggml-quants.c), nb blocks
  * of 32. The float expressions are ggml's, in its order. C's float -> int8/uint8 casts, undefined out of range,
@@ -1120,4 +1175,4 @@ int qc_quantize_lowbit(int type, const float *x, uint8_t *y, int64_t nb) {
     return 0;
 }
 
-int qc_abi_version(void) { return 6; }
+int qc_abi_version(void) { return 7; }

@@ -35,7 +35,7 @@ import numpy as np
 
 from .layouts import LAYOUTS
 
-__all__ = ["available", "quantize", "quantize_legacy", "quantize_lowbit", "LOWBIT_TYPE_IDS", "dequantize", "dequantize_gptq", "gptq4_to_q4_0", "TYPE_IDS",
+__all__ = ["available", "quantize", "quantize_legacy", "quantize_lowbit", "LOWBIT_TYPE_IDS", "dequantize", "dequantize_gptq", "gptq4_to_q4_0", "gptq_to_q8_0", "TYPE_IDS",
            "LEGACY_TYPE_IDS", "CHUNK_BLOCKS"]
 
 _SOURCE = Path(__file__).with_name("kquant_c.c")
@@ -99,7 +99,7 @@ def _build() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(lib_path))
         except OSError:
             continue
-        if lib.qc_abi_version() != 6:
+        if lib.qc_abi_version() != 7:
             continue
         for fn in (lib.qc_quantize_k, lib.qc_dequantize_k, lib.qc_quantize_legacy, lib.qc_quantize_lowbit):
             fn.restype = ctypes.c_int
@@ -111,6 +111,10 @@ def _build() -> ctypes.CDLL | None:
         lib.qc_gptq4_to_q4_0.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64]
         lib.qc_q4_0_check_gptq4.restype = i64
         lib.qc_q4_0_check_gptq4.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64]
+        lib.qc_gptq_to_q8_0.restype = i64
+        lib.qc_gptq_to_q8_0.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, i64]
+        lib.qc_q8_0_check_gptq.restype = i64
+        lib.qc_q8_0_check_gptq.argtypes = [ptr, ptr, ctypes.c_int, ptr, ptr, i64, i64, i64, i64]
         return lib
     return None
 
@@ -267,6 +271,39 @@ def gptq4_to_q4_0(words: np.ndarray, d16: np.ndarray, threads: int = 1) -> tuple
         n1 = min(out_f, n0 + rows)
         lib.qc_gptq4_to_q4_0(words.ctypes.data, d.ctypes.data, out.ctypes.data, out_f, in_f, n0, n1)
         bad.append(lib.qc_q4_0_check_gptq4(out.ctypes.data, words.ctypes.data, d.ctypes.data, out_f, in_f, n0, n1))
+
+    _spread(run, out_f, threads, rows)
+    return out, int(sum(bad))
+
+
+def gptq_to_q8_0(words: np.ndarray, bits: int, zeros: np.ndarray, d16: np.ndarray,
+                 threads: int = 1) -> tuple[np.ndarray, int]:
+    """GPTQ 2/4/8-bit words int32 [in * bits / 32, out], integer zero points and fp16 scales per 32-block
+    [out, in/32] -> (Q8_0 bytes uint8 [out, in/32*34] holding code - zero, the number of values out of int8 range
+    plus the source words and scales that the bytes do not give back when decoded the other way: 0, or a bug).
+    legacy.repack_grid is the torch twin (the same bytes for an exact grid)."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the C kernels are not available")
+    if bits not in (2, 4, 8):
+        raise ValueError(f"{bits}-bit GPTQ words do not split into 32-blocks")
+    words = np.ascontiguousarray(words).view(np.uint32)
+    n_words, out_f = words.shape
+    in_f = n_words * 32 // bits
+    z = np.ascontiguousarray(zeros, dtype=np.int32)
+    d = np.ascontiguousarray(d16, dtype=np.float16).view(np.uint16)
+    if in_f % 32 or d.shape != (out_f, in_f // 32) or z.shape != d.shape:
+        raise ValueError("inconsistent GPTQ / Q8_0 shapes")
+    out = np.empty((out_f, in_f // 32 * 34), np.uint8)
+    rows = max(32, (1 << 21) // max(1, in_f) // 32 * 32)
+    bad = []
+
+    def run(n0: int) -> None:
+        n1 = min(out_f, n0 + rows)
+        bad.append(lib.qc_gptq_to_q8_0(words.ctypes.data, bits, z.ctypes.data, d.ctypes.data, out.ctypes.data, out_f,
+                                       in_f, n0, n1))
+        bad.append(lib.qc_q8_0_check_gptq(out.ctypes.data, words.ctypes.data, bits, z.ctypes.data, d.ctypes.data,
+                                          out_f, in_f, n0, n1))
 
     _spread(run, out_f, threads, rows)
     return out, int(sum(bad))

@@ -127,6 +127,45 @@ def test_smoke_run_against_llama_cpp(tmp_path):
         assert len(r["ours"]) == 1 and len(r["route"]) == 1 and r["ours"][0]["peak_mb"] > 0
 
 
+def test_c_q8_0_repack_equals_torch_and_proves_itself():
+    """The C path from GPTQ 2/4/8-bit words to Q8_0 (code - zero, the fp16 scale) gives legacy.repack_grid's bytes
+    for grids of every width with integer zero points, and its proof (every word, zero point and scale rebuilt from
+    the bytes) catches a flipped value or scale bit."""
+    from qconvert.kernels.bitpack import pack_rows, unpack_rows
+    from qconvert.kernels.ggml import kquant_c
+    from qconvert.kernels.ggml.layouts import layout
+    from qconvert.kernels.ggml.legacy import repack_grid
+
+    if not kquant_c.available():
+        pytest.skip("no C compiler (or QCONVERT_COMPILE=0): the C kernels are not built")
+    g = torch.Generator().manual_seed(3)
+    for bits, out_f, in_f, group in ((4, 48, 256, 128), (8, 37, 96, 32), (2, 300, 1024, 64), (8, 16, 512, 512)):
+        w = torch.randint(-2 ** 31, 2 ** 31 - 1, (in_f * bits // 32, out_f), dtype=torch.int32, generator=g)
+        if bits == 8:  # zero points that keep code - zero within int8, as an exact grid's do
+            zeros = torch.randint(1, 2 ** bits, (out_f, in_f // group), generator=g)
+            z_col = zeros.repeat_interleave(group, 1)
+            codes = unpack_rows(w, bits).T.to(torch.int64)  # [out, in]
+            w = pack_rows(torch.minimum(torch.maximum(codes, z_col - 128), z_col + 127).T.contiguous(), bits)
+        else:
+            zeros = torch.randint(0, 2 ** bits, (out_f, in_f // group), generator=g)
+        scales = (torch.rand(out_f, in_f // group, generator=g) * 0.01).to(torch.float16)
+        block_group = torch.arange(in_f)[::32] // group
+        codes = unpack_rows(w, bits).T.contiguous().to(torch.uint8)
+        want = repack_grid(layout("Q8_0"), codes, scales, zeros, block_group).numpy()
+        got, bad = kquant_c.gptq_to_q8_0(w.numpy(), bits, zeros[:, block_group].numpy(),
+                                         scales[:, block_group].numpy(), threads=2)
+        assert bad == 0, bits
+        np.testing.assert_array_equal(got, want.reshape(got.shape))
+    lib = kquant_c._lib()
+    words, d = w.numpy().view(np.uint32), scales[:, block_group].numpy().view(np.uint16)
+    z = np.ascontiguousarray(zeros[:, block_group].numpy(), dtype=np.int32)
+    for byte in (0, 1, 2, 33):  # the two scale bytes, the first and the last value
+        bad_copy = got.copy()
+        bad_copy[5, 34 * 3 + byte] ^= 0x01
+        assert lib.qc_q8_0_check_gptq(bad_copy.ctypes.data, words.ctypes.data, bits, z.ctypes.data, d.ctypes.data,
+                                      out_f, in_f, 0, out_f) >= 1
+
+
 def test_c_q4_0_repack_equals_torch_and_proves_itself():
     """The C twin of the GPTQ -> Q4_0 word repack gives kernels/gptq_q4_0.py's bytes, and its proof (every
     word and scale rebuilt from the bytes) catches a flipped nibble or scale bit."""
