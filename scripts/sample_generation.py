@@ -13,12 +13,14 @@ def main() -> int:
     path = sys.argv[1]
     prompt = sys.argv[2] if len(sys.argv) > 2 else "the quantized model"
     try:
-        from llama_cpp import Llama
+        import llama_cpp  # noqa: F401  (only whether it is installed)
     except ImportError:
         print("llama-cpp-python is not installed; skipping the sample generation "
               "(pip install -e '.[llama]' to add it)")
         return 0
-    llm = Llama(path, n_ctx=128, n_threads=2, verbose=False, seed=0)
+    from qconvert.converters.apps.runtimes import llama_cpp_model
+
+    llm = llama_cpp_model(path, n_ctx=128, n_threads=2, verbose=False, seed=0)
     try:
         out = llm(prompt, max_tokens=16, temperature=0.0)
     finally:

@@ -90,6 +90,42 @@ def runtime_output_hidden():
         os.close(saved[0]), os.close(saved[1]), os.close(devnull)
 
 
+def _cpu_advertises_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return any(line.startswith("flags") and " amx_tile" in line for line in f)
+    except OSError:
+        return False
+
+
+def llama_cpp_model(path: Path | str, **kwargs):
+    """llama_cpp.Llama(path, **kwargs), without ggml's extra CPU buffer types where the CPU advertises AMX.
+
+    Why: ggml's AMX buffer type (ggml-cpu/amx) is chosen whenever the CPU lists amx_tile and the kernel grants the
+    tile state (arch_prctl), but in a VM whose hypervisor does not carry that state the first tile instruction
+    faults and the process dies (measured on a Firecracker VM, Linux 6.18: a general protection fault in
+    libggml-cpu on every model with Q4_0 weights). The extra buffer types only repack weights for faster kernels
+    (`use_extra_bufts`, llama.cpp's --no-repack), so without them the same file runs through ggml's plain CPU
+    kernels. Elsewhere nothing changes."""
+    import llama_cpp
+    from llama_cpp import llama_cpp as lib
+
+    if not _cpu_advertises_amx():
+        return llama_cpp.Llama(str(path), **kwargs)
+    default = lib.llama_model_default_params
+
+    def without_extra_buffers():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    lib.llama_model_default_params = without_extra_buffers  # read by Llama.__init__, which loads the model
+    try:
+        return llama_cpp.Llama(str(path), **kwargs)
+    finally:
+        lib.llama_model_default_params = default
+
+
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
     x = np.asarray(logits, dtype=np.float64)
     x = x - x.max(axis=-1, keepdims=True)
@@ -179,8 +215,6 @@ class LlamaCppRuntime:
 
     def __init__(self, path: Path, fmt: str, n_ctx: int = 512):
         _require("llama_cpp", "llama-cpp-python", fmt)
-        from llama_cpp import Llama
-
         from ...formats.gguf.folder import find_model
 
         if Path(path).is_dir():
@@ -188,8 +222,8 @@ class LlamaCppRuntime:
 
         self.name = f"llama.cpp (llama-cpp-python {_version('llama-cpp-python')})"
         self._path, self._n_ctx = path, n_ctx
-        self.llm = _loaded("llama.cpp", "the model", path, lambda: Llama(
-            str(path), n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, verbose=False, type_k=0, type_v=0,
+        self.llm = _loaded("llama.cpp", "the model", path, lambda: llama_cpp_model(
+            path, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, verbose=False, type_k=0, type_v=0,
             n_threads=max(1, min(8, usable_cpus()))))
 
     def tokenize(self, text: str) -> list[int]:

@@ -93,9 +93,9 @@ def run_cli(*args, check_rc: int | None = 0) -> subprocess.CompletedProcess:
 
 def llama_logits(gguf_path: Path, ids: list[int]) -> np.ndarray:
     """llama.cpp's logits for every position (F32 KV cache: an F16 cache would add its own rounding to the comparison)."""
-    from llama_cpp import Llama
+    from qconvert.converters.apps.runtimes import llama_cpp_model
 
-    llm = Llama(str(gguf_path), n_ctx=128, n_batch=128, logits_all=True, n_threads=2, verbose=False,
+    llm = llama_cpp_model(gguf_path, n_ctx=128, n_batch=128, logits_all=True, n_threads=2, verbose=False,
                 type_k=0, type_v=0)
     try:
         llm.eval(ids)

@@ -89,10 +89,12 @@ def hf_logits(model_dir: Path, ids: list[int]) -> np.ndarray:
 
 
 def llama_load(path: Path, **kw):
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
+    from qconvert.converters.apps.runtimes import llama_cpp_model
+
     args = dict(n_ctx=128, n_batch=128, logits_all=True, n_threads=2, verbose=False, type_k=0, type_v=0)
     args.update(kw)
-    return llama_cpp.Llama(model_path=str(path), **args)
+    return llama_cpp_model(path, **args)
 
 
 def llama_logits(llm, ids: list[int]) -> np.ndarray:
