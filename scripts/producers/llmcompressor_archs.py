@@ -158,10 +158,9 @@ def _minimax_m2_per_expert_layout():
 def _llama4_text_config_linearizer():
     """llm-compressor 0.14's Llama4LinearExperts.from_experts_module(experts, config) takes config.text_config for
     the text model's settings, as if every Llama 4 were the multimodal Llama4ForConditionalGeneration; linearize_moe
-    hands it the model's config, which for the text model (and for the multimodal one too: the experts sit in its
-    language model, whose config is the text config) is a Llama4TextConfig, and the load stops with
-    "AttributeError: 'Llama4TextConfig' object has no attribute 'text_config'" before anything is quantized. The
-    text config is what it wants: handed over as `text_config`, the linearizer runs as written."""
+    hands it the model's config, which for the text model Llama4ForCausalLM is a Llama4TextConfig, and the load
+    stops with "AttributeError: 'Llama4TextConfig' object has no attribute 'text_config'" before anything is
+    quantized. The text config is what it wants: handed over as `text_config`, the linearizer runs as written."""
     from types import SimpleNamespace
 
     from compressed_tensors.utils import patch_attr
