@@ -49,7 +49,8 @@ FAMILIES = {
     # Llama 4 with every layer routed, as Scout is released (fixtures_archs.llama4_scout): gptqmodel's Llama 4
     # module tree has experts in every layer, and on the architecture tests' Maverick-style model (dense layers
     # 0 and 2) it stops at layer 0: "ValueError: layer module item `feed_forward.experts.0.gate_proj` not found
-    # in model"; its defuser needs the experts' layout told (_llama4_experts_in_out)
+    # in model" (llm-compressor makes that layout: scripts/producers/llmcompressor_archs.py, ct_llama4_maverick);
+    # its defuser needs the experts' layout told (_llama4_experts_in_out)
     "llama4_scout": "gptq_llama4",
 }
 # the families gptqmodel 7.6 cannot quantize with the .venv's transformers 5.24 (the error, as it fails):

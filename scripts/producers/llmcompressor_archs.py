@@ -24,14 +24,23 @@ missing and left at its initial weights); llm-compressor's own loader does, told
 patch_moe_mappings (the oracle below), and so does qconvert (converters/model_shapes.py names them as the release's
 w1/w3/w2). The oracle's reference is keyed as the checkpoint names the modules.
 
-Family not made: llama4 (llm-compressor 0.14's Llama4 linearizer, modeling/moe/llama4.py, reads
-config.text_config and fails on the text model's config: "AttributeError: 'Llama4TextConfig' object has no
-attribute 'text_config'", for Llama4ForCausalLM and Llama4ForConditionalGeneration alike); gptqmodel makes it
-(scripts/producers/gptqmodel_archs.py, gptq_llama4).
+Llama 4 (llama4) is the architecture tests' Maverick-layout text model (interleave_moe_layer_step 2: layers 0 and
+2 dense, 1 and 3 routed), which gptqmodel 7.6 cannot quantize (its module tree has experts in every layer; it makes
+the Scout layout, gptq_llama4). llm-compressor 0.14's Llama4 linearizer (modeling/moe/llama4.py,
+Llama4LinearExperts.from_experts_module) reads config.text_config, which the text model's own config has not:
+"AttributeError: 'Llama4TextConfig' object has no attribute 'text_config'" (for Llama4ForCausalLM and
+Llama4ForConditionalGeneration alike); it is handed the text config as that (_llama4_text_config_linearizer), and
+then every expert of the routed layers is its own quantized Linear, saved as feed_forward.experts.E.gate_proj/
+up_proj/down_proj (the linearized names: neither the release's fused gate_up_proj/down_proj nor anything
+transformers maps). llm-compressor has no load mapping for llama4_text, so its oracle builds the loaded model's
+experts as llm-compressor's linearized module from the start (_llama4_per_expert_layout) and transformers +
+compressed-tensors decompress each expert into it; the router (feed_forward.router, an nn.Linear subclass) stays
+float, as MiniMax's and ERNIE's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -47,10 +56,12 @@ VENV = Path(os.environ.get("QCONVERT_LLMCOMPRESSOR_VENV") or _common.REPO / ".ve
 PINS = ("torch==2.13.0", "llmcompressor==0.14.0.1", "compressed-tensors==0.19.0")
 PACKAGES = ("llmcompressor", "compressed-tensors", "transformers", "torch")
 # family (a fixtures_archs kind) -> the fixture folder's name
-FAMILIES = {"ernie4_5_moe": "ct_ernie45moe", "minimax_m2": "ct_minimax_m2"}
+FAMILIES = {"ernie4_5_moe": "ct_ernie45moe", "minimax_m2": "ct_minimax_m2", "llama4": "ct_llama4_maverick"}
 WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
 # what stays float: the head and the routers (ERNIE's mlp.gate)
 IGNORE = ["lm_head", "re:.*\\.mlp\\.gate$"]
+# a family's own routers, besides IGNORE (Llama 4's is feed_forward.router, an nn.Linear subclass)
+IGNORE_MORE = {"llama4": ["re:.*\\.feed_forward\\.router$"]}
 
 
 def _support():
@@ -87,7 +98,11 @@ def _fixtures_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
 
 
-def produce(base: Path, out: Path) -> None:
+def _ignore(kind: str) -> list:
+    return IGNORE + IGNORE_MORE.get(kind, [])
+
+
+def produce(kind: str, base: Path, out: Path) -> None:
     """In llm-compressor's venv: GPTQ W4A16 g32 of `base` (experts linearized) saved compressed into `out`."""
     import torch
     from llmcompressor import oneshot
@@ -96,9 +111,9 @@ def produce(base: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    with load_quantizable_moe():
+    with BEFORE_LOADING.get(kind, contextlib.nullcontext)(), load_quantizable_moe():
         model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float16)
-    recipe = GPTQModifier(ignore=IGNORE, config_groups={"group_0": {"targets": ["Linear"], "weights": WEIGHTS}})
+    recipe = GPTQModifier(ignore=_ignore(kind), config_groups={"group_0": {"targets": ["Linear"], "weights": WEIGHTS}})
     oneshot(model=model, processor=_fixtures_tokenizer(), dataset=calibration(), recipe=recipe,
             num_calibration_samples=16, max_seq_length=64, pipeline="basic")
     model.save_pretrained(str(out), save_compressed=True)
@@ -139,9 +154,61 @@ def _minimax_m2_per_expert_layout():
     return patch_moe_mappings("minimax_m2", same, remove_targets=[".experts.gate_up_proj", ".experts.down_proj"])
 
 
+@contextlib.contextmanager
+def _llama4_text_config_linearizer():
+    """llm-compressor 0.14's Llama4LinearExperts.from_experts_module(experts, config) takes config.text_config for
+    the text model's settings, as if every Llama 4 were the multimodal Llama4ForConditionalGeneration; linearize_moe
+    hands it the model's config, which for the text model Llama4ForCausalLM is a Llama4TextConfig, and the load
+    stops with "AttributeError: 'Llama4TextConfig' object has no attribute 'text_config'" before anything is
+    quantized. The text config is what it wants: handed over as `text_config`, the linearizer runs as written."""
+    from types import SimpleNamespace
+
+    from compressed_tensors.utils import patch_attr
+    from llmcompressor.modeling.moe.llama4 import Llama4LinearExperts
+
+    linearize = Llama4LinearExperts.from_experts_module.__func__
+
+    def from_experts_module(cls, experts, config):
+        if not hasattr(config, "text_config"):
+            config = SimpleNamespace(text_config=config)
+        return linearize(cls, experts, config)
+
+    with patch_attr(Llama4LinearExperts, "from_experts_module", classmethod(from_experts_module)):
+        yield
+
+
+@contextlib.contextmanager
+def _llama4_per_expert_layout():
+    """Loading llm-compressor's Llama 4 checkpoint back: its experts are saved as the linearized
+    feed_forward.experts.E.gate_proj/up_proj/down_proj, and llm-compressor 0.14 has no load mapping for llama4_text
+    (load_quantizable_moe would load the fused Llama4TextExperts, find none of those names, and linearize experts
+    left at their initial weights). So each routed block is built with llm-compressor's own linearized module in
+    its experts' place (Llama4LinearExperts, as load_quantizable_moe's direct path does for the families it maps),
+    before any weight is read: every expert's Linear then has the checkpoint's names, and transformers +
+    compressed-tensors decompress each into it. (Swapped after Llama4TextMoe's own __init__ rather than by
+    transformers' patch mapping: Llama4LinearExperts is made from sizes, not from the config, and the model's
+    _init_weights takes any module of the patched class name for the fused one.)"""
+    from compressed_tensors.utils import patch_attr
+    from llmcompressor.modeling.moe.llama4 import Llama4LinearExperts
+    from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+
+    build = Llama4TextMoe.__init__
+
+    def __init__(self, config):
+        build(self, config)
+        self.experts = Llama4LinearExperts(config.num_local_experts, config.hidden_size, config.intermediate_size,
+                                           config)
+
+    with patch_attr(Llama4TextMoe, "__init__", __init__):
+        yield
+
+
+# what a family needs around llm-compressor's load for quantizing (a version mismatch, not a change of what is
+# quantized)
+BEFORE_LOADING = {"llama4": _llama4_text_config_linearizer}
 # how a family's checkpoint, as llm-compressor saved it, is loaded back by llm-compressor (a context manager
 # around load_quantizable_moe), where its default (the architecture's transformers mapping) does not read it
-CHECKPOINT_LAYOUT = {"minimax_m2": _minimax_m2_per_expert_layout}
+CHECKPOINT_LAYOUT = {"minimax_m2": _minimax_m2_per_expert_layout, "llama4": _llama4_per_expert_layout}
 # the loaded model's module names -> the checkpoint's, where transformers' mapping renames modules on load
 # (MiniMax-M2's block_sparse_moe is the class's mlp): the reference is keyed as the checkpoint names the modules
 CHECKPOINT_NAMES = {"minimax_m2": (r"\.mlp\.(experts|gate)\.", r".block_sparse_moe.\1.")}
@@ -150,7 +217,6 @@ CHECKPOINT_NAMES = {"minimax_m2": (r"\.mlp\.(experts|gate)\.", r".block_sparse_m
 def oracle(kind: str, ckpt: Path, prompt) -> tuple[dict, dict]:
     """In llm-compressor's venv: the runtime's decompressed weights (every quantized Linear, named as the
     checkpoint names it) and its logits on `prompt`."""
-    import contextlib
     import re
 
     import torch
@@ -163,9 +229,11 @@ def oracle(kind: str, ckpt: Path, prompt) -> tuple[dict, dict]:
         model = AutoModelForCausalLM.from_pretrained(
             str(ckpt), quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
     rename = CHECKPOINT_NAMES.get(kind)
+    # the family's own routers left float by the recipe (Llama 4's router is an nn.Linear subclass)
+    floats = [re.compile(p[3:]) for p in IGNORE_MORE.get(kind, [])]
     weights = {(re.sub(*rename, name) if rename else name) + ".weight": mod.weight.detach().to(torch.float16).contiguous()
                for name, mod in model.named_modules()
-               if isinstance(mod, torch.nn.Linear) and ".layers." in name}
+               if isinstance(mod, torch.nn.Linear) and ".layers." in name and not any(f.match(name) for f in floats)}
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
         packed = {n[: -len("_packed")] for n in f.keys() if n.endswith(".weight_packed")}
     if packed != set(weights):  # a module the runtime did not load from the checkpoint, or named otherwise
@@ -184,7 +252,7 @@ def in_venv_main(kind: str, base: Path, prompt: list) -> None:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    produce(base, out / "model")
+    produce(kind, base, out / "model")
     weights, logits = oracle(kind, out / "model", prompt)
     save_file(weights, str(out / "reference.safetensors"))
     save_file(logits, str(out / "logits.safetensors"))

@@ -1,9 +1,11 @@
 """Issue 26 item 2: the quantized forms of the new families keep their codes in GGUF. Each fixture is a real
 producer's own 4-bit group-32 symmetric checkpoint of a family's tiny model, made on CPU: gptqmodel's GPTQ
 (scripts/producers/gptqmodel_archs.py -> tests/producer_fixtures/gptq_<family>/) or, for a family gptqmodel cannot
-quantize, llm-compressor's GPTQ as compressed-tensors (scripts/producers/llmcompressor_archs.py -> ct_<family>/),
-with the producer's own dequantization of every quantized module beside it (reference.safetensors) and its
-runtime's logits (logits.safetensors). For each, `gptq->gguf` / `ct->gguf` with `--report`:
+quantize, llm-compressor's GPTQ as compressed-tensors (scripts/producers/llmcompressor_archs.py -> ct_<family>/:
+ERNIE 4.5-MoE, MiniMax-M2, and Llama 4 in Maverick's layout, dense layers between routed ones, ct_llama4_maverick,
+where gptqmodel makes Scout's, every layer routed, gptq_llama4), with the producer's own dequantization of every
+quantized module beside it (reference.safetensors) and its runtime's logits (logits.safetensors). For each,
+`gptq->gguf` / `ct->gguf` with `--report`:
 
 - every module the producer quantized (every routed and shared expert, every linear-attention projection, the
   attention, the dense MLPs) is in the report with target Q4_0, verdict exact and error 0 (the grid is Q4_0's:
@@ -88,7 +90,8 @@ def _pieces(name: str) -> list:
     return [name]
 
 
-# one expert's projection of a per-expert checkpoint (gptqmodel's unfused Llama 4 experts)
+# one expert's projection of a per-expert checkpoint (gptqmodel's unfused Llama 4 experts, llm-compressor's
+# linearized ones)
 _PER_EXPERT = re.compile(r"^(?P<head>.*\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
