@@ -91,12 +91,29 @@ def run_cli(*args, check_rc: int | None = 0) -> subprocess.CompletedProcess:
     return proc
 
 
-def llama_logits(gguf_path: Path, ids: list[int]) -> np.ndarray:
-    """llama.cpp's logits for every position (F32 KV cache: an F16 cache would add its own rounding to the comparison)."""
+def llama_logits(gguf_path: Path, ids: list[int], repack: bool = True) -> np.ndarray:
+    """llama.cpp's logits for every position (F32 KV cache: an F16 cache would add its own rounding to the comparison).
+    `repack=False` is llama.cpp's --no-repack (llama_model_params.use_extra_bufts): every weight stays in the plain CPU
+    buffer. On a CPU with AMX (llama-cpp-python 0.3.36 built natively) the AMX buffer takes F16 and block-typed
+    weights, and cannot run the 3-D matmuls of deepseek2's MLA halves (attn_k_b / attn_v_b): llama.cpp aborts
+    (GGML_ASSERT in ggml_backend_sched_split_graph) or crashes, whatever file it is given."""
     from llama_cpp import Llama
+    import llama_cpp.llama as wrapper
 
-    llm = Llama(str(gguf_path), n_ctx=128, n_batch=128, logits_all=True, n_threads=2, verbose=False,
-                type_k=0, type_v=0)
+    default_params = wrapper.llama_cpp.llama_model_default_params
+
+    def no_extra_buffers():
+        params = default_params()
+        params.use_extra_bufts = False
+        return params
+
+    if not repack:  # Llama() takes the default model parameters and offers no switch for this one
+        wrapper.llama_cpp.llama_model_default_params = no_extra_buffers
+    try:
+        llm = Llama(str(gguf_path), n_ctx=128, n_batch=128, logits_all=True, n_threads=2, verbose=False,
+                    type_k=0, type_v=0)
+    finally:
+        wrapper.llama_cpp.llama_model_default_params = default_params
     try:
         llm.eval(ids)
         return np.array(llm.scores[: len(ids)], dtype=np.float32)
