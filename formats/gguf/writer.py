@@ -48,6 +48,7 @@ from ...converters.model_shapes import canonical_name
 from ...converters.validate import ConfigView
 from ...converters.plan import BitIdentical, Options, TensorPlan, Writer, WriterSession, unknown_type
 from ...converters.records import Dense, Grid, TensorRecord, renamed
+from ...converters.run import finite_params
 from ...kernels.ggml.layouts import CODEBOOK_LAYOUTS, GGUF_PY_UNKNOWN, TARGET_LAYOUTS  # grid, codebook (IQ4_*) types
 from ...kernels.ggml.layouts import BlockLayout
 from ..common.ggml_codec import QUANTIZERS, QuantHow
@@ -239,8 +240,9 @@ def _kv_b_records(rec: TensorRecord, parts: tuple[str, str], config, where) -> l
                        f"(qk_nope_head_dim {nope} + v_head_dim {v}) rows)", path=where, tensor=rec.name)
     stored = rec.native_form(KV_B_HALVES)
     if stored is not None:
-        # named as this writer names the halves (an MTP block or a multimodal prefix renamed before the split)
-        return [renamed(half, name=name) for half, name in zip(stored.load(), parts)]
+        # named as this writer names the halves (an MTP block or a multimodal prefix renamed before the split); their
+        # block scales checked finite as every grid record's were as the source streamed (the merged record is dense)
+        return list(finite_params([renamed(half, name=name) for half, name in zip(stored.load(), parts)], where))
     value_rows = kv_b_value_rows(config)
     source_name = rec.source_name or rec.name
 

@@ -8,7 +8,8 @@ halves instead (NativeForm archs.KV_B_HALVES), so that they keep their types and
   Q4_0 of its F32 file (both halves Q4_0: a 3-D block tensor read as the grid of its flattened rows);
 - gguf->gguf of each: every tensor of the same ggml type and bytes as the input's, every verdict exact with error 0,
   and llama.cpp computes the very same logits from the output as from the input;
-- re-typing other tensors (--tensor-type on the experts) leaves the halves as they are;
+- re-typing other tensors (--tensor-type on the experts) leaves the halves as they are; a half whose block scale is
+  NaN is refused in one line as any other grid's (the merged kv_b_proj is dense: the halves are checked themselves);
 - ->hf is as before: kv_b_proj is the per-head merge of the halves' gguf-py decodings (and, for the F16 file, the
   source checkpoint's kv_b_proj rounded to fp16).
 """
@@ -16,6 +17,7 @@ halves instead (NativeForm archs.KV_B_HALVES), so that they keep their types and
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +26,7 @@ import torch
 
 import fixtures_archs
 from gguf_arch_files import ROOT, cached
-from helpers import gguf_tensors, llama_logits, run_cli
+from helpers import expect_user_error, gguf_tensors, llama_logits, run_cli
 from llama_quantize import llama_quantize
 
 gguf = pytest.importorskip("gguf")
@@ -135,3 +137,15 @@ def test_retyping_other_tensors_leaves_the_halves(tmp_path):
     _same_tensors(a, b, retyped=experts)
     rep = json.loads(report.read_text())
     assert {t["verdict"] for t in rep["tensors"]} == {"exact"} and rep["summary"]["max_abs_err"] == 0.0
+
+
+def test_a_half_with_a_nan_scale_is_refused(tmp_path):
+    """attn_v_b's block scales are checked finite as every other grid's: one line naming it, exit 2, nothing written."""
+    src = tmp_path / "nan.gguf"
+    shutil.copy(_source("gptq_deepseek_v3"), src)
+    offset = gguf_tensors(src)["blk.0.attn_v_b.weight"].data_offset + 5 * 18  # the sixth Q4_0 block's fp16 scale
+    with open(src, "r+b") as f:
+        f.seek(offset)
+        f.write(np.float16(np.nan).tobytes())
+    expect_user_error("gguf->gguf", src, tmp_path, "nan.gguf", "model.layers.0.self_attn.v_b_proj.weight",
+                      "scales hold NaN")
