@@ -94,10 +94,10 @@ def run_cli(*args, check_rc: int | None = 0) -> subprocess.CompletedProcess:
 def llama_logits(gguf_path: Path, ids: list[int], repack: bool = True) -> np.ndarray:
     """llama.cpp's logits for every position (F32 KV cache: an F16 cache would add its own rounding to the comparison).
     `repack=False` is llama.cpp's --no-repack (llama_model_params.use_extra_bufts): every weight stays in the plain CPU
-    buffer. On a CPU with AMX (a Xeon with amx_tile / amx_int8, llama-cpp-python 0.3.36 built there) the AMX buffer takes
-    F16 and block-typed weights and llama.cpp then aborts on deepseek2's F16 MLA halves (GGML_ASSERT(*cur_backend_id
-    != -1) in ggml_backend_sched_split_graph) and crashes in decode on Q4_0 files (a plain llama's too); without it
-    they run."""
+    buffer. On a CPU with AMX (a Xeon with amx_tile / amx_int8, llama-cpp-python 0.3.36 built there) the AMX buffer
+    takes F16 and block-typed weights and llama.cpp then aborts on deepseek2's F16 MLA halves
+    (GGML_ASSERT(*cur_backend_id != -1) in ggml_backend_sched_split_graph) and crashes in decode on Q4_0 files (a plain
+    llama's too); without it they run."""
     from llama_cpp import Llama
     import llama_cpp.llama as wrapper
 
