@@ -5,7 +5,8 @@ halves instead (NativeForm archs.KV_B_HALVES), so that they keep their types and
 
 - GGUFs of each kind of half: our gptq->gguf of gptqmodel's DeepSeek-V3 and GLM-5 fixtures (attn_v_b Q4_0 with the
   GPTQ codes, attn_k_b F32), hf->gguf --type f16 of the tiny dense DeepSeek-V3 (both halves F16), and llama-quantize's
-  Q4_0 of its F32 file (both halves Q4_0: a 3-D block tensor read as the grid of its flattened rows);
+  Q4_0 and IQ4_NL of its F32 file (both halves Q4_0 / IQ4_NL: a 3-D block tensor read as the grid, or the codebook
+  blocks, of its flattened rows);
 - gguf->gguf of each: every tensor of the same ggml type and bytes as the input's, every verdict exact with error 0,
   and llama.cpp computes the very same logits from the output as from the input;
 - re-typing other tensors (--tensor-type on the experts) leaves the halves as they are; a half whose block scale is
@@ -35,7 +36,8 @@ PRODUCER_FIXTURES = Path(__file__).parents[2] / "producer_fixtures"
 PROMPT = fixtures_archs.arch_prompt()
 # the types of (attn_k_b, attn_v_b) in each input: what the test makes sure it covers
 HALVES = {"gptq_deepseek_v3": ("F32", "Q4_0"), "gptq_glm_dsa": ("F32", "Q4_0"), "deepseek_v3-f16": ("F16", "F16"),
-          "deepseek_v3-llama-q4_0": ("Q4_0", "Q4_0")}
+          "deepseek_v3-llama-q4_0": ("Q4_0", "Q4_0"), "deepseek_v3-llama-iq4_nl": ("IQ4_NL", "IQ4_NL")}
+LLAMA_FTYPES = {"deepseek_v3-llama-q4_0": 2, "deepseek_v3-llama-iq4_nl": 25}  # LLAMA_FTYPE_MOSTLY_Q4_0, _IQ4_NL
 
 
 def _deepseek_v3() -> Path:
@@ -51,7 +53,7 @@ def _source(kind: str) -> Path:
     if kind == "deepseek_v3-f16":
         return cached(ROOT / f"{kind}.gguf", lambda out: run_cli("hf->gguf", _deepseek_v3(), out, "--type", "f16"))
     f32 = cached(ROOT / "deepseek_v3-f32.gguf", lambda out: run_cli("hf->gguf", _deepseek_v3(), out, "--type", "f32"))
-    return cached(ROOT / f"{kind}.gguf", lambda out: llama_quantize(f32, out, 2))  # LLAMA_FTYPE_MOSTLY_Q4_0
+    return cached(ROOT / f"{kind}.gguf", lambda out: llama_quantize(f32, out, LLAMA_FTYPES[kind]))
 
 
 def _halves(tensors: dict) -> dict[str, tuple[str, str]]:
@@ -90,7 +92,7 @@ def test_gguf_to_gguf_keeps_the_mla_halves(kind, tmp_path):
         for half, ggml_type in zip(("attn_k_b", "attn_v_b"), types):
             t = named[f"blk.{block}.{half}.weight"]
             assert t["target"] == ggml_type, t
-            if ggml_type.startswith("Q"):  # a block type: its blocks, not a requantization of their values
+            if ggml_type not in ("F32", "F16"):  # a block type: its blocks, not a requantization of their values
                 assert t["reason"] == f"{ggml_type} blocks copied byte for byte", t
     # without llama.cpp's extra buffer types (helpers.llama_logits: an AMX CPU's cannot run these halves)
     assert np.array_equal(llama_logits(out, PROMPT, repack=False), llama_logits(src, PROMPT, repack=False))
