@@ -340,6 +340,9 @@ class NativeForm:
     - "4bit-grid": the source's own 4-bit grid of a tensor it stores otherwise (QQQ's grouped layers: codes
       with the group scale before its int8 rounding); facts `group_size`; load() -> Grid. A target asked for
       4-bit groups of that size keeps these codes.
+    - "gguf-mla-halves": a GGUF source's kv_b_proj, the float32 merge of llama.cpp's MLA halves (attn_k_b /
+      attn_v_b); facts `types` (their two ggml types); load() -> (k_b record, v_b record), each the file's tensor as
+      the reader reads any other. A GGUF target writes these instead of splitting the merge again.
     """
 
     kind: str

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from ...converters.errors import BadInput
-from ...converters.records import Dense, Grid, GridParams, PackedCodes, TensorRecord, unused_zeros
+from ...converters.records import Dense, Grid, GridParams, NativeForm, PackedCodes, TensorRecord, unused_zeros
 from ...kernels.ggml.kblocks import K_ZERO_POINT, unpack_k_blocks
 from ...kernels import floatq
 from ...kernels.ggml.layouts import CODEBOOK_LAYOUTS, FP4_LAYOUTS, GGUF_PY_UNKNOWN, LAYOUTS, LOWBIT_LAYOUTS, Q2_0_PRISM
@@ -55,7 +55,7 @@ from ...kernels.ggml.lowbit import ZERO_POINT, dequantize_lowbit, unpack_lowbit
 from ...kernels.ggml.legacy import unpack_blocks
 from .checks import check_gguf_tensors
 from .config import config_from_gguf, field_values
-from .archs import arch_by_name, merge_gpt_oss_experts, merge_kv_b, merge_llama4_experts
+from .archs import KV_B_HALVES, arch_by_name, merge_gpt_oss_experts, merge_kv_b, merge_llama4_experts
 from .names import expert_member, hf_tensor_name, inverse_permutation, is_expert_stack, is_own_name, qk_row_permutation
 from .tokenizer import tokenizer_files_from_gguf
 from ...converters.records import ModelSource
@@ -468,8 +468,10 @@ def _gguf_py_decodes(qtype) -> bool:
 def _block_bytes(t, lay, path: Path, inv, expert=None) -> torch.Tensor:
     """A block-quantized tensor's bytes as uint8 [rows, row_bytes] in HF row order (`inv`: llama's q/k rows put
     back; rows are whole blocks, so permuting byte rows is exact), one expert's rows of a stack (`expert`:
-    (index, count), experts outermost), rows that are not whole blocks refused."""
-    out_features, in_features = int(t.shape[1]), int(t.shape[0])
+    (index, count), experts outermost), rows that are not whole blocks refused. A 3-D tensor read whole (an MLA
+    half) has its leading dims flattened into rows, as ggml lays it out."""
+    in_features = int(t.shape[0])
+    out_features = int(t.shape[1]) if expert is not None else int(np.prod([int(d) for d in t.shape[1:]]))
     if in_features % lay.block:
         raise BadInput(f"rows of {in_features} are not whole {lay.name} blocks of {lay.block}", path=path,
                        tensor=t.name)
@@ -635,22 +637,26 @@ class GgufSource(ModelSource):
             return
         yield self._record(path, t, name, shape, None)
 
-    def _record(self, path: Path, t, name: str, shape: tuple[int, ...], expert: tuple[int, int] | None) -> TensorRecord:
-        """One record: tensor `t` whole, or rows of expert `expert = (index, count)` of a stack."""
+    def _record(self, path: Path, t, name: str, shape: tuple[int, ...], expert: tuple[int, int] | None,
+                rows_flattened: bool = False) -> TensorRecord:
+        """One record: tensor `t` whole, or rows of expert `expert = (index, count)` of a stack. With
+        `rows_flattened` a 3-D block tensor is read as the grid of its flattened rows under its 3-D shape (the MLA
+        halves: what the GGUF writer takes back as such, _kv_b_record)."""
         type_name = _type_name(t)
+        block_dims = (2, 3) if rows_flattened else (2,)
         perm = qk_row_permutation(name, self.config, self.arch)
         inv = None if perm is None else inverse_permutation(perm)
         where = str(path)
         label = t.name if expert is None else f"{t.name}[expert {expert[0]}]"
         if type_name in FP4_LAYOUTS:
-            if len(shape) != 2:
+            if len(shape) not in block_dims:
                 raise BadInput(f"{type_name} tensor of shape {shape}: only 2-D block tensors are supported",
                                path=path, tensor=t.name)
             params = self._fp4_parts(t, type_name, path, inv, with_codes=False, expert=expert)[0]
             return TensorRecord(name, shape, "grid", lambda: self._fp4_grid(t, type_name, path, inv, expert),
                                 params=params, source_file=where, native_type=type_name, source_name=label)
         if type_name in LOWBIT_LAYOUTS:
-            if len(shape) != 2:
+            if len(shape) not in block_dims:
                 raise BadInput(f"{type_name} tensor of shape {shape}: only 2-D block tensors are supported",
                                path=path, tensor=t.name)
             lay = self._lowbit_layout(t)
@@ -660,7 +666,7 @@ class GgufSource(ModelSource):
                                 params=params, source_file=where, native_type=None if prism else type_name,
                                 source_name=label)
         if type_name in GRID_TYPES:
-            if len(shape) != 2:
+            if len(shape) not in block_dims:
                 raise BadInput(f"{type_name} tensor of shape {shape}: only 2-D block tensors are supported",
                                path=path, tensor=t.name)
             params = self._grid_parts(t, type_name, path, inv, with_codes=False, expert=expert)[0]
@@ -785,8 +791,8 @@ class GgufSource(ModelSource):
         without codes for planning, which reads only the parameters. `expert`: (index, count) of a
         stacked tensor, whose rows are expert by expert."""
         lay = LAYOUTS[type_name]
-        out_features = int(t.shape[1])
         words = _block_bytes(t, lay, path, inv, expert)
+        out_features = int(words.shape[0])
         if lay.kind == "k":
             codes, scales, mins = unpack_k_blocks(type_name, words.numpy(), with_codes)
             codes, scales = (None if codes is None else torch.from_numpy(codes)), torch.from_numpy(scales)
@@ -894,7 +900,9 @@ class GgufSource(ModelSource):
 
     def _kv_b_record(self, pair: dict) -> TensorRecord:
         """kv_b_proj from llama.cpp's two MLA halves (archs.merge_kv_b): k_b [heads, kv_lora, nope] and
-        v_b [heads, v, kv_lora], each decoded to float32 by gguf-py."""
+        v_b [heads, v, kv_lora], each decoded to float32 by gguf-py. The halves themselves travel beside it
+        (NativeForm archs.KV_B_HALVES): a GGUF writer writes them as stored (types and bytes) instead of splitting
+        the float32 merge again."""
         (k_path, k), (v_path, v) = pair["k"], pair["v"]
         k_shape = tuple(int(d) for d in reversed(list(k.shape)))
         v_shape = tuple(int(d) for d in reversed(list(v.shape)))
@@ -908,8 +916,15 @@ class GgufSource(ModelSource):
             halves = [torch.from_numpy(self._float32(t)).reshape(s) for t, s in ((k, k_shape), (v, v_shape))]
             return Dense(merge_kv_b(*halves))
 
+        def stored_halves() -> tuple[TensorRecord, TensorRecord]:
+            # each half read as any other tensor of the file (a block type as its grid with its block bytes, F16 as
+            # float16...), made when a GGUF writer asks: a grid's scales are read then, not for every target
+            return (self._record(k_path, k, self._hf_name(k.name), k_shape, None, rows_flattened=True),
+                    self._record(v_path, v, self._hf_name(v.name), v_shape, None, rows_flattened=True))
+
+        halves = NativeForm(KV_B_HALVES, stored_halves, {"types": (_type_name(k), _type_name(v))})
         return TensorRecord(name, shape, "float32", load, source_file=str(k_path),
-                            source_name=f"{k.name} + {v.name}")
+                            source_name=f"{k.name} + {v.name}", native_forms=(halves,))
 
     def side_files(self) -> dict[str, Path]:
         if self._tokenizer_dir is None:

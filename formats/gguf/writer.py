@@ -48,6 +48,7 @@ from ...converters.model_shapes import canonical_name
 from ...converters.validate import ConfigView
 from ...converters.plan import BitIdentical, Options, TensorPlan, Writer, WriterSession, unknown_type
 from ...converters.records import Dense, Grid, TensorRecord, renamed
+from ...converters.run import finite_params
 from ...kernels.ggml.layouts import CODEBOOK_LAYOUTS, GGUF_PY_UNKNOWN, TARGET_LAYOUTS  # grid, codebook (IQ4_*) types
 from ...kernels.ggml.layouts import BlockLayout
 from ..common.ggml_codec import QUANTIZERS, QuantHow
@@ -55,7 +56,7 @@ from .checks import check_writer_config, config_json_path, layer_count
 from .metadata import add_model_metadata, rope_tensors
 from .archs import (EXPERT_COUNT_KEYS, arch_by_name, expert_count_key, gpt_oss_expert_part, kv_b_parts,
                     split_gpt_oss_experts, split_kv_b)
-from .archs import kv_b_value_rows
+from .archs import KV_B_HALVES, kv_b_value_rows
 from .archs import llama4_expert_part, split_llama4_experts
 from .archs.base import text_model_config
 from .names import expert_of, gguf_arch, layer_index, gguf_tensor_name, inverse_permutation, qk_row_permutation
@@ -223,7 +224,11 @@ def _kv_b_records(rec: TensorRecord, parts: tuple[str, str], config, where) -> l
     output rows, the input axis untouched; its rows flattened as ggml lays out [heads, v, kv_lora]), so the
     planner keeps its codes wherever the target's blocks fit its groups, as for any other grid. k_b is kv_b's
     key rows transposed: a GGUF block would run across output rows, each with its own scale, so a grid is
-    dequantized for it and k_b is dense, measured against the source's dequantization."""
+    dequantized for it and k_b is dense, measured against the source's dequantization.
+
+    A GGUF source's kv_b_proj is its reader's float32 merge of the file's own halves, which it carries as well
+    (NativeForm archs.KV_B_HALVES): those are the two records then, each the file's tensor as read (its ggml type,
+    its blocks), planned as any other tensor of a GGUF source (its type kept unless one is asked for)."""
     try:
         n_head, nope, v = (int(config[k]) for k in ("num_attention_heads", "qk_nope_head_dim", "v_head_dim"))
     except (KeyError, TypeError, ValueError):
@@ -233,6 +238,11 @@ def _kv_b_records(rec: TensorRecord, parts: tuple[str, str], config, where) -> l
     if rows != n_head * (nope + v):
         raise BadInput(f"shape {list(rec.shape)} contradicts the config (num_attention_heads {n_head} x "
                        f"(qk_nope_head_dim {nope} + v_head_dim {v}) rows)", path=where, tensor=rec.name)
+    stored = rec.native_form(KV_B_HALVES)
+    if stored is not None:
+        # named as this writer names the halves (an MTP block or a multimodal prefix renamed before the split); their
+        # block scales checked finite as every grid record's were as the source streamed (the merged record is dense)
+        return list(finite_params([renamed(half, name=name) for half, name in zip(stored.load(), parts)], where))
     value_rows = kv_b_value_rows(config)
     source_name = rec.source_name or rec.name
 
@@ -506,7 +516,8 @@ class GgufWriter(Writer):
             parts = kv_b_parts(rec.name) if spec.mla else None
             if parts is not None:
                 key, value = _kv_b_records(rec, parts, model_config(source), config_json_path(source))
-                if value.is_grid:
+                # a grid's v_b split here keeps its codes only where exact; a GGUF file's own v_b is any grid
+                if value.is_grid and rec.native_form(KV_B_HALVES) is None:
                     self._codes_only_if_exact.add(value.name)
                 yield from (key, value)
             elif arch == "gpt-oss" and gpt_oss_expert_part(rec.name):

@@ -36,11 +36,11 @@ from . import deepseek4  # noqa: F401  (DeepSeek-V4: an arch-local name and key 
 from . import kimi_k3  # noqa: F401  (Kimi-K3: its own name table, gguf 0.19 has no kimi-k3)
 from .base import (EXPERT_COUNT_KEYS, GgufArch, arch_by_name, arch_for_config, expert_count, expert_count_key,
                    expert_name, register_arch, registered, supported_classes)
-from .deepseek2 import kv_b_parts, kv_b_value_rows, merge_kv_b, split_kv_b
+from .deepseek2 import KV_B_HALVES, kv_b_parts, kv_b_value_rows, merge_kv_b, split_kv_b
 from .gpt_oss import GPT_OSS_SWIGLU, gpt_oss_expert_part, gpt_oss_layer_types, merge_gpt_oss_experts, split_gpt_oss_experts
 
 __all__ = ["GgufArch", "register_arch", "registered", "arch_by_name", "arch_for_config", "supported_classes",
            "expert_name", "EXPERT_COUNT_KEYS", "expert_count", "expert_count_key", "kv_b_parts", "split_kv_b",
            "merge_kv_b", "gpt_oss_expert_part", "split_gpt_oss_experts", "merge_gpt_oss_experts", "GPT_OSS_SWIGLU",
            "gpt_oss_layer_types", "llama4_expert_part", "split_llama4_experts", "merge_llama4_experts",
-           "kv_b_value_rows"]
+           "kv_b_value_rows", "KV_B_HALVES"]

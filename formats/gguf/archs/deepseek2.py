@@ -120,6 +120,10 @@ register_arch(GgufArch("deepseek2", ("DeepseekV3ForCausalLM",), ("deepseek_v3", 
 # DeepSeek's kv_b_proj: one HF tensor, two GGUF tensors
 # --------------------------------------------------------------------------------------------------
 _KV_B = re.compile(r"^(?P<head>.*\.self_attn\.)kv_b_proj\.weight$")
+# the NativeForm (converters/records.py) a GGUF source's kv_b_proj record carries: the file's own attn_k_b /
+# attn_v_b, read as any other GGUF tensor. The reader must merge them (every other target wants kv_b_proj), and
+# the merge is a float32 decoding; a GGUF target takes the halves instead, so their types and bytes survive
+KV_B_HALVES = "gguf-mla-halves"
 
 
 def _mla_sizes(config: Mapping) -> tuple[int, int, int]:
