@@ -12,7 +12,7 @@ llama.cpp`); it is decided at plan time and carried in the writer's action.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -34,7 +34,9 @@ QUANTIZERS = ("qconvert", "llama.cpp")
 @dataclass(frozen=True)
 class QuantHow:
     keep_codes: bool = False  # grid -> Q4_K/Q5_K: keep the codes in every super-block that can hold them
-    imatrix: np.ndarray | None = None  # float32 [in_features] importance per column (K types)
+    # float32 [in_features] importance per column (K and IQ types), or [slices, in_features] for a stacked tensor
+    # whose slices (the dims before the last two) each have their own, as llama-quantize takes them
+    imatrix: np.ndarray | None = None
     backend: str = "qconvert"  # "llama.cpp": ggml_quantize_chunk from llama-cpp-python
 
     @property
@@ -42,8 +44,22 @@ class QuantHow:
         return self.keep_codes or self.imatrix is not None or self.backend != "qconvert"
 
 
+def by_slice(quantize, x2, imatrix: np.ndarray | None) -> np.ndarray:
+    """quantize(rows, imatrix row) over a stack's slices: [slices, n] importances weigh rows / slices rows each (rows
+    of one slice are contiguous, and every quantizer here is row by row, so the bytes are those of one call with
+    llama-quantize's per-expert pointer); a 1-D or absent imatrix is one call."""
+    if imatrix is None or imatrix.ndim == 1:
+        return quantize(x2, imatrix)
+    slices = imatrix.shape[0]
+    per = x2.shape[0] // slices
+    return np.concatenate([quantize(x2[i * per:(i + 1) * per], np.ascontiguousarray(imatrix[i]))
+                           for i in range(slices)])
+
+
 def _quantize_rows(lay: BlockLayout, x2: torch.Tensor, how: QuantHow) -> np.ndarray:
     """float32 [rows, n] -> uint8 [rows, row_bytes] with the chosen quantizer."""
+    if how.imatrix is not None and how.imatrix.ndim == 2:
+        return by_slice(lambda rows, vec: _quantize_rows(lay, rows, replace(how, imatrix=vec)), x2, how.imatrix)
     if how.backend == "llama.cpp":
         from ...kernels.ggml.libggml import ggml_quantize
 
@@ -288,9 +304,10 @@ def _encode_codebook(lay: BlockLayout, item: Dense | Grid, quant: QuantHow | Non
     if quant is not None and quant.backend == "llama.cpp":
         from ...kernels.ggml.libggml import ggml_quantize
 
-        data = ggml_quantize(x2, lay.name, imatrix, threads=max(1, torch.get_num_threads()))
+        data = by_slice(lambda rows, vec: ggml_quantize(rows, lay.name, vec, threads=max(1, torch.get_num_threads())),
+                        x2, imatrix)
     else:
-        data = quantize(x2, imatrix)
+        data = by_slice(quantize, x2, imatrix)
     return data, torch.from_numpy(dequantize(data, shape[-1])).view(shape)
 
 

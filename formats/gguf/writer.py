@@ -355,9 +355,16 @@ def _choose_type(explicit, options: Options, facts: ModelFacts | None, out_name:
 _IMATRIX_CACHE: dict = {}
 
 
-def _imatrix_for(options: Options, out_name: str, shape, target: str) -> tuple[np.ndarray | None, str]:
-    """The --imatrix vector of a tensor planned for a K type or an IQ type (llama-quantize weighs those
-    quantizers with it), or None and a note."""
+def _imatrix_for(options: Options, out_name: str, shape, target: str, expert: int | None = None,
+                 experts: int = 1) -> tuple[np.ndarray | None, str]:
+    """The --imatrix weights of a tensor planned for a K type or an IQ type (llama-quantize weighs those
+    quantizers with them), or None and a note: float32 [columns], or [slices, columns] for a stacked tensor whose
+    slices (experts, MLA heads: the dims before the last two) each have their own.
+
+    llama-imatrix writes one vector per slice for a 3-D tensor (ne0 x ne2 values) and llama-quantize requires that
+    size there, quantizing slice i with values i*ne0 .. (i+1)*ne0. A record that is one expert of such a stack
+    (`expert` of `experts`, GgufAction.expert) takes its own slice. One vector of ne0 values for a whole stack is
+    also taken (every slice weighed alike), which llama-quantize would refuse."""
     path = options.extra.get("imatrix")
     if not path:
         return None, ""
@@ -372,12 +379,20 @@ def _imatrix_for(options: Options, out_name: str, shape, target: str) -> tuple[n
     vec = _IMATRIX_CACHE[key].get(out_name)
     if vec is None:
         return None, "; no imatrix entry"
-    if vec.size != shape[-1]:
-        if out_name == "token_embd.weight":  # llama-quantize ignores a mismatched embedding entry too
-            return None, "; imatrix entry of the wrong size ignored"
-        raise BadInput(f"imatrix entry has {vec.size} values, the tensor has {shape[-1]} columns", path=path,
-                       tensor=out_name)
-    return vec, "; weighted by the imatrix"
+    columns = int(shape[-1])
+    slices = experts if expert is not None else int(np.prod([int(d) for d in shape[:-2]], dtype=np.int64))
+    if vec.size == columns:
+        return vec, "; weighted by the imatrix"
+    if slices > 1 and vec.size == columns * slices:
+        per_slice = vec.reshape(slices, columns)
+        if expert is not None:
+            return np.ascontiguousarray(per_slice[expert]), f"; weighted by the imatrix (expert {expert}'s values)"
+        return per_slice, "; weighted by the imatrix (one vector per slice)"
+    if out_name == "token_embd.weight":  # llama-quantize ignores a mismatched embedding entry too
+        return None, "; imatrix entry of the wrong size ignored"
+    want = f"{columns}" + (f" or {columns} x {slices} = {columns * slices}" if slices > 1 else "")
+    raise BadInput(f"imatrix entry has {vec.size} values, the tensor wants {want} (its {columns} columns"
+                   + (f", per slice of {slices})" if slices > 1 else ")"), path=path, tensor=out_name)
 
 
 @dataclass
@@ -394,15 +409,17 @@ class GgufAction:
     ggml_n_dims: bool = False
 
 
-def _attach_quant(plan: TensorPlan, options: Options, keep_codes: bool) -> None:
-    """Record how a quantized target is encoded when it is not simply the reference quantizer."""
+def _attach_quant(plan: TensorPlan, options: Options, keep_codes: bool, experts: int = 1) -> None:
+    """Record how a quantized target is encoded when it is not simply the reference quantizer (`experts`: the
+    size of the stack a one-expert record joins)."""
     lay = TARGET_LAYOUTS[plan.target]
     if lay.kind == "float" or plan.verdict == REFUSED:
         return
     backend = options.extra.get("quantizer") or "qconvert"
     if backend not in QUANTIZERS:
         raise QConvertError(f"unknown --quantizer {backend!r}; choose one of: {', '.join(QUANTIZERS)}")
-    imatrix, note = _imatrix_for(options, plan.out_name, plan.shape, plan.target) if plan.verdict == REQUANTIZE else (None, "")
+    imatrix, note = _imatrix_for(options, plan.out_name, plan.shape, plan.target, plan.action.expert,
+                                 experts) if plan.verdict == REQUANTIZE else (None, "")
     plan.reason += note
     refusal = imatrix_refusal(plan.target, plan.out_name, imatrix is not None) if plan.verdict == REQUANTIZE else None
     if refusal:  # llama-quantize's rule for the IQ2 types (schemes.py)
@@ -642,7 +659,8 @@ class GgufWriter(Writer):
             action.tensor_scale = tensor_scale_of(rec.params)
         plan = self.plan(rec, v, target, source=src, out_name=out_name, action=action,
                          reason_prefix=rule_note + fallback_note)
-        _attach_quant(plan, options, keep_codes=bool(v.kept_blocks))
+        _attach_quant(plan, options, keep_codes=bool(v.kept_blocks),
+                      experts=_expert_count(source) if expert is not None else 1)
         if TARGET_LAYOUTS[target].kind == "k" and v.verdict == REQUANTIZE and available_kquants() is None:
             plan.verdict, plan.reason = REFUSED, f"the {target} quantizer is not available in this build"
         return plan

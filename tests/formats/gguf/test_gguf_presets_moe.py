@@ -266,3 +266,59 @@ def test_synthetic_preset_types_equal_llama_quantize(case, tmp_path):
         assert {seen["q4_k_m"][f"blk.{i}.attn_v.weight"] for i in range(80)} == {"Q5_K", "Q6_K"}
     if case == "mla_8_experts":
         assert seen["q4_k_m"]["blk.0.attn_kv_b.weight"] == seen["q2_k"]["blk.3.attn_k.weight"] == "Q8_0"
+
+
+# ------------------------------------------------------------------------------------------------
+# an importance matrix with one vector per expert, as llama-imatrix writes it for a stacked tensor
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, source", [("mixtral", "hf"), ("qwen3_moe", "gguf")])
+def test_per_expert_imatrix_equals_llama_quantize(kind, source, tmp_path):
+    """llama-imatrix stores ne0 x experts values for a stacked expert tensor, and llama-quantize requires that size
+    there, weighing expert i's rows with values i*ne0 .. (i+1)*ne0. qconvert refused such an entry in one line ("the
+    tensor has 64 columns"), so a MoE model's own importance matrix could not be used. Now both an HF source (one
+    record per expert, joined into the stack) and a GGUF source (stacked records) give llama-quantize's bytes with
+    it, and the per-expert vectors are really applied (the bytes differ from one shared vector's)."""
+    from helpers import write_legacy_imatrix
+    from llama_quantize import llama_quantize
+
+    f32 = reference_f32(kind)
+    rng = np.random.default_rng(7)
+    per_expert, shared = {}, {}
+    for t in gguf.GGUFReader(str(f32)).tensors:
+        dims = [int(d) for d in t.shape]  # ggml order: ne0 (columns) first
+        if len(dims) < 2 or not t.name.endswith(".weight") or t.name == "token_embd.weight":
+            continue
+        slices = dims[2] if len(dims) == 3 else 1
+        per_expert[t.name] = rng.gamma(1.0, 2.0, dims[0] * slices).astype(np.float32)
+        shared[t.name] = per_expert[t.name][: dims[0]].copy()
+    stacked = [n for n in per_expert if per_expert[n].size != shared[n].size]
+    assert stacked and all("_exps." in n for n in stacked)
+    imatrix, one_vector = tmp_path / "experts.dat", tmp_path / "shared.dat"
+    write_legacy_imatrix(imatrix, per_expert)
+    write_legacy_imatrix(one_vector, shared)
+    src = f32 if source == "gguf" else ROOT / kind
+    ours, flat = tmp_path / "ours.gguf", tmp_path / "flat.gguf"
+    from helpers import run_cli
+
+    report = tmp_path / "r.json"
+    run_cli(f"{source}->gguf", src, ours, "--type", "q4_k_m", "--imatrix", imatrix, "--allow-requant",
+            "--report", report)
+    run_cli(f"{source}->gguf", src, flat, "--type", "q4_k_m", "--imatrix", one_vector, "--allow-requant")
+    from qconvert.formats.gguf.imatrix import read_imatrix
+
+    theirs = llama_quantize(f32, tmp_path / "theirs.gguf", FTYPES["q4_k_m"], read_imatrix(imatrix))
+    a, b, c = (gguf.GGUFReader(str(p)) for p in (ours, theirs, flat))
+    want = {t.name: t for t in b.tensors}
+    for t in a.tensors:
+        assert t.tensor_type == want[t.name].tensor_type, t.name
+        assert np.array_equal(np.asarray(t.data).view(np.uint8), np.asarray(want[t.name].data).view(np.uint8)), t.name
+    assert len(a.tensors) == len(b.tensors)
+    flat_exps = {t.name: np.asarray(t.data).view(np.uint8) for t in c.tensors if t.name in stacked}
+    assert any(not np.array_equal(np.asarray(t.data).view(np.uint8), flat_exps[t.name])
+               for t in a.tensors if t.name in stacked)
+    import json
+
+    reasons = {t["out_name"]: t["reason"] for t in json.loads(report.read_text())["tensors"]}
+    assert any("values)" in reasons[n] or "per slice" in reasons[n] for n in reasons if "_exps." in n)
