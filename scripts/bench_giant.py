@@ -18,7 +18,8 @@ sampled from /proc every 0.1 s):
               `cat` of the source files into one file (the disk bound of moving those bytes)
   (b) q4_k_m  everything requantized to llama-quantize's Q4_K_M mix
   (c) iq2_xxs with a synthetic importance matrix (legacy .dat, formats/gguf/imatrix.py reads it; values in
-              [0.5, 1.5), one per input column, shared by a stack's experts) for every 2-D weight of the GGUF
+              [0.5, 1.5), one per input column, and per slice of a 3-D tensor: experts, MLA heads) for every
+              weight of the GGUF (scripts/llama_quantize_route.py), the same file for both sides
 each at `--workers 1` and `--workers N` (N = --workers, default 2), and by llama.cpp's route at N threads:
 llama.cpp's converter (convert_hf_to_gguf.py, scripts/llama_cpp_reference.py) cannot read this source (it raises
 "Can't handle multiple config groups for compressed-tensors yet"), so its route starts from a bf16 copy made by

@@ -46,8 +46,10 @@ def ftype(name: str) -> int:
 
 
 def write_synthetic_imatrix(gguf_path: Path, out: Path, seed: int = 1) -> int:
-    """A legacy .dat importance matrix for every `.weight` of >= 2 dims in `gguf_path`: one float per input column
-    (the same for every expert of a stacked tensor), uniform in [0.5, 1.5), call count 1. Returns the entry count."""
+    """A legacy .dat importance matrix for every `.weight` of >= 2 dims in `gguf_path`: one float per input column,
+    uniform in [0.5, 1.5), call count 1; a 3-D tensor (experts, MLA heads) gets one vector per slice, as
+    llama-imatrix writes it and llama-quantize requires (ne0 x ne2 values), each slice's its own. Returns the entry
+    count."""
     from gguf import GGUFReader
 
     rng = np.random.default_rng(seed)
@@ -56,9 +58,8 @@ def write_synthetic_imatrix(gguf_path: Path, out: Path, seed: int = 1) -> int:
         dims = [int(d) for d in t.shape]
         if len(dims) < 2 or not t.name.endswith(".weight"):
             continue
-        # one vector per input column, shared by the experts of a stacked tensor: llama-quantize also takes
-        # ne0 x experts values there, qconvert's --imatrix only ne0 (it refuses the per-expert form in one line)
-        entries.append((t.name, rng.uniform(0.5, 1.5, dims[0]).astype(np.float32)))
+        slices = int(np.prod(dims[2:], dtype=np.int64)) if len(dims) > 2 else 1
+        entries.append((t.name, rng.uniform(0.5, 1.5, dims[0] * slices).astype(np.float32)))
     with open(out, "wb") as f:
         f.write(struct.pack("<i", len(entries)))
         for name, vals in entries:
