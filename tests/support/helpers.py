@@ -92,11 +92,28 @@ def run_cli(*args, check_rc: int | None = 0) -> subprocess.CompletedProcess:
 
 
 def llama_logits(gguf_path: Path, ids: list[int]) -> np.ndarray:
-    """llama.cpp's logits for every position (F32 KV cache: an F16 cache would add its own rounding to the comparison)."""
+    """llama.cpp's logits for every position (F32 KV cache: an F16 cache would add its own rounding to the comparison).
+    QCONVERT_LLAMA_NO_REPACK=1: the weights stay in their file's layout (llama.cpp's --no-repack, llama_model_params
+    .use_extra_bufts false), not moved to the CPU's extra buffer types (repacked or AMX Q4_0 / Q8_0); for a
+    llama-cpp-python whose extra buffers crash on the machine (a native build on an AMX CPU, docs/proofs.md)."""
     from llama_cpp import Llama
+    from llama_cpp import llama as llama_module
 
-    llm = Llama(str(gguf_path), n_ctx=128, n_batch=128, logits_all=True, n_threads=2, verbose=False,
-                type_k=0, type_v=0)
+    # llama-cpp-python's Llama takes no such argument: it reads llama_model_default_params() while it loads
+    defaults = llama_module.llama_cpp.llama_model_default_params
+
+    def without_extra_buffers():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    if os.environ.get("QCONVERT_LLAMA_NO_REPACK") == "1":
+        llama_module.llama_cpp.llama_model_default_params = without_extra_buffers
+    try:
+        llm = Llama(str(gguf_path), n_ctx=128, n_batch=128, logits_all=True, n_threads=2, verbose=False,
+                    type_k=0, type_v=0)
+    finally:
+        llama_module.llama_cpp.llama_model_default_params = defaults
     try:
         llm.eval(ids)
         return np.array(llm.scores[: len(ids)], dtype=np.float32)
