@@ -27,7 +27,13 @@ w1/w3/w2). The oracle's reference is keyed as the checkpoint names the modules.
 Family not made: llama4 (llm-compressor 0.14's Llama4 linearizer, modeling/moe/llama4.py, reads
 config.text_config and fails on the text model's config: "AttributeError: 'Llama4TextConfig' object has no
 attribute 'text_config'", for Llama4ForCausalLM and Llama4ForConditionalGeneration alike); gptqmodel makes it
-(scripts/producers/gptqmodel_archs.py, gptq_llama4).
+(scripts/producers/gptqmodel_archs.py, gptq_llama4). deepseek_v4 (gptqmodel makes it: gptq_deepseek_v4): tried on its
+float form (fixtures_archs.deepseek_v4_dequantized), transformers 5.17's own DeepseekV4 forward fails in float16 and
+bfloat16 ("RuntimeError: expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16" at
+self_attn.q_a_proj: the hyper-connection mix stays float32); in float32 oneshot runs, and the save keeps the release's
+names under `model.` (`head.weight`, `model.layers.N.attn.wq_a`, `model.layers.N.ffn.experts.E.w1`), which qconvert's
+compressed-tensors reader does not rename ("tensor lm_head.weight: config.json sets tie_word_embeddings false, but the
+checkpoint has no output head").
 """
 
 from __future__ import annotations
