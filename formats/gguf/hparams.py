@@ -42,8 +42,11 @@ def rope_parameters(config: Mapping, layer_type: str = "full_attention") -> dict
         # (gptqmodel's save of Gemma 4 leaves stray top-level rope_theta / rope_type beside the layer types' dicts:
         # transformers reads only the layer type's dict, so the dicts decide whenever there are any)
         nested = {k: v for k, v in params.items() if isinstance(v, Mapping)}
+        # (DeepSeek-V4 keys them "main" and "compress", the compressed KV's own base, which transformers 5.24
+        # saves first: the main attention's is the model's)
         if nested:
-            params = nested.get(layer_type) or nested.get("full_attention") or next(iter(nested.values()))
+            params = nested.get(layer_type) or nested.get("full_attention") or nested.get("main") \
+                or next(iter(nested.values()))
         out.update(params)
     if layer_type == "sliding_attention" and "rope_theta" not in out and config.get("rope_local_base_freq"):
         out["rope_theta"] = config["rope_local_base_freq"]

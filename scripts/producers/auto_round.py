@@ -18,6 +18,14 @@ packing at 2/3/5/6/7/8 bits), asym_wide (raw packing at 5/6/7 bits) and gptqmode
 "auto_round:gptqmodel": raw zeros plus g_idx).
 
 Run: .venv/bin/python scripts/producers/auto_round.py [OUT_DIR]
+
+DeepSeek-V4 (not made here; gptqmodel makes it: gptqmodel_archs.py, gptq_deepseek_v4), tried on the float form of the
+architecture tests' model (fixtures_archs.deepseek_v4_dequantized): the calibrated flow (iters=0, bfloat16) fails in
+auto-round's block replay, "TypeError: DeepseekV4Attention.forward() missing 1 required positional argument:
+'position_embeddings'"; the model-free mode (AutoRound(model=DIR, scheme="W4A16", model_free=True, group_size=32))
+writes auto_round:auto_gptq packing under the release's names (`head.weight`, `layers.N.attn.wq_a.qweight`), which
+qconvert's auto-round reader does not rename ("tensor lm_head.weight: config.json sets tie_word_embeddings false,
+but the checkpoint has no output head").
 """
 
 from __future__ import annotations

@@ -52,6 +52,11 @@ FAMILIES = {
     # in model" (llm-compressor makes that layout: scripts/producers/llmcompressor_archs.py, ct_llama4_maverick);
     # its defuser needs the experts' layout told (_llama4_experts_in_out)
     "llama4_scout": "gptq_llama4",
+    # DeepSeek-V4 from its release checkpoint decoded to float (fixtures_archs.deepseek_v4_dequantized: the FP4
+    # experts decoded, the form transformers loads without a quantization config; gptqmodel does not read the
+    # release's MXFP4 / FP8 form), quantized in bfloat16 (DTYPE); gptqmodel's module tree takes the attention's
+    # q_a / q_b / kv / o_b projections and every routed and shared expert (of the hash-routed layer too)
+    "deepseek_v4": "gptq_deepseek_v4",
 }
 # the families gptqmodel 7.6 cannot quantize with the .venv's transformers 5.24 (the error, as it fails):
 # - minimax_m2: its definition names the experts block_sparse_moe.experts.#.w1/w3/w2, transformers 5.24 fuses them
@@ -60,12 +65,18 @@ FAMILIES = {
 #   (scripts/producers/llmcompressor_archs.py, ct_minimax_m2);
 # - ernie4_5_moe: "AttributeError: 'Ernie4_5_MoeModel' object has no attribute '_update_causal_mask'" (its
 #   definition calls transformers 4's mask helper);
-# - deepseek_v4: the release layout (FP8 blocks, MXFP4 experts, release names) is no model gptqmodel loads; its
-#   dequantized form (fixtures_archs.deepseek_v4_dequantized, which transformers loads) loads, but the calibration
-#   forward fails in transformers' DeepseekV4 attention: "RuntimeError: expected m1 and m2 to have the same dtype,
-#   but got: c10::Half != float" (modeling_deepseek_v4.py line 645, float16 as gptqmodel quantizes).
 # layers the architecture tests build each family with where it is not the builder's default
-LAYERS = {"gemma4_moe": 6, "glm_moe_dsa": 3}
+# (DeepSeek-V4: sliding, CSA and HCA layers, one of each; llama.cpp stops with a floating point exception
+# (SIGFPE) on the 2-layer model of hidden 128, sliding and CSA, as on its unquantized release form)
+LAYERS = {"gemma4_moe": 6, "glm_moe_dsa": 3, "deepseek_v4": 3}
+# the dtype gptqmodel loads the base in, and its runtime the checkpoint in for the logits, where float16 is not it:
+# transformers 5.24's DeepseekV4 keeps its compressor projections in float32 under float16 (its non-strict
+# _keep_in_fp32_modules, meant for the FP8 release, has no effect in bfloat16 only), so the calibration forward in
+# float16 fails in DeepseekV4CSACompressor: "RuntimeError: expected m1 and m2 to have the same dtype, but got:
+# c10::Half != float" (modeling_deepseek_v4.py line 645, kv_proj). gptqmodel's torch kernel runs float16 and
+# bfloat16 only ("TorchLinear only supports [torch.float16, torch.bfloat16]"), so not float32. The reference is
+# still dequantize_weight() in float16 (the scales are stored float16 in either dtype: exact there)
+DTYPE = {"deepseek_v4": "bfloat16"}
 BITS, GROUP_SIZE, SYM = 4, 32, True
 
 
@@ -101,6 +112,19 @@ def _llama4_experts_in_out() -> None:
     Llama4TextExperts.is_transposed = True
 
 
+def _deepseek_v4_float(out: Path, kind: str, layers: int = 4) -> Path:
+    """The architecture tests' DeepSeek-V4 (fixtures_archs.build_deepseek_v4, the release's layout) with its FP4
+    experts decoded (deepseek_v4_dequantized): what transformers and gptqmodel load."""
+    import fixtures_archs  # noqa: E402  (on sys.path: produce() put tests/support there)
+
+    release = fixtures_archs.build_deepseek_v4(out.with_name("release"), layers=layers)
+    return fixtures_archs.deepseek_v4_dequantized(release, out)
+
+
+# the base of a family fixtures_archs.build_arch_model does not build
+BUILD = {"deepseek_v4": _deepseek_v4_float}
+
+
 # what a family needs before gptqmodel can run it with the .venv's transformers (a version mismatch, not a
 # change of what is quantized)
 BEFORE_QUANTIZING = {"glm4_moe": _glm4_moe_router_tuple, "llama4_scout": _llama4_experts_in_out}
@@ -119,14 +143,16 @@ def produce(kind: str) -> Path:
     built_with = f", layers {LAYERS[kind]}" if kind in LAYERS else ""
     with tempfile.TemporaryDirectory(prefix=f"qconvert-gptq-{kind}-") as tmp:
         layers = {"layers": LAYERS[kind]} if kind in LAYERS else {}
-        base = fixtures_archs.build_arch_model(Path(tmp) / "base", kind, **layers)
+        base = BUILD.get(kind, fixtures_archs.build_arch_model)(Path(tmp) / "base", kind, **layers)
         if kind in BEFORE_QUANTIZING:
             BEFORE_QUANTIZING[kind]()
-        ckpt = fixtures.quantize_gptq(base, Path(tmp) / "ckpt", bits=BITS, group_size=GROUP_SIZE, sym=SYM)
+        dtype = DTYPE.get(kind, "float16")
+        ckpt = fixtures.quantize_gptq(base, Path(tmp) / "ckpt", bits=BITS, group_size=GROUP_SIZE, sym=SYM,
+                                      dtype=dtype)
         # float16: gptqmodel dequantizes in float16, so nothing is lost (and the file is half the size)
         reference = {name: t.to(torch.float16).contiguous()
                      for name, t in fixtures_moe.moe_gptq_reference(ckpt).items()}
-        logits = producer_logits(fixtures, ckpt, fixtures_archs.arch_prompt())
+        logits = producer_logits(fixtures, ckpt, fixtures_archs.arch_prompt(), dtype)
         if out.exists():
             shutil.rmtree(out)
         out.mkdir(parents=True)
@@ -136,17 +162,18 @@ def produce(kind: str) -> Path:
         save_file(logits, str(out / "logits.safetensors"))
         _common.write_versions(out, "gptqmodel", ["gptqmodel", "torch", "transformers"],
                                base=f"tests/support/fixtures_archs.py {kind} (seed 0{built_with})",
-                               bits=BITS, group_size=GROUP_SIZE, sym=SYM)
+                               bits=BITS, group_size=GROUP_SIZE, sym=SYM,
+                               **({"dtype": dtype} if kind in DTYPE else {}))
     return out
 
 
-def producer_logits(fixtures, ckpt: Path, prompt) -> dict:
-    """The producer's runtime on the checkpoint: gptqmodel's model (its torch kernel, CPU, the float16 it loads
-    in) run on the architecture tests' prompt. {"logits": float32 [T, vocab], "prompt": int64 [T]}: what llama.cpp's
-    logits of the converted file are judged against."""
+def producer_logits(fixtures, ckpt: Path, prompt, dtype: str = "float16") -> dict:
+    """The producer's runtime on the checkpoint: gptqmodel's model (its torch kernel, CPU, in float16, or the
+    family's DTYPE) run on the architecture tests' prompt. {"logits": float32 [T, vocab], "prompt": int64 [T]}:
+    what llama.cpp's logits of the converted file are judged against."""
     import torch
 
-    model = fixtures._load_quantized(ckpt).model.eval()
+    model = fixtures._load_quantized(ckpt, dtype).model.eval()
     ids = torch.tensor([list(prompt)], dtype=torch.long)
     with torch.inference_mode():
         logits = model(input_ids=ids).logits[0].float().contiguous()

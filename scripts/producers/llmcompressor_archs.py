@@ -36,6 +36,14 @@ transformers maps). llm-compressor has no load mapping for llama4_text, so its o
 experts as llm-compressor's linearized module from the start (_llama4_per_expert_layout) and transformers +
 compressed-tensors decompress each expert into it; the router (feed_forward.router, an nn.Linear subclass) stays
 float, as MiniMax's and ERNIE's.
+
+Family not made: deepseek_v4 (gptqmodel makes it: gptq_deepseek_v4): tried on its
+float form (fixtures_archs.deepseek_v4_dequantized), transformers 5.17's own DeepseekV4 forward fails in float16 and
+bfloat16 ("RuntimeError: expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16" at
+self_attn.q_a_proj: the hyper-connection mix stays float32); in float32 oneshot runs, and the save keeps the release's
+names under `model.` (`head.weight`, `model.layers.N.attn.wq_a`, `model.layers.N.ffn.experts.E.w1`), which qconvert's
+compressed-tensors reader does not rename ("tensor lm_head.weight: config.json sets tie_word_embeddings false, but the
+checkpoint has no output head").
 """
 
 from __future__ import annotations

@@ -324,9 +324,11 @@ def _clean_checkpoint(out: Path) -> None:
 
 
 def quantize_gptq(base_dir, out_dir, bits: int = 4, group_size: int = 32, sym: bool = True,
-                  desc_act: bool = False, fmt: str = "gptq", calib: Optional[List[dict]] = None) -> Path:
+                  desc_act: bool = False, fmt: str = "gptq", calib: Optional[List[dict]] = None,
+                  dtype: str = "float16") -> Path:
     """Quantize ``base_dir`` with gptqmodel 7.6.0 on CPU and save a GPTQ checkpoint (``fmt`` "gptq"
-    = v1 or "gptq_v2") into ``out_dir``. Deterministic: fixed calibration data and seeds."""
+    = v1 or "gptq_v2") into ``out_dir``. Deterministic: fixed calibration data and seeds. ``dtype``: the torch
+    dtype gptqmodel loads and calibrates the model in (its scales are float16 either way)."""
     import torch
     from gptqmodel import GPTQModel, QuantizeConfig
 
@@ -344,7 +346,7 @@ def quantize_gptq(base_dir, out_dir, bits: int = 4, group_size: int = 32, sym: b
         qcfg_kwargs["act_group_aware"] = False
     qcfg = QuantizeConfig(**qcfg_kwargs)
     _seed_all()
-    model = GPTQModel.load(str(base_dir), qcfg, device="cpu", dtype=torch.float16)
+    model = GPTQModel.load(str(base_dir), qcfg, device="cpu", dtype=getattr(torch, dtype))
     model.quantize(calib if calib is not None else calibration_data(), batch_size=1)
     model.save(str(out))
     del model
@@ -352,10 +354,10 @@ def quantize_gptq(base_dir, out_dir, bits: int = 4, group_size: int = 32, sym: b
     return out
 
 
-def _load_quantized(ckpt_dir):
+def _load_quantized(ckpt_dir, dtype: str = "float16"):
     import torch
     from gptqmodel import BACKEND, GPTQModel
-    return GPTQModel.load(str(ckpt_dir), backend=BACKEND.GPTQ_TORCH, device="cpu", dtype=torch.float16)
+    return GPTQModel.load(str(ckpt_dir), backend=BACKEND.GPTQ_TORCH, device="cpu", dtype=getattr(torch, dtype))
 
 
 def gptq_reference(ckpt_dir, ref_path, prompt_ids: Iterable[int]) -> Path:

@@ -14,7 +14,8 @@ quantized module beside it (reference.safetensors) and its runtime's logits (log
 - read back (`gguf->hf --type f32`), every quantized module equals the producer's own dequantization (rounded to
   fp16, as both compute it);
 - llama.cpp runs the Q4_0 file within the usual tolerance of the producer's runtime (gptqmodel's own forward on the
-  checkpoint in float16 with its torch kernel; transformers 5.17 + compressed-tensors decompressed), stored by the
+  checkpoint in float16 with its torch kernel, DeepSeek-V4's in the bfloat16 gptqmodel quantizes it in
+  (scripts/producers/gptqmodel_archs.py DTYPE); transformers 5.17 + compressed-tensors decompressed), stored by the
   producer for the architecture tests' prompt. llama.cpp quantizes the activations to Q8_0 against Q4_0 weights,
   whose noise can flip a top-k routing choice, so it is judged on the mean and on top-1 agreement, as the MoE GPTQ
   test of test_gguf_archs.py does.
@@ -78,9 +79,14 @@ PROJECTION = re.compile(r"^model\.layers\.\d+\..*_proj(?:\.weight|\.qweight|\.we
 NOT_QUANTIZED = re.compile(r"\.in_proj_(?:a|b|ba)\.")
 # what the producer itself leaves in float where it should not: gptqmodel 7.6's Gemma 4 module tree has no
 # entry for transformers 5.24's fused Gemma4TextExperts, so every routed expert stays float16 (written F16, exact);
-# its GLM-5 tree leaves the DSA indexer's per-head weights_proj (a [heads, hidden] scoring weight) in float16
+# its GLM-5 tree leaves the DSA indexer's per-head weights_proj (a [heads, hidden] scoring weight) in float16; its
+# DeepSeek-V4 tree takes q_a / q_b / kv / o_b and the experts: the grouped output projection's o_a_proj (marked not
+# to quantize) and the compressor's and indexer's projections (not in the tree) stay bfloat16
 LEFT_IN_FLOAT_BY_PRODUCER = {"gemma4_moe": re.compile(r"\.experts\.(?:gate_up_proj|down_proj)$"),
-                             "glm_moe_dsa": re.compile(r"\.indexer\.weights_proj\.weight$")}
+                             "glm_moe_dsa": re.compile(r"\.indexer\.weights_proj\.weight$"),
+                             "deepseek_v4": re.compile(r"\.self_attn\.(?:o_a_proj|compressor\..*_proj)\.weight$")}
+# families whose transformers class holds its fused experts [E, in, out] (Llama 4) rather than [E, out, in]
+TRANSPOSED_EXPERTS = {"llama4", "llama4_text"}
 
 
 def _pieces(name: str) -> list:
@@ -95,10 +101,11 @@ def _pieces(name: str) -> list:
 _PER_EXPERT = re.compile(r"^(?P<head>.*\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
-def _read_back(back: dict, name: str) -> torch.Tensor:
+def _read_back(back: dict, name: str, transposed: bool) -> torch.Tensor:
     """The read-back weight of a quantized module: its own tensor, or, for an expert of a family whose transformers
-    class holds its experts fused and transposed (Llama 4: gate_up_proj [E, in, 2 * ffn] with the gate columns
-    first, down_proj [E, ffn, hidden]: what gguf->hf writes), the expert's [out, in] slice of the fused tensor."""
+    class holds its experts fused (what gguf->hf writes), the expert's [out, in] slice of the fused tensor:
+    transposed (Llama 4: gate_up_proj [E, in, 2 * ffn] with the gate columns first, down_proj [E, ffn, hidden]) or
+    not (DeepSeek-V4: gate_up_proj [E, 2 * ffn, in] with the gate rows first, down_proj [E, hidden, ffn])."""
     if name in back:
         return back[name]
     m = _PER_EXPERT.match(name)
@@ -106,10 +113,12 @@ def _read_back(back: dict, name: str) -> torch.Tensor:
         raise KeyError(name)
     e = int(m["index"])
     if m["proj"] == "down_proj":
-        return back[f"{m['head']}.down_proj"][e].T
+        down = back[f"{m['head']}.down_proj"][e]
+        return down.T if transposed else down
     fused = back[f"{m['head']}.gate_up_proj"][e]
-    ffn = fused.shape[1] // 2
-    return (fused[:, :ffn] if m["proj"] == "gate_proj" else fused[:, ffn:]).T
+    fused = fused.T if transposed else fused
+    ffn = fused.shape[0] // 2
+    return fused[:ffn] if m["proj"] == "gate_proj" else fused[ffn:]
 
 
 @pytest.mark.parametrize("kind", list(FIXTURES))
@@ -152,7 +161,8 @@ def test_quantized_checkpoint_keeps_its_codes(kind, tmp_path):
         # read back under the name the model's class loads (llm-compressor's MiniMax-M2 experts.E.gate_proj is
         # the release's experts.E.w1: model_shapes.canonical_name); the producers multiply in fp16: equal once the
         # exact fp32 product is rounded to fp16
-        assert torch.equal(_read_back(back, canonical_name(name, config)).to(torch.float16), want), name
+        transposed = config.get("model_type") in TRANSPOSED_EXPERTS
+        assert torch.equal(_read_back(back, canonical_name(name, config), transposed).to(torch.float16), want), name
 
     # the producer's runtime on its checkpoint, stored by the producer for the architecture tests' prompt
     produced = load_file(str(fixture / "logits.safetensors"))

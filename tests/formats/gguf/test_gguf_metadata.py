@@ -719,6 +719,12 @@ def test_rope_parameters_both_layouts():
         rp = rope_parameters(cfg)
         assert rp["rope_theta"] == 5e5 and rp["rope_type"] == "linear" and rp["factor"] == 2.0
     assert rope_parameters({})["rope_type"] == "default" and rope_parameters({})["rope_theta"] == 10000.0
+    # DeepSeek-V4 as transformers 5.24 saves it (gptqmodel's checkpoints): "compress" (the compressed KV's base)
+    # first, then "main", the model's rope.freq_base
+    dsv4 = {"rope_theta": 1e4, "rope_parameters": {"compress": {"rope_theta": 160000.0, "rope_type": "default"},
+                                                   "main": {"rope_theta": 1e4, "rope_type": "default"},
+                                                   "rope_theta": 1e4, "rope_type": "default"}}
+    assert rope_parameters(dsv4)["rope_theta"] == 1e4
 
 
 # --------------------------------------------------------------------------------------------------
