@@ -263,14 +263,23 @@ def gptq4_to_q4_0(words: np.ndarray, d16: np.ndarray, threads: int = 1) -> tuple
     d = np.ascontiguousarray(d16, dtype=np.float16).view(np.uint16)
     if in_f % 32 or d.shape != (out_f, in_f // 32):
         raise ValueError("inconsistent GPTQ / Q4_0 shapes")
-    out = np.empty((out_f, in_f // 32 * 18), np.uint8)
+    def band(out: np.ndarray, n0: int, n1: int) -> int:
+        lib.qc_gptq4_to_q4_0(words.ctypes.data, d.ctypes.data, out.ctypes.data, out_f, in_f, n0, n1)
+        return lib.qc_q4_0_check_gptq4(out.ctypes.data, words.ctypes.data, d.ctypes.data, out_f, in_f, n0, n1)
+
+    return _repack_in_bands(band, out_f, in_f, 18, threads)
+
+
+def _repack_in_bands(band, out_f: int, in_f: int, block_bytes: int, threads: int) -> tuple[np.ndarray, int]:
+    """A word repack into ggml blocks of 32, row band by row band on `threads` threads: `band(out, n0, n1)` writes
+    rows n0 .. n1 and returns the count its proof found wrong. -> (blocks uint8 [out, in/32 * block_bytes], that
+    count summed)."""
+    out = np.empty((out_f, in_f // 32 * block_bytes), np.uint8)
     rows = max(32, (1 << 21) // max(1, in_f) // 32 * 32)
     bad = []
 
     def run(n0: int) -> None:
-        n1 = min(out_f, n0 + rows)
-        lib.qc_gptq4_to_q4_0(words.ctypes.data, d.ctypes.data, out.ctypes.data, out_f, in_f, n0, n1)
-        bad.append(lib.qc_q4_0_check_gptq4(out.ctypes.data, words.ctypes.data, d.ctypes.data, out_f, in_f, n0, n1))
+        bad.append(band(out, n0, min(out_f, n0 + rows)))
 
     _spread(run, out_f, threads, rows)
     return out, int(sum(bad))
@@ -294,19 +303,13 @@ def gptq_to_q8_0(words: np.ndarray, bits: int, zeros: np.ndarray, d16: np.ndarra
     d = np.ascontiguousarray(d16, dtype=np.float16).view(np.uint16)
     if in_f % 32 or d.shape != (out_f, in_f // 32) or z.shape != d.shape:
         raise ValueError("inconsistent GPTQ / Q8_0 shapes")
-    out = np.empty((out_f, in_f // 32 * 34), np.uint8)
-    rows = max(32, (1 << 21) // max(1, in_f) // 32 * 32)
-    bad = []
+    def band(out: np.ndarray, n0: int, n1: int) -> int:
+        out_of_range = lib.qc_gptq_to_q8_0(words.ctypes.data, bits, z.ctypes.data, d.ctypes.data, out.ctypes.data,
+                                           out_f, in_f, n0, n1)
+        return out_of_range + lib.qc_q8_0_check_gptq(out.ctypes.data, words.ctypes.data, bits, z.ctypes.data,
+                                                     d.ctypes.data, out_f, in_f, n0, n1)
 
-    def run(n0: int) -> None:
-        n1 = min(out_f, n0 + rows)
-        bad.append(lib.qc_gptq_to_q8_0(words.ctypes.data, bits, z.ctypes.data, d.ctypes.data, out.ctypes.data, out_f,
-                                       in_f, n0, n1))
-        bad.append(lib.qc_q8_0_check_gptq(out.ctypes.data, words.ctypes.data, bits, z.ctypes.data, d.ctypes.data,
-                                          out_f, in_f, n0, n1))
-
-    _spread(run, out_f, threads, rows)
-    return out, int(sum(bad))
+    return _repack_in_bands(band, out_f, in_f, 34, threads)
 
 
 def _spread(run, nb: int, threads: int, step: int = 0) -> None:
