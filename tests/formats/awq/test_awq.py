@@ -22,6 +22,8 @@ that does.
 
 from __future__ import annotations
 
+import math
+
 import json
 import os
 import shutil
@@ -193,8 +195,15 @@ def test_reader_equals_gptqmodel_live(variant, tmp_path):
     assert set(live) == set(stored)
     for name, w in _our_weights(ckpt).items():
         assert torch.equal(w, live[name]), name
-    # the producer's loader today gives the stored oracle, logits included
-    assert torch.equal(live["__logits__"], stored["__logits__"])
+    # the producer's loader today gives the stored oracle; its fp16 logits only within the CPU's rounding: torch's
+    # CPU matmul takes other kernels on other CPUs (on an AMX Xeon the live logits differed from the stored ones,
+    # made elsewhere, while every weight above was equal bit for bit)
+    live_logits, stored_logits = live["__logits__"].float(), stored["__logits__"].float()
+    assert live_logits.shape == stored_logits.shape
+    # (measured there: 0.00195 at most, one fp16 step of logits between 2 and 4; allowed: two steps at the largest)
+    diff = float((live_logits - stored_logits).abs().max())
+    step = 2.0 ** (math.floor(math.log2(float(stored_logits.abs().max()))) - 10)
+    assert diff <= 2 * step, (diff, step)
 
 
 def test_reader_8bit_equals_gptqmodel(eight_bit):
