@@ -8,6 +8,7 @@ the package to install.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import json
@@ -90,7 +91,9 @@ def runtime_output_hidden():
         os.close(saved[0]), os.close(saved[1]), os.close(devnull)
 
 
+@functools.lru_cache(maxsize=None)
 def _cpu_advertises_amx() -> bool:
+    """Read once per process: every llama.cpp load asks, and the CPU does not change."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             return any(line.startswith("flags") and " amx_tile" in line for line in f)
