@@ -248,7 +248,7 @@ def encode_tensor(lay: BlockLayout, verdict: str, item: Dense | Grid,
     if lay.kind == "codebook":
         if verdict == EXACT:  # the checker's "blocks copied" needs the source's blocks, found above
             raise QConvertError(f"{lay.name} blocks to copy are missing from the source record")
-        return _encode_codebook(lay, item, quant)
+        return _encode_codebook(lay, source, quant)
     if lay.kind == "fp4":
         return _encode_fp4(lay, verdict, item, quant)
     if lay.kind == "lowbit":
@@ -266,23 +266,14 @@ def encode_tensor(lay: BlockLayout, verdict: str, item: Dense | Grid,
     return data, torch.from_numpy(kq.dequantize_k(data, lay.name)).view(shape)
 
 
-def _gguf_py_dequantize(type_name: str):
-    """gguf-py's decoder of a type as (data [rows, row bytes], n) -> float32 [rows, n]: the IQ1 types, which the
-    GGUF reader decodes with gguf-py too (equal to ggml's dequantize_row_iq1_*: tests/formats/gguf/test_gguf_lowbit.py)."""
-    import gguf
-
-    qtype = gguf.GGMLQuantizationType[type_name]
-    return lambda data, n: np.asarray(gguf.quants.dequantize(np.ascontiguousarray(data), qtype),
-                                      dtype=np.float32).reshape(-1, n)
-
-
-def _encode_codebook(lay: BlockLayout, item: Dense | Grid, quant: QuantHow | None) -> tuple[np.ndarray, torch.Tensor]:
+def _encode_codebook(lay: BlockLayout, source: SourceValues, quant: QuantHow | None) -> tuple[np.ndarray, torch.Tensor]:
     """The codebook types: the dequantized weights through ggml's quantize_iq4_nl / _iq4_xs / _iq3_s / _iq3_xxs /
-    _iq2_s / _iq2_xs / _iq2_xxs (our kernels, or llama.cpp's own with --quantizer llama.cpp), with the --imatrix
-    weights when given; decoded as gguf-py decodes it."""
+    _iq2_s / _iq2_xs / _iq2_xxs / _iq1_s / _iq1_m (our kernels, or llama.cpp's own with --quantizer llama.cpp), with
+    the --imatrix weights when given; decoded as ggml decodes it. The source's float32 values are `source`'s, so
+    the runner measures against them without dequantizing the source again."""
     from ...kernels.ggml.iq2 import (dequantize_iq2_s, dequantize_iq2_xs, dequantize_iq2_xxs, quantize_iq2_s,
                                 quantize_iq2_xs, quantize_iq2_xxs)
-    from ...kernels.ggml.iq1 import quantize_iq1_m, quantize_iq1_s
+    from ...kernels.ggml.iq1 import dequantize_iq1_m, dequantize_iq1_s, quantize_iq1_m, quantize_iq1_s
     from ...kernels.ggml.iq3_s import dequantize_iq3_s, dequantize_iq3_xxs, quantize_iq3_s, quantize_iq3_xxs
     from ...kernels.ggml.iq4_nl import dequantize_iq4_nl, quantize_iq4_nl
     from ...kernels.ggml.iq4_xs import dequantize_iq4_xs, quantize_iq4_xs
@@ -294,10 +285,10 @@ def _encode_codebook(lay: BlockLayout, item: Dense | Grid, quant: QuantHow | Non
                             "IQ2_XS": (quantize_iq2_xs, dequantize_iq2_xs),
                             "IQ3_XXS": (quantize_iq3_xxs, dequantize_iq3_xxs),
                             "IQ2_XXS": (quantize_iq2_xxs, dequantize_iq2_xxs),
-                            "IQ1_S": (quantize_iq1_s, _gguf_py_dequantize("IQ1_S")),
-                            "IQ1_M": (quantize_iq1_m, _gguf_py_dequantize("IQ1_M"))}[lay.name]
+                            "IQ1_S": (quantize_iq1_s, dequantize_iq1_s),
+                            "IQ1_M": (quantize_iq1_m, dequantize_iq1_m)}[lay.name]
 
-    x = item.dequantize(torch.float32)
+    x = source()
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous().numpy()
     imatrix = quant.imatrix if quant is not None else None

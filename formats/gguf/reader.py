@@ -482,6 +482,20 @@ def _block_bytes(t, lay, path: Path, inv, expert=None) -> torch.Tensor:
     return words[inv].contiguous() if inv is not None else words
 
 
+def _codebook_float32(data: np.ndarray, type_name: str, qtype) -> np.ndarray:
+    """A codebook type's blocks decoded to float32 as ggml decodes them: IQ1_S / IQ1_M by kernels/ggml/iq1.py (C,
+    about 30x gguf-py's numpy decoder, the same values: the giant models' smallest GGUFs are IQ1), the others by
+    gguf-py."""
+    if type_name in ("IQ1_S", "IQ1_M"):
+        from ...kernels.ggml import iq1
+
+        data = np.ascontiguousarray(data, dtype=np.uint8)
+        n = data.shape[-1] // iq1.IQ1_BYTES[type_name] * 256
+        decode = iq1.dequantize_iq1_s if type_name == "IQ1_S" else iq1.dequantize_iq1_m
+        return decode(data.reshape(-1, data.shape[-1]), n).reshape(*data.shape[:-1], n)
+    return np.ascontiguousarray(gguf.quants.dequantize(data, qtype), dtype=np.float32)
+
+
 def _type_name(t) -> str:
     if int(t.tensor_type) in GGUF_PY_UNKNOWN:
         return GGUF_PY_UNKNOWN[int(t.tensor_type)].name
@@ -697,8 +711,8 @@ class GgufSource(ModelSource):
             x = torch.from_numpy(np.array(data, dtype=_FLOAT[type_name][0]))
         elif type_name == "BF16":
             x = torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
-        else:  # IQ*, TQ*, MXFP4, NVFP4...: codebooks, not grids -> gguf-py's float32 decoding
-            x = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, t.tensor_type), dtype=np.float32))
+        else:  # IQ*, TQ*, MXFP4, NVFP4...: codebooks, not grids -> their float32 decoding
+            x = torch.from_numpy(_codebook_float32(data, type_name, t.tensor_type))
         x = x.reshape(shape)
         if inv is not None:
             x = x[inv].contiguous()
@@ -896,7 +910,7 @@ class GgufSource(ModelSource):
             data = np.asarray(t.data, dtype=np.uint8)
             n = int(t.shape[0])
             return dequantize_lowbit(lay, data.reshape(-1, lay.row_bytes(n)))
-        return np.array(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
+        return _codebook_float32(np.asarray(t.data), _type_name(t), t.tensor_type)
 
     def _kv_b_record(self, pair: dict) -> TensorRecord:
         """kv_b_proj from llama.cpp's two MLA halves (archs.merge_kv_b): k_b [heads, kv_lora, nope] and

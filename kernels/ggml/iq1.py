@@ -14,7 +14,9 @@ high index bits in its nibbles, each group's delta sign at bits 3 / 7), 4 uint16
 the fp16 super-block scale in their top nibbles. ggml's quantizer runs without an importance matrix too (weights
 x*x); llama-quantize refuses to make either type without one (formats/gguf/schemes.py imatrix_refusal).
 
-No numpy twin: without a C compiler (or with QCONVERT_COMPILE=0) these writers raise, in one line.
+No numpy twin: without a C compiler (or with QCONVERT_COMPILE=0) these writers raise, in one line. The decoders
+(dequantize_iq1_s / _iq1_m: ggml's dequantize_row_iq1_* values) are C where it is built and gguf-py's numpy
+decoder otherwise, the same float32 values either way (tests/kernels/test_iq1.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 
 from . import iq_c
 
-__all__ = ["IQ1_BYTES", "quantize_iq1_s", "quantize_iq1_m"]
+__all__ = ["IQ1_BYTES", "quantize_iq1_s", "quantize_iq1_m", "dequantize_iq1_s", "dequantize_iq1_m"]
 
 IQ1_BYTES = {"IQ1_S": 50, "IQ1_M": 56}
 
@@ -49,3 +51,24 @@ def quantize_iq1_m(x: np.ndarray, imatrix: np.ndarray | None = None, threads: in
     """float32 [rows, n] (n a multiple of 256) -> uint8 [rows, n // 256 * 56], ggml's quantize_iq1_m bytes.
     imatrix: [n] importance per column, or None (ggml's quantizer then weighs by x*x)."""
     return _quantize(x, imatrix, "IQ1_M", threads)
+
+
+def _dequantize(data: np.ndarray, n: int, type_name: str, threads: int | None) -> np.ndarray:
+    data = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, n // 256 * IQ1_BYTES[type_name])
+    if iq_c.available():
+        from ..dispatch import usable_cpus
+
+        return iq_c.dequantize_iq1(data, type_name, min(8, usable_cpus()) if threads is None else max(1, threads))
+    import gguf  # the readable reference: gguf-py's numpy decoder, the same values
+
+    return np.asarray(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name]), np.float32).reshape(-1, n)
+
+
+def dequantize_iq1_s(data: np.ndarray, n: int, threads: int | None = None) -> np.ndarray:
+    """uint8 [rows, n // 256 * 50] -> float32 [rows, n], ggml's dequantize_row_iq1_s values."""
+    return _dequantize(data, n, "IQ1_S", threads)
+
+
+def dequantize_iq1_m(data: np.ndarray, n: int, threads: int | None = None) -> np.ndarray:
+    """uint8 [rows, n // 256 * 56] -> float32 [rows, n], ggml's dequantize_row_iq1_m values."""
+    return _dequantize(data, n, "IQ1_M", threads)

@@ -64,7 +64,7 @@ typedef struct {
 
 static lattice_t LAT[N_TYPES];
 
-int qc_iq_abi_version(void) { return 3; }
+int qc_iq_abi_version(void) { return 4; }
 
 static int use_avx2 QC_MAYBE_UNUSED;  /* the CPU runs AVX2: the neighbour searches take their AVX2 versions (the same float32 ops) */
 static int portable_only QC_MAYBE_UNUSED;  /* set by the tests: the portable C searches, as on a CPU without AVX2 */
@@ -906,6 +906,63 @@ QC_CLONES int qc_iq_quantize(int type, const float *x, int64_t n, const float *q
                     : type == T_IQ2_XS ? quantize_iq2_xs_super(xs, qs, yb)
                     : quantize_iq2_xxs_super(xs, qs, yb);
             if (err) return err;
+        }
+    }
+    return QC_OK;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * The IQ1 decoders (dequantize_row_iq1_s / _iq1_m of ggml-quants.c): what the writer decodes its own bytes to, for
+ * the report's error, and what the GGUF reader gives for an IQ1 tensor. gguf-py's numpy decoder (the fallback)
+ * takes ~0.2 s per 10 M values; this is a table lookup per value. Each value is ggml's float32 expression,
+ * dl * ((float)level + delta) with dl = d * (float)(2*scale + 1), so the values are ggml's bit for bit
+ * (tests/kernels/test_iq1.py compares them with ggml's own dequantize_row_iq1_*). The grid's levels are the
+ * lattice table handed over by qc_iq_set_lattice (codes 0..2 for the levels -1, 0, +1). */
+
+static float half_to_float(uint16_t h) {  /* exact: every fp16 is a float32 */
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0x1f) return i2f_bits(sign | 0x7f800000u | (man << 13));           /* inf, NaN */
+    if (exp != 0) return i2f_bits(sign | ((exp + 112u) << 23) | (man << 13));      /* normal */
+    const float mag = (float)man * 0x1.0p-24f;                                      /* subnormal, exact */
+    return sign ? -mag : mag;
+}
+
+/* nb super-blocks of y -> 256 float32 values each in x. Returns QC_NO_TABLES before the IQ1 lattice is set. */
+int qc_iq1_dequantize(int type, const uint8_t *y, float *x, int64_t nb) {
+    if (type != T_IQ1_S && type != T_IQ1_M) return QC_BAD_TYPE;
+    const uint8_t *levels = LAT[T_IQ1_S].codes;  /* IQ1_M shares IQ1_S's grid and tables */
+    if (!levels) return QC_NO_TABLES;
+    for (int64_t i = 0; i < nb; ++i) {
+        if (type == T_IQ1_S) {  /* 50 bytes: d, qs[32], qh[8] (uint16) */
+            const uint8_t *b = y + i * 50, *qs = b + 2;
+            const float d = half_to_float((uint16_t)(b[0] | (b[1] << 8)));
+            for (int ib = 0; ib < 8; ++ib) {
+                const unsigned qh = (unsigned)(b[34 + 2 * ib] | (b[35 + 2 * ib] << 8));
+                const float dl = d * (float)(2 * ((qh >> 12) & 7) + 1);
+                const float delta = (qh & 0x8000u) ? -IQ1_DELTA : IQ1_DELTA;
+                for (int l = 0; l < 4; ++l) {
+                    const uint8_t *g = levels + 8 * (int64_t)(qs[4 * ib + l] | (((qh >> (3 * l)) & 7) << 8));
+                    for (int j = 0; j < 8; ++j) *x++ = dl * ((float)((int)g[j] - 1) + delta);
+                }
+            }
+        } else {  /* 56 bytes: qs[32], qh[16], scales[8] (4 uint16; fp16 d in their top nibbles) */
+            const uint8_t *b = y + i * 56, *qs = b, *qh = b + 32, *sb = b + 48;
+            uint16_t sc[4];
+            for (int k = 0; k < 4; ++k) sc[k] = (uint16_t)(sb[2 * k] | (sb[2 * k + 1] << 8));
+            const uint16_t dh = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) |
+                                           (sc[3] & 0xf000));
+            const float d = half_to_float(dh);
+            for (int ib = 0; ib < 8; ++ib) {
+                const unsigned s = sc[ib / 2] >> (6 * (ib % 2));
+                const float dl[2] = {d * (float)(2 * (s & 7) + 1), d * (float)(2 * ((s >> 3) & 7) + 1)};
+                const uint8_t h[2] = {qh[2 * ib], qh[2 * ib + 1]};
+                for (int l = 0; l < 4; ++l) {
+                    const unsigned hb = h[l / 2] >> (4 * (l % 2));  /* this group's nibble: 3 index bits, sign */
+                    const uint8_t *g = levels + 8 * (int64_t)(qs[4 * ib + l] | ((hb & 7) << 8));
+                    const float delta = (hb & 8) ? -IQ1_DELTA : IQ1_DELTA;
+                    for (int j = 0; j < 8; ++j) *x++ = dl[l / 2] * ((float)((int)g[j] - 1) + delta);
+                }
+            }
         }
     }
     return QC_OK;

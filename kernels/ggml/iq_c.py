@@ -27,7 +27,7 @@ import numpy as np
 
 from .kquant_c import _cache_dirs, _compiler, _spread
 
-__all__ = ["available", "quantize", "quantize_k_imatrix", "K_IMATRIX_TYPES", "TYPE_IDS", "BLOCK_BYTES"]
+__all__ = ["available", "quantize", "dequantize_iq1", "quantize_k_imatrix", "K_IMATRIX_TYPES", "TYPE_IDS", "BLOCK_BYTES"]
 
 # one library: the lattice quantizers, and the K quantizers with an importance matrix (kquant_imatrix_c.c)
 _SOURCES = [Path(__file__).with_name("iq_c.c"), Path(__file__).with_name("kquant_imatrix_c.c")]
@@ -75,7 +75,7 @@ def _build() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(lib_path))
         except OSError:
             continue
-        if lib.qc_iq_abi_version() != 3:
+        if lib.qc_iq_abi_version() != 4:
             continue
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.qc_iq_quantize.restype = ctypes.c_int
@@ -86,6 +86,8 @@ def _build() -> ctypes.CDLL | None:
         lib.qc_iq_portable_only.argtypes = [ctypes.c_int]
         lib.qc_iq_set_lattice.restype = None
         lib.qc_iq_set_lattice.argtypes = [ctypes.c_int] * 5 + [ptr] * 5
+        lib.qc_iq1_dequantize.restype = ctypes.c_int
+        lib.qc_iq1_dequantize.argtypes = [ctypes.c_int, ptr, ptr, i64]
         return lib
     return None
 
@@ -161,6 +163,30 @@ def quantize(x: np.ndarray, imatrix: np.ndarray | None, type_name: str, threads:
     _spread(run, rows, threads, band)
     if errors:
         raise ValueError(_ERRORS.get(errors[0], f"the C lattice quantizer failed (code {errors[0]})"))
+    return out
+
+
+def dequantize_iq1(data: np.ndarray, type_name: str, threads: int = 1) -> np.ndarray:
+    """uint8 [rows, row bytes] of IQ1_S / IQ1_M super-blocks -> float32 [rows, row bytes / block bytes * 256]:
+    ggml's dequantize_row_iq1_s / _iq1_m values, bit for bit. Bands of super-blocks go to `threads` threads."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the C lattice kernels are not available")
+    _tables(lib, "IQ1_S")
+    bb = BLOCK_BYTES[type_name]
+    data = np.ascontiguousarray(data, dtype=np.uint8)
+    rows = data.shape[0] if data.ndim > 1 else 1
+    if data.size % bb:
+        raise ValueError(f"{data.size} bytes are not whole {type_name} blocks of {bb}")
+    nb = data.size // bb
+    out = np.empty((rows, nb // rows * 256), np.float32)
+    tid, y0, x0 = TYPE_IDS[type_name], data.ctypes.data, out.ctypes.data
+    step = 16 * _TASK_SUPER_BLOCKS
+
+    def run(s: int) -> None:
+        lib.qc_iq1_dequantize(tid, y0 + s * bb, x0 + s * 1024, min(nb, s + step) - s)
+
+    _spread(run, nb, threads, step)
     return out
 
 

@@ -12,7 +12,7 @@
  *
  * Also here: the legacy reference quantizers (quantize_row_q4_0_ref .. q8_0_ref, tests/test_legacy_vs_ggml.py), the
  * 1-2-bit ones (quantize_row_q1_0_ref, _q2_0_ref, _tq1_0_ref, _tq2_0_ref, tests/kernels/test_lowbit_vs_ggml.py),
- * the GPTQ word decode and the GPTQ 4-bit -> Q4_0 repack with its proof.
+ * the GPTQ word decode and the GPTQ 4-bit -> Q4_0 repack with its proof, and the report's error measurement.
  */
 #include <stdint.h>
 #include <string.h>
@@ -1175,4 +1175,37 @@ int qc_quantize_lowbit(int type, const float *x, uint8_t *y, int64_t nb) {
     return 0;
 }
 
-int qc_abi_version(void) { return 7; }
+/* The report's error of n float32 pairs (converters/report.py measure): returns max |a - b| (NaN where any
+ * difference is NaN) and adds sum (a - b)^2 to *sum_sq, each square taken in double from the float32 difference, as
+ * torch's (got - ref).abs().double().pow(2) takes it. One pass over both arrays instead of six tensor passes;
+ * the sum runs in 8 interleaved double accumulators (element i into lane i % 8, the lanes added in order at the
+ * end): a fixed order, so the same inputs give the same RMSE on every machine and thread count. */
+double qc_error_stats(const float *a, const float *b, int64_t n, double *sum_sq) {
+    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float mx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int nan = 0;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        for (int j = 0; j < 8; ++j) {
+            const float d = fabsf(a[i + j] - b[i + j]);
+            nan |= d != d;
+            mx[j] = d > mx[j] ? d : mx[j];
+            acc[j] += (double)d * (double)d;
+        }
+    }
+    for (int j = 0; i < n; ++i, ++j) {
+        const float d = fabsf(a[i] - b[i]);
+        nan |= d != d;
+        mx[j] = d > mx[j] ? d : mx[j];
+        acc[j] += (double)d * (double)d;
+    }
+    double total = 0, m = 0;
+    for (int j = 0; j < 8; ++j) {
+        total += acc[j];
+        m = mx[j] > m ? mx[j] : m;
+    }
+    *sum_sq += total;
+    return nan ? NAN : m;
+}
+
+int qc_abi_version(void) { return 8; }

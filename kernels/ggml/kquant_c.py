@@ -35,7 +35,7 @@ import numpy as np
 
 from .layouts import LAYOUTS
 
-__all__ = ["available", "quantize", "quantize_legacy", "quantize_lowbit", "LOWBIT_TYPE_IDS", "dequantize", "dequantize_gptq", "gptq4_to_q4_0", "gptq_to_q8_0", "TYPE_IDS",
+__all__ = ["available", "quantize", "quantize_legacy", "quantize_lowbit", "LOWBIT_TYPE_IDS", "dequantize", "dequantize_gptq", "gptq4_to_q4_0", "gptq_to_q8_0", "error_stats", "TYPE_IDS",
            "LEGACY_TYPE_IDS", "CHUNK_BLOCKS"]
 
 _SOURCE = Path(__file__).with_name("kquant_c.c")
@@ -99,7 +99,7 @@ def _build() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(lib_path))
         except OSError:
             continue
-        if lib.qc_abi_version() != 7:
+        if lib.qc_abi_version() != 8:
             continue
         for fn in (lib.qc_quantize_k, lib.qc_dequantize_k, lib.qc_quantize_legacy, lib.qc_quantize_lowbit):
             fn.restype = ctypes.c_int
@@ -115,6 +115,8 @@ def _build() -> ctypes.CDLL | None:
         lib.qc_gptq_to_q8_0.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, i64]
         lib.qc_q8_0_check_gptq.restype = i64
         lib.qc_q8_0_check_gptq.argtypes = [ptr, ptr, ctypes.c_int, ptr, ptr, i64, i64, i64, i64]
+        lib.qc_error_stats.restype = ctypes.c_double
+        lib.qc_error_stats.argtypes = [ptr, ptr, i64, ctypes.POINTER(ctypes.c_double)]
         return lib
     return None
 
@@ -310,6 +312,21 @@ def gptq_to_q8_0(words: np.ndarray, bits: int, zeros: np.ndarray, d16: np.ndarra
                                                      d.ctypes.data, out_f, in_f, n0, n1)
 
     return _repack_in_bands(band, out_f, in_f, 34, threads)
+
+
+def error_stats(got: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
+    """(max |got - ref|, sum of (got - ref)^2 in double) of two float32 arrays of one size, in one pass (the report's
+    measurement, converters/report.py). The max is NaN where a difference is NaN."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the C kernels are not available")
+    got = np.ascontiguousarray(got, dtype=np.float32)
+    ref = np.ascontiguousarray(ref, dtype=np.float32)
+    if got.size != ref.size:
+        raise ValueError(f"error_stats: {got.size} values against {ref.size}")
+    total = ctypes.c_double(0.0)
+    top = lib.qc_error_stats(got.ctypes.data, ref.ctypes.data, got.size, ctypes.byref(total))
+    return float(top), float(total.value)
 
 
 def _spread(run, nb: int, threads: int, step: int = 0) -> None:

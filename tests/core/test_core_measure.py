@@ -9,6 +9,27 @@ from qconvert.converters.records import Dense
 from qconvert.converters.report import NotFinite, measure
 
 
+@pytest.mark.parametrize("c_kernel", [True, False], ids=["c", "torch"])
+def test_the_c_measurement_equals_torch_s(c_kernel, monkeypatch):
+    """The one-pass C measurement (kernels/ggml/kquant_c.c qc_error_stats) and the torch expression it replaces:
+    the same max error, bit for bit, and the RMSE to float64 rounding (its double sum runs in another order), on
+    bands of every length mod 8, a float16 target and a 1-D tensor; the C kernel is required where it is built."""
+    from qconvert.kernels.ggml import kquant_c
+
+    if c_kernel:
+        assert kquant_c.available(), "the C kernels did not build (a C compiler is required in CI)"
+    else:
+        monkeypatch.setattr(kquant_c, "available", lambda: False)
+    g = torch.Generator().manual_seed(3)
+    for shape in ((37, 1029), (5, 3), (1000,), (2048, 256)):
+        src = torch.randn(shape, generator=g) * 0.02
+        for decoded in (src + torch.randn(shape, generator=g) * 1e-4, src.to(torch.float16)):
+            max_err, rmse = measure(Dense(src), decoded)
+            diff = (decoded.to(torch.float32) - src).abs()
+            assert max_err == float(diff.max())
+            assert rmse == pytest.approx(float(diff.double().pow(2).mean().sqrt()), rel=1e-12), shape
+
+
 def test_finite_values_measure_as_before():
     src = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     assert measure(Dense(src), src + 0.5) == (0.5, 0.5)

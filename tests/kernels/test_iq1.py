@@ -94,3 +94,29 @@ def test_iq1_bytes_equal_ggml_on_data_kinds_and_edges(t, c_path):
         assert bad.size == 0, f"{t} edges imatrix={weights is not None}: rows {bad.tolist()} differ from ggml"
     one = x[3:4, :256]  # one row of one super-block
     assert QUANTIZE[t](one, w[:256]).tobytes() == ggml_quantize(one, t, w[:256]).tobytes()
+
+
+@pytest.mark.parametrize("t", QUANTIZE)
+def test_iq1_decoders_equal_ggml_bit_for_bit(t, c_path, monkeypatch):
+    """dequantize_iq1_s / _iq1_m (the C decoder the writer measures with and the GGUF reader reads with, and
+    gguf-py's numpy decoder where C is not built) equal ggml's own dequantize_row_iq1_*: on the written bytes of
+    weight rows and edge rows, and on random bytes (every index, scale, sign and fp16 d, subnormal, inf and NaN
+    included), compared as bits (NaN too)."""
+    from qconvert.kernels.ggml.iq1 import dequantize_iq1_m, dequantize_iq1_s
+    from qconvert.kernels.ggml.libggml import ggml_dequantize
+
+    decode = {"IQ1_S": dequantize_iq1_s, "IQ1_M": dequantize_iq1_m}[t]
+    x, w = _weights(8, 1024, 9)
+    written = QUANTIZE[t](x, w, threads=1)
+    edges = QUANTIZE[t](_edges(), np.ones(512, np.float32), threads=1)
+    noise = np.random.default_rng(21).integers(0, 256, (64, 4 * iq_c.BLOCK_BYTES[t]), dtype=np.uint8)
+    for data, n in ((written, 1024), (edges, 512), (noise, 1024)):
+        theirs = ggml_dequantize(data, t, n).view(np.uint32)
+        ours = decode(data, n, threads=2)
+        assert ours.shape == (data.shape[0], n)
+        np.testing.assert_array_equal(ours.view(np.uint32), theirs, err_msg=f"{t}: C decoder != ggml")
+        monkeypatch.setattr(iq_c, "available", lambda: False)
+        with np.errstate(all="ignore"):  # gguf-py multiplies the NaN / inf d of the random bytes
+            fallback = decode(data, n)
+        np.testing.assert_array_equal(fallback.view(np.uint32), theirs, err_msg=f"{t}: gguf-py != ggml")
+        monkeypatch.undo()
