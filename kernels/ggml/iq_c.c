@@ -16,7 +16,7 @@
  * CPU has AVX2 (chosen at run time, so the library stays portable; the portable C otherwise, which the tests force
  * and compare too), each type's search inlined with its sizes as constants, a trial that lands on the same grid
  * points as the one before reuses its sums, IQ1's split scan skips the splits that cannot pass its test, and IQ1's
- * block sort calls qsort only where its order is ambiguous (ties, NaN).
+ * block sort calls qsort only where its order is ambiguous (NaN, or ties where the C library's qsort is not stable).
  */
 #include <stdint.h>
 #include <string.h>
@@ -64,12 +64,20 @@ typedef struct {
 
 static lattice_t LAT[N_TYPES];
 
-int qc_iq_abi_version(void) { return 4; }
+int qc_iq_abi_version(void) { return 5; }
 
 static int use_avx2 QC_MAYBE_UNUSED;  /* the CPU runs AVX2: the neighbour searches take their AVX2 versions (the same float32 ops) */
 static int portable_only QC_MAYBE_UNUSED;  /* set by the tests: the portable C searches, as on a CPU without AVX2 */
 
-void qc_iq_portable_only(int on) { portable_only = on; }
+static int qsort_is_stable;  /* defined with the IQ1 sort below */
+static int probe_qsort_stability(void);
+
+/* on: the portable searches (no AVX2) and every tied IQ1 block sorted by qsort, as on a CPU without AVX2 and a C
+ * library whose qsort is not stable; off: both as this machine allows. */
+void qc_iq_portable_only(int on) {
+    portable_only = on;
+    qsort_is_stable = on ? 0 : probe_qsort_stability();
+}
 
 #define IQ1_DELTA 0.125f     /* IQ1S_DELTA = IQ1M_DELTA */
 
@@ -81,6 +89,7 @@ void qc_iq_set_lattice(int type, int bits, int dim, int npoints, int kmap_size, 
     use_avx2 = __builtin_cpu_supports("avx2");
 #endif
     const int iq1 = type == T_IQ1_S || type == T_IQ1_M;
+    if (iq1 && qsort_is_stable < 0) qsort_is_stable = probe_qsort_stability();
     int64_t total = 0;
     for (int u = 0; u < kmap_size; ++u) if (start[u] + count[u] > total) total = start[u] + count[u];
     const int64_t stride = total + 8;
@@ -567,10 +576,42 @@ static int iq1_neighbour(const lattice_t *lat, int u, const float *x, const floa
     return best;
 }
 
-/* Sort a block's values with their positions, as ggml does before its split search. Where the values are distinct
- * and none is NaN, every correct sort gives the one order there is, so an insertion sort (no comparator calls through
- * a pointer, no merge buffers) gives qsort's result; where two values tie or one is NaN, the order is whatever the C
- * library's qsort gives, so qsort sorts them again. */
+/* Whether this process's qsort keeps tied pairs in their input order on the block sizes IQ1 sorts (16: IQ1_M, 32:
+ * IQ1_S): glibc's qsort is a merge sort there (stable; its quicksort fallback needs arrays beyond a quarter of
+ * physical memory), musl's a smoothsort (not stable). Probed once per process on 4096 tie-heavy arrays against a
+ * stable insertion sort: -1 not yet probed, 1 stable, 0 not (or forced off by qc_iq_portable_only for the tests). */
+static int qsort_is_stable = -1;
+
+static int probe_qsort_stability(void) {
+    uint32_t state = 12345u;
+    iq1_pair_t a[32], b[32];
+    for (int trial = 0; trial < 4096; ++trial) {
+        const int bs = trial & 1 ? 32 : 16;
+        const uint32_t levels = 1u + (uint32_t)(trial % 7);  /* 1 to 7 distinct values: every kind of tie run */
+        for (int j = 0; j < bs; ++j) {
+            state = state * 1664525u + 1013904223u;
+            a[j].value = (float)((state >> 16) % levels);
+            a[j].index = j;
+        }
+        for (int j = 0; j < bs; ++j) {  /* stable: an element moves only past strictly greater ones */
+            int k = j;
+            while (k > 0 && b[k - 1].value > a[j].value) { b[k] = b[k - 1]; --k; }
+            b[k] = a[j];
+        }
+        qsort(a, (size_t)bs, sizeof(iq1_pair_t), iq1_pair_cmp);
+        for (int j = 0; j < bs; ++j) if (a[j].index != b[j].index) return 0;
+    }
+    return 1;
+}
+
+int qc_iq1_stable_sort(void) { return qsort_is_stable == 1; }  /* for the tests: whether ties skip qsort here */
+
+/* Sort a block's values with their positions, as ggml does before its split search (qsort with a comparator on the
+ * values only). The insertion sort below is stable, so it gives qsort's order where the values are distinct (the
+ * one order there is) and, where two values tie, wherever this C library's qsort is stable (probed above). Where a
+ * value is NaN (the comparator is then inconsistent), or ties meet a qsort that is not stable, the order is
+ * whatever qsort gives, so qsort sorts the block again. (Ties are common: a 4-bit GPTQ checkpoint's dequantized
+ * weights repeat within every group, and bf16 weights often do; qsort took a quarter of IQ1_S's time on them.) */
 static void iq1_sorted(const float *xb, int bs, iq1_pair_t *pairs) {
     for (int j = 0; j < bs; ++j) {
         const float v = xb[j];
@@ -578,9 +619,12 @@ static void iq1_sorted(const float *xb, int bs, iq1_pair_t *pairs) {
         while (k > 0 && pairs[k - 1].value > v) { pairs[k] = pairs[k - 1]; --k; }
         pairs[k].value = v; pairs[k].index = j;
     }
-    int ambiguous = pairs[0].value != pairs[0].value;
-    for (int j = 1; j < bs; ++j) ambiguous |= !(pairs[j - 1].value < pairs[j].value);
-    if (!ambiguous) return;
+    int nan = pairs[0].value != pairs[0].value, tie = 0;
+    for (int j = 1; j < bs; ++j) {
+        nan |= pairs[j].value != pairs[j].value;
+        tie |= pairs[j - 1].value == pairs[j].value;
+    }
+    if (!nan && (!tie || qsort_is_stable == 1)) return;
     for (int j = 0; j < bs; ++j) { pairs[j].value = xb[j]; pairs[j].index = j; }
     qsort(pairs, (size_t)bs, sizeof(iq1_pair_t), iq1_pair_cmp);
 }

@@ -75,7 +75,7 @@ def _build() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(lib_path))
         except OSError:
             continue
-        if lib.qc_iq_abi_version() != 4:
+        if lib.qc_iq_abi_version() != 5:
             continue
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.qc_iq_quantize.restype = ctypes.c_int
@@ -86,6 +86,8 @@ def _build() -> ctypes.CDLL | None:
         lib.qc_iq_portable_only.argtypes = [ctypes.c_int]
         lib.qc_iq_set_lattice.restype = None
         lib.qc_iq_set_lattice.argtypes = [ctypes.c_int] * 5 + [ptr] * 5
+        lib.qc_iq1_stable_sort.restype = ctypes.c_int
+        lib.qc_iq1_stable_sort.argtypes = []
         lib.qc_iq1_dequantize.restype = ctypes.c_int
         lib.qc_iq1_dequantize.argtypes = [ctypes.c_int, ptr, ptr, i64]
         return lib
@@ -106,12 +108,23 @@ def available() -> bool:
 
 
 def portable_only(on: bool) -> None:
-    """Make the C searches skip their AVX2 versions (on=True) as on a CPU without AVX2, or take them again where the
-    CPU has it: for the tests, which compare both with ggml's bytes. Process-wide; call it with no quantize running."""
+    """Make the C searches skip their AVX2 versions and sort every tied IQ1 block with qsort (on=True), as on a CPU
+    without AVX2 and a C library whose qsort is not stable, or take both shortcuts again where this machine allows
+    them: for the tests, which compare both with ggml's bytes. Process-wide; call it with no quantize running."""
     lib = _lib()
     if lib is None:
         raise RuntimeError("the C lattice quantizers are not available")
     lib.qc_iq_portable_only(1 if on else 0)
+
+
+def iq1_ties_skip_qsort() -> bool:
+    """Whether IQ1's block sort leaves tied values in their order without calling qsort: where this C library's
+    qsort was found stable (glibc's is) by the probe of the first IQ1 quantize in the process."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the C lattice quantizers are not available")
+    _tables(lib, "IQ1_S")
+    return bool(lib.qc_iq1_stable_sort())
 
 
 def _tables(lib, type_name: str) -> None:

@@ -120,3 +120,30 @@ def test_iq1_decoders_equal_ggml_bit_for_bit(t, c_path, monkeypatch):
             fallback = decode(data, n)
         np.testing.assert_array_equal(fallback.view(np.uint32), theirs, err_msg=f"{t}: gguf-py != ggml")
         monkeypatch.undo()
+
+
+@pytest.mark.parametrize("t", QUANTIZE)
+def test_iq1_ties_give_ggml_bytes_with_and_without_qsort(t, c_path):
+    """Rows of a 4-bit GPTQ checkpoint's dequantized weights (16 levels per group of 128: ties in nearly every
+    block) and of bf16 weights: ggml's bytes where tied blocks skip qsort (this machine's qsort is glibc's, stable,
+    as the probe must find it) and where every tied block goes through qsort (portable_only, as with a C library
+    whose qsort is not stable)."""
+    x, w = _weights(16, 2048, 31)
+    g = x.reshape(16, -1, 128)
+    step = np.abs(g).max(-1, keepdims=True) / 7.5
+    gridded = ((np.clip(np.round(g / step), -8, 7)) * step).reshape(16, 2048).astype(np.float32)
+    import platform
+
+    glibc = platform.libc_ver()[0] == "glibc"
+    if glibc:
+        assert iq_c.iq1_ties_skip_qsort(), "glibc's qsort is a stable merge sort: the probe should find it so"
+    for portable in (False, True):
+        iq_c.portable_only(portable)
+        try:
+            for rows in (gridded, x):
+                ours, theirs = QUANTIZE[t](rows, w, threads=2), ggml_quantize(rows, t, w)
+                bad = np.flatnonzero((ours != theirs).any(axis=1))
+                assert bad.size == 0, f"{t} portable={portable}: rows {bad.tolist()} differ from ggml"
+        finally:
+            iq_c.portable_only(False)
+    assert iq_c.iq1_ties_skip_qsort() or not glibc  # portable_only(False) took the shortcut back
