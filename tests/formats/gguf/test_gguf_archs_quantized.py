@@ -66,6 +66,9 @@ def _fixtures() -> dict[str, str]:
 
 
 FIXTURES = _fixtures()
+# test id -> family (the fixtures_archs kind): the id itself but for a second producer's checkpoint of a family
+FAMILY = {kind: json.loads((PRODUCER_FIXTURES / folder / "versions.json").read_text())["base"].split()[1]
+          for kind, folder in FIXTURES.items()}
 # the conversion and the packed-codes suffix of each producer's checkpoint
 PAIRS = {"gptq": ("gptq->gguf", ".qweight"), "ct": ("ct->gguf", ".weight_packed"),
          "autoround": ("auto-round->gguf", ".qweight")}
