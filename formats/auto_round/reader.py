@@ -203,6 +203,7 @@ class AutoRoundSource(CheckpointSource):
         if extra is None:
             return []
         layers = set(self.modules) | {n[: -len(".weight")] for n in self.ckpt.location if n.endswith(".weight")}
+        layers |= {self.model_module(n) for n in layers}  # a renamed checkpoint's config may use either name
         out = []
         for key, entry in extra.data.items():
             if not isinstance(entry, dict):
@@ -223,11 +224,12 @@ class AutoRoundSource(CheckpointSource):
 
     def layer_scheme(self, prefix: str) -> LayerScheme:
         """The loader's scheme of one layer: its exact extra_config entry, else the first matching regex."""
+        names = self.module_names(prefix)  # the stored name, and the class's where the checkpoint is renamed
         for o in self.overrides:
-            if o.regex is None and o.key == prefix:
+            if o.regex is None and (o.key in names or self.model_module(o.key) in names):
                 return o.scheme
         for o in self.overrides:
-            if o.regex is not None and o.regex.search(prefix):
+            if o.regex is not None and any(o.regex.search(n) for n in names):
                 return o.scheme
         return self.scheme
 
@@ -259,7 +261,7 @@ class AutoRoundSource(CheckpointSource):
                 raise self._bad(f"{part} shape {shapes[part]} is not 2-D", parts[part])
         bits = scheme.bits
         out_features, in_features = self._features(shapes["qweight"], bits, qname)
-        self.shapes.check_linear(prefix, out_features, in_features, self.ckpt.file_of(qname), qname,
+        self.shapes.check_linear(self.model_module(prefix), out_features, in_features, self.ckpt.file_of(qname), qname,
                                  f"qweight shape {shapes['qweight']} at {bits} bits ({self.layout} layout)")
         group = in_features if scheme.group_size == -1 else scheme.group_size
         if in_features % group:

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import warnings
+from functools import cached_property
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -19,7 +20,7 @@ import torch
 from ...converters.errors import BadInput
 from ...converters.validate import json_kind, read_json as _read_json
 from .safetensors_header import Descriptors, SafetensorsHeader, read_header, read_tensor
-from ...converters.records import Dense, ModelSource, TensorRecord
+from ...converters.records import Dense, ModelSource, TensorRecord, renamed
 
 __all__ = ["CheckpointDir", "CheckpointSource", "read_json", "SIDE_FILES", "dtype_name", "weight_files_ignored",
            "WEIGHT_SUFFIXES"]
@@ -492,12 +493,49 @@ class CheckpointSource(ModelSource):
         """Weight files in the folder that are not part of the model, with why (CheckpointDir.ignored)."""
         return self.ckpt.ignored
 
+    # -- names ----------------------------------------------------------------------------------------------
+    # A quantized checkpoint may be saved under other names than its model's transformers class loads: DeepSeek-V4
+    # quantized from its release-named float folder (auto-round's model-free mode, llm-compressor) keeps the
+    # release's `head.weight`, `layers.N.attn.wq_a.qweight` (formats/hf/deepseek_v4.py quantized_release_names).
+    # Read as they are, the head is not found ("the checkpoint has no output head") and no writer knows the names.
+    # The readers that group a grid's parts by module (gptq, auto-round, compressed-tensors) keep grouping them under
+    # the stored module name, so the parts stay together whatever the naming; the one record of a module
+    # (`<module>.weight`) and every dense tensor are renamed here, where each of those readers yields its records,
+    # to the class's names (the hf reader's for the float release), the stored name kept as the record's
+    # source_name for messages. The config's module names (ignore lists, per-layer overrides) are matched under
+    # either naming (`module_names`): a producer writes them as it saw the modules.
+    @cached_property
+    def _rename(self) -> Callable[[str], str] | None:
+        from ..hf.deepseek_v4 import quantized_release_names  # formats/hf imports this module
+
+        return quantized_release_names(getattr(self, "config", None), self.ckpt.location)
+
+    def model_name(self, name: str) -> str:
+        """A stored tensor's name as the model's class names it (itself unless the checkpoint is renamed)."""
+        return self._rename(name) if self._rename else name
+
+    def model_module(self, prefix: str) -> str:
+        """A stored module's name as the model's class names it (`head` -> `lm_head`)."""
+        return self._rename(prefix + ".weight")[: -len(".weight")] if self._rename else prefix
+
+    def module_names(self, prefix: str) -> tuple[str, ...]:
+        """The names a quantization config may give a stored module: the stored one, and the class's if it differs."""
+        model = self.model_module(prefix)
+        return (prefix,) if model == prefix else (prefix, model)
+
+    def model_record(self, rec: TensorRecord) -> TensorRecord:
+        """A record under the class's name, the stored one kept as its source_name."""
+        if not self._rename:
+            return rec
+        name = self._rename(rec.name)
+        return rec if name == rec.name else renamed(rec, name=name, source_name=rec.source_name or rec.name)
+
     def module_records(self, modules: dict[str, dict[str, str]], primary: str,
                        grid_record: Callable[[str, str], TensorRecord]) -> Iterator[TensorRecord]:
         """Every tensor of the folder in file order, shard by shard: a quantized module (`modules`: prefix ->
         part -> tensor name, CheckpointDir.group_modules) as the one record `grid_record(prefix, shard)` makes
         where its `primary` part stands, its other parts consumed by it; every other tensor dense, its shape
-        checked against the config (`self.shapes`, a ModelShapes)."""
+        checked against the config (`self.shapes`, a ModelShapes); each under the class's name (model_record)."""
         consumed = {n for parts in modules.values() for p, n in parts.items() if p != primary}
         for shard in self.ckpt.shards:
             for name in self.ckpt.keys(shard):
@@ -505,7 +543,8 @@ class CheckpointSource(ModelSource):
                     continue
                 prefix, _, part = name.rpartition(".")
                 if part == primary and prefix in modules:
-                    yield grid_record(prefix, shard)
+                    yield self.model_record(grid_record(prefix, shard))
                 else:
-                    self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard, self.ckpt.dtype(name))
-                    yield self.ckpt.dense_record(name, shard)
+                    self.shapes.check_dense(self.model_name(name), self.ckpt.shape(name), self.ckpt.path / shard,
+                                            self.ckpt.dtype(name))
+                    yield self.model_record(self.ckpt.dense_record(name, shard))

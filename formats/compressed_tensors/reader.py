@@ -106,9 +106,12 @@ class CtSource(RuntimeScales, CheckpointSource):
             if "weight_scale" not in found:
                 stored = "weight_packed" if "weight_packed" in found else min(found)
                 raise BadInput(f"{stored} without weight_scale", path=where, tensor=f"{prefix}.weight_scale")
-            args = self.rules.scheme_of(prefix)
+            # matched by the stored name and, where the checkpoint is renamed, the class's (CheckpointSource names)
+            names = self.module_names(prefix)
+            ignored = any(self.rules.ignored(n) for n in names)
+            args = None if ignored else next((a for a in map(self.rules.scheme_of, names) if a is not None), None)
             if args is None:
-                why = "is in the ignore list" if self.rules.ignored(prefix) else "matches no config group target"
+                why = "is in the ignore list" if ignored else "matches no config group target"
                 raise BadInput(f"module is stored quantized but {why}", path=where, tensor=found["weight_scale"])
             if args.fmt in ("pack-quantized", *FP4_FORMATS) and "weight_packed" not in found:
                 raise BadInput(f"format {args.format_label} but no weight_packed", path=where,
@@ -280,7 +283,8 @@ class CtSource(RuntimeScales, CheckpointSource):
         args, parts = self.modules[prefix]
         out_f, in_f = self._shape(args, parts)
         primary = parts.get("weight_packed") or parts["weight"]
-        self.shapes.check_linear(prefix, out_f, in_f, self.ckpt.file_of(primary), primary, f"{primary} shape")
+        self.shapes.check_linear(self.model_module(prefix), out_f, in_f, self.ckpt.file_of(primary), primary,
+                                 f"{primary} shape")
         group, n_groups = self._groups(args, in_f, parts["weight_scale"])
         scales = self._scales(args, parts, out_f, n_groups)
         if args.fmt in FLOAT_FORMATS:
@@ -344,12 +348,13 @@ class CtSource(RuntimeScales, CheckpointSource):
                 prefix, _, part = name.rpartition(".")
                 if prefix in self.modules and prefix not in emitted:
                     emitted.add(prefix)
-                    yield self._record(prefix, shard)
+                    yield self.model_record(self._record(prefix, shard))  # under the class's name (checkpoint.py)
                     continue
                 if name in consumed or part in _RUNTIME_PARTS:
                     continue
-                self.shapes.check_dense(name, self.ckpt.shape(name), self.ckpt.path / shard, self.ckpt.dtype(name))
-                yield self.ckpt.dense_record(name, shard)
+                self.shapes.check_dense(self.model_name(name), self.ckpt.shape(name), self.ckpt.path / shard,
+                                        self.ckpt.dtype(name))
+                yield self.model_record(self.ckpt.dense_record(name, shard))
 
     def _record(self, prefix: str, shard: str) -> TensorRecord:
         """The module's record from its headers: the scales and zero points are read when first used (planning,

@@ -118,11 +118,13 @@ def _kind(value) -> str:
             type(None): "null"}.get(type(value), type(value).__name__)
 
 
-def _module_scheme(base: ModuleScheme, rules: list[_Rule], module: str) -> ModuleScheme | None:
-    """bits/group/sym/desc_act of one module: the first matching `dynamic` rule over the defaults.
-    None means the module is excluded from quantization (a `-:` rule)."""
+def _module_scheme(base: ModuleScheme, rules: list[_Rule], names: str | tuple[str, ...]) -> ModuleScheme | None:
+    """bits/group/sym/desc_act of one module (`names`: its name, or its stored name and its class's where the
+    checkpoint is renamed, CheckpointSource.module_names): the first `dynamic` rule matching either, over the
+    defaults. None means the module is excluded from quantization (a `-:` rule)."""
+    names = (names,) if isinstance(names, str) else names
     for rule in rules:
-        if rule.regex.match(module):
+        if any(rule.regex.match(module) for module in names):
             return None if rule.exclude else rule.scheme
     return base
 
@@ -151,7 +153,7 @@ class GptqSource(CheckpointSource):
         qweight_name = parts["qweight"]
         where = self.ckpt.file_of(qweight_name)
         self.ckpt.require_parts(prefix, parts, "qweight", ("qzeros", "scales"))
-        scheme = _module_scheme(self.scheme, self.dynamic_rules, prefix)
+        scheme = _module_scheme(self.scheme, self.dynamic_rules, self.module_names(prefix))
         if scheme is None:
             raise BadInput("module is quantized in the file but excluded by a dynamic '-:' rule", path=where, tensor=qweight_name)
         bits = scheme.bits
@@ -180,7 +182,7 @@ class GptqSource(CheckpointSource):
         if out_features % codes_per_run:
             raise BadInput(f"qweight has {out_features} outputs, which {bits}-bit qzeros cannot pack (a multiple of "
                            f"{codes_per_run} is needed)", path=where, tensor=qweight_name)
-        self.shapes.check_linear(prefix, out_features, in_features, where, qweight_name,
+        self.shapes.check_linear(self.model_module(prefix), out_features, in_features, where, qweight_name,
                                  f"qweight shape {qshape} at {bits} bits")
         # a group at least as wide as the inputs is one group per row (gptqmodel's g_idx = k // group_size = 0)
         group_size = scheme.group_size if 0 < scheme.group_size < in_features else in_features

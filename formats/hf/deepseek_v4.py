@@ -24,6 +24,7 @@ them (DeepseekV4Model.dequant_model). Each is one float grid record (E4M3 codes,
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 import torch
 
@@ -33,7 +34,7 @@ from ...kernels.floatq import unpack_fp4
 from ..common.checkpoint import RELEASE_LAYOUT_CLASSES, CheckpointDir
 from ..common.float_grids import block_grid_shape, expand_block_rows, float_grid
 
-__all__ = ["RELEASE_CLASSES", "release_name_to_hf", "packed_fp4_weights", "packed_fp4_record", "fp8_block_weights",
+__all__ = ["RELEASE_CLASSES", "release_name_to_hf", "quantized_release_names", "packed_fp4_weights", "packed_fp4_record", "fp8_block_weights",
            "fp8_block_record", "release_quantization"]
 
 # the config.json classes saved in this layout: a `.scale` beside an int8 `.weight` means FP4 exponents for them
@@ -68,6 +69,29 @@ def release_name_to_hf(name: str) -> str:
     for pattern, repl in _RENAMES:
         name = pattern.sub(repl, name)
     return name if name == "lm_head.weight" else "model." + name
+
+
+# A name of the release's, as quantized checkpoints made from the release-named float folder keep them: auto-round
+# 0.16's model-free mode (it quantizes the files, no model is built) writes `head.weight`, `embed.weight`,
+# `layers.N.attn.wq_a.qweight`; llm-compressor 0.14 loads the folder into transformers 5.17, whose save maps the
+# names back only in part: `model.layers.N.attn.wq_a.weight_packed`, `head.weight`, beside transformers'
+# `model.embed_tokens.weight` / `model.norm.weight` / `model.hc_head.*`
+_RELEASE_NAMED = re.compile(r"^(?:model\.)?(?:embed\.weight$|head\.weight$|hc_head_fn$|layers\.\d+\.(?:attn|ffn)\.)")
+
+
+def _quantized_name_to_hf(name: str) -> str:
+    return release_name_to_hf(name.removeprefix("model."))
+
+
+def quantized_release_names(config: dict, names) -> Callable[[str], str] | None:
+    """For a quantized DeepSeek-V4 checkpoint (config.json model_type deepseek_v4) whose tensor `names` are the
+    release's, with or without llm-compressor's `model.` prefix (some or all of them): the function giving a
+    tensor name of it transformers' (`release_name_to_hf` after the prefix is dropped; transformers' own names,
+    the rest of llm-compressor's, pass unchanged: the renames touch none of them). None for a checkpoint already
+    in transformers' names (gptqmodel's: it saves the loaded model's) or of another model."""
+    if not isinstance(config, dict) or config.get("model_type") != "deepseek_v4":
+        return None
+    return _quantized_name_to_hf if any(_RELEASE_NAMED.match(n) for n in names) else None
 _WEIGHT_DTYPES = ("I8", "U8")
 _SCALE_DTYPES = ("F8_E8M0", "U8")
 GROUP = 32

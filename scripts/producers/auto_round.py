@@ -19,13 +19,25 @@ packing at 2/3/5/6/7/8 bits), asym_wide (raw packing at 5/6/7 bits) and gptqmode
 
 Run: .venv/bin/python scripts/producers/auto_round.py [OUT_DIR]
 
-DeepSeek-V4 (not made here; gptqmodel makes it: gptqmodel_archs.py, gptq_deepseek_v4), tried on the float form of the
-architecture tests' model (fixtures_archs.deepseek_v4_dequantized): the calibrated flow (iters=0, bfloat16) fails in
-auto-round's block replay, "TypeError: DeepseekV4Attention.forward() missing 1 required positional argument:
-'position_embeddings'"; the model-free mode (AutoRound(model=DIR, scheme="W4A16", model_free=True, group_size=32))
-writes auto_round:auto_gptq packing under the release's names (`head.weight`, `layers.N.attn.wq_a.qweight`), which
-qconvert's auto-round reader does not rename ("tensor lm_head.weight: config.json sets tie_word_embeddings false,
-but the checkpoint has no output head").
+DeepSeek-V4 (`auto_round.py deepseek_v4` -> tests/producer_fixtures/autoround_deepseek_v4/), from the float form of
+the architecture tests' 3-layer model (fixtures_archs.build_deepseek_v4 layers 3, deepseek_v4_dequantized: sliding,
+CSA and HCA layers, the FP4 experts decoded; the base gptqmodel_archs.py quantizes for gptq_deepseek_v4), in the
+release's names: auto-round 0.16's model-free mode, AutoRound(model=DIR, scheme="W4A16", model_free=True,
+group_size=32), which quantizes the safetensors files without building the model. It writes auto_round:auto_gptq
+packing (4 bits, sym, groups of 32) under the release's names (`head.weight`, `layers.N.attn.wq_a.qweight`, its
+extra_config keeps `head` and the routers `layers.N.ffn.gate` float), which qconvert's readers rename to
+transformers' (formats/common/checkpoint.py, formats/hf/deepseek_v4.py quantized_release_names). It quantizes every
+linear of the layers (68: the attention's wq_a / wq_b / wkv / wo_a / wo_b, the compressors' and the indexer's, every
+routed and shared expert). Its oracle, reference.safetensors, is auto-round's own dequantization: each module's
+packed tensors loaded into the QuantLinear its loader builds for auto_round:auto_gptq (auto_round_extension.torch
+.qlinear_torch_zp, as loader.json of the variants above records), the weight its forward() multiplies by captured
+(dequantized_weight), float16 [out, in] (the first 256 rows of the indexer's 4096-row wq_b only: DSV4_REFERENCE_ROWS),
+keyed by the stored module name. There are no logits: auto-round's
+runtime (transformers 5.24 with auto-round 0.16) does not run the checkpoint. It builds its QuantLinears under
+transformers' module names and the file's are the release's, so every quantized weight is reported MISSING (each
+`.qweight` UNEXPECTED), left at its initial values, and the logits are NaN (measured in float32 and bfloat16).
+The calibrated flow (iters=0, bfloat16) fails in auto-round's block replay, "TypeError:
+DeepseekV4Attention.forward() missing 1 required positional argument: 'position_embeddings'".
 """
 
 from __future__ import annotations
@@ -164,10 +176,76 @@ def make(out: Path, names) -> None:
     shutil.rmtree(out / "_base")
 
 
+DSV4_OUT = _common.PRODUCER_FIXTURES / "autoround_deepseek_v4"
+DSV4_LAYERS = 3  # sliding, CSA and HCA, as gptq_deepseek_v4 (gptqmodel_archs.py LAYERS)
+DSV4_SCHEME = dict(scheme="W4A16", group_size=32)
+# the reference keeps a module's first 256 rows (each with all its groups): only the indexer's wq_b has more (4096,
+# half of the file alone), and the fixture stays within gptq_deepseek_v4's size
+DSV4_REFERENCE_ROWS = 256
+
+
+def make_deepseek_v4(out: Path = DSV4_OUT) -> Path:
+    """auto-round's model-free W4A16 g32 of the float release-named DeepSeek-V4 (see the docstring), its
+    dequantization beside it. Model-free quantizes in worker processes: run only under `if __name__ == "__main__"`."""
+    import tempfile
+
+    import torch
+    from auto_round import AutoRound
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, str(_common.REPO / "tests" / "support"))
+    import fixtures_archs  # noqa: E402
+
+    with tempfile.TemporaryDirectory(prefix="qconvert-ar-dsv4-") as tmp:
+        release = fixtures_archs.build_deepseek_v4(Path(tmp) / "release", layers=DSV4_LAYERS)
+        base = fixtures_archs.deepseek_v4_dequantized(release, Path(tmp) / "base")
+        ckpt = Path(tmp) / "ckpt"
+        AutoRound(model=str(base), model_free=True, **DSV4_SCHEME).quantize_and_save(output_dir=str(ckpt),
+                                                                                     format="auto_round")
+        shutil.rmtree(ckpt / ".cache", ignore_errors=True)  # the model-free run's scratch folder
+        reference = {f"{name}.weight": dequantized_weight(layer)[:DSV4_REFERENCE_ROWS].to(torch.float16).contiguous()
+                     for name, layer in _auto_gptq_layers(ckpt)}
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        shutil.copytree(ckpt, out / "model")
+        save_file(reference, str(out / "reference.safetensors"))
+    _common.write_versions(out, "auto-round model-free", ["auto-round", "torch", "transformers", "safetensors"],
+                           base=f"tests/support/fixtures_archs.py deepseek_v4 (seed 0, layers {DSV4_LAYERS}, "
+                                "deepseek_v4_dequantized: the release's names)", **DSV4_SCHEME,
+                           logits="none: auto-round's runtime leaves every quantized weight MISSING (release names)")
+    return out
+
+
+def _auto_gptq_layers(ckpt: Path):
+    """(module name, auto-round's QuantLinear for auto_round:auto_gptq holding the module's packed tensors) for every
+    quantized module of the checkpoint (4-bit, groups of 32, as quantization_config.json says)."""
+    import json
+
+    import torch
+    from auto_round_extension.torch.qlinear_torch_zp import QuantLinear
+    from safetensors.torch import load_file
+
+    qc = json.loads((ckpt / "quantization_config.json").read_text())
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    for name in sorted(n[: -len(".qweight")] for n in tensors if n.endswith(".qweight")):
+        qweight = tensors[f"{name}.qweight"]
+        layer = QuantLinear(qc["bits"], qc["group_size"], qweight.shape[0] * 32 // qc["bits"], qweight.shape[1],
+                            bias=False)
+        for part in ("qweight", "qzeros", "scales"):
+            getattr(layer, part).copy_(tensors[f"{name}.{part}"])
+        layer.post_init()
+        yield name, layer.to(torch.float16).eval()
+
+
 def main(argv: list[str]) -> None:
     """auto_round.py [OUT]: the committed variants; OUT make NAME,NAME: those variants (the wide-bit ones are
     made by the tests, too big to commit); OUT quantize|dump NAME: one step (a child process); OUT sample DENSE: the
 sym4_g32 scheme applied to the dense checkpoint DENSE (the format contract's read-only sample)."""
+    if argv[1:] == ["deepseek_v4"]:  # auto_round.py deepseek_v4: tests/producer_fixtures/autoround_deepseek_v4/
+        _common.offline_defaults(CUDA_VISIBLE_DEVICES="")
+        print(make_deepseek_v4())
+        return
     out = Path(argv[1]) if len(argv) > 1 else DEFAULT_OUT
     if len(argv) > 3 and argv[2] in ("quantize", "dump"):
         if argv[2] == "quantize":

@@ -1,6 +1,7 @@
 """Remake tests/producer_fixtures/ct_<family>/: llm-compressor 0.14's own GPTQ (W4A16, symmetric, groups of 32) of
 the tiny models of the issue-26 families gptqmodel 7.6 cannot quantize (scripts/producers/gptqmodel_archs.py says
-why), as compressed-tensors pack-quantized checkpoints.
+why), and of DeepSeek-V4 from its float folder in the release's names (below), as compressed-tensors pack-quantized
+checkpoints.
 
     .venv/bin/python scripts/producers/llmcompressor_archs.py               # every family in FAMILIES
     QCONVERT_LLMCOMPRESSOR_VENV=/path/to/venv .venv/bin/python scripts/producers/llmcompressor_archs.py
@@ -37,19 +38,28 @@ experts as llm-compressor's linearized module from the start (_llama4_per_expert
 compressed-tensors decompress each expert into it; the router (feed_forward.router, an nn.Linear subclass) stays
 float, as MiniMax's and ERNIE's.
 
-Family not made: deepseek_v4 (gptqmodel makes it: gptq_deepseek_v4): tried on its
-float form (fixtures_archs.deepseek_v4_dequantized), transformers 5.17's own DeepseekV4 forward fails in float16 and
-bfloat16 ("RuntimeError: expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16" at
-self_attn.q_a_proj: the hyper-connection mix stays float32); in float32 oneshot runs, and the save keeps the release's
-names under `model.` (`head.weight`, `model.layers.N.attn.wq_a`, `model.layers.N.ffn.experts.E.w1`), which qconvert's
-compressed-tensors reader does not rename ("tensor lm_head.weight: config.json sets tie_word_embeddings false, but the
-checkpoint has no output head").
+DeepSeek-V4 (deepseek_v4 -> ct_deepseek_v4; gptqmodel makes it too: gptq_deepseek_v4) is quantized from the float
+form of the architecture tests' model with 3 layers (fixtures_archs.build_deepseek_v4 + deepseek_v4_dequantized:
+sliding, CSA and HCA, the FP4 experts decoded, in the release's names; gptqmodel_archs.py's base) in float32:
+transformers 5.17's own DeepseekV4 forward fails in float16 and bfloat16 ("RuntimeError: expected m1 and m2 to have
+the same dtype, but got: float != c10::BFloat16" at self_attn.q_a_proj: the hyper-connection mix stays float32). Its
+scales are computed in float16 (the weights' scale_dtype; WEIGHTS_MORE): a float32 model's are float32 otherwise,
+which no Q4_0 block holds. Every Linear of the layers is quantized (68: the attention's, the compressors' and the
+indexer's projections, every routed expert, linearized, and the shared expert; the routers stay float). The save
+keeps the release's names under `model.` (`model.layers.N.attn.wq_a`, `model.layers.N.ffn.experts.E.w1`, `head.weight`)
+beside transformers' `model.embed_tokens.weight` / `model.norm.weight` / `model.hc_head.*` (transformers 5.17 maps
+the names back only in part) and writes its ignore list so (`model.layers.N.ffn.gate`, `lm_head`); qconvert's readers
+rename them to transformers' (formats/common/checkpoint.py, formats/hf/deepseek_v4.py quantized_release_names).
+transformers 5.17 loads it back (its conversion mapping renames on load; every weight found) and runs it in float32:
+the oracle, reference keyed by the checkpoint's names (_deepseek_v4_checkpoint_name), the first 256 rows of each
+module (REFERENCE_ROWS: the indexer's wq_b has 4096).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -64,12 +74,25 @@ VENV = Path(os.environ.get("QCONVERT_LLMCOMPRESSOR_VENV") or _common.REPO / ".ve
 PINS = ("torch==2.13.0", "llmcompressor==0.14.0.1", "compressed-tensors==0.19.0")
 PACKAGES = ("llmcompressor", "compressed-tensors", "transformers", "torch")
 # family (a fixtures_archs kind) -> the fixture folder's name
-FAMILIES = {"ernie4_5_moe": "ct_ernie45moe", "minimax_m2": "ct_minimax_m2", "llama4": "ct_llama4_maverick"}
+FAMILIES = {"ernie4_5_moe": "ct_ernie45moe", "minimax_m2": "ct_minimax_m2", "llama4": "ct_llama4_maverick",
+            "deepseek_v4": "ct_deepseek_v4"}
 WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
 # what stays float: the head and the routers (ERNIE's mlp.gate)
 IGNORE = ["lm_head", "re:.*\\.mlp\\.gate$"]
 # a family's own routers, besides IGNORE (Llama 4's is feed_forward.router, an nn.Linear subclass)
 IGNORE_MORE = {"llama4": ["re:.*\\.feed_forward\\.router$"]}
+# DeepSeek-V4 (see the docstring): quantized and run in float32 (transformers 5.17's forward fails in float16 and
+# bfloat16); its scales computed in float16 (compressed-tensors' scale_dtype; stored float32 as the model's dtype),
+# as the other families' float16 models have them, so that GGUF's Q4_0 (a float16 scale per 32) holds the grid: with
+# float32 scales every module is refused as lossy ("scales are not representable in fp16")
+DTYPE = {"deepseek_v4": "float32"}
+WEIGHTS_MORE = {"deepseek_v4": {"scale_dtype": "float16"}}
+# the base model's layers where not the architecture tests' default (DeepSeek-V4: sliding, CSA and HCA, the base of
+# gptq_deepseek_v4)
+LAYERS = {"deepseek_v4": 3}
+# the reference keeps a module's first rows only (each with all its groups), to stay within gptq_deepseek_v4's size:
+# DeepSeek-V4's indexer wq_b has 4096 rows, half of the file alone; its other modules have at most 256
+REFERENCE_ROWS = {"deepseek_v4": 256}
 
 
 def _support():
@@ -81,7 +104,24 @@ def build_base(kind: str, out: Path) -> None:
     _support()
     import fixtures_archs  # noqa: E402
 
+    if kind == "deepseek_v4":  # the release's layout with its FP4 experts decoded (gptqmodel_archs.py's base)
+        release = fixtures_archs.build_deepseek_v4(out.with_name("release"), layers=LAYERS[kind])
+        fixtures_archs.deepseek_v4_dequantized(release, out)
+        return
     fixtures_archs.build_arch_model(out, kind)
+
+
+def _weights(kind: str) -> dict:
+    import torch
+
+    more = {k: getattr(torch, v) if k == "scale_dtype" else v for k, v in WEIGHTS_MORE.get(kind, {}).items()}
+    return {**WEIGHTS, **more}
+
+
+def _dtype(kind: str):
+    import torch
+
+    return getattr(torch, DTYPE.get(kind, "float16"))
 
 
 def calibration(n: int = 16, length: int = 64, seed: int = 2024):
@@ -120,8 +160,9 @@ def produce(kind: str, base: Path, out: Path) -> None:
 
     torch.manual_seed(0)
     with BEFORE_LOADING.get(kind, contextlib.nullcontext)(), load_quantizable_moe():
-        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float16)
-    recipe = GPTQModifier(ignore=_ignore(kind), config_groups={"group_0": {"targets": ["Linear"], "weights": WEIGHTS}})
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=_dtype(kind))
+    recipe = GPTQModifier(ignore=_ignore(kind),
+                          config_groups={"group_0": {"targets": ["Linear"], "weights": _weights(kind)}})
     oneshot(model=model, processor=_fixtures_tokenizer(), dataset=calibration(), recipe=recipe,
             num_calibration_samples=16, max_seq_length=64, pipeline="basic")
     model.save_pretrained(str(out), save_compressed=True)
@@ -211,15 +252,37 @@ def _llama4_per_expert_layout():
         yield
 
 
+@contextlib.contextmanager
+def _image_aliases_listed():
+    """_image_aliases_listable as a context (DeepSeek-V4's experts are linearized through the same listing)."""
+    _image_aliases_listable()
+    yield
+
+
+def _deepseek_v4_checkpoint_name(module: str) -> str:
+    """A loaded DeepSeek-V4 module's name as llm-compressor's save names it: the release's name (fixtures_archs'
+    renames, each routed expert's gate / up / down the release's w1 / w3 / w2) under `model.`, the head `head`."""
+    _support()
+    import fixtures_archs  # noqa: E402
+
+    name = re.sub(r"\.experts\.(\d+)\.(gate|up|down)_proj$",
+                  lambda m: f".experts.{m[1]}.{dict(gate='w1', up='w3', down='w2')[m[2]]}", module)
+    release = fixtures_archs._dsv4_release_name(name + ".weight")[: -len(".weight")]
+    return release if release == "head" else "model." + release
+
+
 # what a family needs around llm-compressor's load for quantizing (a version mismatch, not a change of what is
 # quantized)
-BEFORE_LOADING = {"llama4": _llama4_text_config_linearizer}
+BEFORE_LOADING = {"llama4": _llama4_text_config_linearizer, "deepseek_v4": _image_aliases_listed}
 # how a family's checkpoint, as llm-compressor saved it, is loaded back by llm-compressor (a context manager
 # around load_quantizable_moe), where its default (the architecture's transformers mapping) does not read it
-CHECKPOINT_LAYOUT = {"minimax_m2": _minimax_m2_per_expert_layout, "llama4": _llama4_per_expert_layout}
+CHECKPOINT_LAYOUT = {"minimax_m2": _minimax_m2_per_expert_layout, "llama4": _llama4_per_expert_layout,
+                     "deepseek_v4": _image_aliases_listed}
 # the loaded model's module names -> the checkpoint's, where transformers' mapping renames modules on load
-# (MiniMax-M2's block_sparse_moe is the class's mlp): the reference is keyed as the checkpoint names the modules
-CHECKPOINT_NAMES = {"minimax_m2": (r"\.mlp\.(experts|gate)\.", r".block_sparse_moe.\1.")}
+# (MiniMax-M2's block_sparse_moe is the class's mlp; DeepSeek-V4's release names): the reference is keyed as the
+# checkpoint names the modules
+CHECKPOINT_NAMES = {"minimax_m2": lambda name: re.sub(r"\.mlp\.(experts|gate)\.", r".block_sparse_moe.\1.", name),
+                    "deepseek_v4": _deepseek_v4_checkpoint_name}
 
 
 def oracle(kind: str, ckpt: Path, prompt) -> tuple[dict, dict]:
@@ -235,11 +298,12 @@ def oracle(kind: str, ckpt: Path, prompt) -> tuple[dict, dict]:
 
     with CHECKPOINT_LAYOUT.get(kind, contextlib.nullcontext)(), load_quantizable_moe():
         model = AutoModelForCausalLM.from_pretrained(
-            str(ckpt), quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
-    rename = CHECKPOINT_NAMES.get(kind)
+            str(ckpt), quantization_config=CompressedTensorsConfig(run_compressed=False),
+            **({"dtype": _dtype(kind)} if kind in DTYPE else {})).eval()
+    rename = CHECKPOINT_NAMES.get(kind, lambda name: name)
     # the family's own routers left float by the recipe (Llama 4's router is an nn.Linear subclass)
     floats = [re.compile(p[3:]) for p in IGNORE_MORE.get(kind, [])]
-    weights = {(re.sub(*rename, name) if rename else name) + ".weight": mod.weight.detach().to(torch.float16).contiguous()
+    weights = {rename(name) + ".weight": mod.weight.detach().to(torch.float16).contiguous()
                for name, mod in model.named_modules()
                if isinstance(mod, torch.nn.Linear) and ".layers." in name and not any(f.match(name) for f in floats)}
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
@@ -262,10 +326,15 @@ def in_venv_main(kind: str, base: Path, prompt: list) -> None:
     out.mkdir(parents=True)
     produce(kind, base, out / "model")
     weights, logits = oracle(kind, out / "model", prompt)
+    if kind in REFERENCE_ROWS:
+        weights = {name: w[: REFERENCE_ROWS[kind]].contiguous() for name, w in weights.items()}
     save_file(weights, str(out / "reference.safetensors"))
     save_file(logits, str(out / "logits.safetensors"))
+    built = f", layers {LAYERS[kind]}" if kind in LAYERS else ""
+    built += ", deepseek_v4_dequantized: the release's names" if kind == "deepseek_v4" else ""
     _common.write_versions(out, "llmcompressor", list(PACKAGES),
-                           base=f"tests/support/fixtures_archs.py {kind} (seed 0)", **WEIGHTS)
+                           base=f"tests/support/fixtures_archs.py {kind} (seed 0{built})", **WEIGHTS,
+                           **WEIGHTS_MORE.get(kind, {}), **({"dtype": DTYPE[kind]} if kind in DTYPE else {}))
     print(out)
 
 

@@ -47,7 +47,7 @@ import torch
 import producer_archs as PA
 from qconvert.converters.model_shapes import canonical_name
 
-G = PA.gguf_quantized_test()  # FIXTURES (family -> producer fixture folder), PROMPT
+G = PA.gguf_quantized_test()  # FIXTURES (test id, mostly the family -> producer fixture folder), FAMILY, PROMPT
 
 
 # MLX_PY, DRIVER, LOGIT_TOLERANCE, ROUTING_IGNORED, _convert, fixtures_archs, pytestmark (whether .venvs/mlx runs)
@@ -61,7 +61,7 @@ NOT_RUN = ("gemma4_moe", "glm_moe_dsa", "llama4_scout", "llama4", "deepseek_v4")
 REBUILT_BY_MLX_LM = {"deepseek_v3": "self_attn.kv_b_proj"}
 # each family twice: scales and biases in the model's float16 (the default) and in float32 (--scale-dtype)
 SCALE_DTYPES = ("float16", "float32")
-CASES = [f"{kind}-{dtype}" for kind in G.FIXTURES if kind not in NOT_RUN for dtype in SCALE_DTYPES]
+CASES = [f"{kind}-{dtype}" for kind in G.FIXTURES if G.FAMILY[kind] not in NOT_RUN for dtype in SCALE_DTYPES]
 # a family whose float16 mlx-lm run flips a near-tied routing choice: judged on the mean and top-1 (docstring)
 ROUTING_TIE = {"qwen3_next-float16"}
 
