@@ -106,17 +106,20 @@ class ModelShapes:
         return None
 
     # -- checks --------------------------------------------------------------------------------------
-    def check_dense(self, name: str, shape: tuple, where: Path, dtype: str | None = None) -> None:
+    def check_dense(self, name: str, shape: tuple, where: Path, dtype: str | None = None,
+                    stored: str | None = None) -> None:
         """A tensor stored as it is: its header dtype (a safetensors tag, when given: check_dtype) and its
-        header shape against the config."""
+        header shape against the config. `name`: as the model's class names it; `stored`: the file's own name
+        where the reader renamed it (DeepSeek-V4's release names), which the message leads with."""
+        label = name if stored in (None, name) else f"{stored} (read as {name})"
         if dtype is not None:
-            check_dtype(name, dtype, where)
+            check_dtype(name, dtype, where, label)
         want = self.expected(name)
         if want is None:
             return
         if len(shape) != len(want) or any(w is not None and s != w for s, (w, _) in zip(shape, want)):
             raise BadInput(f"shape {tuple(shape)} does not match config.json: expected "
-                           f"{_show_expected(want)}", path=where, tensor=name)
+                           f"{_show_expected(want)}", path=where, tensor=label)
 
     def check_linear(self, prefix: str, out_features: int, in_features: int, where: Path, tensor: str,
                      implied_by: str) -> None:
@@ -162,19 +165,21 @@ INTEGER_TAGS = frozenset({"I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64", 
 BUFFER_TAGS = frozenset({"I8", "U8", "I32", "I64", "BOOL"})
 
 
-def check_dtype(name: str, dtype: str, where: Path) -> None:
+def check_dtype(name: str, dtype: str, where: Path, label: str | None = None) -> None:
     """A dense tensor's safetensors dtype tag against what its name says it is: a float parameter stored
-    as an integer, or an integer of a width no buffer has, is a BadInput naming file, tensor and dtype."""
+    as an integer, or an integer of a width no buffer has, is a BadInput naming file, tensor (`label`, else
+    `name`) and dtype."""
     if dtype not in INTEGER_TAGS:
         return
+    shown = label or name
     m = _FLOAT_ROLE.search(name)
     if m:
         role = _ROLE_WORDS[m.lastgroup]
         raise BadInput(f"dtype {dtype} is an integer type, but this is {role}, a float tensor "
-                       "(F16, BF16 or F32 in a dense checkpoint)", path=where, tensor=name)
+                       "(F16, BF16 or F32 in a dense checkpoint)", path=where, tensor=shown)
     if dtype not in BUFFER_TAGS:
         raise BadInput(f"dtype {dtype}: no model tensor is stored as this integer type (integer buffers are "
-                       "I8, U8, I32, I64 or BOOL)", path=where, tensor=name)
+                       "I8, U8, I32, I64 or BOOL)", path=where, tensor=shown)
 
 
 # -- the tensors of a known architecture ------------------------------------------------------------

@@ -546,5 +546,5 @@ class CheckpointSource(ModelSource):
                     yield self.model_record(grid_record(prefix, shard))
                 else:
                     self.shapes.check_dense(self.model_name(name), self.ckpt.shape(name), self.ckpt.path / shard,
-                                            self.ckpt.dtype(name))
+                                            self.ckpt.dtype(name), stored=name)
                     yield self.model_record(self.ckpt.dense_record(name, shard))

@@ -336,3 +336,22 @@ def test_release_named_config_entries_match_either_name(folder, key, module, tmp
     with pytest.raises(BadInput, match="ignore list|config says 16-bit") as e:
         list(get_format(PAIRS[folder.split("_")[0]][0].split("->")[0]).open_reader(src).records())
     assert "attn.wq_a." in str(e.value), str(e.value)
+
+
+def test_a_renamed_tensor_of_the_wrong_shape_is_named_as_the_file_holds_it(tmp_path):
+    """A shape error in a renamed checkpoint names the tensor as the file stores it, then as it is read
+    (auto-round's DeepSeek-V4 with a head one row short): the user looks for `head.weight`, not `lm_head.weight`."""
+    import shutil
+
+    from helpers import edit_safetensors
+    from qconvert.converters.errors import BadInput
+    from qconvert.converters.registry import get_format
+
+    src = tmp_path / "model"
+    shutil.copytree(PRODUCER_FIXTURES / "autoround_deepseek_v4" / "model", src)
+    shard = next(src.glob("*.safetensors"))
+    edit_safetensors(shard, lambda t: t.__setitem__("head.weight", t["head.weight"][:-1].clone()))
+    with pytest.raises(BadInput) as e:
+        list(get_format("auto-round").open_reader(src).records())
+    assert "tensor head.weight (read as lm_head.weight)" in str(e.value) and "does not match config.json" in str(
+        e.value), str(e.value)
