@@ -496,7 +496,7 @@ class CheckpointSource(ModelSource):
     # -- names ----------------------------------------------------------------------------------------------
     # A quantized checkpoint may be saved under other names than its model's transformers class loads: DeepSeek-V4
     # quantized from its release-named float folder (auto-round's model-free mode, llm-compressor) keeps the
-    # release's `head.weight`, `layers.N.attn.wq_a.qweight` (formats/hf/deepseek_v4.py quantized_release_names).
+    # release's `head.weight`, `layers.N.attn.wq_a.qweight` (formats/common/release_names.py quantized_release_names).
     # Read as they are, the head is not found ("the checkpoint has no output head") and no writer knows the names.
     # The readers that group a grid's parts by module (gptq, auto-round, compressed-tensors) keep grouping them under
     # the stored module name, so the parts stay together whatever the naming; the one record of a module
@@ -506,7 +506,7 @@ class CheckpointSource(ModelSource):
     # either naming (`module_names`): a producer writes them as it saw the modules.
     @cached_property
     def _rename(self) -> Callable[[str], str] | None:
-        from ..hf.deepseek_v4 import quantized_release_names  # formats/hf imports this module
+        from .release_names import quantized_release_names
 
         return quantized_release_names(getattr(self, "config", None), self.ckpt.location)
 

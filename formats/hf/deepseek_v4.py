@@ -23,15 +23,13 @@ them (DeepseekV4Model.dequant_model). Each is one float grid record (E4M3 codes,
 
 from __future__ import annotations
 
-import re
-from typing import Callable
-
 import torch
 
 from ...converters.errors import BadInput
 from ...converters.records import Grid, TensorRecord
 from ...kernels.floatq import unpack_fp4
 from ..common.checkpoint import RELEASE_LAYOUT_CLASSES, CheckpointDir
+from ..common.release_names import quantized_release_names, release_name_to_hf
 from ..common.float_grids import block_grid_shape, expand_block_rows, float_grid
 
 __all__ = ["RELEASE_CLASSES", "release_name_to_hf", "quantized_release_names", "packed_fp4_weights", "packed_fp4_record", "fp8_block_weights",
@@ -41,57 +39,7 @@ __all__ = ["RELEASE_CLASSES", "release_name_to_hf", "quantized_release_names", "
 # only (another model's `.scale` tensors are not), and their names are renamed
 RELEASE_CLASSES = RELEASE_LAYOUT_CLASSES
 
-# transformers 5.24's conversion_mapping.py "deepseek_v4" renames, in its order (each applied to the result of
-# the ones before), then the per-expert projections and the `model.` prefix of every name but the head
-_RENAMES = tuple((re.compile(a), b) for a, b in (
-    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
-    (r"^embed\.weight$", "embed_tokens.weight"), (r"^head\.weight$", "lm_head.weight"),
-    (r"^hc_head_fn$", "hc_head.hc_fn"), (r"^hc_head_base$", "hc_head.hc_base"), (r"^hc_head_scale$", "hc_head.hc_scale"),
-    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
-    (r"\.hc_attn_fn$", ".attn_hc.fn"), (r"\.hc_attn_base$", ".attn_hc.base"), (r"\.hc_attn_scale$", ".attn_hc.scale"),
-    (r"\.hc_ffn_fn$", ".ffn_hc.fn"), (r"\.hc_ffn_base$", ".ffn_hc.base"), (r"\.hc_ffn_scale$", ".ffn_hc.scale"),
-    (r"\.attn_sink$", ".sinks"), (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
-    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."), (r"\.norm\.", ".kv_norm."), (r"\.ape$", ".position_bias"),
-    (r"\.wq_a\.", ".q_a_proj."), (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."), (r"\.wkv\.", ".kv_proj."),
-    (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."),
-    (r"\.q_norm\.", ".q_a_norm."), (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
-    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."), (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
-    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
-    (r"\.experts\.(\d+)\.w1\.", r".experts.\1.gate_proj."), (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj."),
-    (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj.")))
 
-
-def release_name_to_hf(name: str) -> str:
-    """The transformers name of a released tensor (`layers.3.attn.wq_a.weight` ->
-    `model.layers.3.self_attn.q_a_proj.weight`); `mtp.*` and names already transformers' pass unchanged."""
-    if name.startswith(("mtp.", "model.")) or name == "lm_head.weight":
-        return name
-    for pattern, repl in _RENAMES:
-        name = pattern.sub(repl, name)
-    return name if name == "lm_head.weight" else "model." + name
-
-
-# A name of the release's, as quantized checkpoints made from the release-named float folder keep them: auto-round
-# 0.16's model-free mode (it quantizes the files, no model is built) writes `head.weight`, `embed.weight`,
-# `layers.N.attn.wq_a.qweight`; llm-compressor 0.14 loads the folder into transformers 5.17, whose save maps the
-# names back only in part: `model.layers.N.attn.wq_a.weight_packed`, `head.weight`, beside transformers'
-# `model.embed_tokens.weight` / `model.norm.weight` / `model.hc_head.*`
-_RELEASE_NAMED = re.compile(r"^(?:model\.)?(?:embed\.weight$|head\.weight$|hc_head_fn$|layers\.\d+\.(?:attn|ffn)\.)")
-
-
-def _quantized_name_to_hf(name: str) -> str:
-    return release_name_to_hf(name.removeprefix("model."))
-
-
-def quantized_release_names(config: dict, names) -> Callable[[str], str] | None:
-    """For a quantized DeepSeek-V4 checkpoint (config.json model_type deepseek_v4) whose tensor `names` are the
-    release's, with or without llm-compressor's `model.` prefix (some or all of them): the function giving a
-    tensor name of it transformers' (`release_name_to_hf` after the prefix is dropped; transformers' own names,
-    the rest of llm-compressor's, pass unchanged: the renames touch none of them). None for a checkpoint already
-    in transformers' names (gptqmodel's: it saves the loaded model's) or of another model."""
-    if not isinstance(config, dict) or config.get("model_type") != "deepseek_v4":
-        return None
-    return _quantized_name_to_hf if any(_RELEASE_NAMED.match(n) for n in names) else None
 _WEIGHT_DTYPES = ("I8", "U8")
 _SCALE_DTYPES = ("F8_E8M0", "U8")
 GROUP = 32

@@ -26,7 +26,7 @@ release's names: auto-round 0.16's model-free mode, AutoRound(model=DIR, scheme=
 group_size=32), which quantizes the safetensors files without building the model. It writes auto_round:auto_gptq
 packing (4 bits, sym, groups of 32) under the release's names (`head.weight`, `layers.N.attn.wq_a.qweight`, its
 extra_config keeps `head` and the routers `layers.N.ffn.gate` float), which qconvert's readers rename to
-transformers' (formats/common/checkpoint.py, formats/hf/deepseek_v4.py quantized_release_names). It quantizes every
+transformers' (formats/common/checkpoint.py, formats/common/release_names.py quantized_release_names). It quantizes every
 linear of the layers (68: the attention's wq_a / wq_b / wkv / wo_a / wo_b, the compressors' and the indexer's, every
 routed and shared expert). Its oracle, reference.safetensors, is auto-round's own dequantization: each module's
 packed tensors loaded into the QuantLinear its loader builds for auto_round:auto_gptq (auto_round_extension.torch

@@ -49,7 +49,7 @@ indexer's projections, every routed expert, linearized, and the shared expert; t
 keeps the release's names under `model.` (`model.layers.N.attn.wq_a`, `model.layers.N.ffn.experts.E.w1`, `head.weight`)
 beside transformers' `model.embed_tokens.weight` / `model.norm.weight` / `model.hc_head.*` (transformers 5.17 maps
 the names back only in part) and writes its ignore list so (`model.layers.N.ffn.gate`, `lm_head`); qconvert's readers
-rename them to transformers' (formats/common/checkpoint.py, formats/hf/deepseek_v4.py quantized_release_names).
+rename them to transformers' (formats/common/checkpoint.py, formats/common/release_names.py quantized_release_names).
 transformers 5.17 loads it back (its conversion mapping renames on load; every weight found) and runs it in float32:
 the oracle, reference keyed by the checkpoint's names (_deepseek_v4_checkpoint_name), the first 256 rows of each
 module (REFERENCE_ROWS: the indexer's wq_b has 4096).
