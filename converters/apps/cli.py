@@ -9,12 +9,13 @@
     qconvert batch MANIFEST             (many conversions: local workers, or a Ray cluster with --ray)
 
 Exit status: 0 on success, 2 on bad input or a refused plan (one line on stderr, no traceback), 1 for an
-unexpected failure (a bug: one line naming the input; `--debug` shows the traceback), 130 on interrupt. No
-partial output is ever left at OUT.
+unexpected failure (a bug: one line naming the input; `--debug` shows the traceback) or a disk that cannot hold
+the output (one line saying so), 130 on interrupt. No partial output is ever left at OUT.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -527,6 +528,9 @@ def main(argv=None) -> int:
                 held.flush()
                 traceback.print_exc()
                 return 1
+            full = _disk_full(e)
+            if full:  # the machine's, not the input's nor a bug: atomic_output has removed the partial output
+                return _fail(f"qconvert: error: {full}", 1, held, debug)
             return _fail(f"qconvert: error: {_unexpected(e, args)}", 1, held, debug)
     held.flush()
     return status
@@ -537,6 +541,25 @@ def _fail(line: str, status: int, held: "_HeldWarnings", debug: bool) -> int:
         held.flush()
     click.echo(line, err=True)
     return status
+
+
+_FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EFBIG}
+# numpy's tofile and a short fwrite raise OSError without an errno: "N requested and M written"
+_SHORT_WRITE = re.compile(r"\b\d+ requested and \d+ written\b")
+
+
+def _disk_full(e: BaseException) -> str | None:
+    """The line for a write the disk could not hold (no space, a quota, a file size limit), else None."""
+    if not isinstance(e, OSError):
+        return None
+    if e.errno in _FULL_ERRNOS:
+        why = os.strerror(e.errno).lower()
+    elif e.errno is None and _SHORT_WRITE.search(str(e)):
+        why = f"a write stopped short ({e}): the disk is probably full"
+    else:
+        return None
+    where = f" writing {e.filename}" if getattr(e, "filename", None) else ""
+    return f"{why}{where}; nothing was left at the destination: free some space (or write elsewhere) and run again"
 
 
 def _unexpected(e: BaseException, args: list[str]) -> str:

@@ -55,6 +55,36 @@ def test_a_bug_is_one_line_naming_the_input_with_exit_1(fx, tmp_path, capsys, mo
     assert rc == 1 and "Traceback" in err and "ZeroDivisionError" in err
 
 
+@pytest.mark.parametrize("failure", ["enospc", "short write"])
+def test_a_full_disk_is_one_line_saying_so_not_a_bug(fx, tmp_path, capsys, monkeypatch, failure):
+    """A write the disk cannot hold (ENOSPC from the OS, or numpy's errno-less "N requested and M written" short
+    write, which a full disk gave the GGUF writer in this stop's benchmark) is one line saying the disk is full,
+    exit 1, nothing at the destination; it used to be reported as "unexpected OSError ...; this is a bug"."""
+    import errno
+
+    from qconvert.formats.gguf.writer import GgufSession
+
+    src = fx["variants"]["v1_b4_g32_sym"]["ckpt"]
+    calls = {"n": 0}
+    real = GgufSession._write
+
+    def fills_up(self, plan, data):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            if failure == "enospc":
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "o.gguf"))
+            raise OSError("13762560 requested and 3329824 written")
+        return real(self, plan, data)
+
+    monkeypatch.setattr(GgufSession, "_write", fills_up)
+    rc, out, err = _run_main(capsys, "gptq->gguf", src, tmp_path / "o.gguf")
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("qconvert: error: ") and "bug" not in err, err
+    assert ("no space left on device" in err) if failure == "enospc" else ("the disk is probably full" in err), err
+    assert "nothing was left at the destination" in err
+    assert not list(tmp_path.iterdir())
+
+
 def test_warnings_never_precede_the_error_line(fx, tmp_path, capsys, monkeypatch):
     src = fx["variants"]["v1_b4_g32_sym"]["ckpt"]
     real_init = gptq.GptqSource.__init__
