@@ -582,22 +582,30 @@ static int iq1_neighbour(const lattice_t *lat, int u, const float *x, const floa
  * stable insertion sort: -1 not yet probed, 1 stable, 0 not (or forced off by qc_iq_portable_only for the tests). */
 static int qsort_is_stable = -1;
 
+/* The block's values with their positions in ascending order, ties kept in input order (an element moves only past
+ * strictly greater ones): the order iq1_sorted keeps and the probe below compares qsort's with. */
+QC_INLINE void insertion_sorted(const float *xb, int bs, iq1_pair_t *pairs) {
+    for (int j = 0; j < bs; ++j) {
+        const float v = xb[j];
+        int k = j;
+        while (k > 0 && pairs[k - 1].value > v) { pairs[k] = pairs[k - 1]; --k; }
+        pairs[k].value = v; pairs[k].index = j;
+    }
+}
+
 static int probe_qsort_stability(void) {
     uint32_t state = 12345u;
+    float x[32];
     iq1_pair_t a[32], b[32];
     for (int trial = 0; trial < 4096; ++trial) {
         const int bs = trial & 1 ? 32 : 16;
         const uint32_t levels = 1u + (uint32_t)(trial % 7);  /* 1 to 7 distinct values: every kind of tie run */
         for (int j = 0; j < bs; ++j) {
             state = state * 1664525u + 1013904223u;
-            a[j].value = (float)((state >> 16) % levels);
-            a[j].index = j;
+            x[j] = (float)((state >> 16) % levels);
+            a[j].value = x[j]; a[j].index = j;
         }
-        for (int j = 0; j < bs; ++j) {  /* stable: an element moves only past strictly greater ones */
-            int k = j;
-            while (k > 0 && b[k - 1].value > a[j].value) { b[k] = b[k - 1]; --k; }
-            b[k] = a[j];
-        }
+        insertion_sorted(x, bs, b);
         qsort(a, (size_t)bs, sizeof(iq1_pair_t), iq1_pair_cmp);
         for (int j = 0; j < bs; ++j) if (a[j].index != b[j].index) return 0;
     }
@@ -607,18 +615,13 @@ static int probe_qsort_stability(void) {
 int qc_iq1_stable_sort(void) { return qsort_is_stable == 1; }  /* for the tests: whether ties skip qsort here */
 
 /* Sort a block's values with their positions, as ggml does before its split search (qsort with a comparator on the
- * values only). The insertion sort below is stable, so it gives qsort's order where the values are distinct (the
- * one order there is) and, where two values tie, wherever this C library's qsort is stable (probed above). Where a
+ * values only). insertion_sorted is stable, so it gives qsort's order where the values are distinct (the one order
+ * there is) and, where two values tie, wherever this C library's qsort is stable (probed above). Where a
  * value is NaN (the comparator is then inconsistent), or ties meet a qsort that is not stable, the order is
  * whatever qsort gives, so qsort sorts the block again. (Ties are common: a 4-bit GPTQ checkpoint's dequantized
  * weights repeat within every group, and bf16 weights often do; qsort took a quarter of IQ1_S's time on them.) */
 static void iq1_sorted(const float *xb, int bs, iq1_pair_t *pairs) {
-    for (int j = 0; j < bs; ++j) {
-        const float v = xb[j];
-        int k = j;
-        while (k > 0 && pairs[k - 1].value > v) { pairs[k] = pairs[k - 1]; --k; }
-        pairs[k].value = v; pairs[k].index = j;
-    }
+    insertion_sorted(xb, bs, pairs);
     int nan = pairs[0].value != pairs[0].value, tie = 0;
     for (int j = 1; j < bs; ++j) {
         nan |= pairs[j].value != pairs[j].value;
