@@ -545,6 +545,11 @@ class CheckpointSource(ModelSource):
                 if part == primary and prefix in modules:
                     yield self.model_record(grid_record(prefix, shard))
                 else:
-                    self.shapes.check_dense(self.model_name(name), self.ckpt.shape(name), self.ckpt.path / shard,
-                                            self.ckpt.dtype(name), stored=name)
-                    yield self.model_record(self.ckpt.dense_record(name, shard))
+                    yield self.checked_dense_record(name, shard)
+
+    def checked_dense_record(self, name: str, shard: str) -> TensorRecord:
+        """A tensor stored as it is: its dtype and shape checked against the config (`self.shapes`, under the
+        class's name, an error naming the stored one too), its record under the class's name (model_record)."""
+        self.shapes.check_dense(self.model_name(name), self.ckpt.shape(name), self.ckpt.path / shard,
+                                self.ckpt.dtype(name), stored=name)
+        return self.model_record(self.ckpt.dense_record(name, shard))

@@ -352,9 +352,7 @@ class CtSource(RuntimeScales, CheckpointSource):
                     continue
                 if name in consumed or part in _RUNTIME_PARTS:
                     continue
-                self.shapes.check_dense(self.model_name(name), self.ckpt.shape(name), self.ckpt.path / shard,
-                                        self.ckpt.dtype(name))
-                yield self.model_record(self.ckpt.dense_record(name, shard))
+                yield self.checked_dense_record(name, shard)
 
     def _record(self, prefix: str, shard: str) -> TensorRecord:
         """The module's record from its headers: the scales and zero points are read when first used (planning,

@@ -29,16 +29,15 @@ from ...converters.errors import BadInput
 from ...converters.records import Grid, TensorRecord
 from ...kernels.floatq import unpack_fp4
 from ..common.checkpoint import RELEASE_LAYOUT_CLASSES, CheckpointDir
-from ..common.release_names import quantized_release_names, release_name_to_hf
+from ..common.release_names import release_name_to_hf
 from ..common.float_grids import block_grid_shape, expand_block_rows, float_grid
 
-__all__ = ["RELEASE_CLASSES", "release_name_to_hf", "quantized_release_names", "packed_fp4_weights", "packed_fp4_record", "fp8_block_weights",
+__all__ = ["RELEASE_CLASSES", "release_name_to_hf", "packed_fp4_weights", "packed_fp4_record", "fp8_block_weights",
            "fp8_block_record", "release_quantization"]
 
 # the config.json classes saved in this layout: a `.scale` beside an int8 `.weight` means FP4 exponents for them
 # only (another model's `.scale` tensors are not), and their names are renamed
 RELEASE_CLASSES = RELEASE_LAYOUT_CLASSES
-
 
 _WEIGHT_DTYPES = ("I8", "U8")
 _SCALE_DTYPES = ("F8_E8M0", "U8")

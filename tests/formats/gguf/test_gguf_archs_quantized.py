@@ -148,7 +148,7 @@ def test_quantized_checkpoint_keeps_its_codes(kind, tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from qconvert.formats.hf.deepseek_v4 import quantized_release_names
+    from qconvert.formats.common.release_names import quantized_release_names
 
     fixture = PRODUCER_FIXTURES / FIXTURES[kind]
     config = json.loads((fixture / "model" / "config.json").read_text())
@@ -338,9 +338,11 @@ def test_release_named_config_entries_match_either_name(folder, key, module, tmp
     assert "attn.wq_a." in str(e.value), str(e.value)
 
 
-def test_a_renamed_tensor_of_the_wrong_shape_is_named_as_the_file_holds_it(tmp_path):
+@pytest.mark.parametrize("folder", ["autoround_deepseek_v4", "ct_deepseek_v4"])
+def test_a_renamed_tensor_of_the_wrong_shape_is_named_as_the_file_holds_it(tmp_path, folder):
     """A shape error in a renamed checkpoint names the tensor as the file stores it, then as it is read
-    (auto-round's DeepSeek-V4 with a head one row short): the user looks for `head.weight`, not `lm_head.weight`."""
+    (auto-round's and llm-compressor's DeepSeek-V4 with a head one row short): the user looks for `head.weight`, not
+    `lm_head.weight`."""
     import shutil
 
     from helpers import edit_safetensors
@@ -348,10 +350,10 @@ def test_a_renamed_tensor_of_the_wrong_shape_is_named_as_the_file_holds_it(tmp_p
     from qconvert.converters.registry import get_format
 
     src = tmp_path / "model"
-    shutil.copytree(PRODUCER_FIXTURES / "autoround_deepseek_v4" / "model", src)
+    shutil.copytree(PRODUCER_FIXTURES / folder / "model", src)
     shard = next(src.glob("*.safetensors"))
     edit_safetensors(shard, lambda t: t.__setitem__("head.weight", t["head.weight"][:-1].clone()))
     with pytest.raises(BadInput) as e:
-        list(get_format("auto-round").open_reader(src).records())
+        list(get_format(PAIRS[folder.split("_")[0]][0].split("->")[0]).open_reader(src).records())
     assert "tensor head.weight (read as lm_head.weight)" in str(e.value) and "does not match config.json" in str(
         e.value), str(e.value)
